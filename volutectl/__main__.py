@@ -1,0 +1,3 @@
+from volutectl.cli import main
+
+main()

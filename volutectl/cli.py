@@ -1,0 +1,110 @@
+"""The `volutectl` entry point: one top-level handler, and commands loaded on demand.
+
+Each command lives in the module that owns its subject and is imported only when it
+runs, so `volutectl deliver` (run by timers and chat fan-outs) pays for no more than a
+socket round trip. Every VoluteError becomes one line plus a hint and its sysexits
+code; a traceback appears only under `--debug` (or VOLUTE_DEBUG=1).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+# name -> (module, attribute, one-line help) of a click command, imported when it runs.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "deliver": ("volutectl.client", "deliver_command", "Queue a message for a mind's turn."),
+    "gate": ("volutectl.daemon", "gate_command", "Run the turn gate daemon (foreground)."),
+    "status": ("volutectl.client", "status_command", "Show active turns, holds and the queue."),
+    "queue": ("volutectl.client", "queue_command", "List, retry or drop queued deliveries."),
+    "config": ("volutectl.config_cli", "config_command", "Show or check the configuration."),
+    "test": ("volutectl.testrun", "test_command", "Run a test command under the test-run cap."),
+    "doctor": ("volutectl.doctor", "doctor_command", "Say which protections work on this host."),
+}
+
+
+def _debug_requested(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("VOLUTE_DEBUG", "") not in ("", "0")
+
+
+def _fail(error: BaseException, debug: bool) -> NoReturn:
+    from volutectl.errors import VoluteError, format_error
+
+    if debug:
+        import traceback
+
+        traceback.print_exception(error)
+    if isinstance(error, VoluteError):
+        print(format_error(error), file=sys.stderr)
+        sys.exit(error.exit_code)
+    print(f"volutectl: internal error: {error!r} (run with --debug for a traceback)", file=sys.stderr)
+    sys.exit(70)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = _debug_requested(args)
+    args = [a for a in args if a != "--debug"]
+    try:
+        if args[:1] == ["deliver"]:
+            # The hot path: no click, no pydantic; see volutectl.client.
+            from volutectl.client import deliver_main
+
+            sys.exit(deliver_main(args[1:]))
+        _run_click(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except SystemExit:
+        raise
+    except BaseException as error:  # noqa: BLE001 - the one top-level handler
+        _fail(error, debug)
+
+
+def _run_click(args: list[str]) -> None:
+    import click
+
+    class LazyGroup(click.Group):
+        def list_commands(self, ctx: click.Context) -> list[str]:
+            return sorted(COMMANDS)
+
+        def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+            entry = COMMANDS.get(cmd_name)
+            if entry is None:
+                return None
+            import importlib
+
+            module = importlib.import_module(entry[0])
+            command: click.Command = getattr(module, entry[1])
+            return command
+
+        def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+            rows = [(name, entry[2]) for name, entry in sorted(COMMANDS.items())]
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+    @click.group(
+        cls=LazyGroup,
+        context_settings={"help_option_names": ["-h", "--help"]},
+        epilog="Add --debug anywhere for a traceback on errors.",
+    )
+    @click.version_option(package_name="volutectl")
+    def app() -> None:
+        """Bound concurrent agent turns and test runs on a small host, with systemd."""
+
+    # Not click's standalone mode: it maps usage errors to exit 2, sysexits says 64.
+    try:
+        result = app.main(args=args, prog_name="volutectl", standalone_mode=False)
+    except click.exceptions.UsageError as error:
+        error.show()
+        sys.exit(64)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.exceptions.ClickException as error:
+        error.show()
+        sys.exit(error.exit_code)
+    sys.exit(result if isinstance(result, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+"""The configuration, declared once: one frozen pydantic-settings model.
+
+Precedence, lowest to highest:
+  1. the defaults below;
+  2. the TOML file: `--config PATH`, else $VOLUTE_CONFIG, else /etc/volute/volutectl.toml
+     (a missing default file is fine; a missing named file is an error);
+  3. environment variables: VOLUTE_<SECTION>__<KEY>, e.g. VOLUTE_LIMITS__TURNS_PER_MIND=2;
+  4. command-line flags of the command that reads the value.
+
+An unknown key, a wrong type or a negative cap is a ConfigError (exit 78) that names
+the key and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from volutectl import names
+from volutectl.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/volute/volutectl.toml")
+ENV_PREFIX = "VOLUTE_"
+ENV_NESTED = "__"
+
+Weight = Annotated[int, Field(ge=1, le=10000)]
+NonNegative = Annotated[int, Field(ge=0)]
+Positive = Annotated[int, Field(ge=1)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GateSettings(Section):
+    socket: Path = Path("/run/volute/gate.sock")
+    socket_group: str = "volute"
+    state_dir: Path = Path("/var/lib/volute")
+    runtime_dir: Path = Path("/run/volute")
+    manager: Literal["system", "user"] = "system"
+    max_message_bytes: Positive = 1024 * 1024
+    max_attempts: Positive = 10
+    backoff_initial_seconds: Annotated[float, Field(gt=0)] = 5.0
+    backoff_max_seconds: Annotated[float, Field(gt=0)] = 300.0
+    watchdog: bool = True
+
+
+class LimitsSettings(Section):
+    global_concurrent_turns: Positive | None = None
+    turns_per_mind: Positive = 1
+    test_runs_count_as_turns: bool = False
+
+
+class TurnsSettings(Section):
+    slice: str = "volute-turns.slice"
+    cpu_weight: Weight = 100
+    io_weight: Weight = 100
+    # "DEVICE BYTES" pairs for IOReadBandwidthMax=/IOWriteBandwidthMax= (io.max works
+    # with any IO scheduler, unlike IOWeight), e.g. ["/dev/mmcblk0 8M"].
+    io_read_bandwidth_max: list[str] = Field(default_factory=list)
+    io_write_bandwidth_max: list[str] = Field(default_factory=list)
+    default_user: str = "volute"
+
+    @field_validator("slice")
+    @classmethod
+    def _slice(cls, value: str) -> str:
+        return names.check_slice_name(value)
+
+    @field_validator("io_read_bandwidth_max", "io_write_bandwidth_max")
+    @classmethod
+    def _bandwidth(cls, values: list[str]) -> list[str]:
+        for value in values:
+            parse_bandwidth(value)
+        return values
+
+
+class TestsSettings(Section):
+    __test__ = False  # not a pytest class
+    concurrent_runs: NonNegative = 0
+    slice: str = "volute-tests.slice"
+    cpu_weight: Weight = 50
+    io_weight: Weight = 50
+    repositories: list[Path] = Field(default_factory=list)
+
+    @field_validator("slice")
+    @classmethod
+    def _slice(cls, value: str) -> str:
+        return names.check_slice_name(value)
+
+
+class MindSettings(Section):
+    # A list is exec'd as is; a string runs under /bin/sh -c.
+    command: list[str] | str
+    user: str | None = None
+    turns_per_mind: Positive | None = None
+    working_directory: Path | None = None
+    environment: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, value: list[str] | str) -> list[str] | str:
+        if not value:
+            raise ValueError("the turn command must not be empty")
+        return value
+
+
+class Settings(BaseSettings):
+    """All of volutectl's configuration. Frozen: read once, then passed around."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_NESTED,
+        extra="forbid",
+        frozen=True,
+        case_sensitive=False,
+    )
+
+    gate: GateSettings = Field(default_factory=GateSettings)
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    turns: TurnsSettings = Field(default_factory=TurnsSettings)
+    tests: TestsSettings = Field(default_factory=TestsSettings)
+    minds: dict[str, MindSettings] = Field(default_factory=dict)
+
+    @field_validator("minds")
+    @classmethod
+    def _mind_names(cls, minds: dict[str, MindSettings]) -> dict[str, MindSettings]:
+        for name in minds:
+            try:
+                names.check_mind(name)
+            except names.NameError_ as error:
+                raise ValueError(str(error)) from None
+        return minds
+
+    def mind_limit(self, mind: str) -> int:
+        configured = self.minds.get(mind)
+        if configured is not None and configured.turns_per_mind is not None:
+            return configured.turns_per_mind
+        return self.limits.turns_per_mind
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The file's values arrive as init kwargs (see load_settings), so env wins.
+        return (env_settings, init_settings)
+
+
+def parse_bandwidth(value: str) -> tuple[str, int]:
+    """"/dev/mmcblk0 8M" -> ("/dev/mmcblk0", 8388608)."""
+    parts = value.split()
+    if len(parts) != 2 or not parts[0].startswith("/"):
+        raise ValueError(f"{value!r} is not 'DEVICE BYTES', e.g. '/dev/mmcblk0 8M'")
+    device, amount = parts
+    units = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+    factor = units.get(amount[-1].upper(), 1) if amount[-1].isalpha() else 1
+    digits = amount[:-1] if amount[-1].isalpha() else amount
+    if not digits.isdigit() or (amount[-1].isalpha() and amount[-1].upper() not in units):
+        raise ValueError(f"{amount!r} in {value!r} is not a byte count such as 8M")
+    return device, int(digits) * factor
+
+
+@dataclass(frozen=True)
+class LoadedSettings:
+    """The settings, plus where they came from (for `config show` and error messages)."""
+
+    settings: Settings
+    path: Path | None  # the file read, if any
+    file_values: Mapping[str, Any]
+    env_values: Mapping[str, str]  # VOLUTE_ variables that name settings
+
+    def source_of(self, dotted: str) -> str:
+        """'default', 'file PATH' or 'env VOLUTE_X__Y' for a dotted key."""
+        env_name = env_var_for(dotted)
+        for name in self.env_values:
+            if name.upper() == env_name or env_name.startswith(name.upper() + ENV_NESTED):
+                return f"env {name}"
+        node: Any = self.file_values
+        for part in dotted.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                return "default"
+            node = node[part]
+        return f"file {self.path}"
+
+
+def env_var_for(dotted: str) -> str:
+    return ENV_PREFIX + dotted.replace(".", ENV_NESTED).upper()
+
+
+def config_path(explicit: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> Path:
+    if explicit:
+        return Path(explicit)
+    if environ.get("VOLUTE_CONFIG"):
+        return Path(environ["VOLUTE_CONFIG"])
+    return DEFAULT_CONFIG_PATH
+
+
+def _settings_env(environ: Mapping[str, str]) -> dict[str, str]:
+    sections = {name.upper() for name in Settings.model_fields}
+    picked = {}
+    for name, value in environ.items():
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX):
+            continue
+        head = upper[len(ENV_PREFIX) :].split(ENV_NESTED, 1)[0]
+        if head in sections:
+            picked[name] = value
+    return picked
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: not valid TOML: {error}") from None
+    except PermissionError:
+        raise ConfigError(
+            f"{path}: permission denied reading the config",
+            hint="run as a member of the volute group, or pass --config",
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+
+
+def load_settings(
+    path: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> LoadedSettings:
+    """Read the file and environment, validate, and say where each value came from."""
+    environ = os.environ if environ is None else environ
+    chosen = config_path(path, environ)
+    explicit = bool(path) or bool(environ.get("VOLUTE_CONFIG"))
+    file_values: dict[str, Any] = {}
+    used_path: Path | None = None
+    if chosen.exists():
+        file_values = read_toml(chosen)
+        used_path = chosen
+    elif explicit:
+        raise ConfigError(
+            f"{chosen}: config file not found",
+            hint="pass an existing file with --config, or unset VOLUTE_CONFIG",
+        )
+    env_values = _settings_env(environ)
+    loaded_env = _EnvOverride(env_values)
+    try:
+        with loaded_env:
+            settings = Settings(**file_values)
+    except ValidationError as error:
+        raise _config_error(error, used_path, file_values, env_values) from None
+    return LoadedSettings(settings, used_path, file_values, env_values)
+
+
+class _EnvOverride:
+    """pydantic-settings reads os.environ; make it read exactly `values` instead."""
+
+    def __init__(self, values: Mapping[str, str]) -> None:
+        self.values = dict(values)
+        self.saved: dict[str, str] = {}
+
+    def __enter__(self) -> None:
+        self.saved = dict(os.environ)
+        for name in list(os.environ):
+            if name.upper().startswith(ENV_PREFIX):
+                del os.environ[name]
+        os.environ.update(self.values)
+
+    def __exit__(self, *exc: object) -> None:
+        os.environ.clear()
+        os.environ.update(self.saved)
+
+
+def _config_error(
+    error: ValidationError,
+    path: Path | None,
+    file_values: Mapping[str, Any],
+    env_values: Mapping[str, str],
+) -> ConfigError:
+    problems = []
+    for item in error.errors():
+        loc = [str(part) for part in item["loc"]]
+        # pydantic adds the union member's type name to the location ("list[str]").
+        loc = [part for part in loc if "[" not in part and part not in ("str", "int")]
+        dotted = ".".join(loc) or "(top level)"
+        where = _where(dotted, path, file_values, env_values)
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        problems.append(f"{dotted}: {message} ({where})")
+    first, rest = problems[0], problems[1:]
+    hint = "; ".join(rest) if rest else "see `volutectl config show` for every key and default"
+    return ConfigError(f"invalid config: {first}", hint=hint)
+
+
+def _where(
+    dotted: str, path: Path | None, file_values: Mapping[str, Any], env_values: Mapping[str, str]
+) -> str:
+    prefix = env_var_for(dotted)
+    for name in env_values:
+        if prefix.startswith(name.upper()) or name.upper().startswith(prefix):
+            return f"from env {name}"
+    return f"in {path}" if path is not None else "in defaults"
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys to leaf values, for `config show`."""
+    if isinstance(value, BaseModel):
+        value = {name: getattr(value, name) for name in type(value).model_fields}
+    if isinstance(value, dict) and (value or not prefix):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}

@@ -1,0 +1,78 @@
+"""The one table of exit codes, and the error type every user-facing failure raises.
+
+Codes follow sysexits(3), so scripts and systemd can tell a usage error from an
+unavailable daemon from a bad config.
+"""
+
+from __future__ import annotations
+
+EX_OK = 0
+EX_FAILURE = 1
+EX_USAGE = 64
+EX_DATAERR = 65
+EX_NOUSER = 67
+EX_UNAVAILABLE = 69
+EX_SOFTWARE = 70
+EX_OSERR = 71
+EX_CANTCREAT = 73
+EX_IOERR = 74
+EX_TEMPFAIL = 75
+EX_PROTOCOL = 76
+EX_NOPERM = 77
+EX_CONFIG = 78
+
+
+class VoluteError(Exception):
+    """A failure the user can act on: one line, an optional hint, an exit code."""
+
+    exit_code: int = EX_SOFTWARE
+
+    def __init__(self, message: str, *, hint: str | None = None, exit_code: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class UsageError(VoluteError):
+    exit_code = EX_USAGE
+
+
+class DataError(VoluteError):
+    exit_code = EX_DATAERR
+
+
+class ConfigError(VoluteError):
+    exit_code = EX_CONFIG
+
+
+class UnavailableError(VoluteError):
+    """A daemon or manager we need is not there (socket missing, D-Bus down)."""
+
+    exit_code = EX_UNAVAILABLE
+
+
+class PermissionDeniedError(VoluteError):
+    exit_code = EX_NOPERM
+
+
+class TemporaryError(VoluteError):
+    exit_code = EX_TEMPFAIL
+
+
+class SystemdError(VoluteError):
+    """systemd refused or failed an operation; names the unit and the reason."""
+
+    exit_code = EX_UNAVAILABLE
+
+
+def die(message: str, *, hint: str | None = None, exit_code: int = EX_FAILURE) -> None:
+    raise VoluteError(message, hint=hint, exit_code=exit_code)
+
+
+def format_error(error: VoluteError) -> str:
+    text = f"volutectl: {error.message}"
+    if error.hint:
+        text += f"\n  hint: {error.hint}"
+    return text
