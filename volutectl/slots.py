@@ -1,0 +1,255 @@
+"""Test-run slots: flock'ed files under the git common dir, and waiting on them with inotify.
+
+A run holds an exclusive flock on one of `<git common dir>/volute/test-slots/slot-1..N`
+for as long as the open file description lives. The CLI passes that descriptor on to the
+command it runs, so the slot stays held while any process of the run lives and is freed
+by the kernel when the last one dies, however it dies. There is no daemon and no state
+beyond held-ness; slot files are created on demand and never deleted (an unlink would
+split the lock domain: a re-created name is a new inode).
+
+Waiting: probe every slot with a non-blocking flock on a descriptor opened once and kept
+open, then sleep on inotify for IN_CLOSE_* on the slot files (a flock is released exactly
+when its file description's last reference closes, which is what raises IN_CLOSE), and
+re-probe on each event. A probe descriptor is never closed while waiting: that close
+would itself raise IN_CLOSE_NOWRITE on the watched file and turn the wait into a busy
+spin. A fallback re-probe every `fallback_seconds` covers a missed event (an overflowed
+queue, a file on a filesystem without inotify).
+
+In-process callers (a test server, an editor integration) use `hold_slot`; flock excludes
+between separate open file descriptions even within one process, so they contend
+correctly with CLI runs and with each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from inotify_simple import INotify, flags
+
+from volutectl import slotcore
+from volutectl.errors import TemporaryError
+
+Notice = Callable[[str], None]
+CLOSE_EVENTS = flags.CLOSE_WRITE | flags.CLOSE_NOWRITE
+DEFAULT_FALLBACK_SECONDS = 1.5
+
+
+def stderr_notice(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Slot:
+    """A held slot. The flock lives as long as `fd` (and any inherited copy) stays open."""
+
+    index: int  # 1-based, as in the file name
+    path: Path
+    fd: int
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def slot_directory(common_dir: str | os.PathLike[str]) -> Path:
+    return Path(common_dir).joinpath(*slotcore.SLOT_DIR_PARTS)
+
+
+def _open_slot_files(common_dir: str | os.PathLike[str], cap: int) -> list[tuple[Path, int]]:
+    """Open (creating as needed) slot-1..cap; OSError if any cannot be used."""
+    directory = slot_directory(common_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    opened: list[tuple[Path, int]] = []
+    try:
+        for name in slotcore.slot_names(cap):
+            path = directory / name
+            # Read-only is enough for flock, and works on a slot another user created.
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOCTTY, 0o666)
+            opened.append((path, fd))
+    except OSError:
+        for _, fd in opened:
+            os.close(fd)
+        raise
+    return opened
+
+
+def _probe(opened: list[tuple[Path, int]]) -> int | None:
+    """Take the first free slot; its position in `opened`, or None if all are held."""
+    free = []
+    for _, fd in opened:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            free.append(False)
+            continue
+        free.append(True)
+        break  # holding one; do not grab more
+    return slotcore.choose_slot(free)
+
+
+def acquire_slot(
+    common_dir: str | os.PathLike[str],
+    cap: int,
+    *,
+    on_wait: Callable[[], None] | None = None,
+    timeout: float | None = None,
+    fallback_seconds: float = DEFAULT_FALLBACK_SECONDS,
+    notice: Notice = stderr_notice,
+) -> Slot | None:
+    """Wait for and hold one of the repository's `cap` slots.
+
+    Returns None when the slot files cannot be used: the cap fails open, after a one-line
+    notice, because it protects throughput and must never fail a run that would pass.
+    `on_wait` is called once, when the first probe finds every slot held. Raises
+    TemporaryError when `timeout` seconds pass without a free slot.
+    """
+    if cap <= 0:
+        return None
+    try:
+        opened = _open_slot_files(common_dir, cap)
+    except OSError as error:
+        where = error.filename or slot_directory(common_dir)
+        notice(
+            f"volutectl test: cannot use the test slots ({where}: {error.strerror}); "
+            "running without the test-run cap"
+        )
+        return None
+    watcher: INotify | None = None
+    chosen: int | None = None
+    try:
+        chosen = _probe(opened)
+        if chosen is None:
+            watcher = INotify()
+            for path, _ in opened:
+                watcher.add_watch(path, CLOSE_EVENTS)
+            # Probe again now that the watch is in place: a slot freed between the first
+            # probe and add_watch raised its event before anyone was listening.
+            chosen = _probe(opened)
+        if chosen is None:
+            if on_wait is not None:
+                on_wait()
+            assert watcher is not None
+            chosen = _wait(watcher, opened, timeout, fallback_seconds)
+        path, fd = opened[chosen]
+        return Slot(index=chosen + 1, path=path, fd=fd)
+    finally:
+        for position, (_, fd) in enumerate(opened):
+            if position != chosen:
+                os.close(fd)
+        if watcher is not None:
+            watcher.close()
+
+
+def _wait(
+    watcher: INotify,
+    opened: list[tuple[Path, int]],
+    timeout: float | None,
+    fallback_seconds: float,
+) -> int:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    poller = select.poll()
+    poller.register(watcher.fileno(), select.POLLIN)
+    while True:
+        wait = fallback_seconds
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TemporaryError(
+                    f"no test slot came free within {timeout:g}s",
+                    hint="try again later, or raise the cap",
+                )
+            wait = min(wait, left)
+        if poller.poll(wait * 1000):
+            list(watcher.read(timeout=0))  # drain; which slot closed does not matter
+        chosen = _probe(opened)
+        if chosen is not None:
+            return chosen
+
+
+@contextlib.contextmanager
+def hold_slot(
+    common_dir: str | os.PathLike[str],
+    cap: int,
+    *,
+    on_wait: Callable[[], None] | None = None,
+    timeout: float | None = None,
+    environ: Mapping[str, str] | None = None,
+    notice: Notice = stderr_notice,
+) -> Iterator[Slot | None]:
+    """Hold a test slot for the body of a `with` block; the in-process API.
+
+        with hold_slot(common_dir, 2) as slot:
+            run_the_suite()
+
+    Yields None (and waits for nothing) when cap is 0, when a slot is already held
+    above us (the nesting marker is set), or when the slot files fail open.
+    """
+    environ = os.environ if environ is None else environ
+    if cap <= 0 or environ.get(slotcore.NESTING_MARKER):
+        yield None
+        return
+    slot = acquire_slot(common_dir, cap, on_wait=on_wait, timeout=timeout, notice=notice)
+    try:
+        yield slot
+    finally:
+        if slot is not None:
+            slot.release()
+
+
+# -- where a repository keeps its slots ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Repository:
+    common_dir: Path  # shared by every worktree: the fleet scope of the cap
+    worktree: Path  # the top level of this checkout
+    cap_setting: str | None  # git config volute.testSlots, from the common config
+
+
+def find_repository(path: str | os.PathLike[str]) -> Repository | None:
+    """The git repository `path` is in, or None when it is in none (or git is missing)."""
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "--path-format=absolute", "--git-common-dir", "--show-toplevel"],
+            cwd=path,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:
+        return None
+    lines = result.stdout.splitlines()
+    if result.returncode != 0 or not lines:
+        return None
+    common_dir = Path(lines[0])
+    # A bare repository has no top level; its path stands in for the worktree.
+    worktree = Path(lines[1]) if len(lines) > 1 else common_dir
+    return Repository(common_dir, worktree, read_cap_setting(common_dir))
+
+
+def read_cap_setting(common_dir: Path) -> str | None:
+    """volute.testSlots from the repository's own config file, which every worktree shares
+    (not from a worktree's config.worktree, nor the user's or system's config)."""
+    config = common_dir / "config"
+    try:
+        result = subprocess.run(
+            ["git", "config", "--file", str(config), "--get", slotcore.GIT_CONFIG_KEY],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:
+        return None
+    if result.returncode != 0:
+        return None
+    return result.stdout.strip() or None
