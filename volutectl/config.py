@@ -13,7 +13,9 @@ the key and where it came from.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,7 +23,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from volutectl import names
 from volutectl.errors import ConfigError
@@ -158,7 +165,7 @@ class Settings(BaseSettings):
 
 
 def parse_bandwidth(value: str) -> tuple[str, int]:
-    """"/dev/mmcblk0 8M" -> ("/dev/mmcblk0", 8388608)."""
+    """ "/dev/mmcblk0 8M" -> ("/dev/mmcblk0", 8388608)."""
     parts = value.split()
     if len(parts) != 2 or not parts[0].startswith("/"):
         raise ValueError(f"{value!r} is not 'DEVICE BYTES', e.g. '/dev/mmcblk0 8M'")
@@ -181,17 +188,74 @@ class LoadedSettings:
     env_values: Mapping[str, str]  # VOLUTE_ variables that name settings
 
     def source_of(self, dotted: str) -> str:
-        """'default', 'file PATH' or 'env VOLUTE_X__Y' for a dotted key."""
-        env_name = env_var_for(dotted)
-        for name in self.env_values:
-            if name.upper() == env_name or env_name.startswith(name.upper() + ENV_NESTED):
+        """'default', 'file PATH' or 'env VOLUTE_X__Y' for a dotted key (as `flatten` gives)."""
+        key = key_path(self.settings, dotted)
+        for name, raw in self.env_values.items():
+            if _env_sets(name, raw, key):
                 return f"env {name}"
-        node: Any = self.file_values
-        for part in dotted.split("."):
-            if not isinstance(node, Mapping) or part not in node:
-                return "default"
-            node = node[part]
-        return f"file {self.path}"
+        if _lookup(self.file_values, key) is not None:
+            return f"file {self.path}"
+        return "default"
+
+    def table_sources(self, dotted: str) -> list[str]:
+        """Every source that contributed to a table such as `minds.NAME`, file first."""
+        key = key_path(self.settings, dotted)
+        found = [f"file {self.path}"] if _lookup(self.file_values, key) is not None else []
+        for name, raw in self.env_values.items():
+            parts = _env_parts(name)
+            if parts[: len(key)] == key or _env_sets(name, raw, key):
+                found.append(f"env {name}")
+        return found or ["default"]
+
+
+def key_path(settings: Settings, dotted: str) -> tuple[str, ...]:
+    """Split a dotted key into its parts, knowing that mind names may contain dots."""
+    parts: list[str] = []
+    node: Any = settings
+    rest = dotted
+    while rest:
+        if isinstance(node, BaseModel):
+            head, _, rest = rest.partition(".")
+            parts.append(head)
+            node = getattr(node, head, None)
+        elif isinstance(node, Mapping):
+            matches = [k for k in node if rest == k or rest.startswith(f"{k}.")]
+            head = max(matches, key=len) if matches else rest.partition(".")[0]
+            rest = rest[len(head) + 1 :]
+            parts.append(head)
+            node = node.get(head)
+        else:
+            parts.extend(rest.split("."))
+            break
+    return tuple(parts)
+
+
+def _env_parts(name: str) -> tuple[str, ...]:
+    # pydantic-settings (case_sensitive=False) lowercases the whole name, mind names too.
+    return tuple(name[len(ENV_PREFIX) :].lower().split(ENV_NESTED))
+
+
+def _env_sets(name: str, raw: str, key: tuple[str, ...]) -> bool:
+    """Whether the variable sets `key`: by name, or as a JSON table that contains it."""
+    parts = _env_parts(name)
+    if parts == key:
+        return True
+    if len(parts) >= len(key) or key[: len(parts)] != parts:
+        return False
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return True  # unparseable: it failed loading, and the error named it
+    return _lookup(value, key[len(parts) :]) is not None
+
+
+def _lookup(node: Any, key: tuple[str, ...]) -> object | None:
+    """The value at `key` in nested mappings, or None if absent (a present value is boxed)."""
+    for part in key:
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return (node,)
 
 
 def env_var_for(dotted: str) -> str:
@@ -224,7 +288,10 @@ def read_toml(path: Path) -> dict[str, Any]:
         with path.open("rb") as handle:
             return tomllib.load(handle)
     except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{path}: not valid TOML: {error}") from None
+        raise ConfigError(
+            f"{path}: not valid TOML: {error}",
+            hint="fix the syntax at that line; `volutectl config check --config PATH` rechecks it",
+        ) from None
     except PermissionError:
         raise ConfigError(
             f"{path}: permission denied reading the config",
@@ -259,6 +326,8 @@ def load_settings(
             settings = Settings(**file_values)
     except ValidationError as error:
         raise _config_error(error, used_path, file_values, env_values) from None
+    except SettingsError as error:
+        raise _env_parse_error(error, env_values) from None
     return LoadedSettings(settings, used_path, file_values, env_values)
 
 
@@ -287,30 +356,65 @@ def _config_error(
     file_values: Mapping[str, Any],
     env_values: Mapping[str, str],
 ) -> ConfigError:
-    problems = []
+    # One entry per key: a union (the turn command) fails once per member type.
+    problems: dict[tuple[str, ...], list[str]] = {}
     for item in error.errors():
-        loc = [str(part) for part in item["loc"]]
-        # pydantic adds the union member's type name to the location ("list[str]").
-        loc = [part for part in loc if "[" not in part and part not in ("str", "int")]
-        dotted = ".".join(loc) or "(top level)"
-        where = _where(dotted, path, file_values, env_values)
-        message = item["msg"]
-        if item["type"] == "extra_forbidden":
-            message = "unknown key"
-        problems.append(f"{dotted}: {message} ({where})")
-    first, rest = problems[0], problems[1:]
+        key = _error_key(item["loc"])
+        message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
+        message = message.removeprefix("Value error, ")  # our own validators' ValueErrors
+        if message not in problems.setdefault(key, []):
+            problems[key].append(message)
+    lines = [
+        f"{'.'.join(key) or '(top level)'}: {' or '.join(messages)} "
+        f"({_where(key, path, file_values, env_values)})"
+        for key, messages in problems.items()
+    ]
+    first, rest = lines[0], lines[1:]
     hint = "; ".join(rest) if rest else "see `volutectl config show` for every key and default"
     return ConfigError(f"invalid config: {first}", hint=hint)
 
 
+def _error_key(loc: tuple[int | str, ...]) -> tuple[str, ...]:
+    parts = [str(part) for part in loc]
+    # pydantic adds the union member's type to the location ("list[str]", "str"); a
+    # mind's name (minds.NAME) is never such a tag, even if it is spelt "str".
+    keep = 2 if parts[:1] == ["minds"] else 1
+    return tuple(parts[:keep]) + tuple(
+        part for part in parts[keep:] if "[" not in part and part not in ("str", "int")
+    )
+
+
 def _where(
-    dotted: str, path: Path | None, file_values: Mapping[str, Any], env_values: Mapping[str, str]
+    key: tuple[str, ...],
+    path: Path | None,
+    file_values: Mapping[str, Any],
+    env_values: Mapping[str, str],
 ) -> str:
-    prefix = env_var_for(dotted)
-    for name in env_values:
-        if prefix.startswith(name.upper()) or name.upper().startswith(prefix):
-            return f"from env {name}"
+    # A missing or unknown key exists in no source, so look at the tables around it too.
+    for size in range(len(key), 0, -1):
+        prefix = key[:size]
+        for name, raw in env_values.items():
+            if _env_sets(name, raw, prefix):
+                return f"from env {name}"
+        if path is not None and _lookup(file_values, prefix) is not None:
+            return f"in {path}"
+        for name in env_values:
+            if _env_parts(name)[:size] == prefix:
+                return f"from env {name}"
     return f"in {path}" if path is not None else "in defaults"
+
+
+def _env_parse_error(error: SettingsError, env_values: Mapping[str, str]) -> ConfigError:
+    """pydantic-settings could not decode a variable (a list or table must be JSON)."""
+    match = re.search(r'field "([^"]+)"', str(error))
+    section = match.group(1) if match else ""
+    culprits = [name for name in env_values if _env_parts(name)[:1] == (section,)]
+    where = ", ".join(culprits) or f"a {ENV_PREFIX}{section.upper()}{ENV_NESTED}* variable"
+    return ConfigError(
+        f"invalid config: {section or 'environment'}: cannot parse {where}",
+        hint=f"lists and tables in the environment are JSON, e.g. "
+        f"{ENV_PREFIX}TESTS{ENV_NESTED}REPOSITORIES='[\"/srv/repo\"]'",
+    )
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -60,11 +60,17 @@ def escape_unit_part(text: str) -> str:
 
 
 def unescape_unit_part(text: str) -> str:
+    """Undo escape_unit_part. A '\\' not followed by two hex digits stays as it is."""
     raw = bytearray()
     index = 0
     while index < len(text):
-        if text.startswith("\\x", index) and index + 4 <= len(text):
-            raw.append(int(text[index + 2 : index + 4], 16))
+        code = text[index + 2 : index + 4]
+        if (
+            text.startswith("\\x", index)
+            and len(code) == 2
+            and all(c in "0123456789abcdefABCDEF" for c in code)
+        ):
+            raw.append(int(code, 16))
             index += 4
         elif text[index] == "-":
             raw.extend(b"/")
@@ -76,7 +82,14 @@ def unescape_unit_part(text: str) -> str:
 
 
 def turn_scope_name(mind: str, turn_id: int) -> str:
-    """`volute-turn-<escaped mind>-<turn id>.scope`; the id is the part after the last '-'."""
+    """`volute-turn-<escaped mind>-<turn id>.scope`; the id is the part after the last '-'.
+
+    The mind name is checked first: escaping alone would make any name safe, but a
+    name that check_mind refuses could never be parsed back by parse_turn_scope_name.
+    """
+    check_mind(mind)
+    if turn_id < 0:
+        raise NameError_(f"turn id {turn_id} is negative")
     name = f"volute-turn-{escape_unit_part(mind)}-{turn_id}.scope"
     if len(name.encode()) > UNIT_NAME_MAX:
         raise NameError_(f"mind name {mind!r} is too long for a unit name")
@@ -84,14 +97,30 @@ def turn_scope_name(mind: str, turn_id: int) -> str:
 
 
 def parse_turn_scope_name(unit: str) -> tuple[str, int] | None:
-    """(mind, turn id) from a turn scope's unit name, or None if it is not one of ours."""
+    """(mind, turn id) from a turn scope's unit name, or None if it is not one of ours.
+
+    Only a name that turn_scope_name could have made counts: a stranger's scope in
+    the slice, or a hand-made name with a bad escape, is not a turn.
+    """
     match = re.fullmatch(r"volute-turn-(.+)-([0-9]+)\.scope", unit)
     if match is None:
         return None
-    return unescape_unit_part(match.group(1)), int(match.group(2))
+    mind, turn_id = unescape_unit_part(match.group(1)), int(match.group(2))
+    if not MIND_PATTERN.fullmatch(mind) or turn_scope_name(mind, turn_id) != unit:
+        return None
+    return mind, turn_id
 
 
 def check_slice_name(name: str) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9:_.\\-]+\.slice", name) or len(name) > UNIT_NAME_MAX:
+    """A slice we may create units in. Dashes nest slices, so systemd refuses a slice
+    name with a leading, trailing or doubled dash; "-.slice" (the root) is refused too."""
+    stem = name.removesuffix(".slice")
+    if (
+        not re.fullmatch(r"[A-Za-z0-9:_.\\-]+\.slice", name)
+        or len(name) > UNIT_NAME_MAX
+        or stem.startswith("-")
+        or stem.endswith("-")
+        or "--" in stem
+    ):
         raise NameError_(f"invalid slice name {name!r}: it must look like 'volute-turns.slice'")
     return name
