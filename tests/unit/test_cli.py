@@ -1,0 +1,95 @@
+"""The top-level `volutectl` entry point: help, usage errors (64) and --debug.
+
+These run the installed console script, as a user would.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from volutectl.cli import COMMANDS
+
+VOLUTECTL = Path(sys.executable).parent / "volutectl"
+
+
+def volutectl(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("VOLUTE_")}
+    clean.update(env)
+    return subprocess.run(
+        [str(VOLUTECTL), *args], capture_output=True, text=True, env=clean, timeout=60
+    )
+
+
+def test_help_lists_every_command() -> None:
+    result = volutectl("--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Usage: volutectl")
+    commands = result.stdout.split("Commands:", 1)[1]
+    for name, (_, _, help_text) in COMMANDS.items():
+        assert f"  {name} " in commands
+        assert help_text in commands
+    assert "--debug" in result.stdout
+
+
+def test_short_help_option() -> None:
+    assert volutectl("-h").stdout == volutectl("--help").stdout
+
+
+def test_no_arguments_shows_usage() -> None:
+    result = volutectl()
+    assert "Usage: volutectl" in result.stdout + result.stderr
+    assert result.returncode in (0, 64)
+
+
+def test_unknown_command_exits_64() -> None:
+    result = volutectl("frobnicate")
+    assert result.returncode == 64
+    assert "frobnicate" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_option_exits_64() -> None:
+    result = volutectl("config", "check", "--no-such-option")
+    assert result.returncode == 64
+    assert "--no-such-option" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--debug", "--help"),
+        ("--help", "--debug"),
+        ("config", "--debug", "--help"),
+        ("--debug", "config", "show"),
+    ],
+)
+def test_debug_is_accepted_anywhere(args: tuple[str, ...]) -> None:
+    result = volutectl(*args, VOLUTE_CONFIG="")
+    assert result.returncode == 0, result.stderr
+    assert "no such option" not in result.stderr.lower()
+
+
+def test_debug_still_exits_64_for_unknown_command() -> None:
+    result = volutectl("--debug", "frobnicate")
+    assert result.returncode == 64
+
+
+def test_volute_debug_variable_gives_a_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[limits]\nbogus = 1\n")
+    quiet = volutectl("config", "check", "--config", str(bad))
+    loud = volutectl("config", "check", "--config", str(bad), VOLUTE_DEBUG="1")
+    assert quiet.returncode == loud.returncode == 78
+    assert "Traceback" not in quiet.stderr
+    assert "Traceback" in loud.stderr
+
+
+def test_version() -> None:
+    result = volutectl("--version")
+    assert result.returncode == 0
+    assert "volutectl" in result.stdout and "version" in result.stdout
