@@ -1,0 +1,415 @@
+"""`volutectl test`: run a test command under the repository's test-run cap, in a scope.
+
+The order of events: run --check (a failure exits at once, never queues); resolve the
+cap (--slots, then git config volute.testSlots in the common config, then
+tests.concurrent_runs); take a slot, saying once why we wait; fork the command held at a
+pipe, put it into a transient scope in the tests slice, then let it exec. The slot's
+descriptor is inherited by the command, so the slot stays held while any process of
+the run lives, whatever happens to this process. Ctrl-C or SIGTERM stops the scope.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from volutectl import slotcore, slots
+from volutectl.config import load_settings
+from volutectl.errors import PermissionDeniedError, SystemdError, UnavailableError
+
+if TYPE_CHECKING:
+    from volutectl.config import TestsSettings
+    from volutectl.systemd import Manager
+
+HISTORY_TAIL_BYTES = 64 * 1024
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def notice(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Outcome:
+    """What `--json` prints; the same facts the wait line and exit status carry."""
+
+    exit_status: int = 0
+    cap: int = 0
+    cap_source: str = ""
+    slot: str | None = None
+    scope: str | None = None
+    manager: str | None = None  # "system", "user", or None for a plain child
+    nested: bool = False
+    check_exit_status: int | None = None
+    wait: dict[str, object] | None = None
+    waited_ms: int = 0
+    execution_ms: int = 0
+    duration_ms: int = 0
+    notices: list[str] = field(default_factory=list)
+
+    def as_json(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True)
+
+
+@click.command(
+    name="test",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@click.option(
+    "--slots",
+    "slot_count",
+    type=click.IntRange(min=0),
+    default=None,
+    help="The cap for this run (overrides git config volute.testSlots and "
+    "tests.concurrent_runs); 0 runs without slots.",
+)
+@click.option(
+    "--check",
+    "check",
+    metavar="CMD",
+    default=None,
+    help="A cheap check (sh -c CMD) to run first; if it fails, exit with its "
+    "status without waiting for a slot.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the result as JSON on stdout (the command's stdout goes to stderr).",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="The config file (default $VOLUTE_CONFIG, /etc/volute/volutectl.toml).",
+)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def test_command(
+    slot_count: int | None,
+    check: str | None,
+    as_json: bool,
+    config_path: str | None,
+    command: tuple[str, ...],
+) -> int:
+    """Run COMMAND under the test-run cap, in a scope in the tests slice.
+
+    Use `--` before the command: volutectl test --slots 1 -- pytest -x
+    """
+    outcome = run_test(list(command), slot_count, check, as_json, config_path, os.environ)
+    if as_json:
+        print(outcome.as_json(), flush=True)
+    return outcome.exit_status
+
+
+def run_test(
+    command: list[str],
+    slot_count: int | None,
+    check: str | None,
+    as_json: bool,
+    config_path: str | None,
+    environ: Mapping[str, str],
+) -> Outcome:
+    started = time.monotonic()
+    outcome = Outcome()
+
+    def say(text: str) -> None:
+        outcome.notices.append(text)
+        notice(text)
+
+    loaded = load_settings(config_path, environ)
+    tests = loaded.settings.tests
+    nested = bool(environ.get(slotcore.NESTING_MARKER))
+    cwd = Path.cwd()
+    repository = None if nested else slots.find_repository(cwd)
+    cap = slotcore.resolve_cap(
+        slot_count,
+        repository.cap_setting if repository else None,
+        tests.concurrent_runs,
+        loaded.source_of(slotcore.CONFIG_KEY),
+    )
+    outcome.cap, outcome.cap_source = (0, "nested") if nested else (cap.slots, cap.source)
+    if check:
+        status = run_check(check, as_json)
+        outcome.check_exit_status = status
+        if status != 0:
+            outcome.exit_status = status
+            outcome.duration_ms = elapsed_ms(started)
+            return outcome
+    if nested:
+        # A slot (or a deliberate no-slot run) is held above us; so is a scope. Taking
+        # another slot could deadlock a cap of 1, and a new scope would pull this
+        # command out of the outer run's scope, beyond the reach of its stop.
+        outcome.nested = True
+        launch = launch_command(command, dict(environ), None, None, None, as_json)
+        outcome.exit_status, outcome.execution_ms = launch
+        outcome.duration_ms = elapsed_ms(started)
+        return outcome
+    worktree = str(repository.worktree if repository else cwd)
+    manager = connect_manager(say)
+    if manager is not None:
+        outcome.manager = "user" if manager.user else "system"
+    try:
+        slot: slots.Slot | None = None
+        if cap.slots > 0 and repository is None:
+            say(f"volutectl test: {cwd} is not in a git repository; running without the cap")
+        elif cap.slots > 0 and repository is not None:
+            common_dir = repository.common_dir
+
+            def on_wait() -> None:
+                in_flight = list_in_flight(manager, tests.slice)
+                typical = slotcore.typical_duration_ms(
+                    read_history(common_dir), slotcore.join_command(command)
+                )
+                notice(slotcore.wait_line(cap.slots, in_flight, typical, str(common_dir)))
+                outcome.wait = slotcore.wait_info(cap.slots, cap.source, in_flight, typical)
+
+            wait_started = time.monotonic()
+            slot = slots.acquire_slot(common_dir, cap.slots, on_wait=on_wait, notice=say)
+            outcome.waited_ms = elapsed_ms(wait_started)
+        child_env = dict(environ)
+        child_env[slotcore.NESTING_MARKER] = str(slot.path) if slot else "-"
+        outcome.slot = str(slot.path) if slot else None
+        scope = slotcore.test_scope_name(Path(worktree).name, os.getpid())
+        props = scope_properties(tests, worktree, command)
+        try:
+            outcome.exit_status, outcome.execution_ms = launch_command(
+                command, child_env, slot, manager, (scope, props), as_json,
+                on_scope=lambda started_scope: setattr(outcome, "scope", started_scope),
+                say=say,
+            )  # fmt: skip
+        finally:
+            if slot is not None:
+                # History first, while the slot is ours: the next run's estimate sees it.
+                if repository is not None:
+                    record_history(repository.common_dir, worktree, command, outcome)
+                slot.release()
+    finally:
+        if manager is not None:
+            manager.close()
+    outcome.duration_ms = elapsed_ms(started)
+    return outcome
+
+
+def elapsed_ms(since: float) -> int:
+    return int(round((time.monotonic() - since) * 1000))
+
+
+def run_check(check: str, as_json: bool) -> int:
+    result = subprocess.run(
+        ["/bin/sh", "-c", check], stdout=sys.stderr if as_json else None, check=False
+    )
+    if result.returncode < 0:
+        return 128 - result.returncode
+    return result.returncode
+
+
+# -- systemd ------------------------------------------------------------------------------
+
+
+def connect_manager(say: Any) -> Manager | None:
+    """The system manager as root, the user's own manager otherwise; None if unreachable."""
+    try:
+        from volutectl.systemd import Manager
+
+        return Manager.connect(user=os.geteuid() != 0)
+    except (UnavailableError, PermissionDeniedError, ImportError) as error:
+        reason = getattr(error, "message", str(error))
+        say(
+            f"volutectl test: no systemd manager reachable ({reason}); "
+            "running the command as a plain child, outside the tests slice"
+        )
+        return None
+
+
+def scope_properties(tests: TestsSettings, worktree: str, command: Sequence[str]) -> Any:
+    from volutectl.systemd import ScopeProperties
+
+    return ScopeProperties(
+        slice=tests.slice,
+        description=slotcore.scope_description(worktree, command),
+        cpu_weight=tests.cpu_weight,
+        io_weight=tests.io_weight,
+    )
+
+
+def list_in_flight(manager: Manager | None, slice_name: str) -> list[slotcore.InFlight]:
+    """The live test runs, from the scopes in the tests slice. Best effort: the wait line
+    decorates, it never decides."""
+    if manager is None:
+        return []
+    runs = []
+    try:
+        units = manager.list_units(slice_name)
+    except (SystemdError, PermissionDeniedError):
+        return []
+    now = time.time()
+    for unit in units:
+        if not unit.name.startswith(slotcore.SCOPE_PREFIX):
+            continue
+        parsed = slotcore.parse_scope_description(unit.description)
+        worktree, command = parsed if parsed else ("?", unit.description)
+        running: float | None = None
+        with contextlib.suppress(SystemdError, PermissionDeniedError, TypeError, ValueError):
+            usec = int(manager.unit_property(unit.name, "ActiveEnterTimestamp"))
+            if usec > 0:
+                running = max(0.0, now - usec / 1_000_000)
+        runs.append(slotcore.InFlight(unit.name, worktree, command, running))
+    return runs
+
+
+# -- the command itself -------------------------------------------------------------------
+
+
+def launch_command(
+    command: Sequence[str],
+    env: dict[str, str],
+    slot: slots.Slot | None,
+    manager: Manager | None,
+    scope: tuple[str, Any] | None,
+    as_json: bool,
+    on_scope: Any = None,
+    say: Any = notice,
+) -> tuple[int, int]:
+    """Run the command (in the scope, when given a manager); (exit status, execution ms)."""
+    wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    previous_wakeup = signal.set_wakeup_fd(wake_write)
+    previous = {signum: signal.signal(signum, _ignore_signal) for signum in STOP_SIGNALS}
+    try:
+        pid, gate = fork_held(command, env, slot.fd if slot else None, as_json)
+        scope_name: str | None = None
+        if manager is not None and scope is not None:
+            name, props = scope
+            try:
+                manager.start_scope(name, [pid], props)
+                scope_name = name
+                if on_scope is not None:
+                    on_scope(name)
+            except (SystemdError, PermissionDeniedError) as error:
+                say(
+                    f"volutectl test: could not start scope {name} ({error}); "
+                    "running the command as a plain child"
+                )
+        started = time.monotonic()
+        os.write(gate, b"!")
+        os.close(gate)
+        status = wait_for_child(pid, wake_read, manager, scope_name)
+        return status, elapsed_ms(started)
+    finally:
+        signal.set_wakeup_fd(previous_wakeup)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        os.close(wake_read)
+        os.close(wake_write)
+
+
+def _ignore_signal(signum: int, frame: object) -> None:
+    """Installed so that the signal reaches the wakeup fd instead of killing us."""
+
+
+def fork_held(
+    command: Sequence[str], env: Mapping[str, str], slot_fd: int | None, as_json: bool
+) -> tuple[int, int]:
+    """Fork a child that waits at a pipe, then execs the command; (pid, gate fd).
+
+    The child must not exec before systemd has moved it into the scope: a fast command
+    would exit first and fail the scope. Closing the gate without writing aborts it."""
+    gate_read, gate_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no Python-level cleanup, ever
+        code = 127
+        try:
+            os.close(gate_write)
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, signal.SIG_DFL)
+            if os.read(gate_read, 1) != b"!":
+                os._exit(1)
+            os.close(gate_read)
+            if slot_fd is not None:
+                os.set_inheritable(slot_fd, True)
+            if as_json:
+                os.dup2(2, 1)
+            os.execvpe(command[0], list(command), dict(env))
+        except OSError as error:
+            code = 127 if error.errno == errno.ENOENT else 126
+            os.write(2, f"volutectl test: {command[0]}: {error.strerror}\n".encode())
+        finally:
+            os._exit(code)
+    os.close(gate_read)
+    return pid, gate_write
+
+
+def wait_for_child(pid: int, wake_read: int, manager: Manager | None, scope: str | None) -> int:
+    """Wait for the command; a stop signal stops the scope (or is passed to a plain child)."""
+    pidfd = os.pidfd_open(pid)
+    stopping = False
+    try:
+        while True:
+            ready, _, _ = select.select([pidfd, wake_read], [], [])
+            if pidfd in ready:
+                _, status = os.waitpid(pid, 0)
+                code = os.waitstatus_to_exitcode(status)
+                return 128 - code if code < 0 else code
+            with contextlib.suppress(BlockingIOError):
+                received = os.read(wake_read, 64)
+                for signum in received:
+                    if signum not in STOP_SIGNALS:
+                        continue
+                    if manager is not None and scope is not None:
+                        if not stopping:
+                            with contextlib.suppress(SystemdError, PermissionDeniedError):
+                                manager.stop_unit(scope, wait=False)
+                    else:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signum)
+                    stopping = True
+    finally:
+        os.close(pidfd)
+
+
+# -- history ------------------------------------------------------------------------------
+
+
+def history_path(common_dir: Path) -> Path:
+    return common_dir.joinpath(*slotcore.HISTORY_PARTS)
+
+
+def read_history(common_dir: Path) -> list[slotcore.RunRecord]:
+    try:
+        with history_path(common_dir).open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - HISTORY_TAIL_BYTES))
+            lines = handle.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
+    return slotcore.parse_history(lines[1:] if len(lines) > 1 else lines)
+
+
+def record_history(common_dir: Path, worktree: str, command: Sequence[str], run: Outcome) -> None:
+    """Append the execution time (not the queue time) for future estimates; best effort."""
+    record = slotcore.RunRecord(
+        worktree, slotcore.join_command(command), run.execution_ms, run.exit_status
+    )
+    line = slotcore.history_line(record, time.time()).encode()
+    with contextlib.suppress(OSError):
+        fd = os.open(
+            history_path(common_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666
+        )
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
