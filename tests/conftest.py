@@ -38,8 +38,8 @@ def machine_binds() -> list[Path]:
 @pytest.fixture
 def machine(request: pytest.FixtureRequest) -> Iterator[Machine]:
     """A fresh, booted systemd of our own; torn down after the test."""
-    name = "vt-" + request.node.name[:40].replace("[", "-").replace("]", "")
-    name = "".join(ch if ch.isalnum() or ch == "-" else "-" for ch in name)[:60]
+    raw = "".join(ch if ch.isalnum() else "-" for ch in request.node.name.lower())
+    name = "vt-" + "-".join(part for part in raw.split("-") if part)[:40].strip("-")
     with boot(binds=machine_binds(), name=name) as booted:
         booted.env["PATH"] = f"{VENV_BIN}:{CLEAN_PATH}"
         yield booted

@@ -152,16 +152,19 @@ class Machine:
                 log = (self.base / "nspawn.log").read_text(errors="replace")[-2000:]
                 raise MachineError(f"systemd-nspawn exited {self.nspawn.returncode}: {log}")
             proc = self.run(["systemctl", "is-system-running"], check=False, timeout=10)
-            state = proc.stdout.strip()
+            state = proc.stdout.strip() or proc.stderr.strip()
             if state in ("running", "degraded"):
                 return state
             time.sleep(0.05)
         raise MachineError(f"container {self.name} did not finish booting: {state!r}")
 
 
-def _find_leader(nspawn_pid: int, timeout: float = 10) -> int:
+def _find_leader(nspawn_pid: int, timeout: float = 10, log: Path | None = None) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if not Path(f"/proc/{nspawn_pid}").exists() or _is_zombie(nspawn_pid):
+            text = log.read_text(errors="replace")[-2000:] if log else ""
+            raise MachineError(f"systemd-nspawn exited early: {text}")
         children = Path(f"/proc/{nspawn_pid}/task/{nspawn_pid}/children")
         with contextlib.suppress(OSError):
             pids = children.read_text().split()
@@ -171,11 +174,18 @@ def _find_leader(nspawn_pid: int, timeout: float = 10) -> int:
     raise MachineError("systemd-nspawn started no container init")
 
 
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 @contextlib.contextmanager
 def boot(
     *,
     binds: Sequence[str | os.PathLike[str]] = (),
-    name: str = "volute-test",
+    name: str | None = None,
     lower: str = "/",
     mask: Sequence[str] = MASKED_UNITS,
     extra_args: Sequence[str] = (),
@@ -186,6 +196,8 @@ def boot(
     if reason is not None:
         raise MachineError(reason)
     base = Path(tempfile.mkdtemp(prefix="volute-machine.", dir="/var/tmp"))
+    suffix = "".join(ch for ch in base.name.rsplit(".", 1)[-1].lower() if ch.isalnum())
+    name = name or f"volute-{suffix}"
     mounted: list[Path] = []
     nspawn: subprocess.Popen[bytes] | None = None
     try:
@@ -230,7 +242,12 @@ def boot(
             start_new_session=True,
         )  # fmt: skip
         log.close()
-        machine = Machine(name=name, base=base, nspawn=nspawn, leader=_find_leader(nspawn.pid))
+        machine = Machine(
+            name=name,
+            base=base,
+            nspawn=nspawn,
+            leader=_find_leader(nspawn.pid, log=base / "nspawn.log"),
+        )
         machine.wait_running()
         yield machine
     finally:

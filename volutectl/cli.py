@@ -38,7 +38,9 @@ def _fail(error: BaseException, debug: bool) -> NoReturn:
     if isinstance(error, VoluteError):
         print(format_error(error), file=sys.stderr)
         sys.exit(error.exit_code)
-    print(f"volutectl: internal error: {error!r} (run with --debug for a traceback)", file=sys.stderr)
+    print(
+        f"volutectl: internal error: {error!r} (run with --debug for a traceback)", file=sys.stderr
+    )
     sys.exit(70)
 
 
