@@ -167,9 +167,11 @@ def _find_leader(nspawn_pid: int, timeout: float = 10, log: Path | None = None) 
             raise MachineError(f"systemd-nspawn exited early: {text}")
         children = Path(f"/proc/{nspawn_pid}/task/{nspawn_pid}/children")
         with contextlib.suppress(OSError):
-            pids = children.read_text().split()
-            if pids:
-                return int(pids[0])
+            # nspawn's first child is a short-lived setup process; the container's init
+            # is the child that has exec'd systemd (PID 1 in its own namespace).
+            for pid in children.read_text().split():
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "systemd":
+                    return int(pid)
         time.sleep(0.01)
     raise MachineError("systemd-nspawn started no container init")
 
