@@ -1,0 +1,321 @@
+"""`volutectl doctor`: each probe against a fake /sys, /proc or cgroup tree in tmp_path,
+real Unix sockets for the socket check, and the console script for exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from volutectl import doctor
+from volutectl.doctor import Check
+from volutectl.errors import EX_CONFIG, EX_OK, EX_UNAVAILABLE
+
+VOLUTECTL = Path(sys.executable).parent / "volutectl"
+PI_CONTROLLERS = "cpuset cpu io pids"  # a stock Raspberry Pi: cgroup_disable=memory
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def cgroup_tree(root: Path, controllers: str, enabled: str = "", hybrid: bool = False) -> Path:
+    v2 = root / "unified" if hybrid else root
+    write(v2 / "cgroup.controllers", controllers + "\n")
+    write(v2 / "cgroup.subtree_control", enabled + "\n")
+    return root
+
+
+def sys_tree(root: Path, disk: str, major: int, scheduler: str, partition: int | None = 2) -> Path:
+    """/sys/dev/block/MAJ:MIN -> ../../devices/.../block/DISK[/DISKpN], like the kernel."""
+    disk_dir = root / "devices" / "platform" / "soc" / "block" / disk
+    write(disk_dir / "queue" / "scheduler", scheduler + "\n")
+    write(disk_dir / "dev", f"{major}:0\n")
+    target = disk_dir
+    minor = 0
+    if partition is not None:
+        minor = partition
+        target = disk_dir / f"{disk}p{partition}"
+        write(target / "partition", f"{partition}\n")
+        write(target / "dev", f"{major}:{minor}\n")
+    links = root / "dev" / "block"
+    links.mkdir(parents=True, exist_ok=True)
+    (links / f"{major}:{minor}").symlink_to(os.path.relpath(target, links))
+    return root
+
+
+# -- cgroups -----------------------------------------------------------------------------
+
+
+def test_unified_hierarchy_is_ok(tmp_path: Path) -> None:
+    check = doctor.check_cgroup_version(cgroup_tree(tmp_path, PI_CONTROLLERS))
+    assert check.status == "ok"
+    assert "unified" in check.found
+
+
+def test_hybrid_hierarchy_warns_that_weights_are_not_enforced(tmp_path: Path) -> None:
+    check = doctor.check_cgroup_version(cgroup_tree(tmp_path, "", hybrid=True))
+    assert check.status == "warn"
+    assert "hybrid" in check.found
+    assert "systemd.unified_cgroup_hierarchy=1" in check.change
+
+
+def test_no_cgroup2_at_all_warns(tmp_path: Path) -> None:
+    assert doctor.check_cgroup_version(tmp_path).status == "warn"
+    assert doctor.check_controllers(tmp_path).status == "warn"
+
+
+def test_stock_pi_controllers_say_memory_is_off_and_how_to_turn_it_on(tmp_path: Path) -> None:
+    check = doctor.check_controllers(cgroup_tree(tmp_path, PI_CONTROLLERS, "cpu io pids"))
+    assert check.status == "warn"
+    assert "memory (MemoryHigh=, MemoryMax=)" in check.found
+    assert "cpu (" not in check.found and "io (" not in check.found
+    assert "enabled below the root: cpu io pids" in check.found
+    assert "cgroup_enable=memory" in check.change
+    assert "cmdline.txt" in check.change
+
+
+def test_all_controllers_present_is_ok(tmp_path: Path) -> None:
+    check = doctor.check_controllers(cgroup_tree(tmp_path, "cpuset cpu io memory hugetlb pids"))
+    assert check.status == "ok"
+    assert check.change == ""
+
+
+def test_hybrid_controllers_point_at_the_cgroup_line(tmp_path: Path) -> None:
+    check = doctor.check_controllers(cgroup_tree(tmp_path, "hugetlb", hybrid=True))
+    assert check.status == "warn"
+    assert "cpu (CPUWeight=)" in check.found
+    assert "cgroup line" in check.change
+
+
+# -- the IO scheduler ----------------------------------------------------------------------
+
+
+def test_sd_card_with_mq_deadline_and_no_bfq(tmp_path: Path) -> None:
+    sys_root = sys_tree(tmp_path / "sys", "mmcblk0", 179, "[mq-deadline] kyber none")
+    check = doctor.check_io_scheduler(
+        Path("/var/lib/volute"), device=(179, 2), sys_root=sys_root, cgroup_root=tmp_path
+    )
+    assert check.status == "warn"
+    assert "on mmcblk0 (scheduler mq-deadline)" in check.found  # the disk, not the partition
+    assert "IOWeight= has no effect" in check.found
+    assert "caps (io.max) work" in check.found
+    assert '["/dev/mmcblk0 8M"]' in check.change
+    assert "no BFQ" in check.change
+
+
+def test_bfq_available_but_not_chosen_suggests_a_udev_rule(tmp_path: Path) -> None:
+    sys_root = sys_tree(tmp_path / "sys", "sda", 8, "[mq-deadline] bfq none", partition=1)
+    check = doctor.check_io_scheduler(
+        Path("/srv"), device=(8, 1), sys_root=sys_root, cgroup_root=tmp_path
+    )
+    assert check.status == "warn"
+    assert 'KERNEL=="sda", ATTR{queue/scheduler}="bfq"' in check.change
+
+
+def test_bfq_enforces_weights(tmp_path: Path) -> None:
+    sys_root = sys_tree(tmp_path / "sys", "sda", 8, "mq-deadline [bfq] none", partition=None)
+    check = doctor.check_io_scheduler(
+        Path("/srv"), device=(8, 0), sys_root=sys_root, cgroup_root=tmp_path
+    )
+    assert check.status == "ok"
+    assert "BFQ" in check.found
+
+
+def test_iocost_enabled_on_the_disk_enforces_weights(tmp_path: Path) -> None:
+    sys_root = sys_tree(tmp_path / "sys", "nvme0n1", 259, "[none] mq-deadline")
+    cgroups = cgroup_tree(tmp_path / "cgroup", "cpu io memory pids")
+    write(cgroups / "io.cost.qos", "259:0 enable=1 ctrl=auto rpct=0.00 rlat=250000\n")
+    check = doctor.check_io_scheduler(
+        Path("/srv"), device=(259, 2), sys_root=sys_root, cgroup_root=cgroups
+    )
+    assert check.status == "ok"
+    assert "iocost" in check.found
+    # iocost configured but disabled does not count.
+    write(cgroups / "io.cost.qos", "259:0 enable=0 ctrl=auto\n")
+    assert (
+        doctor.check_io_scheduler(
+            Path("/srv"), device=(259, 2), sys_root=sys_root, cgroup_root=cgroups
+        ).status
+        == "warn"
+    )
+
+
+def test_io_controller_off_means_no_io_control_at_all(tmp_path: Path) -> None:
+    sys_root = sys_tree(tmp_path / "sys", "mmcblk0", 179, "[mq-deadline] none")
+    check = doctor.check_io_scheduler(
+        Path("/var/lib/volute"),
+        device=(179, 2),
+        sys_root=sys_root,
+        cgroup_root=tmp_path,
+        io_controller=False,
+    )
+    assert check.status == "warn"
+    assert "neither IOWeight= nor io.max caps apply" in check.found
+
+
+def test_state_dir_on_no_block_device(tmp_path: Path) -> None:
+    (tmp_path / "sys" / "dev" / "block").mkdir(parents=True)
+    check = doctor.check_io_scheduler(
+        Path("/run/x"), device=(0, 42), sys_root=tmp_path / "sys", cgroup_root=tmp_path
+    )
+    assert check.status == "warn"
+    assert "0:42" in check.found and "no block device" in check.found
+
+
+def test_missing_state_dir_is_judged_by_its_nearest_existing_parent(tmp_path: Path) -> None:
+    missing = tmp_path / "not" / "yet" / "there"
+    assert doctor.existing_ancestor(missing) == tmp_path
+    # The real device of tmp_path, looked up in a fake /sys that knows it as "disk0".
+    st_dev = tmp_path.stat().st_dev
+    major, minor = os.major(st_dev), os.minor(st_dev)
+    sys_root = tmp_path / "sys"
+    disk = write(sys_root / "devices" / "disk0" / "queue" / "scheduler", "[bfq] none\n")
+    links = sys_root / "dev" / "block"
+    links.mkdir(parents=True)
+    (links / f"{major}:{minor}").symlink_to(disk.parent.parent)
+    check = doctor.check_io_scheduler(missing, sys_root=sys_root, cgroup_root=tmp_path)
+    assert check.status == "ok", check
+    assert "is on disk0" in check.found
+
+
+def test_parse_scheduler() -> None:
+    assert doctor.parse_scheduler("none [mq-deadline] kyber bfq \n") == (
+        "mq-deadline",
+        ["none", "mq-deadline", "kyber", "bfq"],
+    )
+    assert doctor.parse_scheduler("none\n") == ("none", ["none"])
+
+
+# -- PSI -------------------------------------------------------------------------------------
+
+
+def test_psi_present(tmp_path: Path) -> None:
+    write(tmp_path / "pressure" / "io", "some avg10=1.00 avg60=0.50 avg300=0.10 total=9\nfull x\n")
+    check = doctor.check_psi(tmp_path)
+    assert check.status == "ok"
+    assert "some avg10=1.00" in check.found
+
+
+def test_psi_missing(tmp_path: Path) -> None:
+    check = doctor.check_psi(tmp_path)
+    assert check.status == "warn"
+    assert "CONFIG_PSI" in check.change
+
+
+# -- reachability ----------------------------------------------------------------------------
+
+
+def test_manager_unreachable_fails_with_69() -> None:
+    check = doctor.check_manager(lambda: "cannot reach the system manager", "system")
+    assert (check.status, check.exit_code) == ("fail", EX_UNAVAILABLE)
+    assert doctor.check_manager(lambda: None, "system").status == "ok"
+
+
+@pytest.fixture
+def listening(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "gate.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    try:
+        yield path
+    finally:
+        server.close()
+
+
+def test_socket_accepting(listening: Path) -> None:
+    check = doctor.check_socket(listening)
+    assert check.status == "ok"
+    assert str(listening) in check.found
+
+
+def test_socket_missing_says_start_the_gate(tmp_path: Path) -> None:
+    check = doctor.check_socket(tmp_path / "gate.sock")
+    assert check.status == "warn"
+    assert "volute-gate" in check.change
+
+
+def test_stale_socket(tmp_path: Path) -> None:
+    path = tmp_path / "gate.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.close()  # the file stays, nobody listens
+    check = doctor.check_socket(path)
+    assert check.status == "warn"
+    assert "stale" in check.found
+
+
+# -- the report and exit codes --------------------------------------------------------------
+
+
+def test_exit_code_prefers_config_then_manager() -> None:
+    ok = Check("psi", "ok", "fine")
+    config = Check("config", "fail", "bad", "fix", EX_CONFIG)
+    manager = Check("manager", "fail", "down", "start", EX_UNAVAILABLE)
+    advice = Check("socket", "warn", "missing", "start the gate")
+    assert doctor.exit_code([ok, advice]) == EX_OK
+    assert doctor.exit_code([ok, manager, advice]) == EX_UNAVAILABLE
+    assert doctor.exit_code([manager, config]) == EX_CONFIG
+
+
+def test_line_has_status_check_found_and_change() -> None:
+    line = Check("psi", "warn", "missing", "use psi=1").line()
+    assert line.split()[:2] == ["warn", "psi"]
+    assert line.endswith("missing; change: use psi=1")
+    assert "change" not in Check("psi", "ok", "present").line()
+
+
+def volutectl(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("VOLUTE_")}
+    return subprocess.run(
+        [str(VOLUTECTL), *args], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def test_invalid_config_exits_78_and_still_reports_the_host(tmp_path: Path) -> None:
+    bad = write(tmp_path / "volutectl.toml", "[gate]\nbogus = 1\n")
+    result = volutectl("doctor", "--json", "--config", str(bad))
+    assert result.returncode == EX_CONFIG, result.stderr
+    report = json.loads(result.stdout)
+    assert report["exit_code"] == EX_CONFIG
+    by_name = {check["check"]: check for check in report["checks"]}
+    assert set(by_name) == {
+        "config",
+        "cgroup",
+        "controllers",
+        "io-scheduler",
+        "psi",
+        "manager",
+        "socket",
+    }
+    assert by_name["config"]["status"] == "fail"
+    assert "gate.bogus" in by_name["config"]["found"]
+    assert all(check["status"] in ("ok", "warn", "fail") for check in report["checks"])
+
+
+def test_text_report_is_one_line_per_check(tmp_path: Path) -> None:
+    good = write(tmp_path / "volutectl.toml", f'[gate]\nsocket = "{tmp_path}/gate.sock"\n')
+    result = volutectl("doctor", "--config", str(good))
+    lines = result.stdout.splitlines()
+    assert [line.split()[1] for line in lines] == [
+        "config",
+        "cgroup",
+        "controllers",
+        "io-scheduler",
+        "psi",
+        "manager",
+        "socket",
+    ]
+    assert lines[0].startswith("ok   config")
+    assert f"{tmp_path}/gate.sock does not exist" in lines[-1]
+    manager_ok = lines[5].startswith("ok")
+    assert result.returncode == (EX_OK if manager_ok else EX_UNAVAILABLE)

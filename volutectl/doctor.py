@@ -1,0 +1,347 @@
+"""`volutectl doctor`: which of volutectl's protections take effect on this host.
+
+A unit file or config key that sets a weight proves nothing by itself: IOWeight= is a
+no-op under mq-deadline (the SD card scheduler on a Raspberry Pi), MemoryHigh= is a
+no-op with the memory controller off (a stock Pi), and pressure holds need PSI. Each
+check here reads the kernel's own answer and says what to change.
+
+The probes are small functions over paths (a /sys, /proc or cgroup root, a device
+number), so tests point them at fake trees. Only the manager and socket checks reach
+out. A broken config (exit 78) or an unreachable systemd manager (exit 69) is a
+failure; everything else is advice and exits 0.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import click
+
+from volutectl.errors import EX_CONFIG, EX_OK, EX_UNAVAILABLE, VoluteError
+
+Status = Literal["ok", "warn", "fail"]
+
+# Controllers a volute setting relies on: what has no effect without each.
+CONTROLLER_USES = {
+    "cpu": "CPUWeight=",
+    "io": "IOWeight=, IO*BandwidthMax=",
+    "memory": "MemoryHigh=, MemoryMax=",
+    "pids": "TasksMax=",
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report: what was found, and what to change if it falls short."""
+
+    check: str
+    status: Status
+    found: str
+    change: str = ""
+    exit_code: int = EX_OK  # non-zero only for failures that break volutectl itself
+
+    def line(self) -> str:
+        text = f"{self.status:<4} {self.check:<12} {self.found}"
+        return f"{text}; change: {self.change}" if self.change else text
+
+
+# -- cgroups -----------------------------------------------------------------------
+
+
+def unified_root(cgroup_root: Path) -> Path | None:
+    """The cgroup v2 hierarchy: the root itself (unified) or its `unified` (hybrid)."""
+    for candidate in (cgroup_root, cgroup_root / "unified"):
+        if (candidate / "cgroup.controllers").is_file():
+            return candidate
+    return None
+
+
+def check_cgroup_version(cgroup_root: Path = Path("/sys/fs/cgroup")) -> Check:
+    v2 = unified_root(cgroup_root)
+    if v2 == cgroup_root:
+        return Check("cgroup", "ok", f"cgroup v2, unified hierarchy at {cgroup_root}")
+    change = "boot with systemd.unified_cgroup_hierarchy=1 on the kernel command line"
+    if v2 is not None:
+        return Check(
+            "cgroup",
+            "warn",
+            f"hybrid hierarchy: controllers are on cgroup v1, so weights set on scopes "
+            f"and slices are accepted but not enforced ({v2} holds no controllers)",
+            change,
+        )
+    return Check("cgroup", "warn", f"no cgroup v2 hierarchy under {cgroup_root}", change)
+
+
+def read_words(path: Path) -> list[str]:
+    try:
+        return path.read_text().split()
+    except OSError:
+        return []
+
+
+def check_controllers(cgroup_root: Path = Path("/sys/fs/cgroup")) -> Check:
+    v2 = unified_root(cgroup_root)
+    if v2 is None:
+        return Check("controllers", "warn", "no cgroup v2 hierarchy, so no v2 controllers")
+    available = read_words(v2 / "cgroup.controllers")
+    enabled = read_words(v2 / "cgroup.subtree_control")
+    found = f"available: {' '.join(available) or '(none)'}"
+    found += f"; enabled below the root: {' '.join(enabled) or '(none)'}"
+    missing = [name for name in CONTROLLER_USES if name not in available]
+    if not missing:
+        return Check("controllers", "ok", found)
+    lost = ", ".join(f"{name} ({CONTROLLER_USES[name]})" for name in missing)
+    found += f"; missing, so without effect: {lost}"
+    if v2 != cgroup_root:
+        change = "see the cgroup line: on a hybrid hierarchy v2 gets no controllers"
+    elif "memory" in missing:
+        change = (
+            "add cgroup_enable=memory to the kernel command line "
+            "(/boot/firmware/cmdline.txt on Raspberry Pi OS) and reboot"
+        )
+    else:
+        change = "use a kernel with these controllers (CONFIG_CGROUP_*, CONFIG_BLK_CGROUP)"
+    return Check("controllers", "warn", found, change)
+
+
+# -- the IO scheduler of the state directory's disk ----------------------------------
+
+
+def existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def block_device_dir(major: int, minor: int, sys_root: Path = Path("/sys")) -> Path | None:
+    """The sysfs directory of the whole disk behind a device number (a partition's parent)."""
+    link = sys_root / "dev" / "block" / f"{major}:{minor}"
+    if not link.exists():
+        return None
+    device = link.resolve()
+    if (device / "partition").exists():
+        device = device.parent
+    return device
+
+
+def parse_scheduler(text: str) -> tuple[str, list[str]]:
+    """'none [mq-deadline] bfq' -> ('mq-deadline', ['none', 'mq-deadline', 'bfq'])."""
+    words = text.split()
+    current = next((w.strip("[]") for w in words if w.startswith("[")), "none")
+    return current, [w.strip("[]") for w in words]
+
+
+def iocost_enabled(major: int, minor: int, cgroup_root: Path = Path("/sys/fs/cgroup")) -> bool:
+    qos = (unified_root(cgroup_root) or cgroup_root) / "io.cost.qos"
+    try:
+        lines = qos.read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.startswith(f"{major}:{minor} ") and "enable=1" in line for line in lines)
+
+
+def check_io_scheduler(
+    state_dir: Path,
+    *,
+    device: tuple[int, int] | None = None,
+    sys_root: Path = Path("/sys"),
+    cgroup_root: Path = Path("/sys/fs/cgroup"),
+    io_controller: bool = True,
+) -> Check:
+    if device is None:
+        st_dev = existing_ancestor(state_dir).stat().st_dev
+        device = (os.major(st_dev), os.minor(st_dev))
+    major, minor = device
+    disk = block_device_dir(major, minor, sys_root)
+    if disk is None:
+        return Check(
+            "io-scheduler",
+            "warn",
+            f"{state_dir} is on device {major}:{minor}, which is no block device "
+            "(tmpfs, overlay or a network filesystem); IO weights and caps cannot be checked",
+        )
+    name = disk.name
+    try:
+        current, available = parse_scheduler((disk / "queue" / "scheduler").read_text())
+    except OSError:
+        current, available = "unknown", []
+    disk_major_minor = (disk / "dev").read_text().strip() if (disk / "dev").exists() else ""
+    whole = tuple(int(part) for part in disk_major_minor.split(":")) if disk_major_minor else ()
+    iocost = iocost_enabled(*whole, cgroup_root) if len(whole) == 2 else False
+    where = f"{state_dir} is on {name} (scheduler {current})"
+    if not io_controller:
+        found = f"{where}, but the io controller is off: neither IOWeight= nor io.max caps apply"
+        return Check("io-scheduler", "warn", found, "see the controllers line")
+    if current == "bfq":
+        return Check("io-scheduler", "ok", f"{where}: IOWeight= is enforced by BFQ")
+    if iocost:
+        return Check("io-scheduler", "ok", f"{where}: IOWeight= is enforced by iocost")
+    found = (
+        f"{where}: IOWeight= has no effect (it needs BFQ or iocost); "
+        "IOReadBandwidthMax=/IOWriteBandwidthMax= caps (io.max) work"
+    )
+    cap = f'set turns.io_write_bandwidth_max = ["/dev/{name} 8M"] to cap each turn'
+    if "bfq" in available:
+        change = (
+            f"{cap}, or switch to BFQ with a udev rule: "
+            f'ACTION=="add|change", KERNEL=="{name}", ATTR{{queue/scheduler}}="bfq"'
+        )
+    else:
+        change = f"{cap} (this kernel offers no BFQ: {' '.join(available) or 'none'})"
+    return Check("io-scheduler", "warn", found, change)
+
+
+# -- pressure stall information ------------------------------------------------------
+
+
+def check_psi(proc_root: Path = Path("/proc")) -> Check:
+    path = proc_root / "pressure" / "io"
+    try:
+        first = path.read_text().splitlines()[0]
+    except FileNotFoundError:
+        return Check(
+            "psi",
+            "warn",
+            f"{path} is missing: the kernel has no PSI, so turns cannot be held under IO pressure",
+            "use a kernel built with CONFIG_PSI=y",
+        )
+    except OSError as error:
+        if error.errno == errno.EOPNOTSUPP:
+            return Check(
+                "psi",
+                "warn",
+                f"{path} exists but PSI is disabled (psi=0), so no pressure holds",
+                "add psi=1 to the kernel command line and reboot",
+            )
+        return Check("psi", "warn", f"{path}: {error.strerror}")
+    except IndexError:
+        first = ""
+    return Check("psi", "ok", f"{path}: {first}")
+
+
+# -- reachability ---------------------------------------------------------------------
+
+
+def check_manager(probe: Callable[[], str | None], which: str) -> Check:
+    problem = probe()
+    if problem is None:
+        return Check("manager", "ok", f"the {which} systemd manager answers over D-Bus")
+    change = (
+        "run on a host booted with systemd, with dbus running"
+        if which == "system"
+        else "start the user manager (loginctl enable-linger USER) and set XDG_RUNTIME_DIR"
+    )
+    return Check("manager", "fail", problem, change, EX_UNAVAILABLE)
+
+
+def check_socket(path: Path, timeout: float = 2.0) -> Check:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(str(path))
+    except FileNotFoundError:
+        return Check(
+            "socket",
+            "warn",
+            f"{path} does not exist: the gate is not running, so deliveries cannot be queued",
+            "systemctl enable --now volute-gate.service",
+        )
+    except PermissionError:
+        return Check(
+            "socket",
+            "warn",
+            f"{path}: permission denied",
+            "add this user to group volute (usermod -aG volute USER) and log in again",
+        )
+    except ConnectionRefusedError:
+        return Check(
+            "socket",
+            "warn",
+            f"{path} exists but nothing accepts on it (a stale socket)",
+            "systemctl restart volute-gate.service",
+        )
+    except OSError as error:
+        return Check("socket", "warn", f"{path}: {error.strerror or error}")
+    finally:
+        sock.close()
+    return Check("socket", "ok", f"the gate accepts connections on {path}")
+
+
+# -- the report ------------------------------------------------------------------------
+
+
+def run_checks(config_path: str | None) -> list[Check]:
+    from volutectl.config import Settings, load_settings
+
+    checks: list[Check] = []
+    try:
+        loaded = load_settings(config_path)
+    except VoluteError as error:
+        settings = Settings()
+        change = error.hint or "fix the key named, then `volutectl config check`"
+        checks.append(Check("config", "fail", error.message, change, EX_CONFIG))
+    else:
+        settings = loaded.settings
+        source = str(loaded.path) if loaded.path else "defaults (no config file)"
+        checks.append(Check("config", "ok", f"valid: {source}"))
+    checks.append(check_cgroup_version())
+    checks.append(check_controllers())
+    # On a hybrid or legacy hierarchy systemd maps IO*= onto blkio: the scheduler still decides.
+    cgroup_root = Path("/sys/fs/cgroup")
+    unified = unified_root(cgroup_root) == cgroup_root
+    io_controller = not unified or "io" in read_words(cgroup_root / "cgroup.controllers")
+    checks.append(check_io_scheduler(settings.gate.state_dir, io_controller=io_controller))
+    checks.append(check_psi())
+    which = settings.gate.manager
+    checks.append(check_manager(lambda: _manager_problem(which == "user"), which))
+    checks.append(check_socket(settings.gate.socket))
+    return checks
+
+
+def _manager_problem(user: bool) -> str | None:
+    try:
+        from volutectl.systemd import manager_reachable
+    except ImportError as error:  # pystemd missing: the manager is out of reach too
+        return f"cannot load the systemd adapter: {error}"
+    return manager_reachable(user=user)
+
+
+def exit_code(checks: list[Check]) -> int:
+    """The first required failure's code, config before manager; else 0."""
+    codes = [check.exit_code for check in checks if check.status == "fail" and check.exit_code]
+    if EX_CONFIG in codes:
+        return EX_CONFIG
+    return codes[0] if codes else EX_OK
+
+
+@click.command("doctor")
+@click.option(
+    "--config",
+    "config_path",
+    metavar="PATH",
+    default=None,
+    help="Config file to read (default: $VOLUTE_CONFIG, else /etc/volute/volutectl.toml).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead.")
+def doctor_command(config_path: str | None, as_json: bool) -> int:
+    """Say which protections take effect on this host, and what to change.
+
+    Exits 78 if the config is invalid, 69 if the systemd manager is out of reach,
+    else 0 (warnings included).
+    """
+    checks = run_checks(config_path)
+    code = exit_code(checks)
+    if as_json:
+        document = {"exit_code": code, "checks": [asdict(check) for check in checks]}
+        click.echo(json.dumps(document, indent=2))
+    else:
+        for check in checks:
+            click.echo(check.line())
+    return code
