@@ -1,0 +1,319 @@
+"""The units, sysusers/tmpfiles files, example config, completion and Debian files.
+
+`systemd-analyze verify`, `systemd-sysusers` and `systemd-tmpfiles` run for real against
+a throwaway root in tmp_path (they need no running systemd with --root). The install
+tier checks the same units again under trixie's systemd 257.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from volutectl.config import Settings, flatten, load_settings
+
+REPO = Path(__file__).resolve().parents[2]
+UNITS = REPO / "units"
+PACKAGING = REPO / "packaging"
+DEBIAN = REPO / "debian"
+EXAMPLE = PACKAGING / "volutectl.toml"
+SYSTEM_UNITS = Path("/usr/lib/systemd/system")
+VERIFY_NAMES = [
+    "volute.slice",
+    "volute-turns.slice",
+    "volute-tests.slice",
+    "volute-gate.service",
+    "volute-heartbeat@m1.timer",
+    "volute-heartbeat@m1.service",
+]
+
+
+def unit_files() -> list[Path]:
+    return sorted(p for p in UNITS.iterdir() if p.suffix in (".slice", ".service", ".timer"))
+
+
+def parse_unit(path: Path) -> configparser.RawConfigParser:
+    parser = configparser.RawConfigParser(strict=False, delimiters=("=",))
+    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    parser.read(path)
+    return parser
+
+
+def tool(name: str) -> str:
+    found = shutil.which(name) or shutil.which(name, path="/usr/bin:/bin")
+    assert found, f"{name} is not installed (apt-get install systemd)"
+    return found
+
+
+def verify_root(tmp_path: Path, units: Path = UNITS) -> Path:
+    """A root with the system's units, ours, and an executable /usr/bin/volutectl."""
+    root = tmp_path / "root"
+    unit_dir = root / "usr/lib/systemd/system"
+    shutil.copytree(SYSTEM_UNITS, unit_dir, symlinks=True)
+    (root / "lib").symlink_to("usr/lib")
+    for unit in units.iterdir():
+        shutil.copy(unit, unit_dir / unit.name)
+    binary = root / "usr/bin/volutectl"
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    return root
+
+
+def analyze_verify(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [tool("systemd-analyze"), "verify", "--man=no", f"--root={root}", *VERIFY_NAMES],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    result = analyze_verify(verify_root(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "" and result.stdout == "", result.stderr + result.stdout
+
+
+def test_verify_catches_a_broken_unit(tmp_path: Path) -> None:
+    """Guard against a vacuous pass: verify must see our files under --root."""
+    broken = tmp_path / "units"
+    shutil.copytree(UNITS, broken)
+    gate = broken / "volute-gate.service"
+    gate.write_text(gate.read_text().replace("Type=notify", "Type=notifyish"))
+    result = analyze_verify(verify_root(tmp_path, broken))
+    assert "notifyish" in result.stderr
+
+
+def test_every_unit_is_documented() -> None:
+    for path in unit_files():
+        assert parse_unit(path).get("Unit", "Documentation", fallback=""), path.name
+
+
+def test_slices_nest_and_turns_outweigh_tests() -> None:
+    turns = parse_unit(UNITS / "volute-turns.slice")
+    tests = parse_unit(UNITS / "volute-tests.slice")
+    assert (UNITS / "volute.slice").exists()  # the parent of both, by the dash rule
+    assert Settings().turns.slice == "volute-turns.slice"
+    assert Settings().tests.slice == "volute-tests.slice"
+    assert int(turns.get("Slice", "CPUWeight")) > int(tests.get("Slice", "CPUWeight"))
+
+
+# Settings every turn would inherit from the gate, which forks it (see the unit).
+LEAKS_INTO_TURNS = {
+    "ProtectSystem",
+    "ProtectHome",
+    "PrivateTmp",
+    "PrivateDevices",
+    "PrivateNetwork",
+    "PrivateUsers",
+    "NoNewPrivileges",
+    "ProtectKernelTunables",
+    "ProtectKernelModules",
+    "ProtectKernelLogs",
+    "ProtectControlGroups",
+    "ProtectProc",
+    "ProtectHostname",
+    "ProtectClock",
+    "ReadOnlyPaths",
+    "InaccessiblePaths",
+    "TemporaryFileSystem",
+    "RestrictAddressFamilies",
+    "RestrictNamespaces",
+    "RestrictSUIDSGID",
+    "MemoryDenyWriteExecute",
+    "LockPersonality",
+    "SystemCallArchitectures",
+    "CapabilityBoundingSet",
+    "AmbientCapabilities",
+    "UMask",
+    "OOMScoreAdjust",
+    "Nice",
+    "IOSchedulingClass",
+    "CPUSchedulingPolicy",
+    "LimitNOFILE",
+}
+
+
+def test_gate_service_contract() -> None:
+    service = parse_unit(UNITS / "volute-gate.service")["Service"]
+    assert service["Type"] == "notify"
+    assert service["ExecStart"] == "/usr/bin/volutectl gate"
+    assert service["Restart"] == "on-failure"
+    # control-group reaches only the service cgroup; turns live in their own scopes.
+    assert service["KillMode"] == "control-group"
+    assert service["RuntimeDirectory"] == "volute"
+    assert service["RuntimeDirectoryPreserve"] == "yes"
+    assert service["StateDirectory"] == "volute"
+    settings = Settings()
+    assert settings.gate.runtime_dir == Path("/run") / service["RuntimeDirectory"]
+    assert settings.gate.state_dir == Path("/var/lib") / service["StateDirectory"]
+    leaked = sorted(LEAKS_INTO_TURNS & set(service))
+    assert not leaked, f"these would silently bind every turn: {leaked}"
+    for option in service.get("SystemCallFilter", "").split():
+        assert option.lstrip("~") in ("@clock", "@module", "@raw-io", "@swap"), option
+    assert service["SystemCallFilter"].startswith("~")  # a deny list, never an allow list
+
+
+def test_heartbeat_is_aligned_and_delivers() -> None:
+    timer = parse_unit(UNITS / "volute-heartbeat@.timer")["Timer"]
+    assert timer["OnCalendar"] == "*-*-* *:00:00"
+    assert timer["AccuracySec"] == "1s"
+    service = parse_unit(UNITS / "volute-heartbeat@.service")["Service"]
+    assert service["Type"] == "oneshot"
+    assert service["ExecStart"] == (
+        "/usr/bin/volutectl deliver %i --session heartbeat --message heartbeat"
+    )
+    assert service["SupplementaryGroups"] == Settings().gate.socket_group
+
+
+# -- sysusers and tmpfiles, applied for real to a throwaway root ---------------------------
+
+
+def test_sysusers_creates_the_group_and_the_default_turn_user(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    result = subprocess.run(
+        [tool("systemd-sysusers"), f"--root={tmp_path}", str(PACKAGING / "volutectl.sysusers")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    settings = Settings()
+    groups = {line.split(":")[0]: line for line in (tmp_path / "etc/group").read_text().split()}
+    passwd = {
+        line.split(":")[0]: line.split(":")
+        for line in (tmp_path / "etc/passwd").read_text().splitlines()
+    }
+    assert settings.gate.socket_group in groups
+    user = passwd[settings.turns.default_user]
+    gid = groups[settings.gate.socket_group].split(":")[2]
+    assert user[3] == gid  # primary group volute
+    assert 0 < int(user[2]) < 1000  # a system user
+    assert user[6] == "/usr/sbin/nologin"
+
+
+def test_tmpfiles_make_the_directories_the_unit_expects(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            tool("systemd-tmpfiles"),
+            f"--root={tmp_path}",
+            "--create",
+            str(PACKAGING / "volutectl.tmpfiles"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    service = parse_unit(UNITS / "volute-gate.service")["Service"]
+    settings = Settings()
+    state = tmp_path / str(settings.gate.state_dir).lstrip("/")
+    runtime = tmp_path / str(settings.gate.runtime_dir).lstrip("/")
+    assert stat.S_IMODE(state.stat().st_mode) == int(service["StateDirectoryMode"], 8)
+    assert stat.S_IMODE(runtime.stat().st_mode) == int(service["RuntimeDirectoryMode"], 8)
+
+
+# -- the example config --------------------------------------------------------------------
+
+KEY_LINE = re.compile(r"^#(?P<key>[a-z_]+) = (?P<value>.+)$")
+SECTION_LINE = re.compile(r"^#?\[(?P<section>[a-z_.]+)\]$")
+
+
+def commented_keys() -> dict[str, list[str]]:
+    """dotted key -> the values shown on its commented lines, in file order."""
+    found: dict[str, list[str]] = {}
+    section = ""
+    for line in EXAMPLE.read_text().splitlines():
+        if match := SECTION_LINE.match(line):
+            section = match["section"]
+        elif match := KEY_LINE.match(line):
+            found.setdefault(f"{section}.{match['key']}", []).append(match["value"])
+    return found
+
+
+def test_example_config_as_shipped_is_all_defaults() -> None:
+    loaded = load_settings(EXAMPLE, environ={})
+    assert loaded.settings == Settings()
+    assert tomllib.loads(EXAMPLE.read_text()) == {
+        "gate": {},
+        "limits": {},
+        "turns": {},
+        "tests": {},
+    }
+
+
+def test_example_config_shows_every_key_with_its_default() -> None:
+    shown = commented_keys()
+    defaults = flatten(Settings())
+    del defaults["minds"]  # an empty table by default; see the example mind test
+    missing = sorted(set(defaults) - set(shown))
+    assert not missing, f"keys missing from {EXAMPLE.name}: {missing}"
+    for key, default in defaults.items():
+        if default is None:
+            continue  # no TOML spelling for "unset"; the line shows an example value
+        value = tomllib.loads(f"v = {shown[key][0]}")["v"]
+        section, name = key.split(".")
+        parsed = getattr(Settings(**{section: {name: value}}), section)
+        assert getattr(parsed, name) == default, key
+
+
+def test_example_mind_uncommented_is_valid(tmp_path: Path) -> None:
+    text = EXAMPLE.read_text()
+    mind = text[text.index("#[minds.example]") :]
+    uncommented = "\n".join(
+        line[1:] if KEY_LINE.match(line) or SECTION_LINE.match(line) else line
+        for line in mind.splitlines()
+    )
+    path = tmp_path / "volutectl.toml"
+    path.write_text(uncommented + "\n")
+    settings = load_settings(path, environ={}).settings
+    example = settings.minds["example"]
+    fields = set(type(example).model_fields)
+    shown = {key.split(".", 2)[-1] for key in commented_keys() if key.startswith("minds.")}
+    assert fields == shown, f"mind keys not shown: {sorted(fields - shown)}"
+
+
+# -- completion and the Debian files --------------------------------------------------------
+
+
+def test_bash_completion_is_clicks_current_script() -> None:
+    volutectl = Path(sys.executable).parent / "volutectl"
+    env = {**os.environ, "_VOLUTECTL_COMPLETE": "bash_source"}
+    generated = subprocess.run(
+        [str(volutectl)], capture_output=True, text=True, env=env, timeout=60, check=True
+    ).stdout
+    shipped = (PACKAGING / "completion" / "volutectl").read_text()
+    assert shipped == generated, "regenerate: _VOLUTECTL_COMPLETE=bash_source volutectl"
+
+
+@pytest.mark.parametrize("script", ["volutectl.postinst", "volutectl.postrm"])
+def test_maintainer_scripts_keep_the_debhelper_token(script: str) -> None:
+    text = (DEBIAN / script).read_text()
+    assert text.startswith("#!/bin/sh\nset -e\n")
+    assert "\n#DEBHELPER#\n" in text
+
+
+def test_package_depends_on_debians_own_modules() -> None:
+    control = (DEBIAN / "control").read_text()
+    for package in ("python3-pystemd", "python3-click", "python3-pydantic-settings"):
+        assert package in control
+    assert "Architecture: all" in control
+    assert "Rules-Requires-Root: no" in control
+
+
+def test_every_unit_is_installed_and_only_the_gate_is_restarted_on_upgrade() -> None:
+    install = (DEBIAN / "volutectl.install").read_text()
+    for suffix in ("slice", "service", "timer"):
+        assert f"units/*.{suffix} usr/lib/systemd/system" in install
+    # Restarting volute-turns.slice on upgrade would stop every running turn.
+    assert "dh_installsystemd volute-gate.service" in (DEBIAN / "rules").read_text()
