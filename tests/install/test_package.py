@@ -1,0 +1,247 @@
+"""The install tier: the Debian package in a clean Debian trixie root.
+
+packaging/build-deb builds the .debs from this checkout; a debootstrapped trixie minbase
+root (cached under /var/cache/volute-test, see rootfs.py) boots as a throwaway overlay
+under systemd-nspawn; `apt-get install ./volutectl_*.deb` then pulls python3-pystemd,
+python3-click and python3-pydantic-settings from Debian. The tests share one container
+and run in file order: install, inspect, then remove and purge last.
+
+Run: .venv/bin/pytest -m install tests/install   (root; about 30 s with a warm cache)
+Artifacts (the `systemctl status volute-turns.slice` capture, lintian output) go to
+$VOLUTE_ARTIFACTS, default dist/install-tier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.install.rootfs import apt_archives, ensure_root
+from tests.machine import Machine, boot
+
+pytestmark = pytest.mark.install
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = Path(os.environ.get("VOLUTE_ARTIFACTS", REPO / "dist" / "install-tier"))
+UNITS = sorted(p.name for p in (REPO / "units").iterdir())
+MIND = "probe"
+TURN_SECONDS = 30
+
+
+@dataclass
+class Installed:
+    machine: Machine
+    debs: list[str]
+    apt_output: str
+    build_output: str
+
+
+def artifact(name: str, text: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / name).write_text(text)
+
+
+@pytest.fixture(scope="module")
+def debs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("debs")
+    result = subprocess.run(
+        [str(REPO / "packaging" / "build-deb"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    artifact("build-deb.txt", result.stdout + result.stderr)
+    return out, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def installed(debs: tuple[Path, str]) -> Iterator[Installed]:
+    out, build_output = debs
+    root = ensure_root()
+    packages = sorted(str(p) for p in out.glob("*.deb"))
+    with boot(
+        lower=str(root),
+        name="vt-install",
+        binds=[out],
+        extra_args=[f"--bind={apt_archives()}:/var/cache/apt/archives"],
+        prepare={"/etc/resolv.conf": Path("/etc/resolv.conf").read_text()},
+    ) as machine:
+        result = machine.sh(
+            "apt-get update -q && apt-get install -y -q --no-install-recommends "
+            + " ".join(packages),
+            env={"DEBIAN_FRONTEND": "noninteractive"},
+            timeout=900,
+            check=False,
+        )
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+        yield Installed(machine, packages, result.stdout + result.stderr, build_output)
+
+
+def test_build_passes_lintian_without_errors(installed: Installed) -> None:
+    tags = re.findall(r"^([EWIXPN]): (\S+): (\S+)", installed.build_output, re.MULTILINE)
+    errors = [tag for tag in tags if tag[0] == "E"]
+    assert not errors, errors
+    sizes = {Path(p).name: Path(p).stat().st_size for p in installed.debs}
+    artifact("lintian-and-sizes.txt", f"lintian tags: {tags}\nsizes: {sizes}\n")
+
+
+def test_dependencies_come_from_debian(installed: Installed) -> None:
+    m = installed.machine
+    for package in ("python3-pystemd", "python3-click", "python3-pydantic-settings"):
+        policy = m.run(["apt-cache", "policy", package]).stdout
+        assert "deb.debian.org/debian trixie" in policy, policy
+        status = m.run(["dpkg-query", "-W", "-f=${Status}", package]).stdout
+        assert status == "install ok installed"
+    versions = m.run(["dpkg-query", "-W", "python3-pystemd", "systemd", "python3"]).stdout
+    assert re.search(r"^systemd\t257", versions, re.MULTILINE), versions
+
+
+def test_units_are_installed_and_verify_under_trixie_systemd(installed: Installed) -> None:
+    m = installed.machine
+    for unit in UNITS:
+        assert m.host_path(f"/usr/lib/systemd/system/{unit}").is_file(), unit
+        assert not m.host_path(f"/lib/systemd/system/{unit}").is_symlink()
+    names = [u.replace("@.", "@m1.") for u in UNITS]
+    verify = m.sh(
+        f"cd /usr/lib/systemd/system && systemd-analyze verify --man=no {' '.join(names)}"
+    )
+    assert verify.stdout + verify.stderr == "", verify.stderr
+    cat = m.run(["systemctl", "cat", "volute-turns.slice"]).stdout
+    assert "# /usr/lib/systemd/system/volute-turns.slice" in cat
+    enabled = m.run(["systemctl", "is-enabled", "volute-gate.service"], check=False).stdout
+    assert enabled.strip() == "enabled"
+    # The slices are not started, enabled or restarted by the package scripts.
+    assert m.run(["systemctl", "is-enabled", "volute.slice"], check=False).stdout.strip() in (
+        "static",
+        "disabled",
+    )
+
+
+def test_sysusers_tmpfiles_and_config_permissions(installed: Installed) -> None:
+    m = installed.machine
+    user = m.run(["getent", "passwd", "volute"]).stdout.split(":")
+    group = m.run(["getent", "group", "volute"]).stdout.split(":")
+    assert user[3] == group[2] and int(user[2]) < 1000
+    listing = m.sh("stat -c '%U %G %a %n' /etc/volute/volutectl.toml /var/lib/volute /run/volute")
+    assert listing.stdout.splitlines() == [
+        "root volute 640 /etc/volute/volutectl.toml",
+        "root root 700 /var/lib/volute",
+        "root root 755 /run/volute",
+    ]
+    conffiles = m.run(["dpkg-query", "-W", "-f=${Conffiles}", "volutectl"]).stdout
+    assert "/etc/volute/volutectl.toml" in conffiles
+
+
+def test_cli_config_check_and_completion(installed: Installed) -> None:
+    m = installed.machine
+    assert m.run(["which", "volutectl"]).stdout.strip() == "/usr/bin/volutectl"
+    assert "Usage: volutectl" in m.run(["volutectl", "--help"]).stdout
+    check = m.run(["volutectl", "config", "check"])
+    assert "/etc/volute/volutectl.toml" in check.stdout + check.stderr
+    completion = m.run(
+        ["volutectl"],
+        env={
+            "_VOLUTECTL_COMPLETE": "bash_complete",
+            "COMP_WORDS": "volutectl con",
+            "COMP_CWORD": "1",
+        },
+    )
+    assert "plain,config" in completion.stdout.split()
+    sourced = m.run(
+        [
+            "bash",
+            "-c",
+            ". /usr/share/bash-completion/completions/volutectl && complete -p volutectl",
+        ]
+    )
+    assert "_volutectl_completion" in sourced.stdout
+
+
+def test_doctor_runs_and_reaches_the_manager(installed: Installed) -> None:
+    m = installed.machine
+    result = m.run(["volutectl", "doctor", "--json"], check=False)
+    report = json.loads(result.stdout)
+    by_name = {check["check"]: check for check in report["checks"]}
+    assert by_name["config"]["status"] == "ok", by_name["config"]
+    assert by_name["manager"]["status"] == "ok", by_name["manager"]
+    assert result.returncode == 0, result.stdout + result.stderr
+    artifact("doctor.txt", m.run(["volutectl", "doctor"], check=False).stdout)
+
+
+def gate_implemented() -> bool:
+    return (REPO / "volutectl" / "daemon.py").exists()
+
+
+def test_gate_runs_a_delivered_turn_as_a_scope_in_the_slice(installed: Installed) -> None:
+    if not gate_implemented():
+        pytest.xfail("volutectl gate has not landed yet (volutectl/daemon.py)")
+    m = installed.machine
+    config = m.host_path("/etc/volute/volutectl.toml")
+    config.write_text(
+        config.read_text() + f'\n[minds.{MIND}]\ncommand = ["/bin/sleep", "{TURN_SECONDS}"]\n'
+    )
+    m.run(["volutectl", "config", "check"])
+    m.run(["systemctl", "restart", "volute-gate.service"])
+    assert m.run(["systemctl", "is-active", "volute-gate.service"]).stdout.strip() == "active"
+    delivery = m.run(["volutectl", "deliver", MIND, "--message", "hello from the install tier"])
+    assert delivery.stdout.strip(), "deliver printed no delivery id"
+    deadline = time.monotonic() + 20
+    scopes: list[str] = []
+    while time.monotonic() < deadline and not scopes:
+        listed = m.run(
+            ["systemctl", "list-units", "--plain", "--no-legend", "volute-turn-*.scope"]
+        ).stdout
+        scopes = [line.split()[0] for line in listed.splitlines() if line.strip()]
+        time.sleep(0.1)
+    assert scopes, "no turn scope appeared within 20 s"
+    assert scopes[0].startswith(f"volute-turn-{MIND}-")
+    status = m.run(["systemctl", "status", "--no-pager", "volute-turns.slice"], check=False)
+    artifact("systemctl-status-volute-turns.slice.txt", status.stdout)
+    assert scopes[0] in status.stdout
+    assert "sleep" in status.stdout
+    assert m.run(["systemctl", "show", "-P", "Slice", scopes[0]]).stdout.strip() == (
+        "volute-turns.slice"
+    )
+    assert m.run(["systemctl", "is-active", "volute-gate.service"]).stdout.strip() == "active"
+    # Restarting the gate leaves the running turn alone.
+    m.run(["systemctl", "restart", "volute-gate.service"])
+    assert m.run(["systemctl", "is-active", scopes[0]], check=False).stdout.strip() == "active"
+
+
+def test_remove_keeps_state_and_purge_leaves_nothing(installed: Installed) -> None:
+    m = installed.machine
+    m.run(["systemctl", "enable", "volute-heartbeat@m1.timer"])
+    m.run(["apt-get", "remove", "-y", "-q", "volutectl"], env={"DEBIAN_FRONTEND": "noninteractive"})
+    assert m.host_path("/var/lib/volute").is_dir()
+    assert m.host_path("/etc/volute/volutectl.toml").is_file()
+    assert m.run(["getent", "passwd", "volute"], check=False).returncode == 0
+    assert not m.host_path("/usr/lib/systemd/system/volute-gate.service").exists()
+
+    m.run(["apt-get", "purge", "-y", "-q", "volutectl"], env={"DEBIAN_FRONTEND": "noninteractive"})
+    m.run(["systemctl", "daemon-reload"])
+    leftovers = m.sh(
+        "find /etc/systemd /usr/lib/systemd/system /var/lib/systemd/deb-systemd-helper-enabled"
+        " /var/lib/systemd/deb-systemd-helper-masked -name '*volute*' 2>/dev/null; "
+        "ls -d /etc/volute /var/lib/volute /run/volute /usr/lib/python3/dist-packages/volutectl"
+        " 2>/dev/null; true"
+    ).stdout
+    assert leftovers == "", leftovers
+    unit_files = m.run(
+        ["systemctl", "list-unit-files", "--no-legend", "volute*"], check=False
+    ).stdout
+    assert unit_files.strip() == "", unit_files
+    assert m.run(["getent", "passwd", "volute"], check=False).returncode == 2
+    assert m.run(["getent", "group", "volute"], check=False).returncode == 2
+    assert m.run(["dpkg-query", "-W", "-f=${Status}", "volutectl"], check=False).stdout in (
+        "",
+        "unknown ok not-installed",
+    )
