@@ -54,11 +54,18 @@ class Slot:
     index: int  # 1-based, as in the file name
     path: Path
     fd: int
+    # The inotify instance we waited on, if any. Closing one that had watches waits for
+    # an SRCU grace period (5-15 ms here), so it is closed on release, after the lock
+    # is gone, instead of on the handoff path.
+    watcher: INotify | None = None
 
     def release(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.watcher is not None:
+            self.watcher.close()
+            self.watcher = None
 
 
 def slot_directory(common_dir: str | os.PathLike[str]) -> Path:
@@ -141,12 +148,14 @@ def acquire_slot(
             assert watcher is not None
             chosen = _wait(watcher, opened, timeout, fallback_seconds)
         path, fd = opened[chosen]
-        return Slot(index=chosen + 1, path=path, fd=fd)
+        slot = Slot(index=chosen + 1, path=path, fd=fd, watcher=watcher)
+        watcher = None
+        return slot
     finally:
         for position, (_, fd) in enumerate(opened):
             if position != chosen:
                 os.close(fd)
-        if watcher is not None:
+        if watcher is not None:  # only when giving up: timeout or interrupt
             watcher.close()
 
 
