@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     args = [a for a in args if a != "--debug"]
     try:
         if args[:1] == ["deliver"]:
-            # The hot path: no click, no pydantic; see volutectl.client.
-            from volutectl.client import deliver_main
+            # The hot path: no click, no pydantic; see volutectl.deliver.
+            from volutectl.deliver import deliver_main
 
             sys.exit(deliver_main(args[1:]))
         _run_click(args)

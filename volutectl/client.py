@@ -1,0 +1,137 @@
+"""Client commands that talk to the gate: status, queue, and deliver's click face.
+
+The real `deliver` lives in volutectl.deliver, which the CLI calls directly without
+loading click; the click command here only exists for `volutectl --help`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from volutectl.deliver import deliver_main, request
+from volutectl.errors import EX_DATAERR, VoluteError
+
+
+@click.command(
+    "deliver", context_settings={"ignore_unknown_options": True, "help_option_names": []}
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def deliver_command(args: tuple[str, ...]) -> int:
+    """Queue a message for a mind's turn (see: volutectl deliver --help)."""
+    return deliver_main(list(args))
+
+
+def _format_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    return f"{seconds / 60:.1f}m"
+
+
+def format_status(status: dict[str, Any]) -> str:
+    cap = status["global_cap"] if status["global_cap"] is not None else "unlimited"
+    lines = [
+        f"active turns: {status['active_turns']} of {cap} "
+        f"(per mind: {status['turns_per_mind']}; slice {status['slice']})",
+        f"queue: {status['queue_depth']} pending, "
+        f"oldest hold {_format_age(status['oldest_held_s'])}, {status['dead']} dead",
+    ]
+    if status["holds"]:
+        lines.append(
+            "holds: " + ", ".join(f"{n} {reason}" for reason, n in sorted(status["holds"].items()))
+        )
+    if status.get("foreign_scopes"):
+        lines.append(f"other scopes in the slice: {status['foreign_scopes']}")
+    for turn in status["turns"]:
+        lines.append(
+            f"  turn {turn['turn_id']}: {turn['mind']}/{turn['session']} "
+            f"running {_format_age(turn['running_s'])}  ({turn['unit']})"
+        )
+    for mind, info in sorted(status["minds"].items()):
+        sessions = ",".join(info["running_sessions"]) or "-"
+        lines.append(f"  mind {mind}: running {sessions}; {info['pending']} pending")
+    return "\n".join(lines)
+
+
+@click.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--socket", help="Gate socket.")
+@click.option("--config", "config_path", help="Config file, to find the socket.")
+def status_command(as_json: bool, socket: str | None, config_path: str | None) -> None:
+    """Show active turns against the cap, holds, and the queue."""
+    status = request({"op": "status"}, socket, config_path)["status"]
+    if as_json:
+        import json
+
+        click.echo(json.dumps(status, indent=2, sort_keys=True))
+    else:
+        click.echo(format_status(status))
+
+
+@click.group("queue", invoke_without_command=True)
+@click.option("--socket", help="Gate socket.")
+@click.option("--config", "config_path", help="Config file, to find the socket.")
+@click.pass_context
+def queue_command(ctx: click.Context, socket: str | None, config_path: str | None) -> None:
+    """List, retry or drop queued deliveries (default: list)."""
+    ctx.obj = (socket, config_path)
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(queue_list)
+
+
+@queue_command.command("list")
+@click.option("--state", "states", multiple=True, help="pending, running, dead, done, dropped")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def queue_list(ctx: click.Context, states: tuple[str, ...] = (), as_json: bool = False) -> None:
+    """List rows (default: pending, running and dead)."""
+    socket, config_path = ctx.obj
+    rows = request({"op": "queue", "states": list(states) or None}, socket, config_path)["rows"]
+    if as_json:
+        import json
+
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("the queue is empty")
+    for row in rows:
+        extra = f" held:{row['hold_reason']}" if row["hold_reason"] else ""
+        error = f" last error: {row['last_error']}" if row["last_error"] else ""
+        click.echo(
+            f"{row['id']:>6} {row['state']:<8} {row['mind']}/{row['session']} "
+            f"attempts={row['attempts']} {row['bytes']}B{extra}{error}"
+        )
+
+
+@queue_command.command("retry")
+@click.argument("ids", nargs=-1, type=int, required=True)
+@click.pass_context
+def queue_retry(ctx: click.Context, ids: tuple[int, ...]) -> None:
+    """Send dead deliveries back to the queue, attempts reset."""
+    socket, config_path = ctx.obj
+    changed = request({"op": "retry", "ids": list(ids)}, socket, config_path)["changed"]
+    _report_changed("retried", ids, changed)
+
+
+@queue_command.command("drop")
+@click.argument("ids", nargs=-1, type=int, required=True)
+@click.pass_context
+def queue_drop(ctx: click.Context, ids: tuple[int, ...]) -> None:
+    """Drop pending or dead deliveries (never a running one)."""
+    socket, config_path = ctx.obj
+    changed = request({"op": "drop", "ids": list(ids)}, socket, config_path)["changed"]
+    _report_changed("dropped", ids, changed)
+
+
+def _report_changed(verb: str, asked: tuple[int, ...], changed: list[int]) -> None:
+    for delivery_id in changed:
+        click.echo(f"{verb} {delivery_id}")
+    missed = sorted(set(asked) - set(changed))
+    if missed:
+        raise VoluteError(
+            f"not {verb}: {' '.join(map(str, missed))} (no such row, or in the wrong state)",
+            exit_code=EX_DATAERR,
+        )

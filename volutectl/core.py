@@ -1,0 +1,206 @@
+"""The gate's pure core: who may start a turn now, and how a row moves through the queue.
+
+No I/O here: no pystemd, sqlite3, fcntl, socket or fork. The daemon feeds `admit()`
+plain data (pending deliveries from the store, live turns as systemd lists them) and
+carries out what comes back.
+
+Queue states: pending -> running -> done; a failed turn sends its rows back to pending
+with an attempt counted and a backoff (`after_failure`), or to dead after the last
+attempt. A hold is not a state: a held row simply stays pending, its attempts untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+# Why a pending delivery did not start. Logged, shown in `status`, never an attempt.
+HOLD_MIND_BUSY = "mind_busy"  # the mind already runs its limit of turns
+HOLD_GLOBAL_CAP = "global_cap"  # limits.global_concurrent_turns reached
+HOLD_BEHIND_BACKOFF = "behind_backoff"  # an earlier row of this session is backing off
+HOLD_PRESSURE = "io_pressure"  # PSI says the storage is stalled
+HOLD_TEST_RUN = "test_run"  # test runs fill the shared budget
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A pending row, as admission sees it."""
+
+    id: int
+    mind: str
+    session: str
+    interrupt: bool = False
+    not_before: float | None = None  # set while backing off after a failure
+
+
+@dataclass(frozen=True)
+class LiveTurn:
+    """A turn whose scope systemd lists as live."""
+
+    turn_id: int
+    mind: str
+    session: str
+
+
+@dataclass(frozen=True)
+class Limits:
+    global_cap: int | None = None  # None: unlimited
+    turns_per_mind: int = 1
+    per_mind: Mapping[str, int] = field(default_factory=dict)
+
+    def for_mind(self, mind: str) -> int:
+        return self.per_mind.get(mind, self.turns_per_mind)
+
+
+@dataclass(frozen=True)
+class Start:
+    mind: str
+    session: str
+    delivery_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Hand deliveries to a live turn of the same session (its inbox)."""
+
+    turn_id: int
+    delivery_ids: tuple[int, ...]
+    interrupt: bool  # signal the turn: one of the deliveries asked to interrupt
+
+
+@dataclass(frozen=True)
+class Hold:
+    delivery_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Admission:
+    starts: list[Start]
+    folds: list[Fold]
+    holds: list[Hold]
+
+
+def admit(
+    pending: Iterable[Delivery],
+    live: Sequence[LiveTurn],
+    limits: Limits,
+    *,
+    now: float,
+    other_busy: int = 0,
+    pressure: bool = False,
+    other_busy_reason: str = HOLD_GLOBAL_CAP,
+) -> Admission:
+    """Decide, in id order, what starts, what folds into a live turn, and what waits.
+
+    - Deliveries to a (mind, session) that has a live turn fold into it.
+    - A new turn starts only if the mind is under its limit, the global count (live
+      turns plus `other_busy`, e.g. foreign scopes or test runs that share the budget)
+      is under the cap, and, under pressure, nothing else runs at all.
+    - A started turn takes every eligible pending row of its session (batch flush).
+    - A row behind a backing-off row of its session waits, so a session's rows reach
+      turns in id order.
+    """
+    ordered = sorted(pending, key=lambda d: d.id)
+    per_mind: dict[str, int] = {}
+    live_session: dict[tuple[str, str], int] = {}
+    for turn in live:
+        per_mind[turn.mind] = per_mind.get(turn.mind, 0) + 1
+        live_session.setdefault((turn.mind, turn.session), turn.turn_id)
+    running = len(live)
+
+    backing_off: set[tuple[str, str]] = set()
+    started: dict[tuple[str, str], list[int]] = {}
+    start_order: list[tuple[str, str]] = []
+    folds: dict[int, list[Delivery]] = {}
+    holds: list[Hold] = []
+
+    for delivery in ordered:
+        key = (delivery.mind, delivery.session)
+        if delivery.not_before is not None and delivery.not_before > now:
+            backing_off.add(key)
+            continue
+        if key in backing_off:
+            holds.append(Hold(delivery.id, HOLD_BEHIND_BACKOFF))
+            continue
+        if key in started:
+            started[key].append(delivery.id)
+            continue
+        if key in live_session:
+            folds.setdefault(live_session[key], []).append(delivery)
+            continue
+        if per_mind.get(delivery.mind, 0) >= limits.for_mind(delivery.mind):
+            holds.append(Hold(delivery.id, HOLD_MIND_BUSY))
+            continue
+        busy = running + other_busy
+        if limits.global_cap is not None and busy >= limits.global_cap:
+            reason = other_busy_reason if running < limits.global_cap else HOLD_GLOBAL_CAP
+            holds.append(Hold(delivery.id, reason))
+            continue
+        if pressure and busy >= 1:
+            holds.append(Hold(delivery.id, HOLD_PRESSURE))
+            continue
+        started[key] = [delivery.id]
+        start_order.append(key)
+        per_mind[delivery.mind] = per_mind.get(delivery.mind, 0) + 1
+        running += 1
+
+    return Admission(
+        starts=[
+            Start(mind, session, tuple(started[(mind, session)])) for mind, session in start_order
+        ],
+        folds=[
+            Fold(turn_id, tuple(d.id for d in rows), any(d.interrupt for d in rows))
+            for turn_id, rows in folds.items()
+        ],
+        holds=holds,
+    )
+
+
+@dataclass(frozen=True)
+class AfterFailure:
+    state: str  # "pending" or "dead"
+    attempts: int
+    not_before: float | None
+
+
+def after_failure(
+    attempts: int, *, now: float, max_attempts: int, initial: float, ceiling: float
+) -> AfterFailure:
+    """A real failure (not a hold): count the attempt, back off, or give up."""
+    attempts += 1
+    if attempts >= max_attempts:
+        return AfterFailure("dead", attempts, None)
+    delay = min(initial * (2 ** (attempts - 1)), ceiling)
+    return AfterFailure("pending", attempts, now + delay)
+
+
+@dataclass(frozen=True)
+class TurnOutcome:
+    """How a turn ended, decided from what could be observed."""
+
+    kind: str  # "ok", "failed", "never_ran"
+    exit_status: int | None
+    detail: str
+
+
+def turn_outcome(*, exit_status: int | None, started_marker: bool, released: bool) -> TurnOutcome:
+    """Decide a turn's outcome from its exit status or, after a restart, its traces.
+
+    `released`: the gate recorded that it let the command exec. `started_marker`: the
+    turn's wrapper got as far as running the command.
+    """
+    if exit_status is not None:
+        if exit_status == 0:
+            return TurnOutcome("ok", 0, "exited 0")
+        return TurnOutcome("failed", exit_status, f"exited {exit_status}")
+    if started_marker or released:
+        return TurnOutcome("failed", None, "ended without recording an exit status")
+    return TurnOutcome("never_ran", None, "the command never started")
+
+
+def wait_exit_code(exit_status: int | None) -> int:
+    """The exit code `deliver --wait` reports for a turn's exit status."""
+    if exit_status is None:
+        return 1
+    return exit_status if 0 <= exit_status <= 255 else 1

@@ -1,0 +1,139 @@
+"""`volutectl deliver`: the hot path, with nothing imported that it does not need.
+
+`deliver` runs from cron-aligned timers and chat fan-outs, so `deliver_main`
+parses its own arguments with argparse and imports neither click nor pydantic: it
+finds the socket (flag, $VOLUTE_GATE__SOCKET, the config file's [gate] socket, the
+default), sends one request and prints the id once the gate has committed the row.
+The gate validates mind, session and size against its config; the client checks the
+names too, so a typo fails before any I/O.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from volutectl import protocol
+from volutectl.errors import EX_DATAERR, EX_USAGE, UsageError, VoluteError
+
+DEFAULT_SOCKET = "/run/volute/gate.sock"
+DEFAULT_CONFIG = "/etc/volute/volutectl.toml"
+
+
+def socket_path(explicit: str | None, config: str | None) -> str:
+    """The gate socket: flag, env, config file, default (same precedence as config)."""
+    if explicit:
+        return explicit
+    from_env = os.environ.get("VOLUTE_GATE__SOCKET")
+    if from_env:
+        return from_env
+    path = config or os.environ.get("VOLUTE_CONFIG") or DEFAULT_CONFIG
+    try:
+        import tomllib
+
+        with open(path, "rb") as handle:
+            value = tomllib.load(handle).get("gate", {}).get("socket")
+        if isinstance(value, str) and value:
+            return value
+    except FileNotFoundError:
+        if config or os.environ.get("VOLUTE_CONFIG"):
+            raise VoluteError(f"{path}: config file not found", exit_code=78) from None
+    except PermissionError:
+        pass
+    except ValueError as error:  # TOMLDecodeError
+        raise VoluteError(f"{path}: not valid TOML: {error}", exit_code=78) from None
+    return DEFAULT_SOCKET
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        raise UsageError(f"deliver: {message}", hint="see: volutectl deliver --help")
+
+
+def _deliver_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="volutectl deliver",
+        description="Queue a message for MIND. Prints the delivery id once it is durably "
+        "queued. Reads the message from stdin unless --message is given.",
+    )
+    parser.add_argument("mind")
+    parser.add_argument("--session", "-s", default="main", help="session (default: main)")
+    parser.add_argument("--message", "-m", help="the message (default: read stdin)")
+    parser.add_argument(
+        "--interrupt", action="store_true", help="interrupt the session's running turn"
+    )
+    parser.add_argument(
+        "--wait", action="store_true", help="wait for the turn that carries it; exit with its code"
+    )
+    parser.add_argument("--socket", help=f"gate socket (default: {DEFAULT_SOCKET})")
+    parser.add_argument("--config", help="config file, to find the socket")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the ack")
+    return parser
+
+
+def deliver_main(argv: list[str]) -> int:
+    args = _deliver_parser().parse_args(argv)
+    from volutectl.names import NameError_, check_mind, check_session
+
+    try:
+        check_mind(args.mind)
+        check_session(args.session)
+    except NameError_ as error:
+        raise VoluteError(str(error), exit_code=EX_DATAERR) from None
+    if args.message is not None:
+        message = args.message
+    else:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise UsageError("no message: pass --message TEXT or pipe it on stdin")
+        raw = sys.stdin.buffer.read()
+        try:
+            message = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise VoluteError(
+                "the message on stdin is not UTF-8 text", exit_code=EX_DATAERR
+            ) from None
+    connection = protocol.Connection(socket_path(args.socket, args.config), timeout=args.timeout)
+    try:
+        reply = connection.request(
+            {
+                "op": "deliver",
+                "mind": args.mind,
+                "session": args.session,
+                "message": message,
+                "interrupt": args.interrupt,
+                "wait": args.wait,
+            },
+            timeout=args.timeout,
+        )
+        print(reply["id"], flush=True)
+        if not args.wait:
+            return 0
+        event = protocol.raise_for_reply(connection.receive(timeout=None))
+    finally:
+        connection.close()
+    kind = event.get("event")
+    if kind == "turn_ended":
+        if event.get("outcome") != "ok":
+            print(
+                f"volutectl: turn {event.get('turn_id')} {event.get('outcome')}: "
+                f"exit status {event.get('exit_status')}",
+                file=sys.stderr,
+            )
+        return int(event.get("exit_code", 1))
+    if kind == "dead":
+        print(f"volutectl: delivery {reply['id']} is dead: {event.get('error')}", file=sys.stderr)
+        return 1
+    if kind == "dropped":
+        print(f"volutectl: delivery {reply['id']} was dropped", file=sys.stderr)
+        return 1
+    raise VoluteError(f"unexpected reply from the gate: {event}", exit_code=EX_USAGE)
+
+
+def request(message: dict[str, Any], socket: str | None, config: str | None) -> dict[str, Any]:
+    connection = protocol.Connection(socket_path(socket, config))
+    try:
+        return connection.request(message)
+    finally:
+        connection.close()

@@ -1,0 +1,246 @@
+"""Turn processes: the turn directory, the fork, and the release into exec.
+
+A turn's child is forked by the gate, drops to the mind's user, and then blocks on a
+pipe. The gate has systemd put it into its scope (and waits until the scope holds it);
+only then does it write the release byte, and the child execs. If the gate dies before
+that, the pipe closes and the child exits without running anything.
+
+The scope's main process is /bin/sh running a few builtins around the command: it
+marks that the command started, runs it, and writes its exit status into the turn
+directory, so a gate that restarted can still learn how an adopted turn ended. A
+Python wrapper would cost 100+ ms on the handoff path; sh costs about 1 ms.
+
+Turn directory (under gate.runtime_dir/turns/<id>, owned by the mind's user):
+  stdin.jsonl  the batch of deliveries, one JSON object per line (root-owned, 0600;
+               opened before the privilege drop)
+  inbox/       deliveries folded in while the turn runs, one <id>.json file each; the
+               turn takes one by deleting (or moving away) its file
+  started      created by the wrapper just before the command runs
+  status       the command's exit status, written by the wrapper when it returns
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from volutectl.errors import DataError, VoluteError
+
+# $@ is the command. `trap :` keeps the wrapper alive through SIGINT/SIGTERM sent to
+# the whole scope, so it can still record the status; the command itself gets the
+# default dispositions back at exec.
+WRAPPER = (
+    "trap : INT TERM HUP\n"
+    ': > "$VOLUTE_TURN_DIR/started"\n'
+    '"$@"\n'
+    "s=$?\n"
+    'echo "$s" > "$VOLUTE_TURN_DIR/status"\n'
+    'exit "$s"\n'
+)
+RELEASE = b"1"
+
+
+@dataclass(frozen=True)
+class Account:
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    home: str
+
+
+def resolve_account(user: str) -> Account:
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        raise DataError(
+            f"user {user!r} does not exist",
+            hint="create it, or set minds.NAME.user / turns.default_user to an existing user",
+        ) from None
+    groups = tuple(os.getgrouplist(entry.pw_name, entry.pw_gid))
+    return Account(entry.pw_name, entry.pw_uid, entry.pw_gid, groups, entry.pw_dir)
+
+
+@dataclass(frozen=True)
+class TurnDir:
+    path: Path
+
+    @property
+    def inbox(self) -> Path:
+        return self.path / "inbox"
+
+    @property
+    def stdin(self) -> Path:
+        return self.path / "stdin.jsonl"
+
+    def started(self) -> bool:
+        return (self.path / "started").exists()
+
+    def exit_status(self) -> int | None:
+        try:
+            return int((self.path / "status").read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def untaken(self) -> set[int]:
+        """Ids of folded deliveries still sitting in the inbox."""
+        ids = set()
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.inbox):
+                stem = entry.name.removesuffix(".json")
+                if entry.name.endswith(".json") and stem.isdigit():
+                    ids.add(int(stem))
+        return ids
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def delivery_record(delivery_id: int, session: str, message: bytes, interrupt: bool) -> bytes:
+    return (
+        json.dumps(
+            {
+                "id": delivery_id,
+                "session": session,
+                "message": message.decode("utf-8", errors="replace"),
+                "interrupt": interrupt,
+            },
+            ensure_ascii=False,
+        ).encode()
+        + b"\n"
+    )
+
+
+def make_turn_dir(root: Path, turn_id: int, account: Account, stdin: bytes) -> TurnDir:
+    turns = root / "turns"
+    turns.mkdir(parents=True, exist_ok=True)
+    os.chmod(turns, 0o711)  # others may traverse to their own turn, not list
+    path = turns / str(turn_id)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(mode=0o700)
+    (path / "inbox").mkdir(mode=0o700)
+    stdin_path = path / "stdin.jsonl"
+    fd = os.open(stdin_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(stdin)
+    if os.geteuid() == 0:
+        os.chown(path, account.uid, account.gid)
+        os.chown(path / "inbox", account.uid, account.gid)
+    return TurnDir(path)
+
+
+def offer(turn_dir: TurnDir, delivery_id: int, record: bytes, account: Account) -> None:
+    """Put a folded delivery into a running turn's inbox, atomically."""
+    tmp = turn_dir.inbox / f".{delivery_id}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(record)
+    if os.geteuid() == 0:
+        os.chown(tmp, account.uid, account.gid)
+    os.rename(tmp, turn_dir.inbox / f"{delivery_id}.json")
+
+
+def withdraw(turn_dir: TurnDir, delivery_ids: Sequence[int]) -> None:
+    for delivery_id in delivery_ids:
+        with contextlib.suppress(FileNotFoundError):
+            (turn_dir.inbox / f"{delivery_id}.json").unlink()
+
+
+@dataclass
+class Child:
+    pid: int
+    pidfd: int
+    release_fd: int
+
+    def release(self) -> None:
+        os.write(self.release_fd, RELEASE)
+        os.close(self.release_fd)
+        self.release_fd = -1
+
+    def abandon(self) -> None:
+        """Close the pipe unreleased: the child exits without running the command."""
+        if self.release_fd >= 0:
+            os.close(self.release_fd)
+            self.release_fd = -1
+
+
+def command_argv(command: Sequence[str] | str) -> list[str]:
+    if isinstance(command, str):
+        return ["/bin/sh", "-c", command]
+    return list(command)
+
+
+def turn_environment(
+    account: Account,
+    *,
+    mind: str,
+    session: str,
+    turn_id: int,
+    delivery_ids: Sequence[int],
+    turn_dir: TurnDir,
+    extra: Mapping[str, str],
+) -> dict[str, str]:
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": account.home,
+        "USER": account.name,
+        "LOGNAME": account.name,
+        "LANG": os.environ.get("LANG", "C.UTF-8"),
+        "VOLUTE_MIND": mind,
+        "VOLUTE_SESSION": session,
+        "VOLUTE_TURN_ID": str(turn_id),
+        "VOLUTE_DELIVERY_IDS": " ".join(str(i) for i in delivery_ids),
+        "VOLUTE_TURN_DIR": str(turn_dir.path),
+        "VOLUTE_INBOX": str(turn_dir.inbox),
+    }
+    env.update(extra)
+    return env
+
+
+def fork_turn(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    account: Account,
+    turn_dir: TurnDir,
+    cwd: str,
+) -> Child:
+    """Fork the turn's child, already running as `account`, blocked until released."""
+    read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+    wrapper = ["/bin/sh", "-c", WRAPPER, "volute-turn", *argv]
+    environment = dict(env)
+    stdin_path = str(turn_dir.stdin)
+    try:
+        pid = os.fork()
+    except OSError as error:
+        os.close(read_fd)
+        os.close(write_fd)
+        raise VoluteError(f"cannot fork a turn: {error}") from None
+    if pid == 0:  # pragma: no cover - the child; its effects are tested end to end
+        try:
+            os.close(write_fd)
+            os.setsid()
+            stdin_fd = os.open(stdin_path, os.O_RDONLY)
+            os.dup2(stdin_fd, 0)
+            os.close(stdin_fd)
+            try:
+                os.chdir(cwd)
+            except OSError:
+                os.chdir("/")
+            if os.geteuid() == 0 and account.uid != 0:
+                os.setgroups(list(account.groups))
+                os.setgid(account.gid)
+                os.setuid(account.uid)
+            if os.read(read_fd, 1) != RELEASE:
+                os._exit(0)
+            os.execve("/bin/sh", wrapper, environment)
+        finally:
+            os._exit(127)
+    os.close(read_fd)
+    return Child(pid=pid, pidfd=os.pidfd_open(pid), release_fd=write_fd)

@@ -1,0 +1,377 @@
+"""The durable delivery queue: the only module that writes SQL.
+
+SQLite in WAL mode with synchronous=FULL: a delivery is acknowledged only after the
+commit that holds it has reached the disk, because the incident this tool exists for
+ended in a power cycle. Deliveries that arrive together share one commit (group
+commit), which keeps durability affordable on a 60-IOPS SD card.
+
+The store is the truth for what was asked; systemd is the truth for what runs.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from volutectl.core import Delivery
+from volutectl.errors import PermissionDeniedError, UnavailableError
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS deliveries (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    mind TEXT NOT NULL,
+    session TEXT NOT NULL,
+    message BLOB NOT NULL,
+    interrupt INTEGER NOT NULL DEFAULT 0,
+    state TEXT NOT NULL DEFAULT 'pending',   -- pending, running, done, dead, dropped
+    attempts INTEGER NOT NULL DEFAULT 0,
+    not_before REAL,                         -- backoff after a failure
+    created_at REAL NOT NULL,
+    held_since REAL,                         -- set while the gate holds the row
+    hold_reason TEXT,
+    held_ms INTEGER NOT NULL DEFAULT 0,      -- total time held, over all holds
+    turn_id INTEGER,                         -- the turn carrying it (running) or that ran it
+    folded INTEGER NOT NULL DEFAULT 0,       -- handed to a live turn's inbox
+    last_error TEXT,
+    finished_at REAL
+);
+CREATE INDEX IF NOT EXISTS deliveries_open ON deliveries(state, id);
+CREATE INDEX IF NOT EXISTS deliveries_turn ON deliveries(turn_id);
+CREATE TABLE IF NOT EXISTS turns (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    mind TEXT NOT NULL,
+    session TEXT NOT NULL,
+    unit TEXT NOT NULL DEFAULT '',
+    state TEXT NOT NULL DEFAULT 'starting',  -- starting, running, ended
+    released INTEGER NOT NULL DEFAULT 0,     -- the command was allowed to exec
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    outcome TEXT,                            -- ok, failed, never_ran, start_failed
+    exit_status INTEGER,
+    detail TEXT
+);
+CREATE INDEX IF NOT EXISTS turns_open ON turns(state);
+"""
+
+
+@dataclass(frozen=True)
+class Row:
+    id: int
+    mind: str
+    session: str
+    message: bytes
+    interrupt: bool
+    state: str
+    attempts: int
+    not_before: float | None
+    created_at: float
+    held_since: float | None
+    hold_reason: str | None
+    held_ms: int
+    turn_id: int | None
+    folded: bool
+    last_error: str | None
+
+    def as_delivery(self) -> Delivery:
+        return Delivery(self.id, self.mind, self.session, self.interrupt, self.not_before)
+
+
+@dataclass(frozen=True)
+class TurnRow:
+    id: int
+    mind: str
+    session: str
+    unit: str
+    state: str
+    released: bool
+    started_at: float
+    ended_at: float | None
+    outcome: str | None
+    exit_status: int | None
+    detail: str | None
+
+
+_ROW_COLUMNS = (
+    "id, mind, session, message, interrupt, state, attempts, not_before, created_at, "
+    "held_since, hold_reason, held_ms, turn_id, folded, last_error"
+)
+_TURN_COLUMNS = (
+    "id, mind, session, unit, state, released, started_at, ended_at, outcome, exit_status, detail"
+)
+
+
+def _row(v: Sequence[Any]) -> Row:
+    return Row(
+        int(v[0]), str(v[1]), str(v[2]), bytes(v[3]), bool(v[4]), str(v[5]), int(v[6]), v[7],
+        float(v[8]), v[9], v[10], int(v[11]), v[12], bool(v[13]), v[14],
+    )  # fmt: skip
+
+
+def _turn(v: Sequence[Any]) -> TurnRow:
+    return TurnRow(
+        int(v[0]), str(v[1]), str(v[2]), str(v[3]), str(v[4]), bool(v[5]), float(v[6]),
+        v[7], v[8], v[9], v[10],
+    )  # fmt: skip
+
+
+class Store:
+    """One connection to the queue database. Every method commits before it returns."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(str(path), isolation_level=None, timeout=10)
+        except PermissionError:
+            raise PermissionDeniedError(f"{path}: cannot create the queue database") from None
+        except (sqlite3.Error, OSError) as error:
+            raise UnavailableError(f"{path}: cannot open the queue database: {error}") from None
+        try:
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=FULL")
+            self.db.executescript(SCHEMA)
+        except sqlite3.OperationalError as error:
+            raise UnavailableError(f"{path}: cannot use the queue database: {error}") from None
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _tx(self) -> _Transaction:
+        return _Transaction(self.db)
+
+    # -- deliveries -------------------------------------------------------------
+
+    def add_deliveries(
+        self, items: Iterable[tuple[str, str, bytes, bool]], now: float | None = None
+    ) -> list[int]:
+        """Insert (mind, session, message, interrupt) rows in ONE durable commit."""
+        now = time.time() if now is None else now
+        ids = []
+        with self._tx():
+            for mind, session, message, interrupt in items:
+                cursor = self.db.execute(
+                    "INSERT INTO deliveries (mind, session, message, interrupt, created_at) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (mind, session, message, int(interrupt), now),
+                )
+                ids.append(int(cursor.lastrowid or 0))
+        return ids
+
+    def pending(self) -> list[Row]:
+        cursor = self.db.execute(
+            f"SELECT {_ROW_COLUMNS} FROM deliveries WHERE state = 'pending' ORDER BY id"
+        )
+        return [_row(values) for values in cursor]
+
+    def rows(self, ids: Iterable[int]) -> list[Row]:
+        id_list = list(ids)
+        if not id_list:
+            return []
+        marks = ",".join("?" * len(id_list))
+        cursor = self.db.execute(
+            f"SELECT {_ROW_COLUMNS} FROM deliveries WHERE id IN ({marks}) ORDER BY id", id_list
+        )
+        return [_row(values) for values in cursor]
+
+    def row(self, delivery_id: int) -> Row | None:
+        found = self.rows([delivery_id])
+        return found[0] if found else None
+
+    def list_rows(self, states: Sequence[str], limit: int = 200) -> list[Row]:
+        marks = ",".join("?" * len(states))
+        cursor = self.db.execute(
+            f"SELECT {_ROW_COLUMNS} FROM deliveries WHERE state IN ({marks}) ORDER BY id LIMIT ?",
+            (*states, limit),
+        )
+        return [_row(values) for values in cursor]
+
+    def rows_of_turn(self, turn_id: int) -> list[Row]:
+        cursor = self.db.execute(
+            f"SELECT {_ROW_COLUMNS} FROM deliveries WHERE turn_id = ? AND state = 'running' "
+            "ORDER BY id",
+            (turn_id,),
+        )
+        return [_row(values) for values in cursor]
+
+    def mark_held(self, holds: Iterable[tuple[int, str]], now: float) -> list[int]:
+        """Record holds that just began; returns the ids whose hold is new (to log once)."""
+        new = []
+        with self._tx():
+            for delivery_id, reason in holds:
+                cursor = self.db.execute(
+                    "UPDATE deliveries SET held_since = ?, hold_reason = ? "
+                    "WHERE id = ? AND state = 'pending' AND held_since IS NULL",
+                    (now, reason, delivery_id),
+                )
+                if cursor.rowcount:
+                    new.append(delivery_id)
+                else:
+                    self.db.execute(
+                        "UPDATE deliveries SET hold_reason = ? WHERE id = ? AND state = 'pending'",
+                        (reason, delivery_id),
+                    )
+        return new
+
+    def start_turn(
+        self,
+        mind: str,
+        session: str,
+        unit_for: Callable[[int], str],
+        delivery_ids: Sequence[int],
+        now: float,
+    ) -> tuple[int, list[Row]]:
+        """Create a turn and move its rows to running, in one commit.
+
+        Returns the turn id and the rows as they were (with the hold they leave).
+        `unit_for` turns the new turn id into its unit name.
+        """
+        with self._tx():
+            cursor = self.db.execute(
+                "INSERT INTO turns (mind, session, started_at) VALUES (?, ?, ?)",
+                (mind, session, now),
+            )
+            turn_id = int(cursor.lastrowid or 0)
+            unit = unit_for(turn_id)
+            self.db.execute("UPDATE turns SET unit = ? WHERE id = ?", (unit, turn_id))
+            rows = self._take(turn_id, delivery_ids, now, folded=False)
+        return turn_id, rows
+
+    def fold_into(self, turn_id: int, delivery_ids: Sequence[int], now: float) -> list[Row]:
+        with self._tx():
+            return self._take(turn_id, delivery_ids, now, folded=True)
+
+    def _take(self, turn_id: int, ids: Sequence[int], now: float, *, folded: bool) -> list[Row]:
+        rows = [row for row in self.rows(ids) if row.state == "pending"]
+        for row in rows:
+            held = int((now - row.held_since) * 1000) if row.held_since is not None else 0
+            self.db.execute(
+                "UPDATE deliveries SET state = 'running', turn_id = ?, folded = ?, "
+                "held_since = NULL, hold_reason = NULL, held_ms = held_ms + ?, not_before = NULL "
+                "WHERE id = ?",
+                (turn_id, int(folded), held, row.id),
+            )
+        return rows
+
+    def return_to_pending(self, delivery_ids: Sequence[int]) -> None:
+        """Undo a hand-off that never reached the command: no attempt is counted."""
+        with self._tx():
+            for delivery_id in delivery_ids:
+                self.db.execute(
+                    "UPDATE deliveries SET state = 'pending', turn_id = NULL, folded = 0 "
+                    "WHERE id = ? AND state = 'running'",
+                    (delivery_id,),
+                )
+
+    def finish_rows(self, delivery_ids: Sequence[int], now: float) -> None:
+        with self._tx():
+            for delivery_id in delivery_ids:
+                self.db.execute(
+                    "UPDATE deliveries SET state = 'done', finished_at = ? "
+                    "WHERE id = ? AND state = 'running'",
+                    (now, delivery_id),
+                )
+
+    def fail_rows(
+        self, updates: Iterable[tuple[int, str, int, float | None]], error: str, now: float
+    ) -> None:
+        """(id, new state, attempts, not_before) after a real failure."""
+        with self._tx():
+            for delivery_id, state, attempts, not_before in updates:
+                self.db.execute(
+                    "UPDATE deliveries SET state = ?, attempts = ?, not_before = ?, "
+                    "last_error = ?, turn_id = CASE WHEN ? = 'dead' THEN turn_id ELSE NULL END, "
+                    "folded = 0, finished_at = CASE WHEN ? = 'dead' THEN ? ELSE NULL END "
+                    "WHERE id = ? AND state = 'running'",
+                    (state, attempts, not_before, error, state, state, now, delivery_id),
+                )
+
+    def retry(self, delivery_ids: Sequence[int]) -> list[int]:
+        changed = []
+        with self._tx():
+            for delivery_id in delivery_ids:
+                cursor = self.db.execute(
+                    "UPDATE deliveries SET state = 'pending', attempts = 0, not_before = NULL, "
+                    "turn_id = NULL, finished_at = NULL WHERE id = ? AND state = 'dead'",
+                    (delivery_id,),
+                )
+                if cursor.rowcount:
+                    changed.append(delivery_id)
+        return changed
+
+    def drop(self, delivery_ids: Sequence[int], now: float) -> list[int]:
+        changed = []
+        with self._tx():
+            for delivery_id in delivery_ids:
+                cursor = self.db.execute(
+                    "UPDATE deliveries SET state = 'dropped', finished_at = ?, held_since = NULL "
+                    "WHERE id = ? AND state IN ('pending', 'dead')",
+                    (now, delivery_id),
+                )
+                if cursor.rowcount:
+                    changed.append(delivery_id)
+        return changed
+
+    def next_backoff_deadline(self) -> float | None:
+        value = self.db.execute(
+            "SELECT MIN(not_before) FROM deliveries WHERE state = 'pending' "
+            "AND not_before IS NOT NULL"
+        ).fetchone()[0]
+        return float(value) if value is not None else None
+
+    def counts(self) -> dict[str, int]:
+        cursor = self.db.execute("SELECT state, COUNT(*) FROM deliveries GROUP BY state")
+        return {str(state): int(count) for state, count in cursor}
+
+    def oldest_hold(self) -> float | None:
+        value = self.db.execute(
+            "SELECT MIN(held_since) FROM deliveries WHERE state = 'pending'"
+        ).fetchone()[0]
+        return float(value) if value is not None else None
+
+    # -- turns --------------------------------------------------------------------
+
+    def mark_released(self, turn_id: int) -> None:
+        with self._tx():
+            self.db.execute(
+                "UPDATE turns SET state = 'running', released = 1 WHERE id = ?", (turn_id,)
+            )
+
+    def end_turn(
+        self, turn_id: int, outcome: str, exit_status: int | None, detail: str, now: float
+    ) -> None:
+        with self._tx():
+            self.db.execute(
+                "UPDATE turns SET state = 'ended', outcome = ?, exit_status = ?, detail = ?, "
+                "ended_at = ? WHERE id = ?",
+                (outcome, exit_status, detail, now, turn_id),
+            )
+
+    def open_turns(self) -> list[TurnRow]:
+        cursor = self.db.execute(
+            f"SELECT {_TURN_COLUMNS} FROM turns WHERE state != 'ended' ORDER BY id"
+        )
+        return [_turn(values) for values in cursor]
+
+    def turn(self, turn_id: int) -> TurnRow | None:
+        values = self.db.execute(
+            f"SELECT {_TURN_COLUMNS} FROM turns WHERE id = ?", (turn_id,)
+        ).fetchone()
+        return _turn(values) if values else None
+
+
+class _Transaction:
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.db.execute("COMMIT")
+        else:
+            self.db.execute("ROLLBACK")
