@@ -203,6 +203,11 @@ def run_test(
     return outcome
 
 
+def one_line(text: str) -> str:
+    """A notice is one line; D-Bus error texts are not always."""
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
 def elapsed_ms(since: float) -> int:
     return int(round((time.monotonic() - since) * 1000))
 
@@ -226,7 +231,7 @@ def connect_manager(say: Any) -> Manager | None:
 
         return Manager.connect(user=os.geteuid() != 0)
     except (UnavailableError, PermissionDeniedError, ImportError) as error:
-        reason = getattr(error, "message", str(error))
+        reason = one_line(getattr(error, "message", str(error)))
         say(
             f"volutectl test: no systemd manager reachable ({reason}); "
             "running the command as a plain child, outside the tests slice"
@@ -299,7 +304,7 @@ def launch_command(
                     on_scope(name)
             except (SystemdError, PermissionDeniedError) as error:
                 say(
-                    f"volutectl test: could not start scope {name} ({error}); "
+                    f"volutectl test: could not start scope {name} ({one_line(str(error))}); "
                     "running the command as a plain child"
                 )
         started = time.monotonic()

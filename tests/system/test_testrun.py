@@ -7,6 +7,7 @@ overlap checks rest on what the commands saw, not on what volutectl says it did.
 from __future__ import annotations
 
 import json
+import re
 import select
 import shlex
 import subprocess
@@ -179,7 +180,7 @@ def test_wait_line_names_the_in_flight_run(machine: Machine) -> None:
     waiter = start_run(machine, "/srv/wt2", ["true"], options=["--slots", "1", "--json"])
     line = read_line(waiter)
     assert "1 run at a time in /srv/repo/.git" in line
-    assert "in flight: /srv/wt1 `sleep 60` for 1s" in line
+    assert re.search(r"in flight: /srv/wt1 `sleep 60` for [1-9]s;", line), line
     assert "a run typically takes 0s" in line
     machine.run(["systemctl", "stop", scope])
     holder.wait(timeout=10)
@@ -192,6 +193,7 @@ def test_wait_line_names_the_in_flight_run(machine: Machine) -> None:
     assert [(run["unit"], run["worktree"], run["command"]) for run in wait["in_flight"]] == [
         (scope, "/srv/wt1", "sleep 60")
     ]
+    assert wait["in_flight"][0]["running_seconds"] >= 1.1
     assert result["waited_ms"] > 0  # type: ignore[operator]
 
 
@@ -255,3 +257,48 @@ def test_sigterm_stops_the_whole_run(machine: Machine) -> None:
     # The slot is free again.
     code, _, _ = finish(start_run(machine, "/srv/wt2", ["true"], options=["--slots", "1"]), 10)
     assert code == 0
+
+
+def test_another_user_runs_in_their_own_manager_or_as_a_plain_child(machine: Machine) -> None:
+    machine.run(["useradd", "--create-home", "tester"])
+    # /root is 0700 and the venv's interpreter lives under it; this chmod lands in the
+    # container's overlay only.
+    machine.run(["chmod", "711", "/root"])
+    machine.run(["sh", "-c", "mkdir /srv/mine && chown tester: /srv/mine"])
+    home = {"HOME": "/home/tester"}
+    machine.run(["git", "init", "-q", "/srv/mine"], user="tester", env=home)
+    machine.run(["loginctl", "enable-linger", "tester"])
+    uid = machine.run(["id", "-u", "tester"]).stdout.strip()
+    runtime = f"/run/user/{uid}"
+    wait_for(
+        lambda: machine.run(["test", "-S", f"{runtime}/bus"], check=False).returncode == 0,
+        what="the user's manager and bus",
+    )
+
+    def run_as_tester(env: dict[str, str]) -> tuple[int, dict[str, object], str]:
+        script = (
+            "cd /srv/mine && "
+            "volutectl test --slots 1 --json -- sh -c 'id -un; cat /proc/self/cgroup'"
+        )
+        proc = machine.run(["sh", "-c", script], user="tester", env=env, check=False)
+        return proc.returncode, json.loads(proc.stdout.splitlines()[-1]), proc.stderr
+
+    code, result, err = run_as_tester({**home, "XDG_RUNTIME_DIR": runtime})
+    assert code == 0, err
+    assert result["manager"] == "user"
+    assert f"user@{uid}.service/volute.slice/volute-tests.slice/{result['scope']}" in err
+    assert result["slot"] == "/srv/mine/.git/volute/test-slots/slot-1"
+
+    # No bus to reach: a plain child, with one line saying so.
+    code, result, err = run_as_tester(home)
+    assert code == 0 and result["manager"] is None and result["scope"] is None
+    notices = [line for line in err.splitlines() if line.startswith("volutectl test:")]
+    assert len(notices) == 1 and "plain child" in notices[0]
+
+    # A slot directory this user may not write fails open (root would bypass this).
+    machine.run(["sh", "-c", "rm -r /srv/mine/.git/volute && mkdir -m 755 /srv/mine/.git/volute"])
+    code, result, err = run_as_tester({**home, "XDG_RUNTIME_DIR": runtime})
+    assert code == 0 and result["slot"] is None and result["scope"]
+    notices = [line for line in err.splitlines() if line.startswith("volutectl test:")]
+    assert len(notices) == 1
+    assert "Permission denied" in notices[0] and "running without the test-run cap" in notices[0]
