@@ -237,6 +237,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be positive")
+    if args.runs < 30:
+        print("bench_scope: note: the target is judged on medians of >= 30", file=sys.stderr)
     if args.here or systemd_is_pid1():
         if not systemd_is_pid1():
             raise SystemExit("bench_scope: --here needs systemd as PID 1")
