@@ -104,7 +104,9 @@ def admit(
     ordered = sorted(pending, key=lambda d: d.id)
     per_mind: dict[str, int] = {}
     live_session: dict[tuple[str, str], int] = {}
-    for turn in live:
+    # In turn-id order, so that when two live turns share a session (adopted after a
+    # restart), deliveries fold into the oldest whatever order systemd listed them in.
+    for turn in sorted(live, key=lambda t: t.turn_id):
         per_mind[turn.mind] = per_mind.get(turn.mind, 0) + 1
         live_session.setdefault((turn.mind, turn.session), turn.turn_id)
     running = len(live)
