@@ -173,7 +173,9 @@ def after_failure(
     attempts += 1
     if attempts >= max_attempts:
         return AfterFailure("dead", attempts, None)
-    delay = min(initial * (2 ** (attempts - 1)), ceiling)
+    # The exponent is bounded: past ~1024 doublings the float conversion overflows,
+    # and any max_attempts that large would otherwise crash the gate on that failure.
+    delay = min(initial * 2.0 ** min(attempts - 1, 1000), ceiling)
     return AfterFailure("pending", attempts, now + delay)
 
 
