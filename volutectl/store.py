@@ -210,9 +210,12 @@ class Store:
                 if cursor.rowcount:
                     new.append(delivery_id)
                 else:
+                    # Only when the reason changed: admission re-holds every waiting row
+                    # on each pass, and rewriting unchanged rows costs a synced write.
                     self.db.execute(
-                        "UPDATE deliveries SET hold_reason = ? WHERE id = ? AND state = 'pending'",
-                        (reason, delivery_id),
+                        "UPDATE deliveries SET hold_reason = ? "
+                        "WHERE id = ? AND state = 'pending' AND hold_reason IS NOT ?",
+                        (reason, delivery_id, reason),
                     )
         return new
 
