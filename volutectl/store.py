@@ -318,10 +318,17 @@ class Store:
                     changed.append(delivery_id)
         return changed
 
-    def next_backoff_deadline(self) -> float | None:
+    def next_backoff_deadline(self, after: float | None = None) -> float | None:
+        """The earliest backoff end of a pending row (only those later than `after`).
+
+        A row whose backoff has ended keeps its not_before until a turn takes it, so a
+        caller that sleeps until the next deadline passes `after=now`: otherwise a row
+        held past its backoff would be a deadline in the past, forever.
+        """
         value = self.db.execute(
             "SELECT MIN(not_before) FROM deliveries WHERE state = 'pending' "
-            "AND not_before IS NOT NULL"
+            "AND not_before IS NOT NULL AND not_before > ?",
+            (float("-inf") if after is None else after,),
         ).fetchone()[0]
         return float(value) if value is not None else None
 
