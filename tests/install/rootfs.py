@@ -50,10 +50,25 @@ class RootSpec:
 
 
 def apt_archives() -> Path:
-    """Downloaded .debs, shared by all runs so a warm run fetches only the index."""
+    """Downloaded .debs, shared by all runs so a warm run downloads no package again."""
     path = CACHE / "apt-archives"
     (path / "partial").mkdir(parents=True, exist_ok=True)
     return path
+
+
+def apt_lists() -> Path:
+    """The package index, shared too: a warm `apt-get update` only revalidates it."""
+    path = CACHE / "apt-lists"
+    (path / "partial").mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def apt_cache_binds() -> list[str]:
+    """systemd-nspawn arguments that put both caches over the container's own."""
+    return [
+        f"--bind={apt_archives()}:/var/cache/apt/archives",
+        f"--bind={apt_lists()}:/var/lib/apt/lists",
+    ]
 
 
 def ensure_root(spec: RootSpec | None = None, *, log: bool = True) -> Path:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.install.rootfs import apt_archives, ensure_root
+from tests.install.rootfs import apt_cache_binds, ensure_root
 from tests.machine import Machine, boot
 
 pytestmark = pytest.mark.install
@@ -72,7 +72,7 @@ def installed(debs: tuple[Path, str]) -> Iterator[Installed]:
         lower=str(root),
         name="vt-install",
         binds=[out],
-        extra_args=[f"--bind={apt_archives()}:/var/cache/apt/archives"],
+        extra_args=apt_cache_binds(),
         prepare={"/etc/resolv.conf": Path("/etc/resolv.conf").read_text()},
     ) as machine:
         result = machine.sh(
@@ -217,14 +217,25 @@ def test_gate_runs_a_delivered_turn_as_a_scope_in_the_slice(installed: Installed
     assert m.run(["systemctl", "is-active", scopes[0]], check=False).stdout.strip() == "active"
 
 
+def live_turns(m: Machine) -> list[str]:
+    listed = m.run(["systemctl", "list-units", "--plain", "--no-legend", "volute-turn-*.scope"])
+    return [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
+
+
 def test_remove_keeps_state_and_purge_leaves_nothing(installed: Installed) -> None:
     m = installed.machine
     m.run(["systemctl", "enable", "volute-heartbeat@m1.timer"])
+    turns = live_turns(m)
     m.run(["apt-get", "remove", "-y", "-q", "volutectl"], env={"DEBIAN_FRONTEND": "noninteractive"})
     assert m.host_path("/var/lib/volute").is_dir()
     assert m.host_path("/etc/volute/volutectl.toml").is_file()
     assert m.run(["getent", "passwd", "volute"], check=False).returncode == 0
     assert not m.host_path("/usr/lib/systemd/system/volute-gate.service").exists()
+    # Removing the package stops the gate but no running turn.
+    assert live_turns(m) == turns
+    # The turn user cannot be deleted while a turn runs as it: let the turns end first.
+    for turn in turns:
+        m.run(["systemctl", "stop", turn])
 
     m.run(["apt-get", "purge", "-y", "-q", "volutectl"], env={"DEBIAN_FRONTEND": "noninteractive"})
     m.run(["systemctl", "daemon-reload"])
