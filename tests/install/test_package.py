@@ -215,6 +215,12 @@ def test_gate_runs_a_delivered_turn_as_a_scope_in_the_slice(installed: Installed
     # Restarting the gate leaves the running turn alone.
     m.run(["systemctl", "restart", "volute-gate.service"])
     assert m.run(["systemctl", "is-active", scopes[0]], check=False).stdout.strip() == "active"
+    # The heartbeat service, sandboxed as a DynamicUser in group volute, can queue.
+    beat = m.run(["systemctl", "start", f"volute-heartbeat@{MIND}.service"], check=False)
+    journal = m.run(["journalctl", "-b", "--no-pager", "-u", f"volute-heartbeat@{MIND}.service"])
+    assert beat.returncode == 0, beat.stderr + journal.stdout
+    queue = m.run(["volutectl", "queue", "list"], check=False)
+    assert "heartbeat" in queue.stdout, queue.stdout + queue.stderr
 
 
 def live_turns(m: Machine) -> list[str]:
