@@ -42,7 +42,18 @@ def machine(request: pytest.FixtureRequest) -> Iterator[Machine]:
     name = "vt-" + "-".join(part for part in raw.split("-") if part)[:40].strip("-")
     with boot(binds=machine_binds(), name=name) as booted:
         booted.env["PATH"] = f"{VENV_BIN}:{CLEAN_PATH}"
+        open_interpreter_path(booted)
         yield booted
+
+
+def open_interpreter_path(machine: Machine) -> None:
+    """Let non-root users in the container run the venv (its python may live under /root).
+
+    Only the container's overlay copy of each directory changes, never the host's.
+    """
+    real = Path(os.path.realpath(sys.executable))
+    dirs = [str(parent) for parent in real.parents if str(parent) != "/"]
+    machine.run(["chmod", "a+x", *dirs])
 
 
 _skipped_tier_tests: list[str] = []

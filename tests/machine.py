@@ -176,6 +176,44 @@ def _find_leader(nspawn_pid: int, timeout: float = 10, log: Path | None = None) 
     raise MachineError("systemd-nspawn started no container init")
 
 
+CGROUP_HIERARCHIES = ("/sys/fs/cgroup/systemd", "/sys/fs/cgroup/unified", "/sys/fs/cgroup")
+
+
+def _private_cgroups(name: str) -> list[Path]:
+    """A fresh cgroup per container in each systemd-relevant hierarchy that exists."""
+    made = []
+    for root in CGROUP_HIERARCHIES:
+        base = Path(root)
+        if not (base / "cgroup.procs").exists():
+            continue
+        if root == "/sys/fs/cgroup" and not (base / "cgroup.controllers").exists():
+            continue  # v1 tmpfs root, not a hierarchy of its own
+        path = base / f"volute-machine-{name}"
+        path.mkdir(exist_ok=True)
+        made.append(path)
+    return made
+
+
+def _enter_cgroups(cgroups: list[Path]) -> None:
+    for path in cgroups:
+        (path / "cgroup.procs").write_text(str(os.getpid()))
+
+
+def _remove_cgroups(cgroups: list[Path]) -> None:
+    """Remove the container's cgroup trees, deepest first (they are empty once it died)."""
+    for top in cgroups:
+        for _ in range(50):
+            dirs = sorted(
+                (p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
+            )
+            for path in [*dirs, top]:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+            if not top.exists():
+                break
+            time.sleep(0.1)
+
+
 def _is_zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
@@ -201,6 +239,7 @@ def boot(
     suffix = "".join(ch for ch in base.name.rsplit(".", 1)[-1].lower() if ch.isalnum())
     name = name or f"volute-{suffix}"
     mounted: list[Path] = []
+    cgroups: list[Path] = []
     nspawn: subprocess.Popen[bytes] | None = None
     try:
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", str(base)], check=True)
@@ -239,9 +278,13 @@ def boot(
             args.append(f"--bind={path}:{path}")
         args += [*extra_args, "--boot"]
         log = open(base / "nspawn.log", "wb")  # noqa: SIM115
+        # Without systemd on the host, nspawn puts the container's cgroup tree under the
+        # caller's cgroup: "/" here. Two containers would then share one tree, and one
+        # container's systemd would reap the other's scopes. Each gets its own.
+        cgroups = _private_cgroups(name)
         nspawn = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=lambda: _enter_cgroups(cgroups),
         )  # fmt: skip
         log.close()
         machine = Machine(
@@ -265,5 +308,6 @@ def boot(
                 nspawn.wait(timeout=10)
         for mount in reversed(mounted):
             subprocess.run(["umount", "-l", str(mount)], check=False)
+        _remove_cgroups(cgroups)
         with contextlib.suppress(OSError):
             base.rmdir()
