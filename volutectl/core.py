@@ -183,20 +183,30 @@ def after_failure(
 class TurnOutcome:
     """How a turn ended, decided from what could be observed."""
 
-    kind: str  # "ok", "failed", "never_ran"
+    kind: str  # "ok", "interrupted", "failed", "never_ran"
     exit_status: int | None
     detail: str
 
 
-def turn_outcome(*, exit_status: int | None, started_marker: bool, released: bool) -> TurnOutcome:
+def turn_outcome(
+    *,
+    exit_status: int | None,
+    started_marker: bool,
+    released: bool,
+    interrupted: bool = False,
+) -> TurnOutcome:
     """Decide a turn's outcome from its exit status or, after a restart, its traces.
 
     `released`: the gate recorded that it let the command exec. `started_marker`: the
-    turn's wrapper got as far as running the command.
+    turn's wrapper got as far as running the command. `interrupted`: the gate sent it
+    SIGINT for an --interrupt delivery; a turn that then exits non-zero did what it
+    was asked (stop), so its deliveries count as carried, not as a failure to retry.
     """
     if exit_status is not None:
         if exit_status == 0:
             return TurnOutcome("ok", 0, "exited 0")
+        if interrupted:
+            return TurnOutcome("interrupted", exit_status, f"interrupted, exited {exit_status}")
         return TurnOutcome("failed", exit_status, f"exited {exit_status}")
     if started_marker or released:
         return TurnOutcome("failed", None, "ended without recording an exit status")

@@ -59,6 +59,7 @@ class Turn:
     released: bool
     child: launcher.Child | None = None  # None for a turn adopted after a restart
     exit_status: int | None = None
+    interrupted: bool = False
 
 
 @dataclass
@@ -488,6 +489,7 @@ class Gate:
                 delivery_ids=" ".join(str(r.id) for r in rows),
             )
         if fold.interrupt:
+            turn.interrupted = True
             with contextlib.suppress(VoluteError):
                 self.manager.kill_unit(turn.unit, signal.SIGINT)
             self.journal.log(
@@ -666,6 +668,7 @@ class Gate:
             exit_status=exit_status,
             started_marker=turn.turn_dir.started(),
             released=turn.released,
+            interrupted=turn.interrupted,
         )
         rows = self.store.rows_of_turn(turn.id)
         untaken = turn.turn_dir.untaken()
@@ -674,7 +677,7 @@ class Gate:
         if returned:
             launcher.withdraw(turn.turn_dir, returned)
             self.store.return_to_pending(returned)
-        if outcome.kind == "ok":
+        if outcome.kind in ("ok", "interrupted"):
             self.store.finish_rows([row.id for row in carried], now)
         elif outcome.kind == "never_ran":
             self.store.return_to_pending([row.id for row in carried])
@@ -683,7 +686,7 @@ class Gate:
         self.store.end_turn(turn.id, outcome.kind, outcome.exit_status, outcome.detail, now)
         self.turns.pop(turn.id, None)
         turn.turn_dir.remove()
-        level = "info" if outcome.kind == "ok" else "warning"
+        level = "warning" if outcome.kind == "failed" else "info"
         self.journal.log(
             level,
             f"turn {turn.id} of {turn.mind}/{turn.session} ended: {outcome.detail}",
