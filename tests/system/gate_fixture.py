@@ -20,12 +20,19 @@ def install_units(machine: Machine) -> None:
         if unit.suffix in (".service", ".slice", ".timer", ".socket"):
             text = unit.read_text().replace("/usr/bin/volutectl", VOLUTECTL)
             machine.write(f"/etc/systemd/system/{unit.name}", text)
+    # Test-only: this checkout's interpreter may live under /root (pyenv), which the
+    # heartbeat's ProtectHome=yes hides; the packaged one is /usr/bin/python3.
+    machine.write(
+        "/etc/systemd/system/volute-heartbeat@.service.d/test-venv.conf",
+        "[Service]\nProtectHome=read-only\n",
+    )
     machine.run(["groupadd", "-f", "-r", "volute"])
     machine.run(
         [
             "sh",
             "-c",
-            "id volute >/dev/null 2>&1 || useradd -r -g volute -M -d /nonexistent -s /usr/sbin/nologin volute",
+            "id volute >/dev/null 2>&1 || "
+            "useradd -r -g volute -M -d /nonexistent -s /usr/sbin/nologin volute",
         ]
     )
     machine.run(["systemctl", "daemon-reload"])
@@ -82,3 +89,92 @@ def mind_of(unit: str) -> str:
 
 def host_path(machine: Machine, path: str) -> Path:
     return machine.host_path(path)
+
+
+# A turn command for tests: logs what it got (from stdin and the inbox) to a shared log.
+TURN_PROBE = r"""#!/bin/sh
+# turn-probe SECONDS [take|leave]: record the turn, hold it open, maybe take the inbox.
+log=/var/tmp/turns.log
+hold=${1:-0.1}
+mode=${2:-take}
+ids=$(sed -n 's/.*"id": *\([0-9][0-9]*\).*/\1/p' | tr '\n' ' ')
+echo "start $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $(id -un) $ids" >> $log
+trap 'echo "sigint $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID" >> $log' INT
+# Milliseconds: mawk's printf %d stops at 2^31, so nanoseconds would cap holds at 2.1 s.
+end=$(( $(date +%s%3N) + $(echo "$hold" | awk '{printf "%d", $1 * 1000}') ))
+while [ "$(date +%s%3N)" -lt "$end" ]; do
+  if [ "$mode" = take ]; then
+    for f in "$VOLUTE_INBOX"/*.json; do
+      [ -e "$f" ] || continue
+      id=$(basename "$f" .json)
+      rm -f "$f" && echo "took $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $id" >> $log
+    done
+  fi
+  sleep 0.02
+done
+echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID" >> $log
+exit ${TURN_EXIT:-0}
+"""
+
+
+def install_probe(machine: Machine) -> None:
+    machine.write("/usr/local/bin/turn-probe", TURN_PROBE, mode=0o755)
+    machine.run(["sh", "-c", ": > /var/tmp/turns.log; chmod 666 /var/tmp/turns.log"])
+
+
+def turn_log(machine: Machine) -> list[list[str]]:
+    text = machine.host_path("/var/tmp/turns.log").read_text()
+    return [line.split() for line in text.splitlines() if line.strip()]
+
+
+def delivered_ids(log: list[list[str]]) -> list[int]:
+    """Every delivery id a turn received, from stdin (start lines) or its inbox (took)."""
+    ids: list[int] = []
+    for fields in log:
+        if fields[0] == "start":
+            ids += [int(x) for x in fields[5:]]
+        elif fields[0] == "took":
+            ids.append(int(fields[4]))
+    return ids
+
+
+class Sampler:
+    """Samples live turn/test scopes from systemd inside the container, every ~2 ms."""
+
+    def __init__(self, machine: Machine, name: str = "sampler") -> None:
+        self.machine = machine
+        self.stop_file = f"/var/tmp/{name}.stop"
+        self.out_file = f"/var/tmp/{name}.json"
+        self.proc = machine.popen(
+            [str(VENV_BIN / "python"), str(REPO / "tests/system/scope_sampler.py"),
+             self.stop_file, self.out_file],
+            env={"PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+        self.result: dict[str, object] = {}
+
+    def stop(self) -> dict[str, object]:
+        self.machine.write(self.stop_file, "")
+        self.proc.wait(timeout=30)
+        self.result = json.loads(self.machine.host_path(self.out_file).read_text())
+        return self.result
+
+
+def gate_config(minds: dict[str, str], **sections: dict[str, object]) -> str:
+    """A config TOML: `minds` maps name -> command string; sections add [limits] etc."""
+    lines = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {json.dumps(value)}")
+    for name, command in minds.items():
+        lines.append(f'[minds."{name}"]')
+        lines.append(f"command = {json.dumps(command)}")
+    return "\n".join(lines) + "\n"
+
+
+def queue_rows(machine: Machine, *states: str) -> list[dict[str, object]]:
+    args = [VOLUTECTL, "queue", "list", "--json"]
+    for state in states:
+        args += ["--state", state]
+    rows: list[dict[str, object]] = json.loads(machine.run(args).stdout)
+    return rows
