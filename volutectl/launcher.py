@@ -32,17 +32,10 @@ from pathlib import Path
 
 from volutectl.errors import DataError, VoluteError
 
-# $@ is the command. `trap :` keeps the wrapper alive through SIGINT/SIGTERM sent to
-# the whole scope, so it can still record the status; the command itself gets the
-# default dispositions back at exec.
-WRAPPER = (
-    "trap : INT TERM HUP\n"
-    ': > "$VOLUTE_TURN_DIR/started"\n'
-    '"$@"\n'
-    "s=$?\n"
-    'echo "$s" > "$VOLUTE_TURN_DIR/status"\n'
-    'exit "$s"\n'
-)
+# The scope's main process: /bin/sh running turn-wrapper.sh (beside this module) with
+# the command as its arguments. A file rather than `sh -c SCRIPT` so that
+# `systemctl status volute-turns.slice` shows a readable command line.
+WRAPPER = str(Path(__file__).with_name("turn-wrapper.sh"))
 RELEASE = b"1"
 
 
@@ -213,7 +206,7 @@ def fork_turn(
 ) -> Child:
     """Fork the turn's child, already running as `account`, blocked until released."""
     read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
-    wrapper = ["/bin/sh", "-c", WRAPPER, "volute-turn", *argv]
+    wrapper = ["/bin/sh", WRAPPER, *argv]
     environment = dict(env)
     stdin_path = str(turn_dir.stdin)
     try:
