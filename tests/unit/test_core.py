@@ -1,0 +1,485 @@
+"""The gate's pure core: admission, failure backoff and turn outcomes.
+
+`admit()` is checked against generated queues and live turns (hypothesis) for the
+invariants in DESIGN.md: the global cap, the per-mind limit, every delivery in exactly
+one place, fold-in only into its own session, id order within a session, FIFO under the
+cap, the pressure hold, and independence from input order.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, replace
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from volutectl import core
+from volutectl.core import Admission, Delivery, Fold, Hold, Limits, LiveTurn, Start
+
+NOW = 1_000_000.0
+MINDS = ("ada", "bob", "cyd", "dee")
+SESSIONS = ("main", "chat", "heartbeat")
+# None: never failed; in the past or exactly now: backoff over; in the future: backing off.
+NOT_BEFORE = (None, None, None, NOW - 30.0, NOW, NOW + 30.0)
+OTHER_REASONS = (core.HOLD_GLOBAL_CAP, core.HOLD_TEST_RUN)
+
+
+@st.composite
+def limits_strategy(draw: st.DrawFn) -> Limits:
+    overrides = draw(
+        st.dictionaries(st.sampled_from(MINDS), st.integers(min_value=1, max_value=3), max_size=3)
+    )
+    return Limits(
+        global_cap=draw(st.one_of(st.none(), st.integers(min_value=1, max_value=5))),
+        turns_per_mind=draw(st.integers(min_value=1, max_value=3)),
+        per_mind=overrides,
+    )
+
+
+@st.composite
+def pending_strategy(draw: st.DrawFn) -> list[Delivery]:
+    ids = draw(st.lists(st.integers(min_value=1, max_value=200), unique=True, max_size=30))
+    return [
+        Delivery(
+            id=delivery_id,
+            mind=draw(st.sampled_from(MINDS)),
+            session=draw(st.sampled_from(SESSIONS)),
+            interrupt=draw(st.booleans()),
+            not_before=draw(st.sampled_from(NOT_BEFORE)),
+        )
+        for delivery_id in ids
+    ]
+
+
+@st.composite
+def live_strategy(draw: st.DrawFn, limits: Limits, other_busy: int) -> list[LiveTurn]:
+    """Live turns as a correct gate would leave them: within every limit."""
+    room = None if limits.global_cap is None else max(0, limits.global_cap - other_busy)
+    turn_ids = iter(
+        draw(st.lists(st.integers(min_value=1, max_value=500), unique=True, min_size=16))
+    )
+    live: list[LiveTurn] = []
+    for mind in MINDS:
+        count = draw(st.integers(min_value=0, max_value=limits.for_mind(mind)))
+        for _ in range(count):
+            if room is not None and len(live) >= room:
+                break
+            live.append(LiveTurn(next(turn_ids), mind, draw(st.sampled_from(SESSIONS))))
+    return draw(st.permutations(live))
+
+
+@dataclass(frozen=True)
+class Case:
+    pending: list[Delivery]
+    live: list[LiveTurn]
+    limits: Limits
+    other_busy: int
+    pressure: bool
+    other_busy_reason: str
+
+
+@st.composite
+def scenario(draw: st.DrawFn) -> Case:
+    limits = draw(limits_strategy())
+    other_busy = draw(st.integers(min_value=0, max_value=2))
+    return Case(
+        pending=draw(pending_strategy()),
+        live=draw(live_strategy(limits, other_busy)),
+        limits=limits,
+        other_busy=other_busy,
+        pressure=draw(st.booleans()),
+        other_busy_reason=draw(st.sampled_from(OTHER_REASONS)),
+    )
+
+
+def run(case: Case) -> Admission:
+    return core.admit(
+        case.pending,
+        case.live,
+        case.limits,
+        now=NOW,
+        other_busy=case.other_busy,
+        pressure=case.pressure,
+        other_busy_reason=case.other_busy_reason,
+    )
+
+
+def backing_off(delivery: Delivery) -> bool:
+    return delivery.not_before is not None and delivery.not_before > NOW
+
+
+def check_invariants(case: Case, decision: Admission) -> None:
+    pending, live, limits = case.pending, case.live, case.limits
+    other_busy, pressure, other_busy_reason = case.other_busy, case.pressure, case.other_busy_reason
+    by_id = {d.id: d for d in pending}
+    live_by_id = {t.turn_id: t for t in live}
+    started_ids = [i for start in decision.starts for i in start.delivery_ids]
+    folded_ids = [i for fold in decision.folds for i in fold.delivery_ids]
+    held_ids = [hold.delivery_id for hold in decision.holds]
+
+    # Every eligible delivery is in exactly one place; backing-off ones in none.
+    placed = Counter(started_ids + folded_ids + held_ids)
+    assert all(n == 1 for n in placed.values()), placed
+    assert set(placed) == {d.id for d in pending if not backing_off(d)}
+
+    # The global cap, counting turns outside the gate's own (other_busy).
+    busy = len(live) + other_busy
+    if limits.global_cap is not None and decision.starts:
+        assert busy + len(decision.starts) <= limits.global_cap
+
+    # The per-mind limit, whatever the sessions.
+    live_per_mind = Counter(t.mind for t in live)
+    starts_per_mind = Counter(s.mind for s in decision.starts)
+    for mind, n in starts_per_mind.items():
+        assert live_per_mind[mind] + n <= limits.for_mind(mind)
+
+    # A start is one new (mind, session), not one that already runs; its batch is one
+    # session's rows, ascending.
+    live_sessions = {(t.mind, t.session) for t in live}
+    start_keys = [(s.mind, s.session) for s in decision.starts]
+    assert len(start_keys) == len(set(start_keys))
+    assert not set(start_keys) & live_sessions
+    for start in decision.starts:
+        assert start.delivery_ids
+        assert list(start.delivery_ids) == sorted(start.delivery_ids)
+        for i in start.delivery_ids:
+            assert (by_id[i].mind, by_id[i].session) == (start.mind, start.session)
+
+    # Folds go only into a live turn of the same (mind, session), and carry the interrupt.
+    fold_targets = [fold.turn_id for fold in decision.folds]
+    assert len(fold_targets) == len(set(fold_targets))
+    for fold in decision.folds:
+        turn = live_by_id[fold.turn_id]
+        assert fold.delivery_ids and list(fold.delivery_ids) == sorted(fold.delivery_ids)
+        for i in fold.delivery_ids:
+            assert (by_id[i].mind, by_id[i].session) == (turn.mind, turn.session)
+        assert fold.interrupt == any(by_id[i].interrupt for i in fold.delivery_ids)
+
+    # Id order within a session: nothing later reaches a turn while something earlier of
+    # the same session is held or backing off.
+    taken = started_ids + folded_ids
+    waiting = held_ids + [d.id for d in pending if backing_off(d)]
+    for w in waiting:
+        key = (by_id[w].mind, by_id[w].session)
+        for t in taken:
+            if (by_id[t].mind, by_id[t].session) == key:
+                assert t < w, f"{t} reached a turn while earlier {w} of {key} waits"
+
+    # Every hold has its reason.
+    cap_reasons = {core.HOLD_GLOBAL_CAP, other_busy_reason}
+    backing_ids = [d.id for d in pending if backing_off(d)]
+    for hold in decision.holds:
+        held = by_id[hold.delivery_id]
+        if hold.reason == core.HOLD_MIND_BUSY:
+            assert live_per_mind[held.mind] + starts_per_mind[held.mind] >= limits.for_mind(
+                held.mind
+            )
+        elif hold.reason in cap_reasons:
+            assert limits.global_cap is not None
+            assert busy + len(decision.starts) >= limits.global_cap
+        elif hold.reason == core.HOLD_BEHIND_BACKOFF:
+            assert any(
+                b < held.id and (by_id[b].mind, by_id[b].session) == (held.mind, held.session)
+                for b in backing_ids
+            )
+        elif hold.reason == core.HOLD_PRESSURE:
+            assert pressure and busy + len(decision.starts) >= 1
+        else:
+            raise AssertionError(f"unknown hold reason {hold.reason!r}")
+
+    # FIFO: the cap (and the pressure budget) is given in id order. A delivery held for
+    # them is never overtaken by a later delivery starting a new turn.
+    first_ids = [min(start.delivery_ids) for start in decision.starts]
+    for hold in decision.holds:
+        if hold.reason in cap_reasons | {core.HOLD_PRESSURE}:
+            assert all(first < hold.delivery_id for first in first_ids)
+
+    # Under I/O pressure, at most one turn runs.
+    if pressure:
+        assert len(decision.starts) <= (0 if busy else 1)
+
+
+@settings(max_examples=400)
+@given(scenario())
+def test_admit_keeps_every_invariant(case: Case) -> None:
+    check_invariants(case, run(case))
+
+
+@settings(max_examples=200)
+@given(scenario(), st.randoms(use_true_random=False))
+def test_admit_is_deterministic_and_ignores_input_order(case: Case, rng: random.Random) -> None:
+    first = run(case)
+    assert run(case) == first
+    pending, live = list(case.pending), list(case.live)
+    rng.shuffle(pending)
+    rng.shuffle(live)
+    assert run(replace(case, pending=pending, live=live)) == first
+
+
+@settings(max_examples=200)
+@given(scenario())
+def test_admit_adds_nothing_when_live_turns_already_fill_the_cap(case: Case) -> None:
+    assume(case.limits.global_cap is not None)
+    assert case.limits.global_cap is not None
+    # e.g. the cap was lowered while turns ran, or foreign scopes fill the slice.
+    crowded = replace(case, other_busy=case.limits.global_cap + 1)
+    decision = run(crowded)
+    assert decision.starts == []
+    check_invariants(crowded, decision)
+
+
+@settings(max_examples=200)
+@given(scenario())
+def test_admit_pressure_starts_nothing_beside_a_live_turn_and_at_most_one_alone(
+    case: Case,
+) -> None:
+    decision = run(replace(case, pressure=True))
+    if case.live or case.other_busy:
+        assert decision.starts == []
+    else:
+        assert len(decision.starts) <= 1
+
+
+# -- examples --------------------------------------------------------------------------
+
+
+def fan_out(minds: int, per_mind: int, session: str = "main") -> list[Delivery]:
+    """Rounds of one delivery to each mind, as a cron-aligned fan-out queues them."""
+    ids = iter(range(1, minds * per_mind + 1))
+    return [
+        Delivery(next(ids), f"mind{m:02d}", session)
+        for _round in range(per_mind)
+        for m in range(minds)
+    ]
+
+
+def test_fan_out_33_minds_3_deliveries_cap_2_starts_exactly_2() -> None:
+    pending = fan_out(33, 3)
+    decision = core.admit(pending, [], Limits(global_cap=2), now=NOW)
+    assert decision.starts == [
+        Start("mind00", "main", (1, 34, 67)),
+        Start("mind01", "main", (2, 35, 68)),
+    ]
+    assert decision.folds == []
+    assert len(decision.holds) == 99 - 6
+    assert {hold.reason for hold in decision.holds} == {core.HOLD_GLOBAL_CAP}
+    assert [hold.delivery_id for hold in decision.holds] == sorted(
+        d.id for d in pending if d.mind not in ("mind00", "mind01")
+    )
+
+
+def test_fan_out_release_goes_to_the_oldest_held_mind() -> None:
+    pending = [d for d in fan_out(33, 3) if d.mind not in ("mind00", "mind01")]
+    live = [LiveTurn(2, "mind01", "main")]  # mind00's turn ended, mind01's still runs
+    decision = core.admit(pending, live, Limits(global_cap=2), now=NOW)
+    assert decision.starts == [Start("mind02", "main", (3, 36, 69))]
+
+
+def test_three_aligned_heartbeats_queue_behind_a_cap_of_1() -> None:
+    pending = [Delivery(i, mind, "heartbeat") for i, mind in enumerate(("a", "b", "c"), 1)]
+    decision = core.admit(pending, [], Limits(global_cap=1), now=NOW)
+    assert decision.starts == [Start("a", "heartbeat", (1,))]
+    assert decision.holds == [Hold(2, core.HOLD_GLOBAL_CAP), Hold(3, core.HOLD_GLOBAL_CAP)]
+
+
+def test_unset_cap_is_unlimited_but_per_mind_serializes() -> None:
+    pending = [Delivery(1, "a", "x"), Delivery(2, "a", "y"), Delivery(3, "b", "x")]
+    decision = core.admit(pending, [], Limits(), now=NOW)
+    assert decision.starts == [Start("a", "x", (1,)), Start("b", "x", (3,))]
+    assert decision.holds == [Hold(2, core.HOLD_MIND_BUSY)]
+
+
+def test_per_mind_override_allows_more_turns_for_that_mind() -> None:
+    pending = [Delivery(1, "a", "x"), Delivery(2, "a", "y"), Delivery(3, "b", "x")]
+    decision = core.admit(pending, [], Limits(per_mind={"a": 2}), now=NOW)
+    assert [s.delivery_ids for s in decision.starts] == [(1,), (2,), (3,)]
+
+
+def test_delivery_to_a_session_mid_turn_folds_in() -> None:
+    live = [LiveTurn(7, "a", "main")]
+    pending = [Delivery(1, "a", "main"), Delivery(2, "a", "side"), Delivery(3, "a", "main")]
+    decision = core.admit(pending, live, Limits(global_cap=1), now=NOW)
+    assert decision.starts == []
+    assert decision.folds == [Fold(7, (1, 3), interrupt=False)]
+    assert decision.holds == [Hold(2, core.HOLD_MIND_BUSY)]
+
+
+def test_fold_in_adds_no_concurrency_even_at_the_cap_or_under_pressure() -> None:
+    live = [LiveTurn(7, "a", "main")]
+    decision = core.admit(
+        [Delivery(1, "a", "main")], live, Limits(global_cap=1), now=NOW, pressure=True
+    )
+    assert decision.folds == [Fold(7, (1,), interrupt=False)]
+
+
+def test_an_interrupting_delivery_marks_its_fold() -> None:
+    live = [LiveTurn(7, "a", "main"), LiveTurn(8, "b", "main")]
+    pending = [
+        Delivery(1, "a", "main"),
+        Delivery(2, "a", "main", interrupt=True),
+        Delivery(3, "b", "main"),
+    ]
+    decision = core.admit(pending, live, Limits(), now=NOW)
+    assert decision.folds == [Fold(7, (1, 2), interrupt=True), Fold(8, (3,), interrupt=False)]
+
+
+def test_an_interrupt_to_an_idle_session_just_starts_a_turn() -> None:
+    decision = core.admit([Delivery(1, "a", "main", interrupt=True)], [], Limits(), now=NOW)
+    assert decision.starts == [Start("a", "main", (1,))]
+    assert decision.folds == []
+
+
+def test_rows_behind_a_backing_off_row_wait_in_id_order() -> None:
+    pending = [
+        Delivery(1, "a", "main", not_before=NOW + 5),
+        Delivery(2, "a", "main"),
+        Delivery(3, "a", "side"),
+    ]
+    decision = core.admit(pending, [], Limits(), now=NOW)
+    assert decision.starts == [Start("a", "side", (3,))]
+    assert decision.holds == [Hold(2, core.HOLD_BEHIND_BACKOFF)]
+
+
+def test_rows_behind_a_backing_off_row_do_not_fold_either() -> None:
+    live = [LiveTurn(7, "a", "main")]
+    pending = [Delivery(1, "a", "main", not_before=NOW + 5), Delivery(2, "a", "main")]
+    decision = core.admit(pending, live, Limits(), now=NOW)
+    assert decision == Admission([], [], [Hold(2, core.HOLD_BEHIND_BACKOFF)])
+
+
+def test_a_backoff_that_has_expired_is_eligible() -> None:
+    pending = [Delivery(1, "a", "main", not_before=NOW), Delivery(2, "a", "main")]
+    decision = core.admit(pending, [], Limits(), now=NOW)
+    assert decision.starts == [Start("a", "main", (1, 2))]
+
+
+def test_other_busy_counts_against_the_cap_with_its_own_reason() -> None:
+    pending = [Delivery(1, "a", "main"), Delivery(2, "b", "main")]
+    decision = core.admit(
+        pending,
+        [],
+        Limits(global_cap=2),
+        now=NOW,
+        other_busy=1,
+        other_busy_reason=core.HOLD_TEST_RUN,
+    )
+    assert decision.starts == [Start("a", "main", (1,))]
+    # The gate's own turn now fills half the cap, test runs the rest: blame the runs.
+    assert decision.holds == [Hold(2, core.HOLD_TEST_RUN)]
+
+
+def test_turns_alone_filling_the_cap_are_a_global_cap_hold() -> None:
+    live = [LiveTurn(1, "a", "main"), LiveTurn(2, "b", "main")]
+    decision = core.admit(
+        [Delivery(3, "c", "main")],
+        live,
+        Limits(global_cap=2),
+        now=NOW,
+        other_busy=1,
+        other_busy_reason=core.HOLD_TEST_RUN,
+    )
+    assert decision.holds == [Hold(3, core.HOLD_GLOBAL_CAP)]
+
+
+def test_pressure_holds_a_second_turn() -> None:
+    pending = [Delivery(1, "a", "main"), Delivery(2, "b", "main")]
+    decision = core.admit(pending, [], Limits(), now=NOW, pressure=True)
+    assert decision.starts == [Start("a", "main", (1,))]
+    assert decision.holds == [Hold(2, core.HOLD_PRESSURE)]
+
+
+def test_two_live_turns_of_one_session_fold_into_the_oldest_whatever_the_order() -> None:
+    # After a restart the gate may adopt two turns of one session (limit 2).
+    pending = [Delivery(5, "a", "main")]
+    for live in ([LiveTurn(3, "a", "main"), LiveTurn(4, "a", "main")],
+                 [LiveTurn(4, "a", "main"), LiveTurn(3, "a", "main")]):  # fmt: skip
+        decision = core.admit(pending, live, Limits(turns_per_mind=2), now=NOW)
+        assert decision.folds == [Fold(3, (5,), interrupt=False)]
+
+
+# -- after_failure --------------------------------------------------------------------------
+
+
+def test_backoff_doubles_up_to_the_ceiling_then_dead_at_max_attempts() -> None:
+    delays = []
+    attempts = 0
+    while True:
+        after = core.after_failure(attempts, now=NOW, max_attempts=10, initial=5, ceiling=300)
+        assert after.attempts == attempts + 1
+        attempts = after.attempts
+        if after.state == "dead":
+            assert after.not_before is None
+            break
+        assert after.state == "pending"
+        assert after.not_before is not None
+        delays.append(after.not_before - NOW)
+    assert delays == [5, 10, 20, 40, 80, 160, 300, 300, 300]
+    assert attempts == 10
+
+
+def test_max_attempts_1_is_dead_at_the_first_failure() -> None:
+    after = core.after_failure(0, now=NOW, max_attempts=1, initial=5, ceiling=300)
+    assert after == core.AfterFailure("dead", 1, None)
+
+
+@given(
+    attempts=st.integers(min_value=0, max_value=5000),
+    max_attempts=st.integers(min_value=1, max_value=10_000),
+    initial=st.floats(min_value=0.001, max_value=600),
+    ceiling=st.floats(min_value=0.001, max_value=86400),
+)
+def test_after_failure_counts_one_attempt_and_never_waits_past_the_ceiling(
+    attempts: int, max_attempts: int, initial: float, ceiling: float
+) -> None:
+    after = core.after_failure(
+        attempts, now=0.0, max_attempts=max_attempts, initial=initial, ceiling=ceiling
+    )
+    assert after.attempts == attempts + 1
+    if attempts + 1 >= max_attempts:
+        assert after == core.AfterFailure("dead", attempts + 1, None)
+        return
+    assert after.state == "pending" and after.not_before is not None
+    delay = after.not_before
+    assert min(initial, ceiling) <= delay <= ceiling
+    # Never shorter than the previous failure's wait.
+    if attempts >= 1:
+        before = core.after_failure(
+            attempts - 1, now=0.0, max_attempts=max_attempts, initial=initial, ceiling=ceiling
+        )
+        assert before.not_before is not None and before.not_before <= after.not_before
+
+
+# -- turn outcomes -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("exit_status", "started_marker", "released", "kind", "status"),
+    [
+        (0, False, False, "ok", 0),
+        (0, True, True, "ok", 0),
+        (3, True, True, "failed", 3),
+        (130, True, True, "failed", 130),
+        (None, True, True, "failed", None),
+        (None, True, False, "failed", None),
+        (None, False, True, "failed", None),
+        (None, False, False, "never_ran", None),
+    ],
+)
+def test_turn_outcome_table(
+    exit_status: int | None, started_marker: bool, released: bool, kind: str, status: int | None
+) -> None:
+    outcome = core.turn_outcome(
+        exit_status=exit_status, started_marker=started_marker, released=released
+    )
+    assert (outcome.kind, outcome.exit_status) == (kind, status)
+    assert outcome.detail
+
+
+@pytest.mark.parametrize(
+    ("exit_status", "code"), [(0, 0), (3, 3), (255, 255), (256, 1), (-2, 1), (None, 1)]
+)
+def test_wait_exit_code(exit_status: int | None, code: int) -> None:
+    assert core.wait_exit_code(exit_status) == code
