@@ -42,8 +42,10 @@ def decode(line: bytes) -> dict[str, Any]:
         raise ProtocolError(f"not a JSON line: {error}") from None
     if not isinstance(value, dict):
         raise ProtocolError("a request must be a JSON object")
-    if value.get("v") != VERSION:
-        raise ProtocolError(f"protocol version {value.get('v')!r} is not {VERSION}")
+    version = value.get("v")
+    # `type(...) is int`: in Python true == 1 and 1.0 == 1, but neither is version 1.
+    if type(version) is not int or version != VERSION:
+        raise ProtocolError(f"protocol version {version!r} is not {VERSION}")
     return value
 
 
@@ -54,10 +56,13 @@ def error_reply(error: VoluteError) -> dict[str, Any]:
 def raise_for_reply(reply: dict[str, Any]) -> dict[str, Any]:
     if reply.get("ok"):
         return reply
+    code = reply.get("code", EX_DATAERR)
+    hint = reply.get("hint")
     raise VoluteError(
         str(reply.get("error", "the gate refused the request")),
-        hint=reply.get("hint"),
-        exit_code=int(reply.get("code", EX_DATAERR)),
+        hint=hint if isinstance(hint, str) else None,
+        # A malformed code must not turn a refusal into a traceback.
+        exit_code=code if type(code) is int and 1 <= code <= 255 else EX_PROTOCOL,
     )
 
 
