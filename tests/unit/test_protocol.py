@@ -1,0 +1,250 @@
+"""The gate's wire protocol: JSON lines with a version, and the client's connection errors.
+
+Connections go to real unix sockets: missing, stale (nobody listening), and without
+permission for an unprivileged user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.unit.fake_gate import FakeGate, remove_tree, short_socket_dir
+from volutectl import protocol
+from volutectl.errors import (
+    EX_DATAERR,
+    EX_NOPERM,
+    EX_PROTOCOL,
+    EX_TEMPFAIL,
+    EX_UNAVAILABLE,
+    DataError,
+    PermissionDeniedError,
+    UnavailableError,
+    VoluteError,
+)
+from volutectl.protocol import ProtocolError
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    path = short_socket_dir()
+    yield path
+    remove_tree(path)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+messages = st.dictionaries(st.text().filter(lambda k: k != "v"), json_values, max_size=6)
+
+
+@given(messages)
+def test_encode_decode_round_trip_is_one_line(message: dict[str, Any]) -> None:
+    line = protocol.encode(message)
+    assert line.endswith(b"\n")
+    assert b"\n" not in line[:-1]  # newlines in text are escaped: one request, one line
+    assert protocol.decode(line[:-1]) == {"v": protocol.VERSION, **message}
+
+
+def test_encode_carries_the_version() -> None:
+    assert json.loads(protocol.encode({"op": "ping"})) == {"v": 1, "op": "ping"}
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"op": "ping"}',
+        b'{"v": 2, "op": "ping"}',
+        b'{"v": "1", "op": "ping"}',
+        b'{"v": true, "op": "ping"}',
+        b'{"v": 1.0, "op": "ping"}',
+        b'{"v": null}',
+    ],
+)
+def test_decode_refuses_other_versions(line: bytes) -> None:
+    with pytest.raises(ProtocolError, match="protocol version") as caught:
+        protocol.decode(line)
+    assert caught.value.exit_code == EX_PROTOCOL
+
+
+@pytest.mark.parametrize("line", [b"[1, 2]", b'"deliver"', b"1", b"null", b"true"])
+def test_decode_refuses_non_objects(line: bytes) -> None:
+    with pytest.raises(ProtocolError, match="JSON object"):
+        protocol.decode(line)
+
+
+@pytest.mark.parametrize("line", [b"", b"{", b"{'v': 1}", b"\xff\xfe{", b'{"v": 1,}'])
+def test_decode_refuses_bad_json(line: bytes) -> None:
+    with pytest.raises(ProtocolError, match="not a JSON line"):
+        protocol.decode(line)
+
+
+def test_an_error_reply_becomes_the_same_error_on_the_client() -> None:
+    reply = protocol.decode(
+        protocol.encode(protocol.error_reply(DataError("message too big", hint="send a path")))
+    )
+    with pytest.raises(VoluteError) as caught:
+        protocol.raise_for_reply(reply)
+    assert caught.value.message == "message too big"
+    assert caught.value.hint == "send a path"
+    assert caught.value.exit_code == EX_DATAERR
+
+
+@pytest.mark.parametrize("code", ["x", None, 0, 300, True, [77]])
+def test_a_malformed_error_code_is_a_protocol_error_not_a_crash(code: object) -> None:
+    with pytest.raises(VoluteError) as caught:
+        protocol.raise_for_reply({"ok": False, "error": "no", "code": code, "hint": 5})
+    assert caught.value.exit_code == EX_PROTOCOL
+    assert caught.value.hint is None
+
+
+def test_an_ok_reply_passes_through() -> None:
+    assert protocol.raise_for_reply({"v": 1, "ok": True, "id": 3}) == {"v": 1, "ok": True, "id": 3}
+
+
+# -- connections ------------------------------------------------------------------------------
+
+
+def test_missing_socket_is_unavailable_69_with_a_hint(socket_dir: Path) -> None:
+    path = socket_dir / "gate.sock"
+    with pytest.raises(UnavailableError) as caught:
+        protocol.Connection(str(path))
+    assert caught.value.exit_code == EX_UNAVAILABLE
+    assert str(path) in caught.value.message
+    assert caught.value.hint is not None and "volute-gate.service" in caught.value.hint
+
+
+def test_stale_socket_file_is_unavailable_69(socket_dir: Path) -> None:
+    path = socket_dir / "gate.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(path))  # the file stays; nobody will ever listen (a crashed gate)
+    dead.close()
+    assert path.is_socket()
+    with pytest.raises(UnavailableError, match="refuses connections") as caught:
+        protocol.Connection(str(path))
+    assert caught.value.exit_code == EX_UNAVAILABLE
+
+
+def test_a_regular_file_at_the_socket_path_is_unavailable(socket_dir: Path) -> None:
+    path = socket_dir / "gate.sock"
+    path.write_text("not a socket")
+    with pytest.raises(UnavailableError) as caught:
+        protocol.Connection(str(path))
+    assert caught.value.exit_code == EX_UNAVAILABLE
+
+
+def connect_as_nobody(path: Path) -> subprocess.CompletedProcess[str]:
+    """Connect from a process that dropped root for nobody (65534) before connecting."""
+    script = textwrap.dedent(
+        f"""
+        import os, sys
+        from volutectl import protocol
+        from volutectl.errors import VoluteError
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+        try:
+            protocol.Connection({str(path)!r}, timeout=5).close()
+        except VoluteError as error:
+            print(type(error).__name__, error.message, error.hint, sep="|")
+            sys.exit(error.exit_code)
+        print("connected")
+        """
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a socket nobody can't use")
+@pytest.mark.parametrize(("mode", "expected"), [(0o000, EX_NOPERM), (0o666, 0)])
+def test_socket_without_permission_is_77_for_an_unprivileged_user(
+    socket_dir: Path, mode: int, expected: int
+) -> None:
+    path = socket_dir / "gate.sock"
+    with FakeGate(path, []):
+        os.chmod(path, mode)
+        result = connect_as_nobody(path)
+    assert result.returncode == expected, result.stdout + result.stderr
+    if expected:
+        kind, message, hint = result.stdout.strip().split("|")
+        assert kind == PermissionDeniedError.__name__
+        assert str(path) in message
+        assert "group" in hint
+    else:
+        assert result.stdout.strip() == "connected"
+
+
+def test_request_round_trip_over_a_real_socket(socket_dir: Path) -> None:
+    path = socket_dir / "gate.sock"
+    # Two replies in one write, the second split over two: the client's buffer copes.
+    replies = [b'{"v":1,"ok":true,"id":7}\n{"v":1,"ok":true,', b'"event":"x"}\n']
+    with FakeGate(path, replies) as gate:
+        connection = protocol.Connection(str(path), timeout=10)
+        try:
+            assert connection.request({"op": "deliver", "mind": "a"}) == {
+                "v": 1,
+                "ok": True,
+                "id": 7,
+            }
+            assert connection.receive() == {"v": 1, "ok": True, "event": "x"}
+        finally:
+            connection.close()
+    assert gate.requests == [{"v": 1, "op": "deliver", "mind": "a"}]
+
+
+def test_request_raises_the_gates_refusal(socket_dir: Path) -> None:
+    path = socket_dir / "gate.sock"
+    refusal = {"ok": False, "error": "unknown mind 'x'", "hint": "add it", "code": 67}
+    with FakeGate(path, [refusal]):
+        connection = protocol.Connection(str(path), timeout=10)
+        try:
+            with pytest.raises(VoluteError, match="unknown mind") as caught:
+                connection.request({"op": "deliver"})
+        finally:
+            connection.close()
+    assert caught.value.exit_code == 67
+    assert caught.value.hint == "add it"
+
+
+def test_gate_closing_without_a_reply_is_unavailable(socket_dir: Path) -> None:
+    path = socket_dir / "gate.sock"
+    with FakeGate(path, []):
+        connection = protocol.Connection(str(path), timeout=10)
+        try:
+            with pytest.raises(VoluteError, match="closed the connection") as caught:
+                connection.request({"op": "ping"})
+        finally:
+            connection.close()
+    assert caught.value.exit_code == EX_UNAVAILABLE
+    assert caught.value.hint is not None and "acknowledged deliveries are kept" in caught.value.hint
+
+
+def test_a_gate_that_never_answers_is_a_temporary_failure(socket_dir: Path) -> None:
+    path = socket_dir / "gate.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)  # accepts (in the backlog) but never reads or answers
+    try:
+        connection = protocol.Connection(str(path), timeout=10)
+        try:
+            with pytest.raises(VoluteError, match="did not answer") as caught:
+                connection.request({"op": "ping"}, timeout=0.2)
+        finally:
+            connection.close()
+    finally:
+        listener.close()
+    assert caught.value.exit_code == EX_TEMPFAIL
