@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from volutectl import protocol
-from volutectl.errors import EX_DATAERR, EX_USAGE, UsageError, VoluteError
+from volutectl.errors import EX_DATAERR, UsageError, VoluteError
 
 DEFAULT_SOCKET = "/run/volute/gate.sock"
 DEFAULT_CONFIG = "/etc/volute/volutectl.toml"
@@ -84,10 +84,18 @@ def deliver_main(argv: list[str]) -> int:
         raise VoluteError(str(error), exit_code=EX_DATAERR) from None
     if args.message is not None:
         message = args.message
+        try:
+            # Bytes that are not UTF-8 reach argv as lone surrogates; JSON would carry
+            # them to the gate as text it cannot store.
+            message.encode("utf-8")
+        except UnicodeEncodeError:
+            raise VoluteError("the --message is not UTF-8 text", exit_code=EX_DATAERR) from None
     else:
         if sys.stdin is None or sys.stdin.isatty():
             raise UsageError("no message: pass --message TEXT or pipe it on stdin")
         raw = sys.stdin.buffer.read()
+        if not raw:
+            raise UsageError("no message: stdin was empty; pass --message TEXT or pipe it in")
         try:
             message = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -107,7 +115,10 @@ def deliver_main(argv: list[str]) -> int:
             },
             timeout=args.timeout,
         )
-        print(reply["id"], flush=True)
+        delivery_id = reply.get("id")
+        if type(delivery_id) is not int:
+            raise protocol.ProtocolError(f"the gate acknowledged without a delivery id: {reply}")
+        print(delivery_id, flush=True)
         if not args.wait:
             return 0
         event = protocol.raise_for_reply(connection.receive(timeout=None))
@@ -123,12 +134,12 @@ def deliver_main(argv: list[str]) -> int:
             )
         return int(event.get("exit_code", 1))
     if kind == "dead":
-        print(f"volutectl: delivery {reply['id']} is dead: {event.get('error')}", file=sys.stderr)
+        print(f"volutectl: delivery {delivery_id} is dead: {event.get('error')}", file=sys.stderr)
         return 1
     if kind == "dropped":
-        print(f"volutectl: delivery {reply['id']} was dropped", file=sys.stderr)
+        print(f"volutectl: delivery {delivery_id} was dropped", file=sys.stderr)
         return 1
-    raise VoluteError(f"unexpected reply from the gate: {event}", exit_code=EX_USAGE)
+    raise protocol.ProtocolError(f"unexpected reply from the gate: {event}")
 
 
 def request(message: dict[str, Any], socket: str | None, config: str | None) -> dict[str, Any]:
