@@ -1,0 +1,342 @@
+"""`volutectl deliver` as a user runs it: the console script against a real socket.
+
+The gate's end is a small protocol peer in a thread (tests/unit/fake_gate.py) that
+records what arrives, so each test can say both what deliver printed and exited with,
+and what it sent (or that it sent nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.fake_gate import FakeGate, remove_tree, short_socket_dir
+from volutectl import deliver
+from volutectl.errors import VoluteError
+
+VOLUTECTL = Path(sys.executable).parent / "volutectl"
+ACK = {"ok": True, "id": 7}
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    path = short_socket_dir()
+    yield path
+    remove_tree(path)
+
+
+def run(
+    *args: str | bytes,
+    stdin: bytes | None = b"",
+    env: dict[str, str] | None = None,
+    stdin_fd: int | None = None,
+) -> subprocess.CompletedProcess[bytes]:
+    clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("VOLUTE_")}
+    clean.update(env or {})
+    return subprocess.run(
+        [str(VOLUTECTL), "deliver", *args],
+        input=stdin if stdin_fd is None else None,
+        stdin=stdin_fd,
+        capture_output=True,
+        env=clean,
+        timeout=60,
+    )
+
+
+def gate_at(socket_dir: Path, replies: list[dict[str, Any] | bytes] | None = None) -> FakeGate:
+    return FakeGate(socket_dir / "gate.sock", [ACK] if replies is None else replies)
+
+
+# -- refused before any I/O -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mind", ["bad/mind", "_under", "a b", "x" * 65, ".hidden", "caf\u00e9"])
+def test_bad_mind_name_is_65_and_nothing_is_sent(socket_dir: Path, mind: str) -> None:
+    with gate_at(socket_dir) as gate:
+        result = run(mind, "--message", "hi", "--socket", str(gate.path))
+    assert result.returncode == 65, result.stderr
+    assert b"invalid mind name" in result.stderr
+    assert b"Traceback" not in result.stderr
+    assert gate.connections == 0
+
+
+@pytest.mark.parametrize("session", ["a b", "-x", "", "s/t"])
+def test_bad_session_name_is_65_and_nothing_is_sent(socket_dir: Path, session: str) -> None:
+    with gate_at(socket_dir) as gate:
+        result = run("ada", f"--session={session}", "--message", "hi", "--socket", str(gate.path))
+    assert result.returncode == 65, result.stderr
+    assert b"invalid session name" in result.stderr
+    assert gate.connections == 0
+
+
+def test_empty_stdin_is_a_usage_error(socket_dir: Path) -> None:
+    with gate_at(socket_dir) as gate:
+        result = run("ada", "--socket", str(gate.path), stdin=b"")
+    assert result.returncode == 64, result.stderr
+    assert b"no message" in result.stderr
+    assert gate.connections == 0
+
+
+def test_a_terminal_on_stdin_is_a_usage_error_not_a_wait(socket_dir: Path) -> None:
+    controller, terminal = os.openpty()
+    try:
+        with gate_at(socket_dir) as gate:
+            result = run("ada", "--socket", str(gate.path), stdin_fd=terminal)
+    finally:
+        os.close(controller)
+        os.close(terminal)
+    assert result.returncode == 64, result.stderr
+    assert b"--message" in result.stderr
+    assert gate.connections == 0
+
+
+def test_non_utf8_stdin_is_65_and_nothing_is_sent(socket_dir: Path) -> None:
+    with gate_at(socket_dir) as gate:
+        result = run("ada", "--socket", str(gate.path), stdin=b"caf\xe9\n")
+    assert result.returncode == 65, result.stderr
+    assert b"not UTF-8" in result.stderr
+    assert gate.connections == 0
+
+
+def test_non_utf8_message_argument_is_65_and_nothing_is_sent(socket_dir: Path) -> None:
+    with gate_at(socket_dir) as gate:
+        result = run("ada", "--socket", str(gate.path), "--message", b"caf\xe9")
+    assert result.returncode == 65, result.stderr
+    assert b"not UTF-8" in result.stderr
+    assert gate.connections == 0
+
+
+def test_unknown_option_is_64() -> None:
+    result = run("ada", "--frobnicate")
+    assert result.returncode == 64
+    assert b"--frobnicate" in result.stderr
+
+
+# -- the gate's end ---------------------------------------------------------------------------
+
+
+def test_missing_socket_is_69_with_the_hint(socket_dir: Path) -> None:
+    path = socket_dir / "gate.sock"
+    result = run("ada", "--message", "hi", "--socket", str(path))
+    assert result.returncode == 69
+    lines = result.stderr.decode().splitlines()
+    assert lines[0] == f"volutectl: the gate is not running: no socket at {path}"
+    assert lines[1] == "  hint: start it with: systemctl start volute-gate.service"
+    assert result.stdout == b""
+
+
+def test_acknowledged_delivery_prints_its_id(socket_dir: Path) -> None:
+    with gate_at(socket_dir) as gate:
+        result = run("ada", "--message", "hello", "--socket", str(gate.path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"7\n"
+    assert gate.requests == [
+        {
+            "v": 1,
+            "op": "deliver",
+            "mind": "ada",
+            "session": "main",
+            "message": "hello",
+            "interrupt": False,
+            "wait": False,
+        }
+    ]
+
+
+def test_message_from_stdin_arrives_byte_for_byte(socket_dir: Path) -> None:
+    text = 'line one\nline "two" \u00e9\u2603\n\n\ttab\\end'
+    with gate_at(socket_dir) as gate:
+        result = run(
+            "ada", "-s", "chat:42", "--interrupt", "--socket", str(gate.path), stdin=text.encode()
+        )
+    assert result.returncode == 0, result.stderr
+    [request] = gate.requests
+    assert request["message"] == text
+    assert (request["session"], request["interrupt"]) == ("chat:42", True)
+
+
+def test_the_gates_refusal_is_one_line_with_its_code(socket_dir: Path) -> None:
+    refusal = {
+        "ok": False,
+        "error": "unknown mind 'zed'",
+        "hint": "configured minds: ada",
+        "code": 67,
+    }
+    with gate_at(socket_dir, [refusal]) as gate:
+        result = run("zed", "--message", "hi", "--socket", str(gate.path))
+    assert result.returncode == 67
+    assert result.stderr.decode().splitlines() == [
+        "volutectl: unknown mind 'zed'",
+        "  hint: configured minds: ada",
+    ]
+    assert result.stdout == b""
+
+
+def test_an_ack_without_an_id_is_a_protocol_error(socket_dir: Path) -> None:
+    with gate_at(socket_dir, [{"ok": True}]) as gate:
+        result = run("ada", "--message", "hi", "--socket", str(gate.path))
+    assert result.returncode == 76, result.stderr
+    assert b"Traceback" not in result.stderr
+    assert result.stdout == b""
+
+
+def test_wait_exits_with_the_turns_exit_code(socket_dir: Path) -> None:
+    ended = {
+        "ok": True,
+        "event": "turn_ended",
+        "id": 7,
+        "turn_id": 4,
+        "outcome": "failed",
+        "exit_status": 3,
+        "exit_code": 3,
+    }
+    with gate_at(socket_dir, [ACK, ended]) as gate:
+        result = run("ada", "--message", "hi", "--wait", "--socket", str(gate.path))
+    assert result.returncode == 3, result.stderr
+    assert result.stdout == b"7\n"  # the id comes first, before the wait
+    assert b"turn 4 failed: exit status 3" in result.stderr
+    assert gate.requests[0]["wait"] is True
+
+
+def test_wait_on_a_turn_that_succeeded_is_0(socket_dir: Path) -> None:
+    ended = {"ok": True, "event": "turn_ended", "turn_id": 4, "outcome": "ok", "exit_code": 0}
+    with gate_at(socket_dir, [ACK, ended]) as gate:
+        result = run("ada", "--message", "hi", "--wait", "--socket", str(gate.path))
+    assert (result.returncode, result.stdout, result.stderr) == (0, b"7\n", b"")
+
+
+@pytest.mark.parametrize(
+    ("event", "said"),
+    [
+        ({"ok": True, "event": "dead", "id": 7, "error": "turn 9 exited 1"}, b"delivery 7 is dead"),
+        ({"ok": True, "event": "dropped", "id": 7}, b"delivery 7 was dropped"),
+    ],
+)
+def test_wait_on_a_dead_or_dropped_delivery_is_1(
+    socket_dir: Path, event: dict[str, Any], said: bytes
+) -> None:
+    with gate_at(socket_dir, [ACK, event]) as gate:
+        result = run("ada", "--message", "hi", "--wait", "--socket", str(gate.path))
+    assert result.returncode == 1
+    assert said in result.stderr
+
+
+def test_wait_on_an_unknown_event_is_a_protocol_error(socket_dir: Path) -> None:
+    with gate_at(socket_dir, [ACK, {"ok": True, "event": "confetti"}]) as gate:
+        result = run("ada", "--message", "hi", "--wait", "--socket", str(gate.path))
+    assert result.returncode == 76
+    assert b"unexpected reply" in result.stderr
+
+
+def test_gate_going_away_during_wait_is_69_and_says_the_delivery_is_kept(
+    socket_dir: Path,
+) -> None:
+    with gate_at(socket_dir, [ACK]) as gate:  # acks, then closes the connection
+        result = run("ada", "--message", "hi", "--wait", "--socket", str(gate.path))
+    assert result.returncode == 69
+    assert result.stdout == b"7\n"
+    assert b"acknowledged deliveries are kept" in result.stderr
+
+
+# -- where the socket is -----------------------------------------------------------------------
+
+
+def write_config(path: Path, socket_path: Path | str) -> Path:
+    path.write_text(f'[gate]\nsocket = "{socket_path}"\n')
+    return path
+
+
+def test_socket_flag_beats_the_environment(socket_dir: Path) -> None:
+    with gate_at(socket_dir) as gate:
+        result = run(
+            "ada",
+            "--message",
+            "hi",
+            "--socket",
+            str(gate.path),
+            env={"VOLUTE_GATE__SOCKET": str(socket_dir / "elsewhere.sock")},
+        )
+    assert result.returncode == 0, result.stderr
+    assert len(gate.requests) == 1
+
+
+def test_environment_beats_the_config_file(socket_dir: Path) -> None:
+    config = write_config(socket_dir / "volutectl.toml", socket_dir / "from-config.sock")
+    with gate_at(socket_dir) as gate:
+        result = run(
+            "ada",
+            "--message",
+            "hi",
+            "--config",
+            str(config),
+            env={"VOLUTE_GATE__SOCKET": str(gate.path)},
+        )
+    assert result.returncode == 0, result.stderr
+    assert len(gate.requests) == 1
+
+
+@pytest.mark.parametrize("how", ["--config", "VOLUTE_CONFIG"])
+def test_config_file_gate_socket_is_used(socket_dir: Path, how: str) -> None:
+    with gate_at(socket_dir) as gate:
+        config = write_config(socket_dir / "volutectl.toml", gate.path)
+        if how == "--config":
+            result = run("ada", "--message", "hi", "--config", str(config))
+        else:
+            result = run("ada", "--message", "hi", env={"VOLUTE_CONFIG": str(config)})
+    assert result.returncode == 0, result.stderr
+    assert len(gate.requests) == 1
+
+
+def test_explicit_config_that_is_missing_is_78(socket_dir: Path) -> None:
+    result = run("ada", "--message", "hi", "--config", str(socket_dir / "nope.toml"))
+    assert result.returncode == 78
+    assert b"nope.toml" in result.stderr
+
+
+def test_config_that_is_not_toml_is_78(socket_dir: Path) -> None:
+    config = socket_dir / "volutectl.toml"
+    config.write_text("[gate\nsocket = 1\n")
+    result = run("ada", "--message", "hi", "--config", str(config))
+    assert result.returncode == 78
+    assert b"not valid TOML" in result.stderr
+
+
+def test_socket_path_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("VOLUTE_GATE__SOCKET", raising=False)
+    monkeypatch.delenv("VOLUTE_CONFIG", raising=False)
+    # The system-wide config, absent: the built-in default.
+    monkeypatch.setattr(deliver, "DEFAULT_CONFIG", str(tmp_path / "absent.toml"))
+    assert deliver.socket_path(None, None) == "/run/volute/gate.sock"
+    # A system-wide config without [gate] socket: still the default.
+    system = tmp_path / "system.toml"
+    system.write_text("[limits]\nturns_per_mind = 2\n")
+    monkeypatch.setattr(deliver, "DEFAULT_CONFIG", str(system))
+    assert deliver.socket_path(None, None) == "/run/volute/gate.sock"
+    # The system-wide config's [gate] socket.
+    write_config(system, "/srv/system.sock")
+    assert deliver.socket_path(None, None) == "/srv/system.sock"
+    # $VOLUTE_CONFIG replaces the system-wide file; --config replaces both.
+    monkeypatch.setenv("VOLUTE_CONFIG", str(write_config(tmp_path / "env.toml", "/srv/env.sock")))
+    assert deliver.socket_path(None, None) == "/srv/env.sock"
+    flag_config = write_config(tmp_path / "flag.toml", "/srv/flag-config.sock")
+    assert deliver.socket_path(None, str(flag_config)) == "/srv/flag-config.sock"
+    # The environment variable beats any config file; the flag beats everything.
+    monkeypatch.setenv("VOLUTE_GATE__SOCKET", "/srv/env-var.sock")
+    assert deliver.socket_path(None, str(flag_config)) == "/srv/env-var.sock"
+    assert deliver.socket_path("/srv/flag.sock", str(flag_config)) == "/srv/flag.sock"
+
+
+def test_missing_config_named_by_environment_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("VOLUTE_GATE__SOCKET", raising=False)
+    monkeypatch.setenv("VOLUTE_CONFIG", str(tmp_path / "gone.toml"))
+    with pytest.raises(VoluteError, match="gone.toml") as caught:
+        deliver.socket_path(None, None)
+    assert caught.value.exit_code == 78
