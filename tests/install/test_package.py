@@ -6,7 +6,7 @@ under systemd-nspawn; `apt-get install ./volutectl_*.deb` then pulls python3-pys
 python3-click and python3-pydantic-settings from Debian. The tests share one container
 and run in file order: install, inspect, then remove and purge last.
 
-Run: .venv/bin/pytest -m install tests/install   (root; about 30 s with a warm cache)
+Run: .venv/bin/pytest -m install tests/install   (root; about 1.5 min with a warm cache)
 Artifacts (the `systemctl status volute-turns.slice` capture, lintian output) go to
 $VOLUTE_ARTIFACTS, default dist/install-tier.
 """
@@ -115,6 +115,8 @@ def test_units_are_installed_and_verify_under_trixie_systemd(installed: Installe
         f"cd /usr/lib/systemd/system && systemd-analyze verify --man=no {' '.join(names)}"
     )
     assert verify.stdout + verify.stderr == "", verify.stderr
+    # Every unit's Documentation= names this file; dh_compress must leave it readable.
+    assert m.host_path("/usr/share/doc/volutectl/packaging.md").is_file()
     cat = m.run(["systemctl", "cat", "volute-turns.slice"]).stdout
     assert "# /usr/lib/systemd/system/volute-turns.slice" in cat
     enabled = m.run(["systemctl", "is-enabled", "volute-gate.service"], check=False).stdout
