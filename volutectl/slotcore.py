@@ -1,12 +1,15 @@
 """The pure part of the test-run cap: where the cap comes from, which slots to probe,
-what a queued run says while it waits, and how long runs typically take.
+what a queued run says while it waits, how long runs typically take, and how the gate
+reads the texts that tell it which slots are held.
 
-No I/O here (no fcntl, os, pystemd or sqlite3): the adapters in `volutectl.slots` and
-`volutectl.testrun` gather the facts and these functions decide and format.
+No I/O here (no fcntl, os, pystemd or sqlite3): the adapters in `volutectl.slots`,
+`volutectl.slotwatch` and `volutectl.testrun` gather the facts and these functions
+decide and format.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -26,6 +29,8 @@ SCOPE_PREFIX = "volute-test-"
 DESCRIPTION_PREFIX = "volutectl test in "
 # How many recent runs the typical duration looks at.
 HISTORY_WINDOW = 20
+
+Device = tuple[int, int]  # (major, minor)
 
 
 @dataclass(frozen=True)
@@ -253,3 +258,61 @@ def test_scope_name(worktree_name: str, pid: int) -> str:
         if cut >= len(escaped) - 3:
             escaped = escaped[:cut]
     return f"{SCOPE_PREFIX}{escaped}{tail}"
+
+
+# -- what the gate reads: /proc/locks, mountinfo, .git files ----------------------------
+
+
+def parse_proc_locks(text: str) -> frozenset[tuple[int, int, int]]:
+    """(major, minor, inode) of every granted flock in /proc/locks text.
+
+    `1: FLOCK  ADVISORY  WRITE 4242 fe:00:5309070 0 EOF` is held; a line with `->`
+    after the number is a process blocked waiting for that lock, so it is skipped."""
+    held = set()
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 6 or parts[1] != "FLOCK":
+            continue
+        fields = parts[5].split(":")
+        if len(fields) != 3:
+            continue
+        with contextlib.suppress(ValueError):
+            held.add((int(fields[0], 16), int(fields[1], 16), int(fields[2])))
+    return frozenset(held)
+
+
+def parse_mount_device(mountinfo: str, path: str) -> Device | None:
+    """The superblock device of the mount that holds `path` (absolute, resolved).
+
+    The longest mount point that contains the path wins; of equal ones, the later line,
+    which is the mount on top."""
+    best: tuple[int, Device] | None = None
+    for line in mountinfo.splitlines():
+        parts = line.split()
+        if len(parts) < 5:
+            continue
+        point = _unescape_mount(parts[4])
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if not inside:
+            continue
+        major, _, minor = parts[2].partition(":")
+        if not (major.isdigit() and minor.isdigit()):
+            continue
+        if best is None or len(point) >= best[0]:
+            best = (len(point), (int(major), int(minor)))
+    return None if best is None else best[1]
+
+
+def _unescape_mount(text: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as \\ooo."""
+    for code in ("040", "011", "012", "134"):
+        text = text.replace("\\" + code, chr(int(code, 8)))
+    return text
+
+
+def parse_gitdir_file(text: str) -> str | None:
+    """The path in a `.git` file (`gitdir: ../.git/worktrees/wt1`), or None."""
+    first = text.splitlines()[0] if text.strip() else ""
+    if not first.startswith("gitdir:"):
+        return None
+    return first[len("gitdir:") :].strip() or None
