@@ -150,13 +150,27 @@ def acquire_slot(
         path, fd = opened[chosen]
         slot = Slot(index=chosen + 1, path=path, fd=fd, watcher=watcher)
         watcher = None
-        return slot
     finally:
         for position, (_, fd) in enumerate(opened):
             if position != chosen:
                 os.close(fd)
         if watcher is not None:  # only when giving up: timeout or interrupt
             watcher.close()
+    announce_held(slot.path)
+    return slot
+
+
+def announce_held(path: Path) -> None:
+    """Raise one IN_CLOSE_NOWRITE on a slot we have just locked, for the gate.
+
+    Taking a flock raises no inotify event, so without this the gate (which counts held
+    slots against the turn budget) would not learn of a run that took a slot without
+    opening it, as a waiter does. Opening and closing a second description is safe:
+    a flock belongs to its own open file description, and only closing that one (or
+    every copy of it) releases it; it is fcntl record locks that any close drops.
+    Waiters wake once on it, probe, find the slot held and sleep again."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK))
 
 
 def _wait(
