@@ -176,6 +176,7 @@ def run_test(
                 notice(slotcore.wait_line(cap.slots, in_flight, typical, str(common_dir)))
                 outcome.wait = slotcore.wait_info(cap.slots, cap.source, in_flight, typical)
 
+            register_with_gate(str(loaded.settings.gate.socket), common_dir)
             wait_started = time.monotonic()
             slot = slots.acquire_slot(common_dir, cap.slots, on_wait=on_wait, notice=say)
             outcome.waited_ms = elapsed_ms(wait_started)
@@ -219,6 +220,33 @@ def run_check(check: str, as_json: bool) -> int:
     if result.returncode < 0:
         return 128 - result.returncode
     return result.returncode
+
+
+# -- the gate -----------------------------------------------------------------------------
+
+REGISTER_TIMEOUT = 0.2
+
+
+def register_with_gate(socket_path: str, common_dir: Path) -> None:
+    """Ask the gate to watch this repository's slots; best effort, fire and forget.
+
+    Sent on every capped run rather than once: it costs one connect and one write (tens
+    of microseconds when no gate listens), and a gate that lost its registry, or a
+    repository that was re-cloned, is picked up again without a marker file to go stale.
+    The reply is not awaited, so a busy or absent gate never delays or fails a run."""
+    from volutectl.errors import VoluteError
+    from volutectl.protocol import Connection
+
+    try:
+        connection = Connection(socket_path, timeout=REGISTER_TIMEOUT)
+    except (VoluteError, OSError):
+        return
+    try:
+        connection.send({"op": "register_repo", "path": str(common_dir)})
+    except (VoluteError, OSError):
+        pass
+    finally:
+        connection.close()
 
 
 # -- systemd ------------------------------------------------------------------------------
