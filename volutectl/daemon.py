@@ -21,6 +21,7 @@ import os
 import selectors
 import signal
 import socket
+import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,9 @@ class Turn:
 class Client:
     sock: socket.socket
     buffer: bytes = b""
+    outbox: bytearray = field(default_factory=bytearray)
+    events: int = selectors.EVENT_READ
+    closed: bool = False
     waiting: set[int] = field(default_factory=set)  # delivery ids for --wait
 
 
@@ -88,7 +92,11 @@ class Gate:
         self.waiters: dict[int, list[Client]] = {}
         self.dirty = True
         self.stopping = False
+        self.watchdog: float | None = None
+        self.next_ping: float | None = None
+        self.backoff_wake: float | None = None
         self.foreign_live = 0
+        self.accounts: dict[str, launcher.Account] = {}
         self.limits = core.Limits(
             global_cap=settings.limits.global_concurrent_turns,
             turns_per_mind=settings.limits.turns_per_mind,
@@ -151,42 +159,54 @@ class Gate:
             f"{self.limits.global_cap or 'unlimited'}, {self.limits.turns_per_mind} per mind",
             socket=self.settings.gate.socket,
         )
-        watchdog = watchdog_interval() if self.settings.gate.watchdog else None
-        next_ping = time.monotonic() + watchdog if watchdog else None
+        self.watchdog = watchdog_interval() if self.settings.gate.watchdog else None
+        self.next_ping = time.monotonic() + self.watchdog if self.watchdog else None
         try:
             while not self.stopping:
-                self.step(self._timeout(next_ping))
-                if next_ping is not None and watchdog is not None:
-                    if time.monotonic() >= next_ping:
-                        sd_notify("WATCHDOG=1")
-                        next_ping = time.monotonic() + watchdog
+                self.step(self._timeout())
         finally:
             self.close()
 
-    def _timeout(self, next_ping: float | None) -> float | None:
-        deadlines = []
-        assert self.store is not None
-        backoff = self.store.next_backoff_deadline()
-        if backoff is not None:
-            deadlines.append(backoff - time.time())
-        if next_ping is not None:
-            deadlines.append(next_ping - time.monotonic())
-        if self.manager is not None and self.manager.has_pending_events():
-            deadlines.append(0)
-        if not deadlines:
-            return None
-        return max(0.0, min(deadlines))
+    def _timeout(self) -> float | None:
+        """How long select() may sleep: only until a real deadline, else forever."""
+        assert self.store is not None and self.manager is not None
+        if self.manager.has_pending_events():
+            return 0.0
+        now, mono = time.time(), time.monotonic()
+        waits = []
+        # Backoffs still to end; a row whose backoff already ended is not a deadline.
+        self.backoff_wake = self.store.next_backoff_deadline(after=now)
+        if self.backoff_wake is not None:
+            waits.append(self.backoff_wake - now)
+        waits += [deadline - mono for deadline in self._deadlines()]
+        return max(0.0, min(waits)) if waits else None
+
+    def _deadlines(self) -> list[float]:
+        """Monotonic deadlines of the loop's timers (watchdog, pressure re-check)."""
+        return [self.next_ping] if self.next_ping is not None else []
+
+    def _on_deadlines(self) -> None:
+        mono = time.monotonic()
+        if self.next_ping is not None and self.watchdog and mono >= self.next_ping:
+            sd_notify("WATCHDOG=1")
+            self.next_ping = mono + self.watchdog
+        if self.backoff_wake is not None and time.time() >= self.backoff_wake:
+            self.backoff_wake = None
+            self.dirty = True
 
     def step(self, timeout: float | None) -> None:
         """One pass of the loop: wait, take in what arrived, then admit."""
         assert self.manager is not None
         incoming: list[tuple[Client, dict[str, Any]]] = []
-        for key, _mask in self.selector.select(timeout):
+        for key, mask in self.selector.select(timeout):
             kind, data = key.data
             if kind == "accept":
                 self._accept()
             elif kind == "client":
-                incoming += self._read_client(data)
+                if mask & selectors.EVENT_WRITE:
+                    self._flush(data)
+                if mask & selectors.EVENT_READ:
+                    incoming += self._read_client(data)
             elif kind == "pidfd":
                 self._reap(data)
             elif kind == "stop":
@@ -195,10 +215,7 @@ class Gate:
             self._handle_requests(incoming)
         for event in self.manager.process_events():
             self._unit_ended(event.name)
-        if self.store is not None and self.store.next_backoff_deadline() is not None:
-            deadline = self.store.next_backoff_deadline()
-            if deadline is not None and deadline <= time.time():
-                self.dirty = True
+        self._on_deadlines()
         if self.dirty and not self.stopping:
             self.dirty = False
             self.admit()
@@ -281,16 +298,33 @@ class Gate:
         return requests
 
     def _reply(self, client: Client, message: dict[str, Any]) -> None:
-        data = protocol.encode(message)
+        """Queue a reply and send what the socket takes now; never block the loop."""
+        if client.closed:
+            return
+        client.outbox += protocol.encode(message)
+        self._flush(client)
+
+    def _flush(self, client: Client) -> None:
         try:
-            client.sock.setblocking(True)
-            client.sock.settimeout(2.0)
-            client.sock.sendall(data)
-            client.sock.setblocking(False)
+            while client.outbox:
+                sent = client.sock.send(client.outbox)
+                del client.outbox[:sent]
+        except BlockingIOError:
+            if len(client.outbox) > 4 * protocol.MAX_LINE:
+                self._drop_client(client)  # a client that never reads
+                return
         except OSError:
             self._drop_client(client)
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if client.outbox else 0)
+        if events != client.events:
+            client.events = events
+            self.selector.modify(client.sock, events, ("client", client))
 
     def _drop_client(self, client: Client) -> None:
+        if client.closed:
+            return
+        client.closed = True
         fd = client.sock.fileno()
         if fd >= 0 and fd in self.clients:
             with contextlib.suppress(KeyError, ValueError):
@@ -323,6 +357,9 @@ class Gate:
                     raise VoluteError(f"unknown request {op!r}", exit_code=EX_USAGE)
             except VoluteError as error:
                 self._reply(client, protocol.error_reply(error))
+            except (TypeError, ValueError, KeyError, sqlite3.Error) as error:
+                # A malformed request must never take the gate down.
+                self._reply(client, protocol.error_reply(DataError(f"bad {op} request: {error}")))
         if not deliveries:
             return
         assert self.store is not None
@@ -362,7 +399,10 @@ class Gate:
                 hint=f"configured minds: {known} (add a [minds.{mind}] table)",
                 exit_code=EX_NOUSER,
             )
-        data = message.encode()
+        try:
+            data = message.encode()
+        except UnicodeEncodeError:
+            raise DataError(f"the message for {mind} is not valid UTF-8 text") from None
         limit = self.settings.gate.max_message_bytes
         if len(data) > limit:
             raise VoluteError(
@@ -375,6 +415,9 @@ class Gate:
     def _queue_rows(self, request: dict[str, Any]) -> list[dict[str, Any]]:
         assert self.store is not None
         states = request.get("states") or ["pending", "running", "dead"]
+        known = ("pending", "running", "done", "dead", "dropped")
+        if not isinstance(states, list) or any(state not in known for state in states):
+            raise DataError(f"states must be a list of {', '.join(known)}")
         return [
             {
                 "id": row.id,
@@ -394,7 +437,10 @@ class Gate:
 
     def _retry_drop(self, op: str, request: dict[str, Any]) -> list[int]:
         assert self.store is not None
-        ids = [int(i) for i in request.get("ids", [])]
+        raw = request.get("ids")
+        if not isinstance(raw, list) or not all(isinstance(i, int) for i in raw):
+            raise DataError("ids must be a list of delivery ids (integers)")
+        ids = [int(i) for i in raw]
         changed = self.store.retry(ids) if op == "retry" else self.store.drop(ids, time.time())
         for delivery_id in changed:
             self.journal.log("info", f"{op} delivery {delivery_id}", delivery_id=delivery_id)
@@ -437,9 +483,15 @@ class Gate:
 
     def _record_holds(self, holds: list[core.Hold], rows: dict[int, Row], now: float) -> None:
         assert self.store is not None
-        if not holds:
+        # Only holds that began or changed reason: the rest are already recorded.
+        changed = [
+            (h.delivery_id, h.reason)
+            for h in holds
+            if rows[h.delivery_id].held_since is None or rows[h.delivery_id].hold_reason != h.reason
+        ]
+        if not changed:
             return
-        new = set(self.store.mark_held([(h.delivery_id, h.reason) for h in holds], now))
+        new = set(self.store.mark_held(changed, now))
         for hold in holds:
             if hold.delivery_id in new:
                 row = rows[hold.delivery_id]
@@ -501,8 +553,13 @@ class Gate:
             )
 
     def _account_of(self, mind: str) -> launcher.Account:
-        configured = self.settings.minds[mind].user
-        return launcher.resolve_account(configured or self.settings.turns.default_user)
+        """The mind's user, looked up once: NSS lookups would sit on every handoff."""
+        account = self.accounts.get(mind)
+        if account is None:
+            configured = self.settings.minds[mind].user
+            account = launcher.resolve_account(configured or self.settings.turns.default_user)
+            self.accounts[mind] = account
+        return account
 
     def _start(self, start: core.Start, rows: dict[int, Row], now: float) -> None:
         assert self.store is not None and self.manager is not None
@@ -596,6 +653,12 @@ class Gate:
 
     def _fail(self, rows: list[Row], error: str) -> None:
         assert self.store is not None
+        self.store.fail_rows(self._failure_updates(rows, error), error, time.time())
+
+    def _failure_updates(
+        self, rows: list[Row], error: str
+    ) -> list[tuple[int, str, int, float | None]]:
+        """Count an attempt for each row (backoff or dead), and tell --wait clients of the dead."""
         gate = self.settings.gate
         now = time.time()
         updates = []
@@ -620,7 +683,7 @@ class Gate:
                 self._notify_waiters(
                     row.id, {"event": "dead", "id": row.id, "error": error, "exit_code": 1}
                 )
-        self.store.fail_rows(updates, error, now)
+        return updates
 
     # -- turns ending --------------------------------------------------------------------
 
@@ -676,14 +739,21 @@ class Gate:
         carried = [row for row in rows if row.id not in set(returned)]
         if returned:
             launcher.withdraw(turn.turn_dir, returned)
-            self.store.return_to_pending(returned)
-        if outcome.kind in ("ok", "interrupted"):
-            self.store.finish_rows([row.id for row in carried], now)
-        elif outcome.kind == "never_ran":
-            self.store.return_to_pending([row.id for row in carried])
-        else:
-            self._fail(carried, f"turn {turn.id} {outcome.detail}")
-        self.store.end_turn(turn.id, outcome.kind, outcome.exit_status, outcome.detail, now)
+        carried_ids = [row.id for row in carried]
+        error = f"turn {turn.id} {outcome.detail}"
+        failed = self._failure_updates(carried, error) if outcome.kind == "failed" else []
+        # One durable commit settles the turn and all of its rows.
+        self.store.settle_turn(
+            turn.id,
+            outcome=outcome.kind,
+            exit_status=outcome.exit_status,
+            detail=outcome.detail,
+            done=carried_ids if outcome.kind in ("ok", "interrupted") else [],
+            returned=returned + (carried_ids if outcome.kind == "never_ran" else []),
+            failed=failed,
+            error=error,
+            now=now,
+        )
         self.turns.pop(turn.id, None)
         turn.turn_dir.remove()
         level = "warning" if outcome.kind == "failed" else "info"

@@ -140,8 +140,28 @@ class Store:
     def close(self) -> None:
         self.db.close()
 
-    def _tx(self) -> _Transaction:
-        return _Transaction(self.db)
+    def _tx(self, *, durable: bool = True) -> _Transaction:
+        return _Transaction(self.db, durable=durable)
+
+    def settle_turn(
+        self,
+        turn_id: int,
+        *,
+        outcome: str,
+        exit_status: int | None,
+        detail: str,
+        done: Sequence[int],
+        returned: Sequence[int],
+        failed: Iterable[tuple[int, str, int, float | None]],
+        error: str,
+        now: float,
+    ) -> None:
+        """Record how a turn ended and settle all its rows, in ONE durable commit."""
+        with self._tx():
+            self._return_to_pending(returned)
+            self._finish_rows(done, now)
+            self._fail_rows(failed, error, now)
+            self._end_turn(turn_id, outcome, exit_status, detail, now)
 
     # -- deliveries -------------------------------------------------------------
 
@@ -161,9 +181,12 @@ class Store:
                 ids.append(int(cursor.lastrowid or 0))
         return ids
 
-    def pending(self) -> list[Row]:
+    def pending(self, *, with_message: bool = False) -> list[Row]:
+        """Pending rows in id order. Without `with_message`, Row.message is empty: admission
+        runs on every pass and must not read a deep queue's message bodies each time."""
+        columns = _ROW_COLUMNS if with_message else _ROW_COLUMNS.replace("message", "x''", 1)
         cursor = self.db.execute(
-            f"SELECT {_ROW_COLUMNS} FROM deliveries WHERE state = 'pending' ORDER BY id"
+            f"SELECT {columns} FROM deliveries WHERE state = 'pending' ORDER BY id"
         )
         return [_row(values) for values in cursor]
 
@@ -198,9 +221,16 @@ class Store:
         return [_row(values) for values in cursor]
 
     def mark_held(self, holds: Iterable[tuple[int, str]], now: float) -> list[int]:
-        """Record holds that just began; returns the ids whose hold is new (to log once)."""
+        """Record holds that just began; returns the ids whose hold is new (to log once).
+
+        Not synced: a hold is bookkeeping for logs and `status`, and losing its start time
+        to a power cut loses nothing that was asked for.
+        """
+        holds = list(holds)
+        if not holds:
+            return []
         new = []
-        with self._tx():
+        with self._tx(durable=False):
             for delivery_id, reason in holds:
                 cursor = self.db.execute(
                     "UPDATE deliveries SET held_since = ?, hold_reason = ? "
@@ -262,35 +292,46 @@ class Store:
     def return_to_pending(self, delivery_ids: Sequence[int]) -> None:
         """Undo a hand-off that never reached the command: no attempt is counted."""
         with self._tx():
-            for delivery_id in delivery_ids:
-                self.db.execute(
-                    "UPDATE deliveries SET state = 'pending', turn_id = NULL, folded = 0 "
-                    "WHERE id = ? AND state = 'running'",
-                    (delivery_id,),
-                )
+            self._return_to_pending(delivery_ids)
+
+    def _return_to_pending(self, delivery_ids: Sequence[int]) -> None:
+        for delivery_id in delivery_ids:
+            self.db.execute(
+                "UPDATE deliveries SET state = 'pending', turn_id = NULL, folded = 0 "
+                "WHERE id = ? AND state = 'running'",
+                (delivery_id,),
+            )
 
     def finish_rows(self, delivery_ids: Sequence[int], now: float) -> None:
         with self._tx():
-            for delivery_id in delivery_ids:
-                self.db.execute(
-                    "UPDATE deliveries SET state = 'done', finished_at = ? "
-                    "WHERE id = ? AND state = 'running'",
-                    (now, delivery_id),
-                )
+            self._finish_rows(delivery_ids, now)
+
+    def _finish_rows(self, delivery_ids: Sequence[int], now: float) -> None:
+        for delivery_id in delivery_ids:
+            self.db.execute(
+                "UPDATE deliveries SET state = 'done', finished_at = ? "
+                "WHERE id = ? AND state = 'running'",
+                (now, delivery_id),
+            )
 
     def fail_rows(
         self, updates: Iterable[tuple[int, str, int, float | None]], error: str, now: float
     ) -> None:
         """(id, new state, attempts, not_before) after a real failure."""
         with self._tx():
-            for delivery_id, state, attempts, not_before in updates:
-                self.db.execute(
-                    "UPDATE deliveries SET state = ?, attempts = ?, not_before = ?, "
-                    "last_error = ?, turn_id = CASE WHEN ? = 'dead' THEN turn_id ELSE NULL END, "
-                    "folded = 0, finished_at = CASE WHEN ? = 'dead' THEN ? ELSE NULL END "
-                    "WHERE id = ? AND state = 'running'",
-                    (state, attempts, not_before, error, state, state, now, delivery_id),
-                )
+            self._fail_rows(updates, error, now)
+
+    def _fail_rows(
+        self, updates: Iterable[tuple[int, str, int, float | None]], error: str, now: float
+    ) -> None:
+        for delivery_id, state, attempts, not_before in updates:
+            self.db.execute(
+                "UPDATE deliveries SET state = ?, attempts = ?, not_before = ?, "
+                "last_error = ?, turn_id = CASE WHEN ? = 'dead' THEN turn_id ELSE NULL END, "
+                "folded = 0, finished_at = CASE WHEN ? = 'dead' THEN ? ELSE NULL END "
+                "WHERE id = ? AND state = 'running'",
+                (state, attempts, not_before, error, state, state, now, delivery_id),
+            )
 
     def retry(self, delivery_ids: Sequence[int]) -> list[int]:
         changed = []
@@ -345,7 +386,9 @@ class Store:
     # -- turns --------------------------------------------------------------------
 
     def mark_released(self, turn_id: int) -> None:
-        with self._tx():
+        """Note that the command was let go. Not synced: it sits on the handoff path, and
+        the wrapper's `started` file says the same thing to a gate that restarts."""
+        with self._tx(durable=False):
             self.db.execute(
                 "UPDATE turns SET state = 'running', released = 1 WHERE id = ?", (turn_id,)
             )
@@ -354,11 +397,16 @@ class Store:
         self, turn_id: int, outcome: str, exit_status: int | None, detail: str, now: float
     ) -> None:
         with self._tx():
-            self.db.execute(
-                "UPDATE turns SET state = 'ended', outcome = ?, exit_status = ?, detail = ?, "
-                "ended_at = ? WHERE id = ?",
-                (outcome, exit_status, detail, now, turn_id),
-            )
+            self._end_turn(turn_id, outcome, exit_status, detail, now)
+
+    def _end_turn(
+        self, turn_id: int, outcome: str, exit_status: int | None, detail: str, now: float
+    ) -> None:
+        self.db.execute(
+            "UPDATE turns SET state = 'ended', outcome = ?, exit_status = ?, detail = ?, "
+            "ended_at = ? WHERE id = ?",
+            (outcome, exit_status, detail, now, turn_id),
+        )
 
     def open_turns(self) -> list[TurnRow]:
         cursor = self.db.execute(
@@ -374,14 +422,21 @@ class Store:
 
 
 class _Transaction:
-    def __init__(self, db: sqlite3.Connection) -> None:
+    """BEGIN IMMEDIATE ... COMMIT; with durable=False, that one commit skips the fsync
+    (synchronous=NORMAL in WAL mode: safe against a crash of the gate, not a power cut)."""
+
+    def __init__(self, db: sqlite3.Connection, *, durable: bool = True) -> None:
         self.db = db
+        self.durable = durable
 
     def __enter__(self) -> None:
+        if not self.durable:
+            self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("BEGIN IMMEDIATE")
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.db.execute("COMMIT")
-        else:
-            self.db.execute("ROLLBACK")
+        try:
+            self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        finally:
+            if not self.durable:
+                self.db.execute("PRAGMA synchronous=FULL")

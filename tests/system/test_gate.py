@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.conftest import VENV_BIN
 from tests.machine import Machine
 from tests.system.gate_fixture import (
     VOLUTECTL,
@@ -268,6 +269,20 @@ def test_bad_input_gets_a_clear_error_and_writes_nothing(machine: Machine) -> No
     code, err = run("known", "--message", "x", user="outsider")
     assert code == 77 and "permission denied" in err
     assert queue_rows(machine, "pending", "running", "done", "dead") == []
+    # Malformed requests get an error reply; the gate stays up.
+    raw = (
+        "import socket, json\n"
+        "s = socket.socket(socket.AF_UNIX); s.connect('/run/volute/gate.sock')\n"
+        'for line in [b\'{"v":1,"op":"retry","ids":["x"]}\',\n'
+        '             b\'{"v":1,"op":"queue","states":[{}]}\',\n'
+        '             b\'{"v":1,"op":"deliver","mind":"known","message":"\\\\udcff"}\',\n'
+        "             b'not json']:\n"
+        "    s.sendall(line + b'\\n')\n"
+        "    print(json.loads(s.makefile().readline())['code'])\n"
+    )
+    codes = machine.run([str(VENV_BIN / "python"), "-c", raw]).stdout.split()
+    assert codes == ["65", "65", "65", "76"]
+    assert machine.run(["systemctl", "is-active", "volute-gate"]).stdout.strip() == "active"
     machine.run(["systemctl", "stop", "volute-gate.service"])
     code, err = run("known", "--message", "x")
     assert code == 69 and "the gate is not running" in err
