@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import socket
-from typing import Any
 
 from volutectl.errors import (
     EX_DATAERR,
@@ -20,6 +19,11 @@ from volutectl.errors import (
     UnavailableError,
     VoluteError,
 )
+
+# Not `import typing`: this module is on deliver's hot path (~6 ms).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 VERSION = 1
 # A line may carry a 1 MiB message JSON-escaped (up to 6 bytes per byte) plus fields.
