@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -59,10 +66,40 @@ class GateSettings(Section):
     watchdog: bool = True
 
 
+class IoPressureSettings(Section):
+    """limits.io_pressure: hold new turns while PSI says the storage is stalled.
+
+    A PSI trigger `some THRESHOLD WINDOW` on the turns slice's io.pressure (target
+    "slice", cgroup v2) or /proc/pressure/io ("system") marks pressure high; it is
+    re-read every recheck_seconds and released below resume_below_percent of the time
+    stalled. Without CAP_SYS_RESOURCE the kernel takes only 2 s multiples as windows;
+    the gate then rounds the window up and scales the threshold to the same ratio.
+    """
+
+    enabled: bool = False
+    target: Literal["slice", "system"] = "slice"
+    threshold_us: Positive = 150_000
+    window_us: Annotated[int, Field(ge=500_000, le=10_000_000)] = 1_000_000
+    resume_below_percent: Annotated[float, Field(gt=0, lt=100)] = 5.0
+    recheck_seconds: Annotated[float, Field(ge=0.1, le=60)] = 1.0
+
+    @model_validator(mode="after")
+    def _ratios(self) -> IoPressureSettings:
+        if self.threshold_us >= self.window_us:
+            raise ValueError("threshold_us must be below window_us")
+        if self.resume_below_percent >= 100 * self.threshold_us / self.window_us:
+            raise ValueError(
+                "resume_below_percent must be below threshold_us / window_us, or a hold "
+                "could never end"
+            )
+        return self
+
+
 class LimitsSettings(Section):
     global_concurrent_turns: Positive | None = None
     turns_per_mind: Positive = 1
     test_runs_count_as_turns: bool = False
+    io_pressure: IoPressureSettings = Field(default_factory=IoPressureSettings)
 
 
 class TurnsSettings(Section):

@@ -262,8 +262,13 @@ def test_example_config_shows_every_key_with_its_default() -> None:
         if default is None:
             continue  # no TOML spelling for "unset"; the line shows an example value
         value = tomllib.loads(f"v = {shown[key][0]}")["v"]
-        section, name = key.split(".")
-        parsed = getattr(Settings(**{section: {name: value}}), section)
+        *sections, name = key.split(".")
+        table: dict[str, object] = {name: value}
+        for section in reversed(sections[1:]):
+            table = {section: table}
+        parsed: object = getattr(Settings(**{sections[0]: table}), sections[0])
+        for section in sections[1:]:
+            parsed = getattr(parsed, section)
         assert getattr(parsed, name) == default, key
 
 
