@@ -308,13 +308,11 @@ class SlotWatch:
             repo.common_dir,
             *(repo.common_dir.joinpath(*slotcore.SLOT_DIR_PARTS[:i]) for i in (1, 2)),
         ]
-        for depth, directory in enumerate(levels):
-            if depth > 0 and not directory.is_dir():
-                break
-            if repo.wd is not None:
-                self._by_wd.pop(repo.wd, None)
-                with contextlib.suppress(OSError):
-                    self._inotify.rm_watch(repo.wd)
+        depth = 0
+        while depth < 2 and levels[depth + 1].is_dir():
+            depth += 1
+        while True:
+            directory = levels[depth]
             try:
                 repo.wd = self._inotify.add_watch(directory, DIR_MASK)
             except OSError as error:
@@ -326,6 +324,13 @@ class SlotWatch:
                 return
             repo.watched_dir = directory
             self._by_wd[repo.wd] = (repo, None)
+            if depth == 2 or not levels[depth + 1].is_dir():
+                break
+            # The next level appeared between the look and the watch: move down.
+            self._by_wd.pop(repo.wd, None)
+            with contextlib.suppress(OSError):
+                self._inotify.rm_watch(repo.wd)
+            depth += 1
         if repo.watched_dir == levels[2]:
             try:
                 names = sorted(entry.name for entry in os.scandir(levels[2]))

@@ -1,0 +1,451 @@
+"""The gate's slot watch on real files, real flock locks, real inotify and real git.
+
+No systemd here: held-ness comes from /proc/locks, wake-ups from inotify, so a process of
+our own (or a child) holding a slot is all a test needs.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import select
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from inotify_simple import INotify, flags
+
+from volutectl import slotcore, slots
+from volutectl.slotwatch import HeldSlot, SlotWatch, resolve_common_dir
+from volutectl.testrun import register_with_gate
+
+F_OFD_GETLK = 36  # linux/fcntl.h; Python's fcntl module does not name it before 3.13
+FLOCK_STRUCT = "hhqqi4x"  # struct flock on 64-bit Linux: type, whence, start, len, pid
+
+
+class Log:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str]] = []
+
+    def __call__(self, level: str, message: str) -> None:
+        self.lines.append((level, message))
+
+    def matching(self, text: str) -> list[tuple[str, str]]:
+        return [line for line in self.lines if text in line[1]]
+
+
+def git(*args: str, cwd: Path) -> None:
+    subprocess.run(
+        ["git", "-c", "user.email=t@example.org", "-c", "user.name=t", *args],
+        cwd=cwd,
+        check=True,
+        capture_output=True,
+    )
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A checkout with one commit; its git common dir is repo/.git."""
+    checkout = tmp_path / "repo"
+    checkout.mkdir()
+    git("init", "-q", cwd=checkout)
+    git("commit", "-q", "--allow-empty", "-m", "i", cwd=checkout)
+    return checkout
+
+
+def make_watch(repositories: list[Path], tmp_path: Path, log: Log) -> SlotWatch:
+    return SlotWatch(repositories, tmp_path / "state" / "repositories.json", log)
+
+
+def pump(watch: SlotWatch, until: Callable[[], bool], timeout: float = 5.0) -> int:
+    """Serve the watch like the gate's loop does until `until()`; how many changes."""
+    changes = 0
+    deadline = time.monotonic() + timeout
+    while not until():
+        left = deadline - time.monotonic()
+        assert left > 0, "timed out"
+        ready, _, _ = select.select([watch.fileno()], [], [], left)
+        if ready and watch.on_ready():
+            changes += 1
+    return changes
+
+
+def seen(watch: SlotWatch) -> list[str]:
+    """The held slots as of the watch's last probe (held() would probe afresh, and so
+    could not tell whether an event woke the watch)."""
+    return sorted(held.slot.name for held in watch._held)
+
+
+def readable(fd: int, timeout: float) -> bool:
+    return bool(select.select([fd], [], [], timeout)[0])
+
+
+def hold_in_child(common_dir: Path, cap: int) -> subprocess.Popen[str]:
+    """A separate process that takes a slot (through the real acquire_slot) and holds it
+    until its stdin closes; it prints the slot path once held."""
+    code = (
+        "import sys; from volutectl import slots\n"
+        f"slot = slots.acquire_slot({str(common_dir)!r}, {cap})\n"
+        "print(slot.path, flush=True); sys.stdin.read(); slot.release()\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+
+
+# -- the choice of probe ------------------------------------------------------------------
+
+
+def test_ofd_getlk_does_not_see_a_flock_but_proc_locks_does(tmp_path: Path) -> None:
+    """Why the gate reads /proc/locks: record-lock queries are blind to flock locks."""
+    path = tmp_path / "slot-1"
+    holder = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    prober = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        query = struct.pack(FLOCK_STRUCT, fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0)
+        answer = struct.unpack(FLOCK_STRUCT, fcntl.fcntl(prober, F_OFD_GETLK, query))
+        assert answer[0] == fcntl.F_UNLCK  # "no conflicting lock": wrong for us
+        info = os.stat(path)
+        locks = slotcore.parse_proc_locks(Path("/proc/locks").read_text())
+        assert (os.major(info.st_dev), os.minor(info.st_dev), info.st_ino) in locks
+        # and the flock really is exclusive against a second description:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(prober, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(holder)
+        os.close(prober)
+
+
+def test_parse_proc_locks_keeps_granted_flocks_only() -> None:
+    text = (
+        "1: POSIX  ADVISORY  WRITE 700 08:02:99 0 EOF\n"
+        "2: FLOCK  ADVISORY  WRITE 4242 fe:00:5309070 0 EOF\n"
+        "2: -> FLOCK  ADVISORY  WRITE 4243 fe:00:5309070 0 EOF\n"
+        "3: FLOCK  ADVISORY  READ 17 00:6d:51 0 EOF\n"
+        "4: OFDLCK ADVISORY  READ -1 00:6d:52 0 EOF\n"
+        "5: -> FLOCK  ADVISORY  WRITE 18 00:6d:77 0 EOF\n"
+        "garbage\n"
+        "6: FLOCK  ADVISORY  WRITE 1 zz:00:1 0 EOF\n"
+    )
+    assert slotcore.parse_proc_locks(text) == {(0xFE, 0, 5309070), (0, 0x6D, 51)}
+
+
+def test_parse_mount_device_takes_the_longest_then_the_topmost_mount() -> None:
+    mountinfo = (
+        "22 1 0:109 / / rw - overlay overlay rw\n"
+        "30 22 254:0 /work /work rw - ext4 /dev/vda rw\n"
+        "31 22 254:1 / /srv rw - ext4 /dev/vdb rw\n"
+        "32 31 254:2 / /srv rw - ext4 /dev/vdc rw\n"
+        "33 22 254:3 / /mnt/with\\040space rw - ext4 /dev/vdd rw\n"
+    )
+    assert slotcore.parse_mount_device(mountinfo, "/work/main/.git") == (254, 0)
+    assert slotcore.parse_mount_device(mountinfo, "/workshop") == (0, 109)
+    assert slotcore.parse_mount_device(mountinfo, "/srv/repo") == (254, 2)  # on top
+    assert slotcore.parse_mount_device(mountinfo, "/mnt/with space/r") == (254, 3)
+    assert slotcore.parse_mount_device("", "/x") is None
+
+
+# -- repositories ------------------------------------------------------------------------
+
+
+def test_resolve_common_dir_from_checkout_worktree_and_git_dir(repo: Path, tmp_path: Path) -> None:
+    common = (repo / ".git").resolve()
+    git("worktree", "add", "-q", str(tmp_path / "wt1"), cwd=repo)
+    assert resolve_common_dir(repo) == common
+    assert resolve_common_dir(repo / ".git") == common
+    assert resolve_common_dir(tmp_path / "wt1") == common
+    assert resolve_common_dir(common / "worktrees" / "wt1") == common
+    assert resolve_common_dir(tmp_path) is None
+    assert resolve_common_dir(tmp_path / "missing") is None
+    # The same answer as git's own, without running git:
+    found = slots.find_repository(tmp_path / "wt1")
+    assert found is not None and found.common_dir.resolve() == common
+    assert slotcore.parse_gitdir_file("gitdir: ../x/.git\n") == "../x/.git"
+    assert slotcore.parse_gitdir_file("nonsense") is None
+
+
+# -- the watch -----------------------------------------------------------------------------
+
+
+def test_no_repository_at_all(tmp_path: Path) -> None:
+    log = Log()
+    watch = make_watch([], tmp_path, log)
+    try:
+        assert watch.held() == [] and watch.repositories() == []
+        assert not readable(watch.fileno(), 0.05)
+        assert watch.on_ready() is False
+        assert watch.status([]) == []
+        assert log.lines == []
+    finally:
+        watch.close()
+
+
+def test_sees_a_slot_taken_and_freed_without_holding_it(repo: Path, tmp_path: Path) -> None:
+    common = (repo / ".git").resolve()
+    watch = make_watch([repo], tmp_path, Log())
+    try:
+        assert watch.repositories() == [common]
+        slot = slots.acquire_slot(common, 2)
+        assert slot is not None
+        # The directories appeared after the watch began: it follows them down.
+        assert pump(watch, lambda: seen(watch) == ["slot-1"]) >= 1
+        expected = [HeldSlot(common, common / "volute" / "test-slots" / "slot-1")]
+        assert watch.held() == expected
+        state = watch.summary()[0]
+        assert (state.slots, state.held, state.watching) == (2, 1, True)
+        # Another process can still take the other slot: the gate took nothing.
+        other = hold_in_child(common, 2)
+        assert other.stdout is not None
+        assert other.stdout.readline().strip().endswith("slot-2")
+        assert pump(watch, lambda: seen(watch) == ["slot-1", "slot-2"]) >= 1
+        slot.release()
+        assert pump(watch, lambda: seen(watch) == ["slot-2"]) >= 1
+        other.communicate("")
+        assert pump(watch, lambda: seen(watch) == []) >= 1
+    finally:
+        watch.close()
+
+
+def test_a_waiter_taking_a_freed_slot_is_seen(repo: Path, tmp_path: Path) -> None:
+    """Taking a flock raises no event; acquire_slot's announce makes the handoff visible."""
+    common = (repo / ".git").resolve()
+    first = slots.acquire_slot(common, 1)
+    assert first is not None
+    watch = make_watch([common], tmp_path, Log())
+    try:
+        assert len(watch.held()) == 1
+        waiter = hold_in_child(common, 1)
+        time.sleep(0.3)  # let it open the slot and start waiting
+        while readable(watch.fileno(), 0):
+            watch.on_ready()
+        first.release()
+        assert waiter.stdout is not None
+        assert waiter.stdout.readline().strip().endswith("slot-1")
+        # The release and the retake may fold into one batch of events, but the watch
+        # must end up seeing the slot held by the waiter, from events alone.
+        time.sleep(0.05)
+        changed_any = False
+        while readable(watch.fileno(), 0.2):
+            changed_any |= watch.on_ready()
+        assert seen(watch) == ["slot-1"], changed_any
+        waiter.communicate("")
+        assert pump(watch, lambda: seen(watch) == []) >= 1
+    finally:
+        watch.close()
+
+
+def test_the_watch_never_touches_a_slot_file(repo: Path, tmp_path: Path) -> None:
+    """No open, no close, no event: waiters are never woken by the gate's probing."""
+    common = (repo / ".git").resolve()
+    slot = slots.acquire_slot(common, 3)
+    assert slot is not None
+    spy = INotify()
+    slot_dir = slots.slot_directory(common)
+    for path in slot_dir.iterdir():
+        spy.add_watch(path, flags.OPEN | flags.CLOSE_WRITE | flags.CLOSE_NOWRITE | flags.ACCESS)
+    watch = make_watch([repo], tmp_path, Log())
+    try:
+        for _ in range(20):
+            watch.held()
+            watch.on_ready()
+            watch.summary()
+        assert spy.read(timeout=100) == []
+        # And nothing the watch does wakes the watch itself.
+        assert not readable(watch.fileno(), 0.2)
+    finally:
+        watch.close()
+        spy.close()
+        slot.release()
+
+
+def test_missing_repository_is_logged_once(tmp_path: Path) -> None:
+    log = Log()
+    ghost = tmp_path / "ghost"
+    watch = make_watch([ghost], tmp_path, log)
+    try:
+        for _ in range(3):
+            watch.on_ready()
+            watch.held()
+        assert len(log.matching(str(ghost))) == 1
+        assert log.lines[0][0] == "warning"
+        assert watch.held() == []
+    finally:
+        watch.close()
+
+
+def test_a_repository_that_disappears_is_logged_once_and_ignored(
+    repo: Path, tmp_path: Path
+) -> None:
+    common = (repo / ".git").resolve()
+    holder = hold_in_child(common, 1)
+    assert holder.stdout is not None
+    holder.stdout.readline()
+    log = Log()
+    watch = make_watch([repo], tmp_path, log)
+    try:
+        assert len(watch.held()) == 1
+        holder.communicate("")
+        shutil.rmtree(repo)
+        pump(watch, lambda: bool(log.matching("is gone")))
+        for _ in range(3):
+            while readable(watch.fileno(), 0.05):
+                watch.on_ready()
+        assert watch.held() == []
+        assert len(log.matching(str(common))) == 1, log.lines
+        assert watch.summary()[0].watching is False
+    finally:
+        watch.close()
+
+
+def test_register_persists_and_a_new_watch_finds_runs_in_flight(repo: Path, tmp_path: Path) -> None:
+    common = (repo / ".git").resolve()
+    log = Log()
+    watch = make_watch([], tmp_path, log)
+    try:
+        assert watch.register(repo) is True
+        assert watch.register(common) is False  # the same repository
+        assert watch.register(tmp_path / "nowhere") is False
+        assert watch.repositories() == [common]
+    finally:
+        watch.close()
+    registry = json.loads((tmp_path / "state" / "repositories.json").read_text())
+    assert registry == {"version": 1, "repositories": [str(common)]}
+    holder = hold_in_child(common, 1)  # a run already in flight when the gate starts
+    assert holder.stdout is not None
+    holder.stdout.readline()
+    restarted = make_watch([], tmp_path, Log())
+    try:
+        assert restarted.repositories() == [common]
+        assert [h.slot.name for h in restarted.held()] == ["slot-1"]
+    finally:
+        restarted.close()
+        holder.communicate("")
+
+
+def test_a_registered_repository_that_is_gone_is_forgotten(repo: Path, tmp_path: Path) -> None:
+    registry = tmp_path / "state" / "repositories.json"
+    registry.parent.mkdir()
+    registry.write_text(json.dumps({"version": 1, "repositories": [str(tmp_path / "gone")]}))
+    log = Log()
+    watch = make_watch([], tmp_path, log)
+    watch.close()
+    assert log.matching("forgetting")
+    assert json.loads(registry.read_text())["repositories"] == []
+    registry.write_text("{not json")
+    log = Log()
+    make_watch([repo], tmp_path, log).close()
+    assert log.matching("ignoring unreadable")
+
+
+def test_status_groups_runs_by_repository(repo: Path, tmp_path: Path) -> None:
+    common = (repo / ".git").resolve()
+    git("worktree", "add", "-q", str(tmp_path / "wt1"), cwd=repo)
+    other = tmp_path / "other"
+    other.mkdir()
+    git("init", "-q", cwd=other)
+    slot = slots.acquire_slot(common, 2)
+    assert slot is not None
+    watch = make_watch([repo], tmp_path, Log())
+    try:
+        runs = [
+            slotcore.InFlight("volute-test-wt1-10.scope", str(tmp_path / "wt1"), "pytest", 3.25),
+            slotcore.InFlight("volute-test-other-11.scope", str(other), "make", None),
+        ]
+        assert watch.status(runs) == sorted(
+            [
+                {
+                    "repository": str(common),
+                    "slots_held": 1,
+                    "slots": 2,
+                    "runs": [
+                        {
+                            "unit": "volute-test-wt1-10.scope",
+                            "worktree": str(tmp_path / "wt1"),
+                            "command": "pytest",
+                            "running_s": 3.25,
+                        }
+                    ],
+                },
+                {
+                    "repository": str((other / ".git").resolve()),
+                    "slots_held": None,
+                    "slots": None,
+                    "runs": [
+                        {
+                            "unit": "volute-test-other-11.scope",
+                            "worktree": str(other),
+                            "command": "make",
+                            "running_s": None,
+                        }
+                    ],
+                },
+            ],
+            key=lambda entry: str(entry["repository"]),
+        )
+    finally:
+        watch.close()
+        slot.release()
+
+
+# -- registration from `volutectl test` ----------------------------------------------------
+
+
+def test_register_with_gate_sends_one_request_and_never_waits(tmp_path: Path) -> None:
+    path = str(tmp_path / "gate.sock")
+    started = time.monotonic()
+    register_with_gate(path, tmp_path)  # no gate: silently nothing
+    assert time.monotonic() - started < 0.1
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    received: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            received.append(conn.makefile("rb").readline())
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    started = time.monotonic()
+    register_with_gate(path, tmp_path / "repo" / ".git")  # the gate never answers
+    assert time.monotonic() - started < 0.1
+    thread.join(5)
+    listener.close()
+    request = json.loads(received[0])
+    assert request == {"v": 1, "op": "register_repo", "path": str(tmp_path / "repo" / ".git")}
+
+
+def test_taking_a_flock_raises_no_event_so_the_taker_announces_it(
+    repo: Path, tmp_path: Path
+) -> None:
+    common = (repo / ".git").resolve()
+    slots.acquire_slot(common, 1).release()  # type: ignore[union-attr]  # make slot-1
+    path = slots.slot_directory(common) / "slot-1"
+    fd = os.open(path, os.O_RDONLY)  # a waiter's descriptor, opened before the watch
+    watch = make_watch([repo], tmp_path, Log())
+    try:
+        assert seen(watch) == []
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a waiter does on wake-up
+        assert not readable(watch.fileno(), 0.2)  # the kernel says nothing
+        slots.announce_held(path)
+        assert readable(watch.fileno(), 1.0)
+        assert watch.on_ready() is True
+        assert seen(watch) == ["slot-1"]
+        assert fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB) is None  # still ours
+    finally:
+        os.close(fd)
+        watch.close()
