@@ -218,9 +218,13 @@ class PressureWatch:
         self.note = note
         self._log = journal_log
         self._trigger_fd = trigger_fd
-        self._read_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self._epoll = select.epoll()
-        self._epoll.register(trigger_fd, select.EPOLLPRI)
+        try:
+            self._epoll.register(trigger_fd, select.EPOLLPRI)
+            self._read_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._epoll.close()
+            raise
         self._high = False
         self._reason = ""  # "pressure" (the trigger fired) or "settling" (a turn just started)
         self._deadline: float | None = None
@@ -257,7 +261,12 @@ class PressureWatch:
             except PsiUnavailable as error:
                 errors.append(str(error))
                 continue
-            watch = cls(settings, path, fd, trigger, note, journal_log)
+            try:
+                watch = cls(settings, path, fd, trigger, note, journal_log)
+            except OSError as error:  # e.g. not a PSI file: epoll refuses a regular file
+                os.close(fd)
+                errors.append(f"cannot watch {path}: {error.strerror}")
+                continue
             if why_not_slice:
                 watch.note += f" (not the turns slice: {why_not_slice})"
             elif errors:
