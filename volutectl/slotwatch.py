@@ -34,6 +34,7 @@ The gate never takes a slot, and never opens one. It learns that a slot is held 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -196,14 +197,27 @@ class SlotWatch:
 
     def register(self, repository: Path) -> bool:
         """Watch one more repository (a checkout, worktree or git dir) and persist it.
-        True if it is new; the held set may then have grown, so re-run admission."""
-        common = resolve_common_dir(Path(repository))
+
+        True if it is new, or known but was not being watched (it had gone, and is back):
+        the held set may then have grown, so re-run admission."""
+        path = Path(repository)
+        if not path.is_absolute():
+            self._problem(path, f"{repository}: not an absolute path; not watched")
+            return False
+        common = resolve_common_dir(path)
         if common is None:
-            self._problem(Path(repository), f"{repository}: not a git repository; not watched")
+            self._problem(path, f"{repository}: not a git repository; not watched")
             return False
-        if common in self._repos or any(r.given == common for r in self._repos.values()):
-            return False
-        if sum(r.registered for r in self._repos.values()) >= MAX_REPOSITORIES:
+        known = self._repos.get(common) or next(
+            (repo for repo in self._repos.values() if repo.given == common), None
+        )
+        if known is not None:
+            if known.wd is not None:
+                return False
+            self._attach(known)
+            self._refresh()
+            return known.wd is not None
+        if sum(repo.registered for repo in self._repos.values()) >= MAX_REPOSITORIES:
             self._problem(
                 Path("registry-full"),
                 f"{MAX_REPOSITORIES} repositories registered: not adding {common}",
@@ -317,7 +331,8 @@ class SlotWatch:
                 repo.wd = self._inotify.add_watch(directory, DIR_MASK)
             except OSError as error:
                 repo.wd = repo.watched_dir = None
-                reason = "is gone" if depth == 0 else f"cannot be watched ({error.strerror})"
+                gone = depth == 0 and error.errno == errno.ENOENT
+                reason = "is gone" if gone else f"cannot be watched ({error.strerror})"
                 self._problem(
                     repo.key, f"repository {repo.common_dir}: {directory} {reason}; ignored"
                 )

@@ -306,6 +306,13 @@ def test_a_repository_that_disappears_is_logged_once_and_ignored(
         assert watch.held() == []
         assert len(log.matching(str(common))) == 1, log.lines
         assert watch.summary()[0].watching is False
+        # It comes back (re-cloned); its next run registers it, and it is watched again.
+        repo.mkdir()
+        git("init", "-q", cwd=repo)
+        assert watch.register(repo) is True
+        assert watch.summary()[0].watching is True
+        assert log.matching("again")
+        assert watch.register(Path("relative/repo")) is False
     finally:
         watch.close()
 
