@@ -29,8 +29,8 @@ from typing import Any
 
 import click
 
-from volutectl import core, launcher, names, protocol
-from volutectl.config import Settings, load_settings, parse_bandwidth
+from volutectl import core, names, protocol
+from volutectl.config import Settings, load_settings
 from volutectl.errors import (
     EX_DATAERR,
     EX_NOUSER,
@@ -40,27 +40,9 @@ from volutectl.errors import (
     VoluteError,
 )
 from volutectl.journal import Journal, sd_notify, watchdog_interval
-from volutectl.store import Row, Store
-from volutectl.systemd import LIVE_STATES, Manager, ScopeProperties
-
-TURN_PATTERN = "volute-turn-*.scope"
-
-
-@dataclass
-class Turn:
-    """A turn the gate knows is (or may be) running."""
-
-    id: int
-    mind: str
-    session: str
-    unit: str
-    turn_dir: launcher.TurnDir
-    account: launcher.Account | None
-    started_at: float
-    released: bool
-    child: launcher.Child | None = None  # None for a turn adopted after a restart
-    exit_status: int | None = None
-    interrupted: bool = False
+from volutectl.store import Store
+from volutectl.systemd import Manager
+from volutectl.turns import Turn, Turns
 
 
 @dataclass
@@ -87,7 +69,7 @@ class Gate:
         self.store: Store | None = None
         self.listener: socket.socket | None = None
         self.selector = selectors.DefaultSelector()
-        self.turns: dict[int, Turn] = {}
+        self.turns: Turns | None = None
         self.clients: dict[int, Client] = {}
         self.waiters: dict[int, list[Client]] = {}
         self.dirty = True
@@ -96,7 +78,6 @@ class Gate:
         self.next_ping: float | None = None
         self.backoff_wake: float | None = None
         self.foreign_live = 0
-        self.accounts: dict[str, launcher.Account] = {}
         self.limits = core.Limits(
             global_cap=settings.limits.global_concurrent_turns,
             turns_per_mind=settings.limits.turns_per_mind,
@@ -105,14 +86,6 @@ class Gate:
                 for name, mind in settings.minds.items()
                 if mind.turns_per_mind is not None
             },
-        )
-        turns = settings.turns
-        self.scope_props = ScopeProperties(
-            slice=turns.slice,
-            cpu_weight=turns.cpu_weight,
-            io_weight=turns.io_weight,
-            io_read_bandwidth_max=tuple(parse_bandwidth(v) for v in turns.io_read_bandwidth_max),
-            io_write_bandwidth_max=tuple(parse_bandwidth(v) for v in turns.io_write_bandwidth_max),
         )
 
     # -- lifecycle ----------------------------------------------------------------
@@ -124,7 +97,16 @@ class Gate:
             self.manager = Manager.connect(user=gate.manager == "user")
         # Subscribe before listing, so no turn can end unseen between the two.
         self.manager.watch_units()
-        self.recover()
+        self.turns = Turns(
+            self.settings,
+            self.store,
+            self.manager,
+            self.journal,
+            notify=self._notify_waiters,
+            watch_fd=self._watch_pidfd,
+            unwatch_fd=self._unwatch,
+        )
+        self.turns.recover()
         self.listener = self._listen(gate.socket, gate.socket_group)
         self.selector.register(self.listener, selectors.EVENT_READ, ("accept", None))
         self.selector.register(self.manager.fileno(), selectors.EVENT_READ, ("bus", None))
@@ -136,7 +118,7 @@ class Gate:
             with contextlib.suppress(OSError):
                 os.unlink(self.settings.gate.socket)
             self.listener.close()
-        for turn in self.turns.values():
+        for turn in self.turns.turns.values() if self.turns else []:
             if turn.child is not None:
                 with contextlib.suppress(OSError):
                     os.close(turn.child.pidfd)
@@ -208,13 +190,18 @@ class Gate:
                 if mask & selectors.EVENT_READ:
                     incoming += self._read_client(data)
             elif kind == "pidfd":
-                self._reap(data)
+                assert self.turns is not None
+                self.turns.reap(data)
             elif kind == "stop":
                 self.stopping = True
         if incoming:
             self._handle_requests(incoming)
+        assert self.turns is not None
         for event in self.manager.process_events():
-            self._unit_ended(event.name)
+            self.turns.unit_ended(event.name)
+        if self.turns.changed:
+            self.turns.changed = False
+            self.dirty = True
         self._on_deadlines()
         if self.dirty and not self.stopping:
             self.dirty = False
@@ -452,20 +439,12 @@ class Gate:
 
     # -- admission and launching ----------------------------------------------------------
 
-    def live_units(self) -> set[str]:
-        assert self.manager is not None
-        return {u.name for u in self.manager.list_units(self.settings.turns.slice, [TURN_PATTERN])}
-
     def admit(self) -> None:
-        assert self.store is not None
-        live_names = self.live_units()
-        ours = {turn.unit for turn in self.turns.values()}
+        assert self.store is not None and self.turns is not None
+        live_names = self.turns.live_units()
+        ours = {turn.unit for turn in self.turns.turns.values()}
         self.foreign_live = len(live_names - ours)
-        live = [
-            core.LiveTurn(turn.id, turn.mind, turn.session)
-            for turn in self.turns.values()
-            if turn.unit in live_names
-        ]
+        live = self.turns.live(live_names)
         rows = {row.id: row for row in self.store.pending()}
         now = time.time()
         decision = core.admit(
@@ -476,358 +455,31 @@ class Gate:
             other_busy=self.foreign_live,
         )
         for fold in decision.folds:
-            self._fold(fold, now)
+            self.turns.fold(fold, now)
         for start in decision.starts:
-            self._start(start, rows, now)
-        self._record_holds(decision.holds, rows, now)
-
-    def _record_holds(self, holds: list[core.Hold], rows: dict[int, Row], now: float) -> None:
-        assert self.store is not None
-        # Only holds that began or changed reason: the rest are already recorded.
-        changed = [
-            (h.delivery_id, h.reason)
-            for h in holds
-            if rows[h.delivery_id].held_since is None or rows[h.delivery_id].hold_reason != h.reason
-        ]
-        if not changed:
-            return
-        new = set(self.store.mark_held(changed, now))
-        for hold in holds:
-            if hold.delivery_id in new:
-                row = rows[hold.delivery_id]
-                self.journal.log(
-                    "info",
-                    f"holding delivery {row.id} for {row.mind}/{row.session}: {hold.reason}",
-                    mind=row.mind,
-                    session=row.session,
-                    delivery_id=row.id,
-                    reason=hold.reason,
-                    event="hold",
-                )
-
-    def _log_released(self, rows: list[Row], now: float, how: str) -> None:
-        for row in rows:
-            if row.held_since is not None:
-                held_ms = int((now - row.held_since) * 1000)
-                self.journal.log(
-                    "info",
-                    f"delivery {row.id} for {row.mind}/{row.session} was held {held_ms} ms "
-                    f"({row.hold_reason}); {how}",
-                    mind=row.mind,
-                    session=row.session,
-                    delivery_id=row.id,
-                    reason=row.hold_reason,
-                    held_ms=held_ms,
-                    event="hold_end",
-                )
-
-    def _fold(self, fold: core.Fold, now: float) -> None:
-        assert self.store is not None and self.manager is not None
-        turn = self.turns[fold.turn_id]
-        rows = self.store.fold_into(turn.id, list(fold.delivery_ids), now)
-        account = turn.account or self._account_of(turn.mind)
-        for row in rows:
-            record = launcher.delivery_record(row.id, row.session, row.message, row.interrupt)
-            launcher.offer(turn.turn_dir, row.id, record, account)
-        self._log_released(rows, now, f"folded into turn {turn.id}")
-        if rows:
-            self.journal.log(
-                "info",
-                f"folded deliveries {' '.join(str(r.id) for r in rows)} into turn {turn.id} "
-                f"of {turn.mind}/{turn.session}",
-                mind=turn.mind,
-                session=turn.session,
-                turn_id=turn.id,
-                delivery_ids=" ".join(str(r.id) for r in rows),
-            )
-        if fold.interrupt:
-            turn.interrupted = True
-            with contextlib.suppress(VoluteError):
-                self.manager.kill_unit(turn.unit, signal.SIGINT)
-            self.journal.log(
-                "info",
-                f"interrupted turn {turn.id} of {turn.mind}/{turn.session}",
-                mind=turn.mind,
-                session=turn.session,
-                unit=turn.unit,
-            )
-
-    def _account_of(self, mind: str) -> launcher.Account:
-        """The mind's user, looked up once: NSS lookups would sit on every handoff."""
-        account = self.accounts.get(mind)
-        if account is None:
-            configured = self.settings.minds[mind].user
-            account = launcher.resolve_account(configured or self.settings.turns.default_user)
-            self.accounts[mind] = account
-        return account
-
-    def _start(self, start: core.Start, rows: dict[int, Row], now: float) -> None:
-        assert self.store is not None and self.manager is not None
-        mind_settings = self.settings.minds.get(start.mind)
-        turn_id, taken = self.store.start_turn(
-            start.mind,
-            start.session,
-            lambda tid: names.turn_scope_name(start.mind, tid),
-            list(start.delivery_ids),
-            now,
-        )
-        unit = names.turn_scope_name(start.mind, turn_id)
-        ids = [row.id for row in taken]
-        self._log_released(taken, now, f"starting turn {turn_id}")
-        child: launcher.Child | None = None
-        try:
-            if mind_settings is None:
-                raise DataError(f"mind {start.mind!r} is no longer configured")
-            account = self._account_of(start.mind)
-            stdin = b"".join(
-                launcher.delivery_record(r.id, r.session, r.message, r.interrupt) for r in taken
-            )
-            turn_dir = launcher.make_turn_dir(
-                self.settings.gate.runtime_dir, turn_id, account, stdin
-            )
-            env = launcher.turn_environment(
-                account,
-                mind=start.mind,
-                session=start.session,
-                turn_id=turn_id,
-                delivery_ids=ids,
-                turn_dir=turn_dir,
-                extra=mind_settings.environment,
-            )
-            cwd = str(mind_settings.working_directory or account.home or "/")
-            argv = launcher.command_argv(mind_settings.command)
-            child = launcher.fork_turn(argv, env, account, turn_dir, cwd)
-            props = ScopeProperties(
-                **{
-                    **self.scope_props.__dict__,
-                    "description": f"volute turn {turn_id} of {start.mind}/{start.session}",
-                }
-            )
-            self.manager.start_scope(unit, [child.pid], props)
-            child.release()
-        except VoluteError as error:
-            if child is not None:
-                child.abandon()
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(child.pid, 0)
-                os.close(child.pidfd)
-            self.journal.log(
-                "error",
-                f"turn {turn_id} of {start.mind}/{start.session} failed to start: {error.message}",
-                mind=start.mind,
-                session=start.session,
-                unit=unit,
-            )
-            self.store.end_turn(turn_id, "start_failed", None, error.message, time.time())
-            self._fail(taken, error.message)
-            self._remove_dir(turn_id)
+            self.turns.start(start, now)
+        self.turns.record_holds(decision.holds, rows, now)
+        if self.turns.changed:  # a start failed: its rows are back, maybe startable
+            self.turns.changed = False
             self.dirty = True
-            return
-        self.store.mark_released(turn_id)
-        turn = Turn(
-            turn_id,
-            start.mind,
-            start.session,
-            unit,
-            turn_dir,
-            account,
-            now,
-            True,
-            child,
-        )
-        self.turns[turn_id] = turn
-        self.selector.register(child.pidfd, selectors.EVENT_READ, ("pidfd", turn))
-        self.journal.log(
-            "info",
-            f"started turn {turn_id} of {start.mind}/{start.session} with deliveries "
-            f"{' '.join(map(str, ids))}",
-            mind=start.mind,
-            session=start.session,
-            unit=unit,
-            turn_id=turn_id,
-            delivery_ids=" ".join(map(str, ids)),
-        )
 
-    def _remove_dir(self, turn_id: int) -> None:
-        launcher.TurnDir(self.settings.gate.runtime_dir / "turns" / str(turn_id)).remove()
+    def _watch_pidfd(self, fd: int, turn: Turn) -> None:
+        self.selector.register(fd, selectors.EVENT_READ, ("pidfd", turn))
 
-    def _fail(self, rows: list[Row], error: str) -> None:
-        assert self.store is not None
-        self.store.fail_rows(self._failure_updates(rows, error), error, time.time())
-
-    def _failure_updates(
-        self, rows: list[Row], error: str
-    ) -> list[tuple[int, str, int, float | None]]:
-        """Count an attempt for each row (backoff or dead), and tell --wait clients of the dead."""
-        gate = self.settings.gate
-        now = time.time()
-        updates = []
-        for row in rows:
-            after = core.after_failure(
-                row.attempts,
-                now=now,
-                max_attempts=gate.max_attempts,
-                initial=gate.backoff_initial_seconds,
-                ceiling=gate.backoff_max_seconds,
-            )
-            updates.append((row.id, after.state, after.attempts, after.not_before))
-            if after.state == "dead":
-                self.journal.log(
-                    "warning",
-                    f"delivery {row.id} for {row.mind}/{row.session} is dead after "
-                    f"{after.attempts} attempts: {error}",
-                    mind=row.mind,
-                    session=row.session,
-                    delivery_id=row.id,
-                )
-                self._notify_waiters(
-                    row.id, {"event": "dead", "id": row.id, "error": error, "exit_code": 1}
-                )
-        return updates
-
-    # -- turns ending --------------------------------------------------------------------
-
-    def _reap(self, turn: Turn) -> None:
-        if turn.child is None:
-            return
-        with contextlib.suppress(ChildProcessError):
-            pid, status = os.waitpid(turn.child.pid, os.WNOHANG)
-            if pid == turn.child.pid:
-                turn.exit_status = os.waitstatus_to_exitcode(status)
-                if turn.exit_status < 0:  # killed by a signal
-                    turn.exit_status = 128 - turn.exit_status
+    def _unwatch(self, fd: int) -> None:
         with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(turn.child.pidfd)
-        with contextlib.suppress(OSError):
-            os.close(turn.child.pidfd)
-        turn.child.pidfd = -1
-        turn.child = None
-
-    def _unit_ended(self, unit: str) -> None:
-        parsed = names.parse_turn_scope_name(unit)
-        if parsed is None:
-            return
-        turn = self.turns.get(parsed[1])
-        if turn is None or turn.unit != unit:
-            self.dirty = True  # a foreign scope ended: the budget may have freed
-            return
-        # systemd also announces a scope's initial "inactive" while it is being
-        # created; only the unit's state right now says whether it really ended.
-        assert self.manager is not None
-        with contextlib.suppress(VoluteError):
-            if self.manager.unit_property(unit, "ActiveState") in LIVE_STATES:
-                return
-        self._reap(turn)
-        self._finish(turn)
-
-    def _finish(self, turn: Turn) -> None:
-        """The turn's scope is empty: settle its deliveries and free its place."""
-        assert self.store is not None
-        now = time.time()
-        exit_status = turn.exit_status
-        if exit_status is None:
-            exit_status = turn.turn_dir.exit_status()
-        outcome = core.turn_outcome(
-            exit_status=exit_status,
-            started_marker=turn.turn_dir.started(),
-            released=turn.released,
-            interrupted=turn.interrupted,
-        )
-        rows = self.store.rows_of_turn(turn.id)
-        untaken = turn.turn_dir.untaken()
-        returned = [row.id for row in rows if row.folded and row.id in untaken]
-        carried = [row for row in rows if row.id not in set(returned)]
-        if returned:
-            launcher.withdraw(turn.turn_dir, returned)
-        carried_ids = [row.id for row in carried]
-        error = f"turn {turn.id} {outcome.detail}"
-        failed = self._failure_updates(carried, error) if outcome.kind == "failed" else []
-        # One durable commit settles the turn and all of its rows.
-        self.store.settle_turn(
-            turn.id,
-            outcome=outcome.kind,
-            exit_status=outcome.exit_status,
-            detail=outcome.detail,
-            done=carried_ids if outcome.kind in ("ok", "interrupted") else [],
-            returned=returned + (carried_ids if outcome.kind == "never_ran" else []),
-            failed=failed,
-            error=error,
-            now=now,
-        )
-        self.turns.pop(turn.id, None)
-        turn.turn_dir.remove()
-        level = "warning" if outcome.kind == "failed" else "info"
-        self.journal.log(
-            level,
-            f"turn {turn.id} of {turn.mind}/{turn.session} ended: {outcome.detail}",
-            mind=turn.mind,
-            session=turn.session,
-            unit=turn.unit,
-            turn_id=turn.id,
-            outcome=outcome.kind,
-            exit_status=outcome.exit_status,
-        )
-        if outcome.kind != "never_ran":
-            code = core.wait_exit_code(outcome.exit_status)
-            for row in carried:
-                self._notify_waiters(
-                    row.id,
-                    {
-                        "event": "turn_ended",
-                        "id": row.id,
-                        "turn_id": turn.id,
-                        "outcome": outcome.kind,
-                        "exit_status": outcome.exit_status,
-                        "exit_code": code,
-                    },
-                )
-        self.dirty = True
+            self.selector.unregister(fd)
 
     def _notify_waiters(self, delivery_id: int, message: dict[str, Any]) -> None:
         for client in self.waiters.pop(delivery_id, []):
             client.waiting.discard(delivery_id)
             self._reply(client, {"ok": True, **message})
 
-    # -- recovery ----------------------------------------------------------------------
-
-    def recover(self) -> None:
-        """Match live turn scopes to the store's open turns; settle the ones that ended."""
-        assert self.store is not None
-        live_names = self.live_units()
-        for row in self.store.open_turns():
-            turn_dir = launcher.TurnDir(self.settings.gate.runtime_dir / "turns" / str(row.id))
-            account = None
-            with contextlib.suppress(VoluteError, KeyError):
-                account = self._account_of(row.mind)
-            turn = Turn(
-                row.id,
-                row.mind,
-                row.session,
-                row.unit,
-                turn_dir,
-                account,
-                row.started_at,
-                row.released,
-            )
-            if row.unit in live_names:
-                self.turns[row.id] = turn
-                self.journal.log(
-                    "info",
-                    f"adopted running turn {row.id} of {row.mind}/{row.session}",
-                    mind=row.mind,
-                    session=row.session,
-                    unit=row.unit,
-                    turn_id=row.id,
-                )
-            else:
-                self._finish(turn)
-        self.dirty = True
-
     # -- status ------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        assert self.store is not None
-        live_names = self.live_units()
+        assert self.store is not None and self.turns is not None
+        live_names = self.turns.live_units()
         now = time.time()
         turns: list[dict[str, Any]] = [
             {
@@ -837,7 +489,7 @@ class Gate:
                 "unit": turn.unit,
                 "running_s": round(now - turn.started_at, 3),
             }
-            for turn in sorted(self.turns.values(), key=lambda t: t.id)
+            for turn in sorted(self.turns.turns.values(), key=lambda t: t.id)
             if turn.unit in live_names
         ]
         pending = self.store.pending()

@@ -110,7 +110,7 @@ def test_aligned_heartbeats_queue_behind_a_cap_of_one(machine: Machine) -> None:
 
 def test_fold_in_interrupt_and_untaken_inbox(machine: Machine) -> None:
     install_probe(machine)
-    minds = {"reader": "turn-probe 1.5 take", "deaf": "turn-probe 0.8 leave"}
+    minds = {"reader": "turn-probe 4 take", "deaf": "turn-probe 2 leave"}
     start_gate(machine, gate_config(minds))
     first = deliver(machine, "reader", "one", "--session", "s")
     wait_for(lambda: any(f[0] == "start" for f in turn_log(machine)))
