@@ -40,8 +40,10 @@ from volutectl.errors import (
     VoluteError,
 )
 from volutectl.journal import Journal, sd_notify, watchdog_interval
+from volutectl.slotwatch import SlotWatch
 from volutectl.store import Store
 from volutectl.systemd import Manager
+from volutectl.testrun import list_in_flight
 from volutectl.turns import Turn, Turns
 
 
@@ -70,6 +72,7 @@ class Gate:
         self.listener: socket.socket | None = None
         self.selector = selectors.DefaultSelector()
         self.turns: Turns | None = None
+        self.slots: SlotWatch | None = None
         self.clients: dict[int, Client] = {}
         self.waiters: dict[int, list[Client]] = {}
         self.dirty = True
@@ -107,9 +110,13 @@ class Gate:
             unwatch_fd=self._unwatch,
         )
         self.turns.recover()
+        self.slots = SlotWatch(
+            self.settings.tests.repositories, gate.state_dir / "repositories.json", self._log
+        )
         self.listener = self._listen(gate.socket, gate.socket_group)
         self.selector.register(self.listener, selectors.EVENT_READ, ("accept", None))
         self.selector.register(self.manager.fileno(), selectors.EVENT_READ, ("bus", None))
+        self.selector.register(self.slots.fileno(), selectors.EVENT_READ, ("slots", None))
 
     def close(self) -> None:
         for client in list(self.clients.values()):
@@ -122,6 +129,8 @@ class Gate:
             if turn.child is not None:
                 with contextlib.suppress(OSError):
                     os.close(turn.child.pidfd)
+        if self.slots is not None:
+            self.slots.close()
         if self.store is not None:
             self.store.close()
         if self.manager is not None:
@@ -192,6 +201,10 @@ class Gate:
             elif kind == "pidfd":
                 assert self.turns is not None
                 self.turns.reap(data)
+            elif kind == "slots":
+                assert self.slots is not None
+                if self.slots.on_ready():
+                    self.dirty = True  # a test run started or ended: the budget moved
             elif kind == "stop":
                 self.stopping = True
         if incoming:
@@ -338,6 +351,8 @@ class Gate:
                     self._reply(client, {"ok": True, "rows": self._queue_rows(request)})
                 elif op in ("retry", "drop"):
                     self._reply(client, {"ok": True, "changed": self._retry_drop(op, request)})
+                elif op == "register_repo":
+                    self._reply(client, {"ok": True, "new": self._register_repo(request)})
                 elif op == "ping":
                     self._reply(client, {"ok": True})
                 else:
@@ -399,6 +414,20 @@ class Gate:
             )
         return mind, session, data, bool(request.get("interrupt"))
 
+    def _register_repo(self, request: dict[str, Any]) -> bool:
+        assert self.slots is not None
+        path = request.get("path")
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise DataError("register_repo needs the absolute path of a git common dir")
+        new = self.slots.register(Path(path))
+        if new:
+            self.journal.log("info", f"watching test slots of {path}", repository=path)
+            self.dirty = True
+        return new
+
+    def _log(self, level: str, message: str) -> None:
+        self.journal.log(level, message)
+
     def _queue_rows(self, request: dict[str, Any]) -> list[dict[str, Any]]:
         assert self.store is not None
         states = request.get("states") or ["pending", "running", "dead"]
@@ -445,6 +474,11 @@ class Gate:
         ours = {turn.unit for turn in self.turns.turns.values()}
         self.foreign_live = len(live_names - ours)
         live = self.turns.live(live_names)
+        # With limits.test_runs_count_as_turns, each held test slot takes one unit of the
+        # global budget; test runs are never held here, only turns.
+        test_runs = 0
+        if self.settings.limits.test_runs_count_as_turns and self.slots is not None:
+            test_runs = len(self.slots.held())
         rows = {row.id: row for row in self.store.pending()}
         now = time.time()
         decision = core.admit(
@@ -452,7 +486,8 @@ class Gate:
             live,
             self.limits,
             now=now,
-            other_busy=self.foreign_live,
+            other_busy=self.foreign_live + test_runs,
+            other_busy_reason=core.HOLD_TEST_RUN if test_runs else core.HOLD_GLOBAL_CAP,
         )
         for fold in decision.folds:
             self.turns.fold(fold, now)
@@ -462,6 +497,15 @@ class Gate:
         if self.turns.changed:  # a start failed: its rows are back, maybe startable
             self.turns.changed = False
             self.dirty = True
+
+    def _test_runs(self) -> list[dict[str, object]]:
+        """Per repository: slots held of N, and its runs from the tests slice's scopes."""
+        assert self.manager is not None and self.slots is not None
+        try:
+            runs = list_in_flight(self.manager, self.settings.tests.slice)
+        except VoluteError:
+            runs = []
+        return self.slots.status(runs)
 
     def _watch_pidfd(self, fd: int, turn: Turn) -> None:
         self.selector.register(fd, selectors.EVENT_READ, ("pidfd", turn))
@@ -519,6 +563,8 @@ class Gate:
             "oldest_held_s": round(now - oldest, 3) if oldest is not None else None,
             "dead": counts.get("dead", 0),
             "slice": self.settings.turns.slice,
+            "test_runs": self._test_runs(),
+            "test_runs_count_as_turns": self.settings.limits.test_runs_count_as_turns,
         }
 
 

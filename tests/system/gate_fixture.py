@@ -20,11 +20,12 @@ def install_units(machine: Machine) -> None:
         if unit.suffix in (".service", ".slice", ".timer", ".socket"):
             text = unit.read_text().replace("/usr/bin/volutectl", VOLUTECTL)
             machine.write(f"/etc/systemd/system/{unit.name}", text)
-    # Test-only: this checkout's interpreter may live under /root (pyenv), which the
-    # heartbeat's ProtectHome=yes hides; the packaged one is /usr/bin/python3.
+    # Test-only: this checkout and its interpreter may live under /root (pyenv), /tmp or
+    # /var/tmp (a CI clone), which the heartbeat's ProtectHome=yes and PrivateTmp=yes
+    # hide; the packaged volutectl is /usr/bin/volutectl and needs neither.
     machine.write(
         "/etc/systemd/system/volute-heartbeat@.service.d/test-venv.conf",
-        "[Service]\nProtectHome=read-only\n",
+        "[Service]\nProtectHome=read-only\nPrivateTmp=no\n",
     )
     machine.run(["groupadd", "-f", "-r", "volute"])
     machine.run(
