@@ -40,6 +40,7 @@ from volutectl.errors import (
     VoluteError,
 )
 from volutectl.journal import Journal, sd_notify, watchdog_interval
+from volutectl.pressure import PressureWatch, slice_cgroup
 from volutectl.slotwatch import SlotWatch
 from volutectl.store import Store
 from volutectl.systemd import Manager
@@ -73,6 +74,7 @@ class Gate:
         self.selector = selectors.DefaultSelector()
         self.turns: Turns | None = None
         self.slots: SlotWatch | None = None
+        self.pressure: PressureWatch | None = None
         self.clients: dict[int, Client] = {}
         self.waiters: dict[int, list[Client]] = {}
         self.dirty = True
@@ -117,6 +119,7 @@ class Gate:
         self.selector.register(self.listener, selectors.EVENT_READ, ("accept", None))
         self.selector.register(self.manager.fileno(), selectors.EVENT_READ, ("bus", None))
         self.selector.register(self.slots.fileno(), selectors.EVENT_READ, ("slots", None))
+        self._open_pressure()
 
     def close(self) -> None:
         for client in list(self.clients.values()):
@@ -131,6 +134,8 @@ class Gate:
                     os.close(turn.child.pidfd)
         if self.slots is not None:
             self.slots.close()
+        if self.pressure is not None:
+            self.pressure.close()
         if self.store is not None:
             self.store.close()
         if self.manager is not None:
@@ -174,13 +179,18 @@ class Gate:
 
     def _deadlines(self) -> list[float]:
         """Monotonic deadlines of the loop's timers (watchdog, pressure re-check)."""
-        return [self.next_ping] if self.next_ping is not None else []
+        deadlines = [self.next_ping] if self.next_ping is not None else []
+        if self.pressure is not None and self.pressure.deadline() is not None:
+            deadlines.append(self.pressure.deadline() or 0.0)
+        return deadlines
 
     def _on_deadlines(self) -> None:
         mono = time.monotonic()
         if self.next_ping is not None and self.watchdog and mono >= self.next_ping:
             sd_notify("WATCHDOG=1")
             self.next_ping = mono + self.watchdog
+        if self.pressure is not None and self.pressure.on_deadline(mono):
+            self.dirty = True  # pressure fell below the resume threshold
         if self.backoff_wake is not None and time.time() >= self.backoff_wake:
             self.backoff_wake = None
             self.dirty = True
@@ -205,6 +215,10 @@ class Gate:
                 assert self.slots is not None
                 if self.slots.on_ready():
                     self.dirty = True  # a test run started or ended: the budget moved
+            elif kind == "pressure":
+                assert self.pressure is not None
+                if self.pressure.on_ready(time.monotonic()):
+                    self.dirty = True
             elif kind == "stop":
                 self.stopping = True
         if incoming:
@@ -414,6 +428,20 @@ class Gate:
             )
         return mind, session, data, bool(request.get("interrupt"))
 
+    def _open_pressure(self) -> None:
+        settings = self.settings.limits.io_pressure
+        if not settings.enabled:
+            return
+        assert self.manager is not None
+        # The slice's cgroup (and its io.pressure) exists only while the slice is active.
+        with contextlib.suppress(VoluteError):
+            self.manager.start_unit(self.settings.turns.slice)
+        self.pressure = PressureWatch.open(
+            settings, slice_cgroup=slice_cgroup(self.settings.turns.slice), journal_log=self._log
+        )
+        if self.pressure is not None:
+            self.selector.register(self.pressure.fileno(), selectors.EVENT_READ, ("pressure", None))
+
     def _register_repo(self, request: dict[str, Any]) -> bool:
         assert self.slots is not None
         path = request.get("path")
@@ -488,7 +516,11 @@ class Gate:
             now=now,
             other_busy=self.foreign_live + test_runs,
             other_busy_reason=core.HOLD_TEST_RUN if test_runs else core.HOLD_GLOBAL_CAP,
+            pressure=self.pressure is not None and self.pressure.high,
         )
+        if self.pressure is not None:
+            # PSI is reactive: start at most one turn per pass, and let it settle.
+            decision = self.pressure.pace(decision, time.monotonic())
         for fold in decision.folds:
             self.turns.fold(fold, now)
         for start in decision.starts:
@@ -564,6 +596,12 @@ class Gate:
             "dead": counts.get("dead", 0),
             "slice": self.settings.turns.slice,
             "test_runs": self._test_runs(),
+            "io_pressure": {
+                "enabled": self.pressure is not None,
+                "high": self.pressure is not None and self.pressure.high,
+                "reason": self.pressure.reason if self.pressure is not None else None,
+                "trigger": self.pressure.describe() if self.pressure is not None else None,
+            },
             "test_runs_count_as_turns": self.settings.limits.test_runs_count_as_turns,
         }
 

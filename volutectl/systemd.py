@@ -330,6 +330,20 @@ class Manager:
                 raise SystemdError(f"{what}: no answer from systemd within {timeout:.0f} s")
             select.select([fd], [], [], remaining)
 
+    def start_unit(self, name: str, timeout: float = 30.0) -> None:
+        """Start a unit (e.g. a slice, so its cgroup exists); return once the job is done."""
+        self._subscribe()
+        job = bytes(
+            self._call(
+                b"StartUnit",
+                apply_signature(b"ss", [name.encode(), b"replace"]),
+                f"starting {name}",
+            )
+        )
+        result = self._wait_job(job, timeout, f"starting {name}")
+        if result != "done":
+            raise SystemdError(f"{name} did not start: job result {result!r}")
+
     def stop_unit(self, name: str, timeout: float = 30.0, wait: bool = True) -> None:
         """Stop a unit. With `wait`, return once the stop job finished."""
         self._subscribe()
