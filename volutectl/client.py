@@ -50,6 +50,20 @@ def format_status(status: dict[str, Any]) -> str:
             f"  turn {turn['turn_id']}: {turn['mind']}/{turn['session']} "
             f"running {_format_age(turn['running_s'])}  ({turn['unit']})"
         )
+    pressure = status.get("io_pressure") or {}
+    if pressure.get("enabled"):
+        state = f"HIGH ({pressure.get('reason')}): holding new turns" if pressure["high"] else "ok"
+        lines.append(f"io pressure: {state}; {pressure.get('trigger')}")
+    for repo in status.get("test_runs") or []:
+        held = repo["slots_held"] if repo["slots_held"] is not None else "?"
+        slots = repo["slots"] if repo["slots"] is not None else "?"
+        counted = " (count as turns)" if status.get("test_runs_count_as_turns") else ""
+        lines.append(f"test slots: {held} of {slots} held in {repo['repository']}{counted}")
+        for run in repo["runs"]:
+            lines.append(
+                f"  test run: {run['worktree']} `{run['command']}` "
+                f"running {_format_age(run['running_s'])}  ({run['unit']})"
+            )
     for mind, info in sorted(status["minds"].items()):
         sessions = ",".join(info["running_sessions"]) or "-"
         lines.append(f"  mind {mind}: running {sessions}; {info['pending']} pending")
