@@ -341,7 +341,17 @@ def fan_out(
                 sections["limits"] = plain_limits
             for key, table in nested.items():
                 sections[f"limits.{key}"] = table
-            start_gate(machine, gate_config(dict.fromkeys(names, command), **sections))
+            try:
+                start_gate(machine, gate_config(dict.fromkeys(names, command), **sections))
+            except Exception:
+                print(
+                    machine.run(
+                        ["journalctl", "--no-pager", "-n", "40", "-u", "volute-gate.service"],
+                        check=False,
+                    ).stdout,
+                    file=sys.stderr,
+                )
+                raise
             script = "\n".join(
                 f"{VOLUTECTL} deliver {name} --message wake >/dev/null &" for name in names
             )
@@ -452,7 +462,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minds", type=int, default=33)
     parser.add_argument("--writes", type=int, default=48, help="64 KiB synced writes per turn")
-    parser.add_argument("--baseline-seconds", type=float, default=8.0)
+    parser.add_argument("--baseline-seconds", type=float, default=12.0)
     parser.add_argument("--timeout", type=float, default=240.0, help="per fan-out")
     parser.add_argument(
         "--only", default="", help=f"comma-separated runs: {','.join(SHORT)} (default: all)"

@@ -304,14 +304,21 @@ class PressureWatch:
         self._epoll.poll(0)
         self.events += 1
         if self._high:
-            self._reason = "pressure"
+            self._become_pressure(f"the trigger fired ({self.trigger.line()} on {self.path})")
             return False
         self._enter("pressure", now)
         self._log(
             "info",
-            f"io pressure high ({self.trigger.line()} on {self.path}): holding new turns",
+            f"io pressure high: the trigger fired ({self.trigger.line()} on {self.path}); "
+            "holding new turns",
         )
         return True
+
+    def _become_pressure(self, why: str) -> None:
+        """A settling hold turns out to be real pressure: say so once."""
+        if self._reason != "pressure":
+            self._reason = "pressure"
+            self._log("info", f"io pressure high: {why}; holding new turns")
 
     def on_deadline(self, now: float) -> bool:
         """Re-read the stall; True if `high` changed (released below the resume threshold)."""
@@ -321,8 +328,11 @@ class PressureWatch:
         fraction = stall_fraction(self._mark_total, total, now - self._mark_time)
         self._mark_total, self._mark_time = total, now
         if next_state(True, fraction, self.settings):
-            if self._reason == "settling" and fraction >= self.trigger.fraction:
-                self._reason = "pressure"
+            if fraction >= self.trigger.fraction:
+                self._become_pressure(
+                    f"{fraction * 100:.1f}% stalled over the last "
+                    f"{self.settings.recheck_seconds:g} s on {self.path}"
+                )
             self._deadline = now + self.settings.recheck_seconds
             return False
         was = self._reason

@@ -1,0 +1,130 @@
+"""Pressure-aware admission on a real systemd, with real IO pressure from a slow disk.
+
+The slow disk is bench/replay_incident.py's: a throttled ext4 loop device (cgroup-v1
+blkio, 60 write IOPS, 2 MB/s) whose blkio cgroup this test process joins before the
+container boots, so the container's systemd, the gate and every turn inherit it. The
+mount is bound into the container at the same path. A "hog" turn writes to it with
+O_DSYNC; its stall shows in volute-turns.slice's io.pressure, the gate's PSI trigger
+fires, and deliveries that arrive then are held for io_pressure until it falls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.replay_incident import SlowDisk, slow_disk
+from tests.conftest import VENV_BIN, machine_binds, open_interpreter_path
+from tests.machine import CLEAN_PATH, Machine, boot
+from tests.system.gate_fixture import (
+    deliver,
+    gate_config,
+    install_probe,
+    install_units,
+    journal,
+    live_turn_scopes,
+    queue_rows,
+    status,
+    turn_log,
+    wait_for,
+)
+
+pytestmark = pytest.mark.system
+
+
+@pytest.fixture
+def slow() -> Iterator[tuple[Machine, SlowDisk]]:
+    """The `machine` fixture's container, booted inside the slow disk's blkio cgroup."""
+    with slow_disk(size_mib=256, name="pressure-test") as disk:
+        with boot(binds=[*machine_binds(), disk.mount], name="vt-pressure") as machine:
+            machine.env["PATH"] = f"{VENV_BIN}:{CLEAN_PATH}"
+            open_interpreter_path(machine)
+            yield machine, disk
+
+
+def hog_command(mount: Path, mib: int) -> str:
+    return (
+        f"dd if=/dev/zero of={mount}/hog.$$ bs=64k count={mib * 16} oflag=dsync status=none; "
+        f"rm -f {mount}/hog.$$"
+    )
+
+
+def start_pressure_gate(machine: Machine, config: str) -> None:
+    machine.write("/etc/volute/volutectl.toml", config)
+    install_units(machine)
+    # The slice's cgroup must exist when the gate registers its trigger there.
+    machine.run(["systemctl", "start", "volute-turns.slice"])
+    machine.run(["systemctl", "start", "volute-gate.service"], timeout=60)
+
+
+def test_pressure_holds_new_turns_and_release_resumes_them_in_fifo_order(
+    slow: tuple[Machine, SlowDisk],
+) -> None:
+    machine, disk = slow
+    install_probe(machine)
+    quick = [f"q{i}" for i in range(5)]
+    minds = {"hog": hog_command(disk.mount, 10), **dict.fromkeys(quick, "turn-probe 0.1")}
+    start_pressure_gate(
+        machine,
+        gate_config(minds, **{"limits.io_pressure": {"enabled": True, "recheck_seconds": 0.5}}),
+    )
+    gate_log = journal(machine)
+    assert "io pressure gate on: PSI trigger" in gate_log, gate_log
+    assert "/volute.slice/volute-turns.slice/io.pressure" in gate_log  # per-slice, not system
+
+    hog = deliver(machine, "hog", "write")
+    # The hog's synced writes stall the slice; the kernel tells the gate (2 s windows here).
+    wait_for(lambda: "io pressure high" in journal(machine), timeout=20, interval=0.2)
+    assert len(live_turn_scopes(machine)) == 1
+    held = [deliver(machine, mind, f"wake {mind}") for mind in quick]
+
+    # (a) Held: no quick turn starts while the hog runs under pressure.
+    wait_for(
+        lambda: (
+            all(r["hold_reason"] == "io_pressure" for r in queue_rows(machine, "pending"))
+            and len(queue_rows(machine, "pending")) == len(held)
+        ),
+        timeout=10,
+    )
+    time.sleep(0.5)
+    assert [live for live in live_turn_scopes(machine) if "-q" in live] == []
+    assert turn_log(machine) == []
+    now = status(machine)
+    assert now["holds"] == {"io_pressure": len(held)}
+    # (c) A held row has no attempt counted.
+    assert all(r["attempts"] == 0 for r in queue_rows(machine, "pending"))
+
+    # (b) Release: the hog ends, pressure falls, and the held turns go out in id order.
+    wait_for(lambda: not queue_rows(machine, "pending", "running"), timeout=90, interval=0.3)
+    starts = [fields for fields in turn_log(machine) if fields[0] == "start"]
+    assert [int(fields[5]) for fields in starts] == held  # FIFO
+    assert [fields[1] for fields in starts] == quick
+    done = {int(r["id"]): r for r in queue_rows(machine, "done")}  # type: ignore[call-overload]
+    assert sorted(done) == sorted([hog, *held])
+    assert all(done[i]["attempts"] == 0 for i in done)
+    assert all(int(done[i]["held_ms"]) > 0 for i in held)  # type: ignore[call-overload]
+    entries = machine.run(
+        ["journalctl", "-u", "volute-gate", "-o", "verbose", "--no-pager", "VOLUTE_EVENT=hold_end"]
+    ).stdout
+    assert "VOLUTE_REASON=io_pressure" in entries
+    assert "admitting turns again" in journal(machine)
+
+
+def test_pressure_gate_off_by_default_starts_everything_at_once(
+    slow: tuple[Machine, SlowDisk],
+) -> None:
+    machine, disk = slow
+    install_probe(machine)
+    quick = [f"q{i}" for i in range(4)]
+    minds = {"hog": hog_command(disk.mount, 16), **dict.fromkeys(quick, "turn-probe 3")}
+    start_pressure_gate(machine, gate_config(minds))
+    assert "io pressure gate on" not in journal(machine)
+    deliver(machine, "hog", "write")
+    time.sleep(2.5)  # long enough for a 2 s-window trigger to have fired, were one registered
+    for mind in quick:
+        deliver(machine, mind, "wake")
+    wait_for(lambda: len(live_turn_scopes(machine)) == 1 + len(quick), timeout=10)
+    assert "io_pressure" not in journal(machine)
