@@ -112,6 +112,7 @@ class Gate:
             unwatch_fd=self._unwatch,
         )
         self.turns.recover()
+        self.store.sync()
         self.slots = SlotWatch(
             self.settings.tests.repositories, gate.state_dir / "repositories.json", self._log
         )
@@ -233,6 +234,8 @@ class Gate:
         if self.dirty and not self.stopping:
             self.dirty = False
             self.admit()
+        assert self.store is not None
+        self.store.sync()  # a turn's settlement is durable before the gate sleeps
 
     # -- the socket -------------------------------------------------------------------
 

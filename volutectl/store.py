@@ -55,6 +55,7 @@ CREATE TABLE IF NOT EXISTS turns (
     detail TEXT
 );
 CREATE INDEX IF NOT EXISTS turns_open ON turns(state);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
 
 
@@ -123,6 +124,7 @@ class Store:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._unsynced = False
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(str(path), isolation_level=None, timeout=10)
@@ -141,7 +143,10 @@ class Store:
         self.db.close()
 
     def _tx(self, *, durable: bool = True) -> _Transaction:
-        return _Transaction(self.db, durable=durable)
+        return _Transaction(self.db, durable=durable, on_durable_commit=self._synced)
+
+    def _synced(self) -> None:
+        self._unsynced = False  # a synced commit's fsync covers every earlier WAL frame
 
     def settle_turn(
         self,
@@ -155,13 +160,34 @@ class Store:
         failed: Iterable[tuple[int, str, int, float | None]],
         error: str,
         now: float,
+        durable: bool = True,
     ) -> None:
-        """Record how a turn ended and settle all its rows, in ONE durable commit."""
-        with self._tx():
+        """Record how a turn ended and settle all its rows, in ONE commit.
+
+        With durable=False the commit skips its fsync and `sync_pending()` turns true: the
+        caller promises `sync()` before it sleeps. On the handoff path the next turn's
+        start_turn commit comes first and, the WAL being sequential, its one fsync makes
+        both durable; a pass that starts nothing pays the fsync in sync() instead.
+        """
+        with self._tx(durable=durable):
             self._return_to_pending(returned)
             self._finish_rows(done, now)
             self._fail_rows(failed, error, now)
             self._end_turn(turn_id, outcome, exit_status, detail, now)
+        if not durable:
+            self._unsynced = True
+
+    def sync_pending(self) -> bool:
+        return self._unsynced
+
+    def sync(self) -> None:
+        """Make every earlier commit durable, if one was made without an fsync to keep."""
+        if self._unsynced:
+            with self._tx():
+                self.db.execute(
+                    "INSERT INTO meta (key, value) VALUES ('syncs', 1) "
+                    "ON CONFLICT(key) DO UPDATE SET value = value + 1"
+                )
 
     # -- deliveries -------------------------------------------------------------
 
@@ -425,9 +451,16 @@ class _Transaction:
     """BEGIN IMMEDIATE ... COMMIT; with durable=False, that one commit skips the fsync
     (synchronous=NORMAL in WAL mode: safe against a crash of the gate, not a power cut)."""
 
-    def __init__(self, db: sqlite3.Connection, *, durable: bool = True) -> None:
+    def __init__(
+        self,
+        db: sqlite3.Connection,
+        *,
+        durable: bool = True,
+        on_durable_commit: Callable[[], None] | None = None,
+    ) -> None:
         self.db = db
         self.durable = durable
+        self.on_durable_commit = on_durable_commit
 
     def __enter__(self) -> None:
         if not self.durable:
@@ -437,6 +470,8 @@ class _Transaction:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
             self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+            if exc_type is None and self.durable and self.on_durable_commit is not None:
+                self.on_durable_commit()
         finally:
             if not self.durable:
                 self.db.execute("PRAGMA synchronous=FULL")

@@ -77,7 +77,10 @@ class Turns:
         )
 
     def live_units(self) -> set[str]:
-        return {u.name for u in self.manager.list_units(self.settings.turns.slice, [TURN_PATTERN])}
+        """Turn scopes systemd lists as live in the turns slice (ours and any others)."""
+        ours = {turn.unit for turn in self.turns.values()}
+        units = self.manager.list_units(self.settings.turns.slice, [TURN_PATTERN], known=ours)
+        return {unit.name for unit in units}
 
     def live(self, live_names: set[str]) -> list[core.LiveTurn]:
         """Our turns whose scopes systemd lists as live."""
@@ -350,6 +353,7 @@ class Turns:
             failed=failed,
             error=error,
             now=now,
+            durable=False,  # the gate calls store.sync() before it sleeps
         )
         self.turns.pop(turn.id, None)
         turn.turn_dir.remove()

@@ -167,7 +167,7 @@ def test_held_delivery_keeps_attempts_at_zero_and_reports_hold(machine: Machine)
 def test_sigkill_of_the_gate_loses_nothing_and_runs_nothing_twice(machine: Machine) -> None:
     install_probe(machine)
     # Turns outlive the gate's RestartSec=2s, so the restarted gate must adopt them.
-    minds = {f"k{i}": "turn-probe 4" for i in range(4)}
+    minds = {f"k{i}": "turn-probe 8" for i in range(4)}
     start_gate(machine, gate_config(minds, limits={"global_concurrent_turns": 2}))
     sampler = Sampler(machine)
     ids = [deliver(machine, mind, f"msg-{mind}-{n}", "--session", f"s{n}")

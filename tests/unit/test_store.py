@@ -402,3 +402,55 @@ def test_holds_and_undone_handoffs_never_count_an_attempt(tmp_path: Path, steps:
             assert (row.state, row.attempts, row.not_before) == ("pending", 0, None)
     finally:
         store.close()
+
+
+def test_settle_turn_in_one_commit_and_unsynced_until_the_next_synced_commit(
+    store: Store,
+) -> None:
+    ids = add(store, ("mimsy", "a"), ("mimsy", "a"), ("mimsy", "a"))
+    turn_id, _ = store.start_turn("mimsy", "a", unit_for, ids, now=1.0)
+    statements: list[str] = []
+    store.db.set_trace_callback(statements.append)
+    store.settle_turn(
+        turn_id,
+        outcome="ok",
+        exit_status=0,
+        detail="exited 0",
+        done=[ids[0]],
+        returned=[ids[1]],
+        failed=[(ids[2], "pending", 1, 9.0)],
+        error="boom",
+        now=2.0,
+        durable=False,
+    )
+    store.db.set_trace_callback(None)
+    assert statements.count("BEGIN IMMEDIATE") == 1 and statements.count("COMMIT") == 1
+    assert "PRAGMA synchronous=NORMAL" in statements  # this commit skipped its fsync
+    assert [one(store, i).state for i in ids] == ["done", "pending", "pending"]
+    assert one(store, ids[2]).attempts == 1 and one(store, ids[1]).attempts == 0
+    turn = store.turn(turn_id)
+    assert turn is not None and turn.state == "ended" and turn.outcome == "ok"
+    assert store.sync_pending()
+    # The next synced commit (here a delivery) covers it: no extra fsync is owed.
+    add(store, ("pip", "b"))
+    assert not store.sync_pending()
+    statements.clear()
+    store.db.set_trace_callback(statements.append)
+    store.sync()  # nothing owed: no statement at all
+    assert statements == []
+
+
+def test_sync_makes_an_unsynced_settlement_durable_with_one_synced_commit(store: Store) -> None:
+    ids = add(store, ("mimsy", "a"))
+    turn_id, _ = store.start_turn("mimsy", "a", unit_for, ids, now=1.0)
+    store.settle_turn(
+        turn_id, outcome="ok", exit_status=0, detail="", done=ids, returned=[], failed=[],
+        error="", now=2.0, durable=False,
+    )  # fmt: skip
+    statements: list[str] = []
+    store.db.set_trace_callback(statements.append)
+    store.sync()
+    store.db.set_trace_callback(None)
+    assert statements.count("COMMIT") == 1
+    assert "PRAGMA synchronous=NORMAL" not in statements
+    assert not store.sync_pending()
