@@ -462,7 +462,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minds", type=int, default=33)
     parser.add_argument("--writes", type=int, default=48, help="64 KiB synced writes per turn")
-    parser.add_argument("--baseline-seconds", type=float, default=12.0)
+    parser.add_argument("--baseline-seconds", type=float, default=25.0)
     parser.add_argument("--timeout", type=float, default=240.0, help="per fan-out")
     parser.add_argument(
         "--only", default="", help=f"comma-separated runs: {','.join(SHORT)} (default: all)"
