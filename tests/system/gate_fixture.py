@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -21,11 +22,13 @@ def install_units(machine: Machine) -> None:
             text = unit.read_text().replace("/usr/bin/volutectl", VOLUTECTL)
             machine.write(f"/etc/systemd/system/{unit.name}", text)
     # Test-only: this checkout and its interpreter may live under /root (pyenv), /tmp or
-    # /var/tmp (a CI clone), which the heartbeat's ProtectHome=yes and PrivateTmp=yes
-    # hide; the packaged volutectl is /usr/bin/volutectl and needs neither.
+    # /var/tmp (a CI clone), which the heartbeat's ProtectHome=yes and the private /tmp
+    # and /var/tmp of DynamicUser=yes hide; so they are bound back in, read-only. The
+    # packaged volutectl is /usr/bin/volutectl and needs none of this.
+    binds = " ".join(f"-{path}" for path in sorted({str(REPO), str(Path(sys.prefix))}))
     machine.write(
         "/etc/systemd/system/volute-heartbeat@.service.d/test-venv.conf",
-        "[Service]\nProtectHome=read-only\nPrivateTmp=no\n",
+        f"[Service]\nProtectHome=read-only\nBindReadOnlyPaths={binds}\n",
     )
     machine.run(["groupadd", "-f", "-r", "volute"])
     machine.run(
