@@ -132,7 +132,7 @@ def inner_floor(turns: int, stamp: str, log: str, seed: int) -> None:
         for i, hold in enumerate(holds):
             unit = f"volute-floor-{i}.scope"
             env = {"VOLUTE_TURN_ID": f"f{i}", "VOLUTE_MIND": "floor", "VOLUTE_TURN_DIR": turn_dir}
-            argv = ["/bin/sh", "-c", WRAPPER, "volute-turn", stamp, log, str(hold)]
+            argv = ["/bin/sh", WRAPPER, stamp, log, str(hold)]
             read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
             pid = os.fork()
             if pid == 0:
