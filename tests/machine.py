@@ -230,6 +230,7 @@ def boot(
     mask: Sequence[str] = MASKED_UNITS,
     extra_args: Sequence[str] = (),
     prepare: Mapping[str, str] | None = None,
+    boot_timeout: float = 30,
 ) -> Iterator[Machine]:
     """Boot a container over an overlay of `lower`, yield it, and tear it all down."""
     reason = nspawn_available()
@@ -293,7 +294,7 @@ def boot(
             nspawn=nspawn,
             leader=_find_leader(nspawn.pid, log=base / "nspawn.log"),
         )
-        machine.wait_running()
+        machine.wait_running(boot_timeout)
         yield machine
     finally:
         if nspawn is not None and nspawn.poll() is None:
