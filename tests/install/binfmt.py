@@ -11,9 +11,9 @@ registered for the tier and removed again afterwards, also when the tier fails:
 The emulator is Debian trixie's `qemu-user` (10.0, statically linked), fetched with
 apt-get from a private package index and unpacked under the test cache
 (/var/cache/volute-test/qemu-user). Bookworm's qemu-user-static 7.2 is not enough:
-its clone() rejects CLONE_PIDFD with EINVAL, so trixie's systemd 257 cannot spawn
-systemd-executor and every service fails ("Failed to spawn executor: Invalid
-argument"), dbus included.
+under it, trixie's systemd 257 cannot spawn systemd-executor (it spawns it with glibc's
+pidfd_spawn, a clone with CLONE_PIDFD), so every service fails with "Failed to spawn
+executor: Invalid argument", dbus included. Under 10.0 they start.
 
 The registration line is the package's own binfmt.d/qemu-aarch64.conf, with the
 interpreter's path moved into the cache and the name `volute-qemu-aarch64`. Its flags
