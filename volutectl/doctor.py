@@ -226,6 +226,30 @@ def check_psi(proc_root: Path = Path("/proc")) -> Check:
     return Check("psi", "ok", f"{path}: {first}")
 
 
+def check_psi_triggers(status: dict[str, object], enabled: bool) -> Check:
+    """Can the gate arm a PSI trigger, on the turns slice or system-wide?
+
+    `status` is volutectl.pressure.psi_status(); kept pure so tests can feed it."""
+    slice_trigger = str(status.get("slice_trigger", "no"))
+    system_trigger = str(status.get("system_trigger", "no"))
+    state = "on" if enabled else "off (limits.io_pressure.enabled = false)"
+    what = (
+        f"pressure gate {state}; trigger on the turns slice ({status.get('slice_path')}): "
+        f"{slice_trigger}; on {status.get('system_path')}: {system_trigger}"
+    )
+    if slice_trigger.startswith("no") and system_trigger.startswith("no"):
+        return Check(
+            "psi-trigger",
+            "warn" if enabled else "ok",
+            what,
+            "run the gate as root with CAP_SYS_RESOURCE for any window; without it only "
+            "2 s windows are accepted, on cgroup v2 io.pressure files",
+        )
+    if "2 s" in slice_trigger or "2 s" in system_trigger:
+        return Check("psi-trigger", "ok", what, "windows round up to 2 s without CAP_SYS_RESOURCE")
+    return Check("psi-trigger", "ok", what)
+
+
 # -- reachability ---------------------------------------------------------------------
 
 
@@ -299,6 +323,10 @@ def run_checks(config_path: str | None) -> list[Check]:
     io_controller = not unified or "io" in read_words(cgroup_root / "cgroup.controllers")
     checks.append(check_io_scheduler(settings.gate.state_dir, io_controller=io_controller))
     checks.append(check_psi())
+    from volutectl.pressure import psi_status, slice_cgroup
+
+    status = psi_status(slice_cgroup(settings.turns.slice))
+    checks.append(check_psi_triggers(status, settings.limits.io_pressure.enabled))
     which = settings.gate.manager
     checks.append(check_manager(lambda: _manager_problem(which == "user"), which))
     checks.append(check_socket(settings.gate.socket))

@@ -319,3 +319,16 @@ def test_text_report_is_one_line_per_check(tmp_path: Path) -> None:
     assert f"{tmp_path}/gate.sock does not exist" in lines[-1]
     manager_ok = lines[5].startswith("ok")
     assert result.returncode == (EX_OK if manager_ok else EX_UNAVAILABLE)
+
+
+def test_psi_trigger_check_says_where_a_trigger_can_be_armed() -> None:
+    from volutectl.doctor import check_psi_triggers
+
+    none = {"slice_trigger": "no: the slice has no cgroup yet", "system_trigger": "no",
+            "slice_path": "/s/io.pressure", "system_path": "/proc/pressure/io"}  # fmt: skip
+    assert check_psi_triggers(none, enabled=True).status == "warn"
+    assert check_psi_triggers(none, enabled=False).status == "ok"  # nothing asked of it
+    coarse = dict(none, system_trigger="ok, 2 s windows only ('some 300000 2000000')")
+    check = check_psi_triggers(coarse, enabled=True)
+    assert check.status == "ok" and "2 s" in check.line() and "/proc/pressure/io" in check.line()
+    assert "pressure gate on" in check.line()
