@@ -294,6 +294,7 @@ def test_invalid_config_exits_78_and_still_reports_the_host(tmp_path: Path) -> N
         "controllers",
         "io-scheduler",
         "psi",
+        "psi-trigger",
         "manager",
         "socket",
     }
@@ -312,12 +313,13 @@ def test_text_report_is_one_line_per_check(tmp_path: Path) -> None:
         "controllers",
         "io-scheduler",
         "psi",
+        "psi-trigger",
         "manager",
         "socket",
     ]
     assert lines[0].startswith("ok   config")
     assert f"{tmp_path}/gate.sock does not exist" in lines[-1]
-    manager_ok = lines[5].startswith("ok")
+    manager_ok = lines[6].startswith("ok")
     assert result.returncode == (EX_OK if manager_ok else EX_UNAVAILABLE)
 
 
