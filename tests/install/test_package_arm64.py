@@ -24,6 +24,7 @@ arm64-doctor.txt, arm64-timings.json.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import subprocess
@@ -35,7 +36,7 @@ from pathlib import Path
 import pytest
 
 from tests.install.binfmt import qemu_aarch64, unavailable
-from tests.install.rootfs import CACHE, RootSpec, apt_archives, ensure_root, host_arch
+from tests.install.rootfs import CACHE, RootSpec, apt_cache_binds, ensure_root, host_arch
 from tests.machine import MASKED_UNITS, Machine, boot
 
 pytestmark = pytest.mark.install_arm64
@@ -92,14 +93,21 @@ def artifact(name: str, text: str) -> None:
 
 
 def apt_binds(arch: str) -> list[str]:
-    """The shared .deb cache, and a package index of this architecture's own: a shared
-    index would be pruned to the other architecture by each `apt-get update`."""
-    lists = CACHE / f"apt-lists-{arch}"
-    (lists / "partial").mkdir(parents=True, exist_ok=True)
-    return [
-        f"--bind={apt_archives()}:/var/cache/apt/archives",
-        f"--bind={lists}:/var/lib/apt/lists",
-    ]
+    """A package index and a .deb cache of this architecture's own (apt-lists-arm64,
+    apt-archives-arm64): a shared index would be pruned to the other architecture by each
+    `apt-get update`, and a shared archive lock makes a concurrent amd64 tier's apt fail
+    ours. The amd64 tier's own caches (rootfs.apt_cache_binds) are left as they are."""
+    if arch == host_arch():
+        return apt_cache_binds()
+    binds = []
+    for name, inside in (
+        ("apt-archives", "/var/cache/apt/archives"),
+        ("apt-lists", "/var/lib/apt/lists"),
+    ):
+        path = CACHE / f"{name}-{arch}"
+        (path / "partial").mkdir(parents=True, exist_ok=True)
+        binds.append(f"--bind={path}:{inside}")
+    return binds
 
 
 def build_debs(out: Path) -> list[Path]:
@@ -138,13 +146,16 @@ def booted_with_package(root: Path, debs: list[Path], arch: str, name: str) -> I
     ) as machine:
         timings.boot_s = time.monotonic() - started
         started = time.monotonic()
-        result = machine.sh(
-            "apt-get update -q && apt-get install -y -q --no-install-recommends "
-            + " ".join(str(deb) for deb in debs),
-            env={"DEBIAN_FRONTEND": "noninteractive"},
-            timeout=APT_TIMEOUT,
-            check=False,
-        )
+        # Runs of this tier that share the caches take turns at apt.
+        with open(CACHE / f"apt-{arch}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            result = machine.sh(
+                "apt-get update -q && apt-get install -y -q --no-install-recommends "
+                + " ".join(str(deb) for deb in debs),
+                env={"DEBIAN_FRONTEND": "noninteractive"},
+                timeout=APT_TIMEOUT,
+                check=False,
+            )
         timings.install_s = time.monotonic() - started
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
         yield Installed(machine, debs, timings)
