@@ -14,9 +14,9 @@ scope under volute-turns.slice in `systemctl status`; `volutectl doctor` runs; a
 command's exit status through.
 
 Run: .venv/bin/pytest -m install_arm64 tests/install   (root; ./run-tests excludes it,
-.ci/run runs it as its own step). Cold, about 7 min: debootstrap about 4 min, apt-get
-install inside about 2.5 min; warm, about 3.5 min. $VOLUTE_DEBS names a directory of
-already built .debs to install instead of running build-deb. Artifacts, in
+.ci/run runs it as its own step). Cold, 4 to 7 min: debootstrap 2.5 to 6 min, apt-get
+install inside about 1 min; warm, under 2 min (docs/benchmarks.md). $VOLUTE_DEBS names
+a directory of already built .debs to install instead of running build-deb. Artifacts, in
 $VOLUTE_ARTIFACTS (default dist/install-tier): arm64-systemctl-status-volute-turns.slice.txt,
 arm64-doctor.txt, arm64-timings.json.
 """
