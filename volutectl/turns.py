@@ -103,27 +103,39 @@ class Turns:
         for hold in holds:
             if hold.delivery_id in new:
                 row = rows[hold.delivery_id]
-                self.journal.log(
-                    "info",
-                    f"holding delivery {row.id} for {row.mind}/{row.session}: {hold.reason}",
-                    mind=row.mind,
-                    session=row.session,
-                    delivery_id=row.id,
-                    reason=hold.reason,
-                    event="hold",
-                )
+                self._log_row("info", row, f"held: {hold.reason}", reason=hold.reason, event="hold")
+
+    def _log_row(self, level: str, row: Row, text: str, **fields: Any) -> None:
+        """Log about one delivery, with the journal fields that find it again."""
+        self.journal.log(
+            level,
+            f"delivery {row.id} for {row.mind}/{row.session} {text}",
+            mind=row.mind,
+            session=row.session,
+            delivery_id=row.id,
+            **fields,
+        )
+
+    def _log_turn(self, level: str, turn: Turn, text: str, **fields: Any) -> None:
+        """Log about one turn, with the journal fields that find it again."""
+        self.journal.log(
+            level,
+            f"turn {turn.id} of {turn.mind}/{turn.session} {text}",
+            mind=turn.mind,
+            session=turn.session,
+            unit=turn.unit,
+            turn_id=turn.id,
+            **fields,
+        )
 
     def log_released(self, rows: list[Row], now: float, how: str) -> None:
         for row in rows:
             if row.held_since is not None:
                 held_ms = int((now - row.held_since) * 1000)
-                self.journal.log(
+                self._log_row(
                     "info",
-                    f"delivery {row.id} for {row.mind}/{row.session} was held {held_ms} ms "
-                    f"({row.hold_reason}); {how}",
-                    mind=row.mind,
-                    session=row.session,
-                    delivery_id=row.id,
+                    row,
+                    f"was held {held_ms} ms ({row.hold_reason}); {how}",
                     reason=row.hold_reason,
                     held_ms=held_ms,
                     event="hold_end",
@@ -138,26 +150,13 @@ class Turns:
             launcher.offer(turn.turn_dir, row.id, record, account)
         self.log_released(rows, now, f"folded into turn {turn.id}")
         if rows:
-            self.journal.log(
-                "info",
-                f"folded deliveries {' '.join(str(r.id) for r in rows)} into turn {turn.id} "
-                f"of {turn.mind}/{turn.session}",
-                mind=turn.mind,
-                session=turn.session,
-                turn_id=turn.id,
-                delivery_ids=" ".join(str(r.id) for r in rows),
-            )
+            ids = " ".join(str(r.id) for r in rows)
+            self._log_turn("info", turn, f"took deliveries {ids} in its inbox", delivery_ids=ids)
         if fold.interrupt:
             turn.interrupted = True
             with contextlib.suppress(VoluteError):
                 self.manager.kill_unit(turn.unit, signal.SIGINT)
-            self.journal.log(
-                "info",
-                f"interrupted turn {turn.id} of {turn.mind}/{turn.session}",
-                mind=turn.mind,
-                session=turn.session,
-                unit=turn.unit,
-            )
+            self._log_turn("info", turn, "interrupted (SIGINT to its scope)")
 
     def account_of(self, mind: str) -> launcher.Account:
         """The mind's user, looked up once: NSS lookups would sit on every handoff."""
@@ -277,14 +276,7 @@ class Turns:
             )
             updates.append((row.id, after.state, after.attempts, after.not_before))
             if after.state == "dead":
-                self.journal.log(
-                    "warning",
-                    f"delivery {row.id} for {row.mind}/{row.session} is dead after "
-                    f"{after.attempts} attempts: {error}",
-                    mind=row.mind,
-                    session=row.session,
-                    delivery_id=row.id,
-                )
+                self._log_row("warning", row, f"is dead after {after.attempts} attempts: {error}")
                 self.notify(row.id, {"event": "dead", "id": row.id, "error": error, "exit_code": 1})
         return updates
 
@@ -358,13 +350,10 @@ class Turns:
         self.turns.pop(turn.id, None)
         turn.turn_dir.remove()
         level = "warning" if outcome.kind == "failed" else "info"
-        self.journal.log(
+        self._log_turn(
             level,
-            f"turn {turn.id} of {turn.mind}/{turn.session} ended: {outcome.detail}",
-            mind=turn.mind,
-            session=turn.session,
-            unit=turn.unit,
-            turn_id=turn.id,
+            turn,
+            f"ended: {outcome.detail}",
             outcome=outcome.kind,
             exit_status=outcome.exit_status,
         )
@@ -406,14 +395,7 @@ class Turns:
             )
             if row.unit in live_names:
                 self.turns[row.id] = turn
-                self.journal.log(
-                    "info",
-                    f"adopted running turn {row.id} of {row.mind}/{row.session}",
-                    mind=row.mind,
-                    session=row.session,
-                    unit=row.unit,
-                    turn_id=row.id,
-                )
+                self._log_turn("info", turn, "is still running: adopted")
             else:
                 self.finish(turn)
         self.changed = True

@@ -183,7 +183,7 @@ def test_sigkill_of_the_gate_loses_nothing_and_runs_nothing_twice(machine: Machi
         lambda: (
             machine.run(["systemctl", "is-active", "volute-gate"], check=False).stdout.strip()
             == "active"
-            and "adopted running turn" in journal(machine)
+            and "is still running: adopted" in journal(machine)
         ),
         timeout=30,
     )
