@@ -29,11 +29,9 @@ from typing import Any
 
 import click
 
-from volutectl import core, names, protocol
+from volutectl import core, protocol, validate
 from volutectl.config import Settings, load_settings
 from volutectl.errors import (
-    EX_DATAERR,
-    EX_NOUSER,
     EX_USAGE,
     DataError,
     UnavailableError,
@@ -361,7 +359,7 @@ class Gate:
             op = request.get("op")
             try:
                 if op == "deliver":
-                    deliveries.append((client, request, self._validate_delivery(request)))
+                    deliveries.append((client, request, validate.delivery(self.settings, request)))
                 elif op == "status":
                     self._reply(client, {"ok": True, "status": self.status()})
                 elif op == "queue":
@@ -398,39 +396,6 @@ class Gate:
             )
         self.dirty = True
 
-    def _validate_delivery(self, request: dict[str, Any]) -> tuple[str, str, bytes, bool]:
-        mind = request.get("mind")
-        session = request.get("session", "main")
-        message = request.get("message")
-        if not isinstance(mind, str) or not isinstance(session, str):
-            raise DataError("mind and session must be strings")
-        if not isinstance(message, str):
-            raise DataError("the message must be text")
-        try:
-            names.check_mind(mind)
-            names.check_session(session)
-        except names.NameError_ as error:
-            raise VoluteError(str(error), exit_code=EX_DATAERR) from None
-        if mind not in self.settings.minds:
-            known = ", ".join(sorted(self.settings.minds)) or "none"
-            raise VoluteError(
-                f"unknown mind {mind!r}",
-                hint=f"configured minds: {known} (add a [minds.{mind}] table)",
-                exit_code=EX_NOUSER,
-            )
-        try:
-            data = message.encode()
-        except UnicodeEncodeError:
-            raise DataError(f"the message for {mind} is not valid UTF-8 text") from None
-        limit = self.settings.gate.max_message_bytes
-        if len(data) > limit:
-            raise VoluteError(
-                f"message for {mind} is {len(data)} bytes, over the limit of {limit}",
-                hint="raise gate.max_message_bytes, or send a path instead of the content",
-                exit_code=EX_DATAERR,
-            )
-        return mind, session, data, bool(request.get("interrupt"))
-
     def _open_pressure(self) -> None:
         settings = self.settings.limits.io_pressure
         if not settings.enabled:
@@ -447,9 +412,7 @@ class Gate:
 
     def _register_repo(self, request: dict[str, Any]) -> bool:
         assert self.slots is not None
-        path = request.get("path")
-        if not isinstance(path, str) or not path.startswith("/"):
-            raise DataError("register_repo needs the absolute path of a git common dir")
+        path = validate.repository_path(request)
         new = self.slots.register(Path(path))
         if new:
             self.journal.log("info", f"watching test slots of {path}", repository=path)
@@ -461,10 +424,7 @@ class Gate:
 
     def _queue_rows(self, request: dict[str, Any]) -> list[dict[str, Any]]:
         assert self.store is not None
-        states = request.get("states") or ["pending", "running", "dead"]
-        known = ("pending", "running", "done", "dead", "dropped")
-        if not isinstance(states, list) or any(state not in known for state in states):
-            raise DataError(f"states must be a list of {', '.join(known)}")
+        states = validate.queue_states(request)
         return [
             {
                 "id": row.id,
@@ -479,15 +439,12 @@ class Gate:
                 "last_error": row.last_error,
                 "bytes": len(row.message),
             }
-            for row in self.store.list_rows(list(states))
+            for row in self.store.list_rows(states)
         ]
 
     def _retry_drop(self, op: str, request: dict[str, Any]) -> list[int]:
         assert self.store is not None
-        raw = request.get("ids")
-        if not isinstance(raw, list) or not all(isinstance(i, int) for i in raw):
-            raise DataError("ids must be a list of delivery ids (integers)")
-        ids = [int(i) for i in raw]
+        ids = validate.delivery_ids(request)
         changed = self.store.retry(ids) if op == "retry" else self.store.drop(ids, time.time())
         for delivery_id in changed:
             self.journal.log("info", f"{op} delivery {delivery_id}", delivery_id=delivery_id)
