@@ -176,6 +176,11 @@ def gate_config(minds: dict[str, str], **sections: dict[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def all_settled(machine: Machine) -> bool:
+    """No delivery is pending or running any more."""
+    return not queue_rows(machine, "pending", "running")
+
+
 def queue_rows(machine: Machine, *states: str) -> list[dict[str, object]]:
     args = [VOLUTECTL, "queue", "list", "--json"]
     for state in states:

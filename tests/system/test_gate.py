@@ -17,6 +17,7 @@ from tests.machine import Machine
 from tests.system.gate_fixture import (
     VOLUTECTL,
     Sampler,
+    all_settled,
     deliver,
     delivered_ids,
     gate_config,
@@ -31,10 +32,6 @@ from tests.system.gate_fixture import (
 )
 
 pytestmark = pytest.mark.system
-
-
-def all_settled(machine: Machine) -> bool:
-    return not queue_rows(machine, "pending", "running")
 
 
 def fan_out_script(deliveries: list[tuple[str, str, str]]) -> str:

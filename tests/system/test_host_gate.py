@@ -22,6 +22,7 @@ from tests.machine import Machine
 from tests.system.gate_fixture import (
     VOLUTECTL,
     Sampler,
+    all_settled,
     deliver,
     gate_config,
     install_probe,
@@ -133,10 +134,6 @@ def handoffs(line: list[tuple[float, int, int]], cap: int = 2) -> list[float]:
                 gaps.append(later - when)
                 break
     return gaps
-
-
-def all_settled(machine: Machine) -> bool:
-    return not queue_rows(machine, "pending", "running")
 
 
 def test_a_test_run_takes_one_place_and_hands_it_back_at_once(machine: Machine) -> None:
