@@ -136,6 +136,17 @@ def handoffs(line: list[tuple[float, int, int]], cap: int = 2) -> list[float]:
     return gaps
 
 
+def deliver_one_runs_one_waits(machine: Machine) -> None:
+    """Deliver to minds a and b while a test run holds a slot: one turn, one test_run hold."""
+    deliver(machine, "a", "one")
+    deliver(machine, "b", "two")
+    wait_for(lambda: len(live_turn_scopes(machine)) == 1)
+    wait_for(
+        lambda: [r["hold_reason"] for r in queue_rows(machine, "pending")] == ["test_run"],
+        timeout=10,
+    )
+
+
 def test_a_test_run_takes_one_place_and_hands_it_back_at_once(machine: Machine) -> None:
     install_probe(machine)
     make_repository(machine)
@@ -201,13 +212,7 @@ def test_sigkill_of_a_test_run_frees_the_budget_at_once(machine: Machine) -> Non
     run = start_test_run(machine, 60)
     wait_for(lambda: slots_held(machine) == 1, timeout=20)
     sampler = Sampler(machine)
-    deliver(machine, "a", "one")
-    deliver(machine, "b", "two")
-    wait_for(lambda: len(live_turn_scopes(machine)) == 1)
-    wait_for(
-        lambda: [r["hold_reason"] for r in queue_rows(machine, "pending")] == ["test_run"],
-        timeout=10,
-    )
+    deliver_one_runs_one_waits(machine)
     time.sleep(0.3)
     assert len(live_turn_scopes(machine)) == 1  # held, not started
     scope = live_test_scopes(machine)[0]
@@ -239,13 +244,7 @@ def test_a_restarted_gate_finds_the_runs_in_flight(machine: Machine) -> None:
     machine.run(["systemctl", "restart", "volute-gate.service"])
     assert slots_held(machine) == 1  # the first answer after the restart already knows
     sampler = Sampler(machine)
-    deliver(machine, "a", "one")
-    deliver(machine, "b", "two")
-    wait_for(lambda: len(live_turn_scopes(machine)) == 1)
-    wait_for(
-        lambda: [r["hold_reason"] for r in queue_rows(machine, "pending")] == ["test_run"],
-        timeout=10,
-    )
+    deliver_one_runs_one_waits(machine)
     machine.run(["systemctl", "kill", "-s", "TERM", live_test_scopes(machine)[0]])
     run.communicate(timeout=30)
     wait_for(lambda: all_settled(machine), timeout=30)
