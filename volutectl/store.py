@@ -20,7 +20,10 @@ from typing import Any
 from volutectl.core import Delivery
 from volutectl.errors import PermissionDeniedError, UnavailableError
 
-SCHEMA = """
+# Schema 1: volutectl 0.1.0, written before the database carried a version. Every
+# database, new or old, is built by running this and then each migration in turn, so a
+# fresh database and an upgraded one cannot drift apart.
+SCHEMA_V1 = """
 CREATE TABLE IF NOT EXISTS deliveries (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     mind TEXT NOT NULL,
@@ -57,6 +60,28 @@ CREATE TABLE IF NOT EXISTS turns (
 CREATE INDEX IF NOT EXISTS turns_open ON turns(state);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
+
+# Forward migrations: MIGRATIONS[n] takes a database from schema n to n + 1. They run at
+# gate start (any Store open), each in one transaction with its new user_version.
+MIGRATIONS: dict[int, str] = {
+    # 1 -> 2 (the wedge-proof gate):
+    # - request_id: made by the client, so a request retried after the gate died before
+    #   acknowledging it gets its original delivery id back instead of a second row;
+    # - turns.pid: the turn's main process (the wrapper), to watch an adopted turn;
+    # - turns.interrupted: the gate sent SIGINT for an --interrupt delivery; a restarted
+    #   gate must still count a non-zero exit as interrupted, not failed;
+    # - turns.deadline: when turns.max_runtime_seconds runs out (NULL: no limit);
+    # - turns.timed_out_at: when the gate stopped the turn for running past it.
+    1: """
+ALTER TABLE deliveries ADD COLUMN request_id TEXT;
+CREATE UNIQUE INDEX deliveries_request ON deliveries(request_id) WHERE request_id IS NOT NULL;
+ALTER TABLE turns ADD COLUMN pid INTEGER;
+ALTER TABLE turns ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE turns ADD COLUMN deadline REAL;
+ALTER TABLE turns ADD COLUMN timed_out_at REAL;
+""",
+}
+SCHEMA_VERSION = 1 + len(MIGRATIONS)
 
 
 @dataclass(frozen=True)
@@ -105,6 +130,17 @@ _TURN_COLUMNS = (
 )
 
 
+def _statements(script: str) -> list[str]:
+    """Split a schema script into statements (executescript would commit on its own)."""
+    statements, buffer = [], ""
+    for line in script.splitlines(keepends=True):
+        buffer += line
+        if sqlite3.complete_statement(buffer):
+            statements.append(buffer.strip())
+            buffer = ""
+    return [statement for statement in statements if statement]
+
+
 def _row(v: Sequence[Any]) -> Row:
     return Row(
         int(v[0]), str(v[1]), str(v[2]), bytes(v[3]), bool(v[4]), str(v[5]), int(v[6]), v[7],
@@ -135,9 +171,40 @@ class Store:
         try:
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
-            self.db.executescript(SCHEMA)
+            self.migrate()
         except sqlite3.OperationalError as error:
             raise UnavailableError(f"{path}: cannot use the queue database: {error}") from None
+
+    def schema_version(self) -> int:
+        return int(self.db.execute("PRAGMA user_version").fetchone()[0])
+
+    def migrate(self) -> list[int]:
+        """Bring the database to SCHEMA_VERSION; returns the versions it passed through.
+
+        Version 0 is either a new, empty file or a 0.1.0 database (schema 1, which set no
+        version): SCHEMA_V1's CREATE ... IF NOT EXISTS serves both. A database from a newer
+        volutectl is refused rather than guessed at.
+        """
+        passed: list[int] = []
+        while True:
+            # Each step reads the version inside its own write transaction, so two
+            # processes opening the same old database cannot both run one migration.
+            with self._tx():
+                version = self.schema_version()
+                if version > SCHEMA_VERSION:
+                    raise UnavailableError(
+                        f"{self.path}: the queue database has schema {version}, newer than "
+                        f"this volutectl's {SCHEMA_VERSION}",
+                        hint="a newer volutectl wrote it: upgrade volutectl again, not down",
+                    )
+                if version == SCHEMA_VERSION:
+                    return passed
+                script = SCHEMA_V1 if version == 0 else MIGRATIONS[version]
+                for statement in _statements(script):
+                    self.db.execute(statement)
+                self.db.execute(f"PRAGMA user_version = {version + 1}")
+            if version > 0:
+                passed.append(version + 1)
 
     def close(self) -> None:
         self.db.close()

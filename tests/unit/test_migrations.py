@@ -1,0 +1,109 @@
+"""Schema versions and forward migrations, from a database written by volutectl 0.1.0.
+
+tests/unit/data/queue-v1.sql is that release's own database (written by its Store, then
+dumped by sqlite3): pending, held, backing-off, running, folded, done, dead and dropped
+rows, and two open turns. Upgrading it must lose no row and change none.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from volutectl.errors import UnavailableError
+from volutectl.store import SCHEMA_VERSION, Store
+
+V1_DUMP = Path(__file__).parent / "data" / "queue-v1.sql"
+
+
+def v1_database(path: Path) -> Path:
+    db = sqlite3.connect(path)
+    db.executescript(V1_DUMP.read_text())
+    db.close()
+    return path
+
+
+def rows(path: Path, table: str) -> list[tuple[object, ...]]:
+    db = sqlite3.connect(path)
+    try:
+        return list(db.execute(f"SELECT * FROM {table} ORDER BY id"))
+    finally:
+        db.close()
+
+
+def schema(path: Path) -> dict[str, list[tuple[object, ...]]]:
+    """Each table's columns (name, type, notnull, default, pk) and each index's columns."""
+    db = sqlite3.connect(path)
+    try:
+        shape: dict[str, list[tuple[object, ...]]] = {}
+        for kind, name in db.execute(
+            "SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%' ORDER BY name"
+        ):
+            pragma = "table_info" if kind == "table" else "index_info"
+            shape[f"{kind} {name}"] = [tuple(r[1:]) for r in db.execute(f"PRAGMA {pragma}({name})")]
+        return shape
+    finally:
+        db.close()
+
+
+def test_a_v1_database_is_upgraded_with_every_row_kept(tmp_path: Path) -> None:
+    path = v1_database(tmp_path / "queue.sqlite3")
+    before = {"deliveries": rows(path, "deliveries"), "turns": rows(path, "turns")}
+    assert len(before["deliveries"]) == 9 and len(before["turns"]) == 4
+
+    store = Store(path)
+    assert store.schema_version() == SCHEMA_VERSION
+    store.close()
+
+    for table, old in before.items():
+        new = rows(path, table)
+        # Old columns unchanged, in the same order; migrations only append columns.
+        assert [r[: len(old[0])] for r in new] == old
+    # The states the gate acts on survive as they were.
+    store = Store(path)
+    try:
+        assert [r.id for r in store.pending()] == [1, 2, 9]
+        assert [t.id for t in store.open_turns()] == [3, 4]
+        assert store.counts() == {"pending": 3, "running": 3, "done": 1, "dead": 1, "dropped": 1}
+    finally:
+        store.close()
+
+
+def test_an_upgraded_database_has_the_schema_of_a_new_one(tmp_path: Path) -> None:
+    upgraded = v1_database(tmp_path / "old.sqlite3")
+    Store(upgraded).close()
+    fresh = tmp_path / "new.sqlite3"
+    Store(fresh).close()
+    assert schema(upgraded) == schema(fresh)
+    assert "index deliveries_request" in schema(fresh)
+
+
+def test_migrations_run_once(tmp_path: Path) -> None:
+    path = v1_database(tmp_path / "queue.sqlite3")
+    first = Store(path)
+    assert first.migrate() == []  # the open already did it
+    first.close()
+    again = Store(path)
+    assert again.schema_version() == SCHEMA_VERSION
+    again.close()
+
+
+def test_a_new_database_starts_at_the_current_version(tmp_path: Path) -> None:
+    store = Store(tmp_path / "queue.sqlite3")
+    assert store.schema_version() == SCHEMA_VERSION
+    store.close()
+
+
+def test_a_database_from_a_newer_volutectl_is_refused_and_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "queue.sqlite3"
+    Store(path).close()
+    db = sqlite3.connect(path)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.close()
+    with pytest.raises(UnavailableError, match=f"schema {SCHEMA_VERSION + 1}, newer"):
+        Store(path)
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION + 1
+    db.close()
