@@ -37,6 +37,7 @@ from volutectl.errors import (
     UnavailableError,
     VoluteError,
 )
+from volutectl.faults import crash_point
 from volutectl.journal import Journal, sd_notify, watchdog_interval
 from volutectl.pressure import PressureWatch, slice_cgroup
 from volutectl.slotwatch import SlotWatch
@@ -382,6 +383,7 @@ class Gate:
         assert self.store is not None
         # One durable commit for everything that arrived together, then the acks.
         ids = self.store.add_deliveries([item for _, _, item in deliveries])
+        crash_point("request_committed")
         for (client, request, item), delivery_id in zip(deliveries, ids, strict=True):
             if request.get("wait"):
                 client.waiting.add(delivery_id)

@@ -21,6 +21,7 @@ from typing import Any
 from volutectl import core, launcher, names
 from volutectl.config import Settings, parse_bandwidth
 from volutectl.errors import DataError, VoluteError
+from volutectl.faults import crash_point
 from volutectl.journal import Journal
 from volutectl.store import Row, Store
 from volutectl.systemd import LIVE_STATES, Manager, ScopeProperties
@@ -144,10 +145,12 @@ class Turns:
     def fold(self, fold: core.Fold, now: float) -> None:
         turn = self.turns[fold.turn_id]
         rows = self.store.fold_into(turn.id, list(fold.delivery_ids), now)
+        crash_point("fold_committed")
         account = turn.account or self.account_of(turn.mind)
         for row in rows:
             record = launcher.delivery_record(row.id, row.session, row.message, row.interrupt)
             launcher.offer(turn.turn_dir, row.id, record, account)
+            crash_point("inbox_written")
         self.log_released(rows, now, f"folded into turn {turn.id}")
         if rows:
             ids = " ".join(str(r.id) for r in rows)
@@ -176,6 +179,7 @@ class Turns:
             list(start.delivery_ids),
             now,
         )
+        crash_point("start_committed")
         unit = names.turn_scope_name(start.mind, turn_id)
         ids = [row.id for row in taken]
         self.log_released(taken, now, f"starting turn {turn_id}")
@@ -202,6 +206,7 @@ class Turns:
             cwd = str(mind_settings.working_directory or account.home or "/")
             argv = launcher.command_argv(mind_settings.command)
             child = launcher.fork_turn(argv, env, account, turn_dir, cwd)
+            crash_point("forked")
             props = ScopeProperties(
                 **{
                     **self.scope_props.__dict__,
@@ -209,7 +214,9 @@ class Turns:
                 }
             )
             self.manager.start_scope(unit, [child.pid], props)
+            crash_point("scope_started")
             child.release()
+            crash_point("released")
         except VoluteError as error:
             if child is not None:
                 child.abandon()
@@ -229,6 +236,7 @@ class Turns:
             self.changed = True
             return
         self.store.mark_released(turn_id)
+        crash_point("release_recorded")
         turn = Turn(
             turn_id,
             start.mind,
@@ -347,6 +355,7 @@ class Turns:
             now=now,
             durable=False,  # the gate calls store.sync() before it sleeps
         )
+        crash_point("settled")
         self.turns.pop(turn.id, None)
         turn.turn_dir.remove()
         level = "warning" if outcome.kind == "failed" else "info"
