@@ -355,12 +355,15 @@ class Gate:
     # -- requests ---------------------------------------------------------------------
 
     def _handle_requests(self, incoming: list[tuple[Client, dict[str, Any]]]) -> None:
-        deliveries: list[tuple[Client, dict[str, Any], tuple[str, str, bytes, bool]]] = []
+        deliveries: list[
+            tuple[Client, dict[str, Any], tuple[str, str, bytes, bool], str | None]
+        ] = []
         for client, request in incoming:
             op = request.get("op")
             try:
                 if op == "deliver":
-                    deliveries.append((client, request, validate.delivery(self.settings, request)))
+                    item = validate.delivery(self.settings, request)
+                    deliveries.append((client, request, item, validate.request_id(request)))
                 elif op == "status":
                     self._reply(client, {"ok": True, "status": self.status()})
                 elif op == "queue":
@@ -381,14 +384,28 @@ class Gate:
         if not deliveries:
             return
         assert self.store is not None
-        # One durable commit for everything that arrived together, then the acks.
-        ids = self.store.add_deliveries([item for _, _, item in deliveries])
+        # One durable commit for everything that arrived together, then the acks. A request
+        # id the store already holds is a client retrying after a gate died before its ack:
+        # it gets the original delivery id back, and nothing is queued twice.
+        results = self.store.add_deliveries(
+            [item for _, _, item, _ in deliveries],
+            request_ids=[request_id for _, _, _, request_id in deliveries],
+        )
         crash_point("request_committed")
-        for (client, request, item), delivery_id in zip(deliveries, ids, strict=True):
+        for (client, request, item, request_id), result in zip(deliveries, results, strict=True):
+            if isinstance(result, VoluteError):
+                self._reply(client, protocol.error_reply(result))
+                continue
+            delivery_id = result
             if request.get("wait"):
                 client.waiting.add(delivery_id)
                 self.waiters.setdefault(delivery_id, []).append(client)
             self._reply(client, {"ok": True, "id": delivery_id})
+            if request.get("wait") and request_id is not None:
+                # A retried request's delivery may have run already: tell the waiter now.
+                finished = self._finished_event(delivery_id)
+                if finished is not None:
+                    self._notify_waiters(delivery_id, finished)
             self.journal.log(
                 "debug",
                 f"queued delivery {delivery_id} for {item[0]}/{item[1]}",
@@ -397,6 +414,27 @@ class Gate:
                 delivery_id=delivery_id,
             )
         self.dirty = True
+
+    def _finished_event(self, delivery_id: int) -> dict[str, Any] | None:
+        """The event a --wait client would have had, for a delivery that already ended."""
+        assert self.store is not None
+        row = self.store.row(delivery_id)
+        if row is None or row.state in ("pending", "running"):
+            return None
+        if row.state == "dead":
+            return {"event": "dead", "id": row.id, "error": row.last_error, "exit_code": 1}
+        if row.state == "dropped":
+            return {"event": "dropped", "id": row.id}
+        turn = self.store.turn(row.turn_id) if row.turn_id is not None else None
+        exit_status = turn.exit_status if turn is not None else None
+        return {
+            "event": "turn_ended",
+            "id": row.id,
+            "turn_id": row.turn_id,
+            "outcome": turn.outcome if turn is not None else "ok",
+            "exit_status": exit_status,
+            "exit_code": core.wait_exit_code(exit_status),
+        }
 
     def _open_pressure(self) -> None:
         settings = self.settings.limits.io_pressure

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from volutectl.core import Delivery
-from volutectl.errors import PermissionDeniedError, UnavailableError
+from volutectl.errors import DataError, PermissionDeniedError, UnavailableError
 
 # Schema 1: volutectl 0.1.0, written before the database carried a version. Every
 # database, new or old, is built by running this and then each migration in turn, so a
@@ -82,6 +82,20 @@ ALTER TABLE turns ADD COLUMN timed_out_at REAL;
 """,
 }
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
+
+
+class RequestIdReused(DataError):
+    """A request id the store holds, sent again with another mind, session, message or
+    interrupt flag: never a retry, so it is refused (65) rather than merged."""
+
+    def __init__(self, request_id: str, delivery_id: int) -> None:
+        super().__init__(
+            f"request id {request_id} was already used for delivery {delivery_id}, "
+            "with other content",
+            hint="a client makes a new random request id for each new message",
+        )
+        self.request_id = request_id
+        self.delivery_id = delivery_id
 
 
 @dataclass(frozen=True)
@@ -259,20 +273,54 @@ class Store:
     # -- deliveries -------------------------------------------------------------
 
     def add_deliveries(
-        self, items: Iterable[tuple[str, str, bytes, bool]], now: float | None = None
-    ) -> list[int]:
-        """Insert (mind, session, message, interrupt) rows in ONE durable commit."""
+        self,
+        items: Iterable[tuple[str, str, bytes, bool]],
+        now: float | None = None,
+        *,
+        request_ids: Sequence[str | None] | None = None,
+    ) -> list[int | RequestIdReused]:
+        """Insert (mind, session, message, interrupt) rows in ONE durable commit.
+
+        `request_ids` (one per item, None for a request that carries none) makes a retry
+        harmless: a request id the store already holds, with the same mind, session,
+        message and interrupt flag, inserts nothing and gives back the ORIGINAL delivery
+        id, whatever state that delivery is in by now. The same id twice in one batch is
+        the same request twice. The same id with other content is refused: that item's
+        result is a RequestIdReused error (65), and the batch's other items still go in.
+        """
         now = time.time() if now is None else now
-        ids = []
+        items = list(items)
+        ids_of_requests = list(request_ids) if request_ids is not None else [None] * len(items)
+        results: list[int | RequestIdReused] = []
         with self._tx():
-            for mind, session, message, interrupt in items:
+            for (mind, session, message, interrupt), request_id in zip(
+                items, ids_of_requests, strict=True
+            ):
+                if request_id is not None:
+                    found = self.db.execute(
+                        "SELECT id, mind, session, message, interrupt FROM deliveries "
+                        "WHERE request_id = ?",
+                        (request_id,),
+                    ).fetchone()
+                    if found is not None:
+                        same = (found[1], found[2], bytes(found[3]), bool(found[4])) == (
+                            mind,
+                            session,
+                            message,
+                            bool(interrupt),
+                        )
+                        results.append(
+                            int(found[0]) if same else RequestIdReused(request_id, int(found[0]))
+                        )
+                        continue
                 cursor = self.db.execute(
-                    "INSERT INTO deliveries (mind, session, message, interrupt, created_at) "
-                    "VALUES (?, ?, ?, ?, ?)",
-                    (mind, session, message, int(interrupt), now),
+                    "INSERT INTO deliveries "
+                    "(mind, session, message, interrupt, created_at, request_id) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (mind, session, message, int(interrupt), now, request_id),
                 )
-                ids.append(int(cursor.lastrowid or 0))
-        return ids
+                results.append(int(cursor.lastrowid or 0))
+        return results
 
     def pending(self, *, with_message: bool = False) -> list[Row]:
         """Pending rows in id order. Without `with_message`, Row.message is empty: admission

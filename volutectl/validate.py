@@ -73,3 +73,22 @@ def repository_path(request: dict[str, Any]) -> str:
     if not isinstance(path, str) or not path.startswith("/"):
         raise DataError("register_repo needs the absolute path of a git common dir")
     return path
+
+
+REQUEST_ID_LENGTH = 32  # 128 bits, in lowercase hex
+
+
+def request_id(request: dict[str, Any]) -> str | None:
+    """A deliver request's client-made id (128 random bits, hex), or None if it has none.
+
+    Clients older than request ids send none; their requests are never merged."""
+    value = request.get("request_id")
+    if value is None:
+        return None
+    if (
+        not isinstance(value, str)
+        or len(value) != REQUEST_ID_LENGTH
+        or any(ch not in "0123456789abcdef" for ch in value)
+    ):
+        raise DataError(f"request_id must be {REQUEST_ID_LENGTH} lowercase hex digits (128 bits)")
+    return value

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from volutectl import core
 from volutectl.errors import UnavailableError
-from volutectl.store import Row, Store
+from volutectl.store import RequestIdReused, Row, Store
 
 NOW = 1_700_000_000.0
 
@@ -148,6 +148,102 @@ def test_acknowledged_rows_survive_sigkill_of_the_writer(tmp_path: Path) -> None
         assert [row.id for row in reopened.pending()] == acknowledged
     finally:
         reopened.close()
+
+
+# -- request ids: a retried request gets its original delivery back ----------------------
+
+RID = "0123456789abcdef0123456789abcdef"
+
+
+def count_rows(store: Store) -> int:
+    return int(store.db.execute("SELECT COUNT(*) FROM deliveries").fetchone()[0])
+
+
+def test_a_retried_request_id_gets_the_original_delivery_id(tmp_path: Path) -> None:
+    path = tmp_path / "queue.sqlite3"
+    store = Store(path)
+    [first] = store.add_deliveries([("m", "s", b"hello", False)], now=NOW, request_ids=[RID])
+    assert isinstance(first, int)
+    # The row has moved on (a turn took it and finished) before the retry arrives.
+    turn_id, _ = store.start_turn("m", "s", unit_for, [first], NOW + 1)
+    store.finish_rows([first], NOW + 2)
+    store.close()
+    # The retry reaches a restarted gate: a new connection to the same file.
+    store = Store(path)
+    try:
+        again = store.add_deliveries([("m", "s", b"hello", False)], now=NOW + 3, request_ids=[RID])
+        assert again == [first]
+        assert count_rows(store) == 1
+        assert one(store, first).state == "done"  # untouched: no second run
+    finally:
+        store.close()
+
+
+def test_the_same_request_id_twice_in_one_batch_is_one_delivery(store: Store) -> None:
+    other = "f" * 32
+    statements: list[str] = []
+    store.db.set_trace_callback(statements.append)
+    results = store.add_deliveries(
+        [("m", "s", b"x", False), ("n", "s", b"y", False), ("m", "s", b"x", False)],
+        now=NOW,
+        request_ids=[RID, other, RID],
+    )
+    store.db.set_trace_callback(None)
+    assert results[0] == results[2] and results[0] != results[1]
+    assert all(isinstance(result, int) for result in results)
+    assert [row.id for row in store.pending()] == sorted({int(r) for r in results})  # type: ignore[call-overload]
+    assert count_rows(store) == 2
+    assert [s for s in statements if s.split()[0] in ("BEGIN", "COMMIT")] == [
+        "BEGIN IMMEDIATE",
+        "COMMIT",
+    ]
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        ("other", "s", b"hello", False),
+        ("m", "other", b"hello", False),
+        ("m", "s", b"hello!", False),
+        ("m", "s", b"hello", True),
+    ],
+    ids=["mind", "session", "message", "interrupt"],
+)
+def test_a_request_id_reused_with_other_content_is_refused_with_65(
+    store: Store, changed: tuple[str, str, bytes, bool]
+) -> None:
+    [original] = store.add_deliveries([("m", "s", b"hello", False)], now=NOW, request_ids=[RID])
+    results = store.add_deliveries(
+        [("k", "s", b"fine", False), changed], now=NOW + 1, request_ids=[None, RID]
+    )
+    fine, refused = results
+    assert isinstance(refused, RequestIdReused)
+    assert refused.exit_code == 65
+    assert (refused.request_id, refused.delivery_id) == (RID, original)
+    assert RID in refused.message and str(original) in refused.message
+    # The batch's other item went in; the original row is as it was.
+    assert isinstance(fine, int) and one(store, fine).mind == "k"
+    assert count_rows(store) == 2
+    row = one(store, int(original))  # type: ignore[arg-type]
+    assert (row.mind, row.session, row.message, row.interrupt) == ("m", "s", b"hello", False)
+
+
+def test_the_second_of_two_conflicting_requests_in_one_batch_is_refused(store: Store) -> None:
+    first, second = store.add_deliveries(
+        [("m", "s", b"one", False), ("m", "s", b"two", False)], now=NOW, request_ids=[RID, RID]
+    )
+    assert isinstance(first, int)
+    assert isinstance(second, RequestIdReused) and second.delivery_id == first
+    assert count_rows(store) == 1
+
+
+def test_requests_without_an_id_are_never_merged(store: Store) -> None:
+    results = store.add_deliveries(
+        [("m", "s", b"same", False)] * 3, now=NOW, request_ids=[None, None, None]
+    )
+    assert len(set(results)) == 3
+    assert add(store, ("m", "s"), ("m", "s"))[0] != add(store, ("m", "s"))[0]
+    assert count_rows(store) == 6
 
 
 # -- holds ------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ def test_no_request_raises_anything_but_a_volute_error(request_: dict[str, Any])
         validate.queue_states,
         validate.delivery_ids,
         validate.repository_path,
+        validate.request_id,
     ):
         try:
             check(request_)
@@ -87,3 +88,15 @@ def test_queue_states_ids_and_paths() -> None:
     assert validate.repository_path({"path": "/srv/repo/.git"}) == "/srv/repo/.git"
     with pytest.raises(VoluteError):
         validate.repository_path({"path": "relative/.git"})
+
+
+def test_request_ids_are_128_bits_of_lowercase_hex_or_absent() -> None:
+    good = "0123456789abcdef" * 2
+    assert validate.request_id({"request_id": good}) == good
+    assert validate.request_id({}) is None  # a client older than request ids
+    assert validate.request_id({"request_id": None}) is None
+    for bad in (good[:-1], good + "0", good.upper(), "g" * 32, 7, ["x"], "", True):
+        with pytest.raises(VoluteError) as raised:
+            validate.request_id({"request_id": bad})
+        assert raised.value.exit_code == EX_DATAERR
+        assert "request_id" in raised.value.message
