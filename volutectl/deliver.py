@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from volutectl import protocol
-from volutectl.errors import EX_DATAERR, UsageError, VoluteError
+from volutectl.errors import EX_DATAERR, EX_TEMPFAIL, UnavailableError, UsageError, VoluteError
 
 # Not `import typing`: this module is on deliver's hot path (~6 ms).
 TYPE_CHECKING = False
@@ -24,6 +25,11 @@ if TYPE_CHECKING:
 
 DEFAULT_SOCKET = "/run/volute/gate.sock"
 DEFAULT_CONFIG = "/etc/volute/volutectl.toml"
+# Backoff between tries after the gate lost a connection before acknowledging it. A
+# socket-activated gate's restart takes about a second; systemd holds the connections
+# that arrive meanwhile, so a retry mostly waits in the socket's backlog, not here.
+RETRY_FIRST_SECONDS = 0.05
+RETRY_MAX_SECONDS = 1.0
 
 
 def socket_path(explicit: str | None, config: str | None) -> str:
@@ -73,7 +79,12 @@ def _deliver_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--socket", help=f"gate socket (default: {DEFAULT_SOCKET})")
     parser.add_argument("--config", help="config file, to find the socket")
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the ack")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for the ack, retrying while the gate restarts (default: 30)",
+    )
     return parser
 
 
@@ -106,19 +117,17 @@ def deliver_main(argv: list[str]) -> int:
             raise VoluteError(
                 "the message on stdin is not UTF-8 text", exit_code=EX_DATAERR
             ) from None
-    connection = protocol.Connection(socket_path(args.socket, args.config), timeout=args.timeout)
+    request_ = {
+        "op": "deliver",
+        "mind": args.mind,
+        "session": args.session,
+        "message": message,
+        "interrupt": args.interrupt,
+        "wait": args.wait,
+        "request_id": os.urandom(16).hex(),
+    }
+    connection, reply = acknowledged(socket_path(args.socket, args.config), request_, args.timeout)
     try:
-        reply = connection.request(
-            {
-                "op": "deliver",
-                "mind": args.mind,
-                "session": args.session,
-                "message": message,
-                "interrupt": args.interrupt,
-                "wait": args.wait,
-            },
-            timeout=args.timeout,
-        )
         delivery_id = reply.get("id")
         if type(delivery_id) is not int:
             raise protocol.ProtocolError(f"the gate acknowledged without a delivery id: {reply}")
@@ -144,6 +153,62 @@ def deliver_main(argv: list[str]) -> int:
         print(f"volutectl: delivery {delivery_id} was dropped", file=sys.stderr)
         return 1
     raise protocol.ProtocolError(f"unexpected reply from the gate: {event}")
+
+
+def acknowledged(
+    path: str, message: dict[str, Any], timeout: float
+) -> tuple[protocol.Connection, dict[str, Any]]:
+    """Send a deliver request until the gate acknowledges it; the connection and the ack.
+
+    A connection lost before the ack (EOF, ECONNRESET: the gate restarted or died, maybe
+    after committing the row) is retried with the same request id after a short backoff:
+    the gate keeps request ids unique, so a retry gets the original delivery id back and
+    nothing is queued twice. A gate that is absent on the first try (no socket file, or a
+    refused connection) fails at once with 69. After a lost connection the gate was there
+    a moment ago and the request may be queued, so failing to connect is retried too.
+    Running out of `timeout` seconds is 75: the request may or may not have been queued.
+    """
+    deadline = time.monotonic() + timeout
+    delay = RETRY_FIRST_SECONDS
+    lost: protocol.ConnectionLost | None = None
+    while True:
+        try:
+            connection = protocol.Connection(path, timeout=_left(deadline, timeout, lost))
+        except UnavailableError:
+            if lost is None:
+                raise
+        else:
+            try:
+                connection.send(message)
+                reply = connection.receive(timeout=_left(deadline, timeout, lost))
+                return connection, protocol.raise_for_reply(reply)
+            except protocol.ConnectionLost as error:
+                lost = error
+                connection.close()
+            except BaseException:
+                connection.close()
+                raise
+        pause = min(delay, deadline - time.monotonic())
+        if pause <= 0:
+            raise _out_of_time(timeout, lost)
+        time.sleep(pause)
+        delay = min(delay * 2, RETRY_MAX_SECONDS)
+
+
+def _left(deadline: float, timeout: float, lost: protocol.ConnectionLost | None) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise _out_of_time(timeout, lost)
+    return left
+
+
+def _out_of_time(timeout: float, lost: protocol.ConnectionLost | None) -> VoluteError:
+    why = f" (last: {lost.message})" if lost is not None else ""
+    return VoluteError(
+        f"the gate did not acknowledge the delivery within {timeout:g} s{why}",
+        hint="it may have been queued all the same: see `volutectl queue list`",
+        exit_code=EX_TEMPFAIL,
+    )
 
 
 def request(message: dict[str, Any], socket: str | None, config: str | None) -> dict[str, Any]:

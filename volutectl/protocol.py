@@ -14,7 +14,6 @@ from volutectl.errors import (
     EX_NOPERM,
     EX_PROTOCOL,
     EX_TEMPFAIL,
-    EX_UNAVAILABLE,
     PermissionDeniedError,
     UnavailableError,
     VoluteError,
@@ -33,6 +32,14 @@ OPS = ("deliver", "status", "queue", "retry", "drop", "ping")
 
 class ProtocolError(VoluteError):
     exit_code = EX_PROTOCOL
+
+
+class ConnectionLost(UnavailableError):
+    """The gate went away after the connection was made: EOF, ECONNRESET or EPIPE.
+
+    Unlike a socket that is missing or refuses connections (the gate is absent), this is
+    what a gate restarting or dying mid-request looks like, and a request carrying a
+    request id may be sent again."""
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -98,6 +105,12 @@ class Connection:
                 hint="add your user to the socket's group (default: volute), then log in again",
                 exit_code=EX_NOPERM,
             ) from None
+        except TimeoutError:
+            self.sock.close()  # a full backlog: the gate is there but far behind
+            raise VoluteError(
+                f"the gate at {path} did not accept the connection in time",
+                exit_code=EX_TEMPFAIL,
+            ) from None
         except OSError as error:
             self.sock.close()
             raise UnavailableError(f"cannot connect to the gate at {path}: {error}") from None
@@ -106,6 +119,12 @@ class Connection:
     def send(self, message: dict[str, Any]) -> None:
         try:
             self.sock.sendall(encode(message))
+        except (BrokenPipeError, ConnectionResetError) as error:
+            raise ConnectionLost(f"lost the gate at {self.path}: {error}") from None
+        except TimeoutError:
+            raise VoluteError(
+                f"the gate at {self.path} did not take the request in time", exit_code=EX_TEMPFAIL
+            ) from None
         except OSError as error:
             raise UnavailableError(f"lost the gate at {self.path}: {error}") from None
 
@@ -118,13 +137,14 @@ class Connection:
                 raise VoluteError(
                     f"the gate at {self.path} did not answer in time", exit_code=EX_TEMPFAIL
                 ) from None
+            except ConnectionResetError as error:
+                raise ConnectionLost(f"lost the gate at {self.path}: {error}") from None
             except OSError as error:
                 raise UnavailableError(f"lost the gate at {self.path}: {error}") from None
             if not chunk:
-                raise VoluteError(
+                raise ConnectionLost(
                     f"the gate at {self.path} closed the connection",
                     hint="it may have restarted; acknowledged deliveries are kept",
-                    exit_code=EX_UNAVAILABLE,
                 )
             self.buffer += chunk
         line, self.buffer = self.buffer.split(b"\n", 1)

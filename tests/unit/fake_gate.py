@@ -3,19 +3,29 @@
 It speaks the wire protocol (it is the other end of the socket, not a stand-in for
 systemd): for each connection it reads one request line, records it, and writes the
 scripted reply lines.
+
+`scripts` plays a gate that dies mid-request: the n-th connection follows scripts[n]
+(later ones get `replies`). A script is a list of replies, or one of
+- "eof": read the request, then close without a reply (the client reads EOF);
+- "reset": peek at the request, then close with it unread (the client reads ECONNRESET).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import socket
 import tempfile
 import threading
+import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
+
+Reply = dict[str, Any] | bytes
+Script = list[Reply] | Literal["eof", "reset"]
 
 
 def short_socket_dir() -> Path:
@@ -26,9 +36,12 @@ def short_socket_dir() -> Path:
 
 
 class FakeGate:
-    def __init__(self, path: Path, replies: list[dict[str, Any] | bytes]) -> None:
+    def __init__(
+        self, path: Path, replies: list[Reply], *, scripts: list[Script] | None = None
+    ) -> None:
         self.path = path
         self.replies = replies
+        self.scripts = list(scripts or [])
         self.requests: list[dict[str, Any]] = []
         self.connections = 0
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -47,23 +60,44 @@ class FakeGate:
                 continue
             except OSError:
                 return
+            script: Script = (
+                self.scripts[self.connections]
+                if self.connections < len(self.scripts)
+                else self.replies
+            )
             self.connections += 1
             with conn:
                 conn.settimeout(10)
-                buffer = b""
-                while b"\n" not in buffer:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        break
-                    buffer += chunk
-                if b"\n" not in buffer:
+                line = self._read_line(conn, consume=script != "reset")
+                if line is None:
                     continue
-                self.requests.append(json.loads(buffer.split(b"\n", 1)[0]))
-                for reply in self.replies:
+                self.requests.append(json.loads(line))
+                if isinstance(script, str):
+                    continue  # close now: unread data makes the client's read ECONNRESET
+                for reply in script:
                     if isinstance(reply, bytes):
                         conn.sendall(reply)
                     else:
                         conn.sendall(json.dumps({"v": 1, **reply}).encode() + b"\n")
+
+    @staticmethod
+    def _read_line(conn: socket.socket, *, consume: bool) -> bytes | None:
+        buffer = b""
+        while b"\n" not in buffer:
+            if consume:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return None
+                buffer += chunk
+            else:
+                # Peeked data stays readable, so select() cannot wait for more of it.
+                if buffer:
+                    time.sleep(0.01)
+                select.select([conn], [], [], 10)
+                buffer = conn.recv(1 << 20, socket.MSG_PEEK)
+                if not buffer:
+                    return None
+        return buffer.split(b"\n", 1)[0]
 
     def close(self) -> None:
         self.stopped.set()

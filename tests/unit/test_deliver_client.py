@@ -8,9 +8,12 @@ and what it sent (or that it sent nothing).
 from __future__ import annotations
 
 import os
+import re
+import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ from volutectl.errors import VoluteError
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"
 ACK = {"ok": True, "id": 7}
+REQUEST_ID = re.compile(r"[0-9a-f]{32}")
 
 
 @pytest.fixture
@@ -37,7 +41,7 @@ def run(
     env: dict[str, str] | None = None,
     stdin_fd: int | None = None,
 ) -> subprocess.CompletedProcess[bytes]:
-    clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("VOLUTE_")}
+    clean = clean_environment()
     clean.update(env or {})
     return subprocess.run(
         [str(VOLUTECTL), "deliver", *args],
@@ -47,6 +51,17 @@ def run(
         env=clean,
         timeout=60,
     )
+
+
+def clean_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.upper().startswith("VOLUTE_")}
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def gate_at(socket_dir: Path, replies: list[dict[str, Any] | bytes] | None = None) -> FakeGate:
@@ -121,14 +136,36 @@ def test_unknown_option_is_64() -> None:
 # -- the gate's end ---------------------------------------------------------------------------
 
 
-def test_missing_socket_is_69_with_the_hint(socket_dir: Path) -> None:
+def timed(*args: str | bytes) -> tuple[subprocess.CompletedProcess[bytes], float]:
+    start = time.monotonic()
+    result = run(*args)
+    return result, time.monotonic() - start
+
+
+def test_missing_socket_is_69_with_the_hint_and_fails_fast(socket_dir: Path) -> None:
     path = socket_dir / "gate.sock"
-    result = run("ada", "--message", "hi", "--socket", str(path))
+    result, elapsed = timed("ada", "--message", "hi", "--socket", str(path), "--timeout", "30")
     assert result.returncode == 69
     lines = result.stderr.decode().splitlines()
     assert lines[0] == f"volutectl: the gate is not running: no socket at {path}"
     assert lines[1] == "  hint: start it with: systemctl start volute-gate.service"
     assert result.stdout == b""
+    # An absent gate is not a restarting one: no waiting out the 30 s timeout.
+    assert elapsed < 5, elapsed
+
+
+def test_a_socket_nobody_listens_on_is_69_and_fails_fast(socket_dir: Path) -> None:
+    path = socket_dir / "gate.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))  # the file exists, but nothing listens: ECONNREFUSED
+    try:
+        result, elapsed = timed("ada", "--message", "hi", "--socket", str(path), "--timeout", "30")
+    finally:
+        stale.close()
+    assert result.returncode == 69, result.stderr
+    assert f"{path} refuses connections".encode() in result.stderr
+    assert b"hint: start it with" in result.stderr
+    assert elapsed < 5, elapsed
 
 
 def test_acknowledged_delivery_prints_its_id(socket_dir: Path) -> None:
@@ -136,17 +173,83 @@ def test_acknowledged_delivery_prints_its_id(socket_dir: Path) -> None:
         result = run("ada", "--message", "hello", "--socket", str(gate.path))
     assert result.returncode == 0, result.stderr
     assert result.stdout == b"7\n"
-    assert gate.requests == [
-        {
-            "v": 1,
-            "op": "deliver",
-            "mind": "ada",
-            "session": "main",
-            "message": "hello",
-            "interrupt": False,
-            "wait": False,
-        }
-    ]
+    [request] = gate.requests
+    assert REQUEST_ID.fullmatch(request.pop("request_id"))
+    assert request == {
+        "v": 1,
+        "op": "deliver",
+        "mind": "ada",
+        "session": "main",
+        "message": "hello",
+        "interrupt": False,
+        "wait": False,
+    }
+
+
+def test_every_delivery_gets_a_new_request_id(socket_dir: Path) -> None:
+    with gate_at(socket_dir) as gate:
+        for _ in range(3):
+            assert run("ada", "--message", "same", "--socket", str(gate.path)).returncode == 0
+    assert len({request["request_id"] for request in gate.requests}) == 3
+
+
+# -- a gate that dies or restarts before it acknowledges ----------------------------------------
+
+
+@pytest.mark.parametrize("lost", ["eof", "reset"])
+def test_a_connection_lost_before_the_ack_is_retried_with_the_same_request_id(
+    socket_dir: Path, lost: str
+) -> None:
+    with FakeGate(socket_dir / "gate.sock", [ACK], scripts=[lost, lost]) as gate:  # type: ignore[list-item]
+        result = run("ada", "--message", "hello", "--socket", str(gate.path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"7\n"
+    assert result.stderr == b""
+    # Three tries, the same request each time: the gate can tell a retry from a new one.
+    assert gate.connections == 3
+    assert len(gate.requests) == 3
+    assert gate.requests[0] == gate.requests[1] == gate.requests[2]
+    assert REQUEST_ID.fullmatch(gate.requests[0]["request_id"])
+
+
+def test_a_gate_that_never_acknowledges_is_75_after_the_timeout(socket_dir: Path) -> None:
+    with FakeGate(socket_dir / "gate.sock", [], scripts=["eof"] * 1000) as gate:
+        result, elapsed = timed(
+            "ada", "--message", "hi", "--socket", str(gate.path), "--timeout", "1.5"
+        )
+    assert result.returncode == 75, result.stderr
+    lines = result.stderr.decode().splitlines()
+    assert lines[0].startswith("volutectl: the gate did not acknowledge the delivery within 1.5 s")
+    assert "closed the connection" in lines[0]
+    assert "volutectl queue list" in lines[1]
+    assert result.stdout == b""
+    assert 1.5 <= elapsed < 6, elapsed
+    # It kept trying, with a backoff: more than a couple of tries, far fewer than a spin.
+    assert 4 <= gate.connections <= 20, gate.connections
+    assert len({request["request_id"] for request in gate.requests}) == 1
+
+
+def test_after_a_lost_connection_a_missing_socket_is_waited_for(socket_dir: Path) -> None:
+    """A gate run by hand (not socket-activated) unlinks its socket while it restarts."""
+    path = socket_dir / "gate.sock"
+    first = FakeGate(path, [], scripts=["eof"])
+    try:
+        child = subprocess.Popen(
+            [str(VOLUTECTL), "deliver", "ada", "--message", "hi", "--socket", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=clean_environment(),
+        )
+        wait_until(lambda: first.connections == 1)
+    finally:
+        first.close()
+        path.unlink()
+    time.sleep(0.5)  # the client now finds no socket at all, and keeps trying
+    with FakeGate(path, [ACK]) as second:
+        out, err = child.communicate(timeout=30)
+    assert child.returncode == 0, err
+    assert out == b"7\n"
+    assert second.requests[0]["request_id"] == first.requests[0]["request_id"]
 
 
 def test_message_from_stdin_arrives_byte_for_byte(socket_dir: Path) -> None:
@@ -340,3 +443,23 @@ def test_missing_config_named_by_environment_is_an_error(
     with pytest.raises(VoluteError, match="gone.toml") as caught:
         deliver.socket_path(None, None)
     assert caught.value.exit_code == 78
+
+
+def test_the_hot_path_imports_no_heavy_module(socket_dir: Path) -> None:
+    """deliver runs from timers and fan-outs: retries must not cost it click or pydantic."""
+    path = str(socket_dir / "gate.sock")
+    script = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print(' '.join(sorted(sys.modules)), file=sys.stderr))\n"
+        "from volutectl.cli import main\n"
+        f"main(['deliver', 'ada', '--message', 'hi', '--socket', {path!r}])\n"
+    )
+    with gate_at(socket_dir):
+        result = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, env=clean_environment(), timeout=60
+        )
+    assert result.returncode == 0, result.stderr
+    loaded = set(result.stderr.decode().split())
+    assert "volutectl.deliver" in loaded
+    heavy = {"click", "pydantic", "pydantic_settings", "typing", "dataclasses", "secrets", "random"}
+    assert not heavy & loaded, sorted(heavy & loaded)
