@@ -29,7 +29,7 @@ from typing import Any
 
 import click
 
-from volutectl import core, protocol, validate
+from volutectl import activation, core, protocol, validate
 from volutectl.config import Settings, load_settings
 from volutectl.errors import (
     EX_USAGE,
@@ -64,12 +64,16 @@ class Gate:
         *,
         manager: Manager | None = None,
         journal: Journal | None = None,
+        listener: socket.socket | None = None,
     ) -> None:
         self.settings = settings
         self.journal = journal or Journal("volute-gate")
         self.manager = manager
         self.store: Store | None = None
         self.listener: socket.socket | None = None
+        # A listening socket from systemd (volute-gate.socket), served instead of binding.
+        self.inherited_listener = listener
+        self.bound_socket: Path | None = None  # a socket file we bound, to unlink on close
         self.selector = selectors.DefaultSelector()
         self.turns: Turns | None = None
         self.slots: SlotWatch | None = None
@@ -125,8 +129,11 @@ class Gate:
         for client in list(self.clients.values()):
             self._drop_client(client)
         if self.listener is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.settings.gate.socket)
+            # A socket from systemd stays: its backlog holds the connections that arrive
+            # until the next gate starts. Only a socket the gate bound itself goes.
+            if self.bound_socket is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.bound_socket)
             self.listener.close()
         for turn in self.turns.turns.values() if self.turns else []:
             if turn.child is not None:
@@ -239,6 +246,25 @@ class Gate:
     # -- the socket -------------------------------------------------------------------
 
     def _listen(self, path: Path, group: str) -> socket.socket:
+        """The listening socket: systemd's when socket-activated, else one bound at `path`.
+
+        When volute-gate.socket listens somewhere other than gate.socket, the inherited
+        socket wins: it is where systemd queues connections while the gate restarts, and
+        a gate that bound a second socket would leave those unserved. The mismatch is
+        logged with both paths, and `volutectl doctor` reports it.
+        """
+        if self.inherited_listener is not None:
+            served = activation.served_path(self.inherited_listener)
+            if served != str(path):
+                self.journal.log(
+                    "warning",
+                    f"serving {served}, the socket systemd passed (volute-gate.socket), not "
+                    f"gate.socket = {path}: clients that read the config connect to {path}",
+                    socket=served,
+                    configured_socket=path,
+                )
+            self.inherited_listener.setblocking(False)
+            return self.inherited_listener
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists() or path.is_symlink():
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -270,6 +296,7 @@ class Gate:
         os.chmod(path, 0o660)
         listener.listen(128)
         listener.setblocking(False)
+        self.bound_socket = path
         return listener
 
     def _accept(self) -> None:
@@ -613,6 +640,9 @@ class Gate:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Config file.")
 def gate_command(config_path: str | None) -> None:
     """Run the turn gate in the foreground (the daemon behind volute-gate.service)."""
+    # First of all, before the gate can fork a turn: take the socket systemd may have
+    # passed (made close-on-exec, its variables unset). Run by hand, there is none.
+    listener = activation.inherited_listener()
     settings = load_settings(config_path).settings
     stop_read, stop_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
@@ -622,7 +652,7 @@ def gate_command(config_path: str | None) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    gate = Gate(settings)
+    gate = Gate(settings, listener=listener)
 
     def ready() -> None:
         sd_notify("READY=1\nSTATUS=accepting deliveries")
