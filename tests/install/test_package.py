@@ -119,8 +119,9 @@ def test_units_are_installed_and_verify_under_trixie_systemd(installed: Installe
     assert m.host_path("/usr/share/doc/volutectl/packaging.md").is_file()
     cat = m.run(["systemctl", "cat", "volute-turns.slice"]).stdout
     assert "# /usr/lib/systemd/system/volute-turns.slice" in cat
-    enabled = m.run(["systemctl", "is-enabled", "volute-gate.service"], check=False).stdout
-    assert enabled.strip() == "enabled"
+    for unit in ("volute-gate.service", "volute-gate.socket"):
+        enabled = m.run(["systemctl", "is-enabled", unit], check=False).stdout
+        assert enabled.strip() == "enabled", unit
     # The slices are not started, enabled or restarted by the package scripts.
     assert m.run(["systemctl", "is-enabled", "volute.slice"], check=False).stdout.strip() in (
         "static",
@@ -223,6 +224,134 @@ def test_gate_runs_a_delivered_turn_as_a_scope_in_the_slice(installed: Installed
     assert beat.returncode == 0, beat.stderr + journal.stdout
     queue = m.run(["volutectl", "queue", "list"], check=False)
     assert "heartbeat" in queue.stdout, queue.stdout + queue.stderr
+
+
+QUICK = "quick"  # a mind whose turn ends at once, to see deliveries run
+LONG = "long"  # a mind whose turn outlives an upgrade
+
+
+def show(m: Machine, unit: str, prop: str) -> str:
+    return m.run(["systemctl", "show", "-P", prop, unit]).stdout.strip()
+
+
+STATES_SQL = """
+import json, sqlite3
+db = sqlite3.connect("/var/lib/volute/queue.sqlite3", timeout=10)
+print(json.dumps(dict(db.execute("SELECT id, state FROM deliveries"))))
+"""
+
+
+def delivery_states(m: Machine) -> dict[int, str]:
+    """Every delivery's state, from the store itself (`queue list` shows 200 rows at most)."""
+    states = json.loads(m.run(["python3", "-c", STATES_SQL]).stdout)
+    return {int(key): str(value) for key, value in states.items()}
+
+
+def wait_done(m: Machine, delivery_ids: list[int], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(delivery_ids)
+    while pending and time.monotonic() < deadline:
+        states = delivery_states(m)
+        pending = [i for i in pending if states.get(i) != "done"]
+        time.sleep(0.2)
+    assert not pending, f"never ran: {pending}"
+
+
+def listening_inode(m: Machine, path: str) -> str:
+    """The inode of the socket listening at `path`, from the kernel's own table."""
+    table = m.run(["cat", "/proc/net/unix"]).stdout.splitlines()[1:]
+    # Num RefCount Protocol Flags Type St Inode Path; flags 00010000 = listening
+    inodes = [
+        f[6] for f in map(str.split, table) if len(f) == 8 and f[7] == path and f[3] == "00010000"
+    ]
+    assert len(inodes) == 1, inodes
+    return inodes[0]
+
+
+def test_the_socket_is_systemds_and_the_gate_serves_it(installed: Installed) -> None:
+    m = installed.machine
+    config = m.host_path("/etc/volute/volutectl.toml")
+    config.write_text(
+        config.read_text()
+        + f'\n[minds.{QUICK}]\ncommand = ["/bin/true"]\n'
+        + f'\n[minds.{LONG}]\ncommand = ["/bin/sleep", "300"]\n'
+    )
+    m.run(["systemctl", "restart", "volute-gate.service"])
+    assert show(m, "volute-gate.socket", "ActiveState") == "active"
+    assert show(m, "volute-gate.socket", "Listen") == "/run/volute/gate.sock (Stream)"
+    assert m.run(["stat", "-c", "%U %G %a %F", "/run/volute/gate.sock"]).stdout.strip() == (
+        "root volute 660 socket"
+    )
+    # The gate's listening fd is systemd's socket (fd 3, passed), not one it bound.
+    inode = listening_inode(m, "/run/volute/gate.sock")
+    gate = show(m, "volute-gate.service", "MainPID")
+    assert m.run(["readlink", f"/proc/{gate}/fd/3"]).stdout.strip() == f"socket:[{inode}]"
+    assert f"socket:[{inode}]" in m.sh("ls -l /proc/1/fd").stdout  # and PID 1 holds it
+    delivered = m.run(["volutectl", "deliver", QUICK, "--message", "through the socket"])
+    wait_done(m, [int(delivered.stdout)])
+
+
+def test_a_delivery_to_a_stopped_gate_is_acknowledged_and_starts_it(installed: Installed) -> None:
+    m = installed.machine
+    m.run(["systemctl", "stop", "volute-gate.service"])
+    assert show(m, "volute-gate.service", "ActiveState") == "inactive"
+    assert show(m, "volute-gate.socket", "ActiveState") == "active"  # still listening
+    delivered = m.run(["volutectl", "deliver", QUICK, "--message", "to a stopped gate"])
+    assert show(m, "volute-gate.service", "ActiveState") == "active"  # socket activation
+    wait_done(m, [int(delivered.stdout)])
+
+
+UPGRADE_CLIENT = """
+i=0
+while [ ! -e /var/tmp/upgrade.done ]; do
+  i=$((i + 1))
+  if id=$(volutectl deliver quick --message "during the upgrade $i" 2>>/var/tmp/upgrade.err); then
+    echo "ok $id" >> /var/tmp/upgrade.log
+  else
+    echo "refused $?" >> /var/tmp/upgrade.log
+  fi
+done
+"""
+
+
+def test_an_upgrade_restarts_the_gate_but_not_its_socket_or_slices(installed: Installed) -> None:
+    """The same .deb again is an upgrade to dpkg: prerm upgrade, then postinst configure."""
+    m = installed.machine
+    m.run(["volutectl", "deliver", LONG, "--message", "a turn that outlives the upgrade"])
+    deadline = time.monotonic() + 20
+    long_turns: list[str] = []
+    while not long_turns and time.monotonic() < deadline:
+        long_turns = [t for t in live_turns(m) if t.startswith(f"volute-turn-{LONG}-")]
+        time.sleep(0.1)
+    [turn] = long_turns
+    before = {
+        unit: show(m, unit, "InvocationID")
+        for unit in ("volute-gate.socket", "volute-gate.service", "volute-turns.slice")
+    }
+    client = m.popen(["sh", "-c", UPGRADE_CLIENT])
+    time.sleep(1)
+    [deb] = [d for d in installed.debs if Path(d).name.startswith("volutectl_")]
+    upgrade = m.run(["dpkg", "-i", deb], env={"DEBIAN_FRONTEND": "noninteractive"}, timeout=300)
+    time.sleep(1)
+    m.write("/var/tmp/upgrade.done", "")
+    client.wait(timeout=60)
+    after = {unit: show(m, unit, "InvocationID") for unit in before}
+    assert after["volute-gate.service"] != before["volute-gate.service"]  # restarted...
+    assert after["volute-gate.socket"] == before["volute-gate.socket"]  # ...but not these
+    assert after["volute-turns.slice"] == before["volute-turns.slice"]
+    assert show(m, turn, "ActiveState") == "active"
+    results = m.host_path("/var/tmp/upgrade.log").read_text().split("\n")
+    refused = [line for line in results if line.startswith("refused")]
+    acknowledged = [int(line.split()[1]) for line in results if line.startswith("ok")]
+    artifact(
+        "upgrade.txt",
+        f"{len(acknowledged)} deliveries acknowledged and {len(refused)} refused while "
+        f"dpkg -i upgraded the package\n\n{upgrade.stdout}{upgrade.stderr}",
+    )
+    assert not refused, (refused, m.host_path("/var/tmp/upgrade.err").read_text())
+    assert len(acknowledged) >= 5, results
+    assert len(set(acknowledged)) == len(acknowledged)
+    wait_done(m, acknowledged)
 
 
 def live_turns(m: Machine) -> list[str]:

@@ -32,13 +32,16 @@ VERIFY_NAMES = [
     "volute-turns.slice",
     "volute-tests.slice",
     "volute-gate.service",
+    "volute-gate.socket",
     "volute-heartbeat@m1.timer",
     "volute-heartbeat@m1.service",
 ]
 
 
 def unit_files() -> list[Path]:
-    return sorted(p for p in UNITS.iterdir() if p.suffix in (".slice", ".service", ".timer"))
+    return sorted(
+        p for p in UNITS.iterdir() if p.suffix in (".slice", ".service", ".socket", ".timer")
+    )
 
 
 def parse_unit(path: Path) -> configparser.RawConfigParser:
@@ -164,6 +167,41 @@ def test_gate_service_contract() -> None:
     assert service["SystemCallFilter"].startswith("~")  # a deny list, never an allow list
 
 
+def test_gate_socket_is_systemds_and_matches_the_config() -> None:
+    unit = parse_unit(UNITS / "volute-gate.socket")
+    socket = unit["Socket"]
+    settings = Settings()
+    # The path and group a client finds in the default config are the unit's.
+    assert socket["ListenStream"] == str(settings.gate.socket)
+    assert socket["SocketGroup"] == settings.gate.socket_group
+    assert socket["SocketUser"] == "root"
+    assert socket["SocketMode"] == "0660"
+    assert socket.get("Accept", "no") == "no"  # the listening socket itself goes to the gate
+    assert socket.get("RemoveOnStop", "no") == "no"
+    assert not [key for key in socket if key.startswith("Listen") and key != "ListenStream"]
+    assert unit["Install"]["WantedBy"] == "sockets.target"
+    assert "man:systemd.socket(5)" in unit["Unit"]["Documentation"]
+
+
+def test_gate_service_is_wired_to_its_socket_and_still_starts_at_boot() -> None:
+    unit = parse_unit(UNITS / "volute-gate.service")
+    # However the gate is started, its socket listens first and is passed to it.
+    assert "volute-gate.socket" in unit["Unit"]["Requires"].split()
+    assert "volute-gate.socket" in unit["Unit"]["After"].split()
+    # Enabled on its own too: deliveries queued before a reboot drain without a client.
+    assert unit["Install"]["WantedBy"] == "multi-user.target"
+    # dh_installsystemd follows Also= into the service's restart-on-upgrade snippet.
+    assert "Also" not in unit["Install"]
+    # The socket's file lives in the service's runtime directory, which a stop or a
+    # restart of the service must never remove under systemd.
+    service = unit["Service"]
+    socket = parse_unit(UNITS / "volute-gate.socket")["Socket"]
+    listen = Path(socket["ListenStream"])
+    assert listen.parent == Path("/run") / service["RuntimeDirectory"]
+    assert service["RuntimeDirectoryPreserve"] == "yes"
+    assert socket["DirectoryMode"] == service["RuntimeDirectoryMode"]
+
+
 def test_heartbeat_is_aligned_and_delivers() -> None:
     timer = parse_unit(UNITS / "volute-heartbeat@.timer")["Timer"]
     assert timer["OnCalendar"] == "*-*-* *:00:00"
@@ -174,6 +212,9 @@ def test_heartbeat_is_aligned_and_delivers() -> None:
         "/usr/bin/volutectl deliver %i --session heartbeat --message heartbeat"
     )
     assert service["SupplementaryGroups"] == Settings().gate.socket_group
+    # A client needs the socket, not a running gate: a connection starts it.
+    heartbeat = parse_unit(UNITS / "volute-heartbeat@.service")["Unit"]
+    assert heartbeat["Wants"] == heartbeat["After"] == "volute-gate.socket"
 
 
 # -- sysusers and tmpfiles, applied for real to a throwaway root ---------------------------
@@ -318,7 +359,14 @@ def test_package_depends_on_debians_own_modules() -> None:
 
 def test_every_unit_is_installed_and_only_the_gate_is_restarted_on_upgrade() -> None:
     install = (DEBIAN / "volutectl.install").read_text()
-    for suffix in ("slice", "service", "timer"):
+    for suffix in ("slice", "service", "socket", "timer"):
         assert f"units/*.{suffix} usr/lib/systemd/system" in install
-    # Restarting volute-turns.slice on upgrade would stop every running turn.
-    assert "dh_installsystemd volute-gate.service" in (DEBIAN / "rules").read_text()
+    assert {path.suffix for path in UNITS.iterdir()} == {".slice", ".service", ".socket", ".timer"}
+    calls = [
+        line.split()[1:]
+        for line in (DEBIAN / "rules").read_text().splitlines()
+        if line.strip().startswith("dh_installsystemd")
+    ]
+    # Restarting volute-turns.slice on upgrade would stop every running turn; stopping
+    # the socket would refuse the deliveries that arrive while the gate restarts.
+    assert calls == [["--no-stop-on-upgrade", "volute-gate.socket"], ["volute-gate.service"]]
