@@ -275,7 +275,7 @@ def check_socket(path: Path, timeout: float = 2.0) -> Check:
             "socket",
             "warn",
             f"{path} does not exist: the gate is not running, so deliveries cannot be queued",
-            "systemctl enable --now volute-gate.service",
+            "systemctl enable --now volute-gate.socket volute-gate.service",
         )
     except PermissionError:
         return Check(
@@ -296,6 +296,73 @@ def check_socket(path: Path, timeout: float = 2.0) -> Check:
     finally:
         sock.close()
     return Check("socket", "ok", f"the gate accepts connections on {path}")
+
+
+SOCKET_UNIT = "volute-gate.socket"
+
+
+def check_socket_unit(
+    configured: Path, load_state: str, active_state: str, listen: list[tuple[str, str]]
+) -> Check:
+    """Does systemd hold the gate's socket, at the path that clients read from the config?
+
+    The gate serves the socket systemd passes it, wherever that is (see Gate._listen),
+    while `deliver` and the other clients connect to gate.socket: the two must agree."""
+    enable = f"systemctl enable --now {SOCKET_UNIT}"
+    if load_state != "loaded":
+        return Check(
+            "socket-unit",
+            "warn",
+            f"{SOCKET_UNIT} is {load_state}: the gate binds {configured} itself, so "
+            "deliveries are refused while it restarts",
+            f"install {SOCKET_UNIT} (units/ of volutectl), then {enable}",
+        )
+    paths = [address for kind, address in listen if kind == "Stream"]
+    if len(listen) != 1 or len(paths) != 1:
+        shown = ", ".join(f"{address} ({kind})" for kind, address in listen) or "nothing"
+        return Check(
+            "socket-unit",
+            "warn",
+            f"{SOCKET_UNIT} listens on {shown}; the gate serves exactly one ListenStream=",
+            f"systemctl edit {SOCKET_UNIT}: one ListenStream={configured}",
+        )
+    [path] = paths
+    if path != str(configured):
+        return Check(
+            "socket-unit",
+            "warn",
+            f"gate.socket is {configured} but {SOCKET_UNIT} listens on {path}: the gate "
+            f"serves {path}, the socket systemd passes it, while clients that read the "
+            f"config connect to {configured}",
+            f'set gate.socket = "{path}" in the config, or move the socket with '
+            f"systemctl edit {SOCKET_UNIT} ([Socket] ListenStream= then "
+            f"ListenStream={configured})",
+        )
+    if active_state != "active":
+        return Check(
+            "socket-unit",
+            "warn",
+            f"{SOCKET_UNIT} is {active_state}: nothing holds {path} while the gate restarts",
+            enable,
+        )
+    return Check(
+        "socket-unit",
+        "ok",
+        f"{SOCKET_UNIT} listens on {path}: deliveries wait there while the gate restarts",
+    )
+
+
+def _socket_unit_check(configured: Path, user: bool) -> Check:
+    try:
+        from volutectl.systemd import Manager
+
+        with Manager.connect(user=user) as manager:
+            unit = manager.socket_unit(SOCKET_UNIT)
+    except ImportError as error:
+        return Check("socket-unit", "warn", f"cannot load the systemd adapter: {error}")
+    except VoluteError as error:
+        return Check("socket-unit", "warn", f"cannot ask systemd about {SOCKET_UNIT}: {error}")
+    return check_socket_unit(configured, unit.load_state, unit.active_state, list(unit.listen))
 
 
 # -- the report ------------------------------------------------------------------------
@@ -330,6 +397,7 @@ def run_checks(config_path: str | None) -> list[Check]:
     which = settings.gate.manager
     checks.append(check_manager(lambda: _manager_problem(which == "user"), which))
     checks.append(check_socket(settings.gate.socket))
+    checks.append(_socket_unit_check(settings.gate.socket, which == "user"))
     return checks
 
 

@@ -46,6 +46,7 @@ MANAGER_PATH = b"/org/freedesktop/systemd1"
 MANAGER_INTERFACE = b"org.freedesktop.systemd1.Manager"
 UNIT_INTERFACE = b"org.freedesktop.systemd1.Unit"
 PROPERTIES_INTERFACE = b"org.freedesktop.DBus.Properties"
+SOCKET_INTERFACE = b"org.freedesktop.systemd1.Socket"
 UNIT_PATH_PREFIX = b"/org/freedesktop/systemd1/unit"
 
 # States in which a unit still has (or may have) processes: it counts as live.
@@ -137,6 +138,16 @@ class UnitInfo:
     active_state: str
     sub_state: str
     object_path: str
+
+
+@dataclass(frozen=True)
+class SocketUnit:
+    """A .socket unit: whether it is installed and listening, and on what."""
+
+    name: str
+    load_state: str  # loaded, not-found, masked, ...
+    active_state: str
+    listen: tuple[tuple[str, str], ...]  # (type, address), e.g. ("Stream", "/run/x.sock")
 
 
 @dataclass(frozen=True)
@@ -409,6 +420,20 @@ class Manager:
         except Exception as error:
             raise _dbus_error(error, f"reading {prop} of {name}") from None
         return _text(value) if isinstance(value, bytes) else value
+
+    def socket_unit(self, name: str) -> SocketUnit:
+        """A socket unit's load and active state and its Listen= addresses."""
+        path = self._unit_path(name)
+        try:
+            load = _text(self._get(path, UNIT_INTERFACE, "LoadState", b"s"))
+            active = _text(self._get(path, UNIT_INTERFACE, "ActiveState", b"s"))
+            listen = (
+                self._get(path, SOCKET_INTERFACE, "Listen", b"a(ss)") if load == "loaded" else []
+            )
+        except Exception as error:
+            raise _dbus_error(error, f"reading {name}") from None
+        pairs = tuple((_text(kind), _text(address)) for kind, address in listen)
+        return SocketUnit(name, load, active, pairs)
 
     def _unit_path(self, name: str) -> bytes:
         return bytes(

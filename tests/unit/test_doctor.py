@@ -254,6 +254,54 @@ def test_stale_socket(tmp_path: Path) -> None:
     assert "stale" in check.found
 
 
+# -- the socket unit: systemd holds the socket that clients look for ------------------------
+
+GATE_SOCKET = Path("/run/volute/gate.sock")
+
+
+def test_socket_unit_listening_where_the_config_says_is_ok() -> None:
+    check = doctor.check_socket_unit(
+        GATE_SOCKET, "loaded", "active", [("Stream", "/run/volute/gate.sock")]
+    )
+    assert check.status == "ok"
+    assert "volute-gate.socket listens on /run/volute/gate.sock" in check.found
+
+
+def test_socket_unit_elsewhere_than_the_config_names_both_and_says_which_wins() -> None:
+    check = doctor.check_socket_unit(GATE_SOCKET, "loaded", "active", [("Stream", "/srv/g.sock")])
+    assert check.status == "warn"
+    assert "gate.socket is /run/volute/gate.sock" in check.found
+    assert "the gate serves /srv/g.sock" in check.found
+    assert 'gate.socket = "/srv/g.sock"' in check.change
+    assert "ListenStream=/run/volute/gate.sock" in check.change
+    assert check.exit_code == EX_OK  # advice: the gate still runs
+
+
+@pytest.mark.parametrize(
+    ("load", "active", "listen", "says"),
+    [
+        ("not-found", "inactive", [], "volute-gate.socket is not-found"),
+        ("masked", "inactive", [], "volute-gate.socket is masked"),
+        ("loaded", "inactive", [("Stream", "/run/volute/gate.sock")], "is inactive"),
+        ("loaded", "failed", [("Stream", "/run/volute/gate.sock")], "is failed"),
+        ("loaded", "active", [("Datagram", "/run/volute/gate.sock")], "exactly one ListenStream"),
+        (
+            "loaded",
+            "active",
+            [("Stream", "/run/volute/gate.sock"), ("Stream", "/run/other.sock")],
+            "exactly one ListenStream",
+        ),
+    ],
+)
+def test_socket_unit_missing_stopped_or_odd_is_a_warning(
+    load: str, active: str, listen: list[tuple[str, str]], says: str
+) -> None:
+    check = doctor.check_socket_unit(GATE_SOCKET, load, active, listen)
+    assert check.status == "warn"
+    assert says in check.found
+    assert "volute-gate.socket" in check.change
+
+
 # -- the report and exit codes --------------------------------------------------------------
 
 
@@ -297,6 +345,7 @@ def test_invalid_config_exits_78_and_still_reports_the_host(tmp_path: Path) -> N
         "psi-trigger",
         "manager",
         "socket",
+        "socket-unit",
     }
     assert by_name["config"]["status"] == "fail"
     assert "gate.bogus" in by_name["config"]["found"]
@@ -316,9 +365,10 @@ def test_text_report_is_one_line_per_check(tmp_path: Path) -> None:
         "psi-trigger",
         "manager",
         "socket",
+        "socket-unit",
     ]
     assert lines[0].startswith("ok   config")
-    assert f"{tmp_path}/gate.sock does not exist" in lines[-1]
+    assert f"{tmp_path}/gate.sock does not exist" in lines[7]
     manager_ok = lines[6].startswith("ok")
     assert result.returncode == (EX_OK if manager_ok else EX_UNAVAILABLE)
 
