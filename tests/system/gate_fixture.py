@@ -6,17 +6,22 @@ import json
 import re
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 from tests.conftest import REPO, VENV_BIN
 from tests.machine import Machine
 
 UNITS = REPO / "units"
+DEFAULT_SOCKET = "/run/volute/gate.sock"  # volute-gate.socket's ListenStream=
 VOLUTECTL = str(VENV_BIN / "volutectl")
 
 
 def install_units(machine: Machine) -> None:
-    """Copy units/ into the container; the gate runs this checkout's volutectl."""
+    """Copy units/ into the container; the gate runs this checkout's volutectl.
+
+    volute-gate.socket comes along and is enabled as the package does; the service
+    Requires= it, so every gate a test starts serves systemd's socket, not its own."""
     for unit in UNITS.iterdir():
         if unit.suffix in (".service", ".slice", ".timer", ".socket"):
             text = unit.read_text().replace("/usr/bin/volutectl", VOLUTECTL)
@@ -40,12 +45,65 @@ def install_units(machine: Machine) -> None:
         ]
     )
     machine.run(["systemctl", "daemon-reload"])
+    machine.run(["systemctl", "enable", "volute-gate.socket"])
 
 
-def start_gate(machine: Machine, config: str) -> None:
+def start_gate(machine: Machine, config: str, *, move_socket: bool = True) -> None:
+    """Install the units and start the gate behind its socket, with this config.
+
+    A config that names another gate.socket moves volute-gate.socket there as an admin
+    must (a drop-in: an empty ListenStream=, then the path), unless `move_socket` is
+    False: then the two disagree, and the gate serves the unit's socket anyway."""
     machine.write("/etc/volute/volutectl.toml", config)
+    path = str(tomllib.loads(config).get("gate", {}).get("socket", DEFAULT_SOCKET))
+    if move_socket and path != DEFAULT_SOCKET:
+        machine.write(
+            "/etc/systemd/system/volute-gate.socket.d/path.conf",
+            f"[Socket]\nListenStream=\nListenStream={path}\n",
+        )
     install_units(machine)
-    machine.run(["systemctl", "start", "volute-gate.service"], timeout=60)
+    machine.run(["systemctl", "start", "volute-gate.socket", "volute-gate.service"], timeout=60)
+    assert gate_serves_systemds_socket(machine, path if move_socket else DEFAULT_SOCKET)
+
+
+def unit_property(machine: Machine, unit: str, prop: str) -> str:
+    return machine.run(["systemctl", "show", "-P", prop, unit]).stdout.strip()
+
+
+def listening_socket(machine: Machine, inode: str) -> str | None:
+    """The path a listening unix socket is bound to, by inode, from /proc/net/unix.
+
+    By inode, not by path: containers share the host's network namespace, so another
+    test's container may have a socket listening at the same path."""
+    table = machine.run(["cat", "/proc/net/unix"]).stdout.splitlines()[1:]
+    # Num RefCount Protocol Flags Type St Inode Path; Flags 00010000: listening
+    for fields in map(str.split, table):
+        if fields[6] == inode and fields[3] == "00010000" and len(fields) == 8:
+            return fields[7]
+    return None
+
+
+def gate_serves_systemds_socket(machine: Machine, path: str = DEFAULT_SOCKET) -> bool:
+    """The running gate's fd 3 listens at `path`, and PID 1 (systemd) holds it too."""
+    pid = unit_property(machine, "volute-gate.service", "MainPID")
+    fd3 = machine.run(["readlink", f"/proc/{pid}/fd/3"], check=False).stdout.strip()
+    if pid == "0" or not fd3.startswith("socket:["):
+        return False
+    held_by_systemd = fd3 in machine.sh("ls -l /proc/1/fd").stdout
+    return held_by_systemd and listening_socket(machine, fd3[len("socket:[") : -1]) == path
+
+
+STATES_SQL = """
+import json, sqlite3
+db = sqlite3.connect("/var/lib/volute/queue.sqlite3", timeout=10)
+print(json.dumps(dict(db.execute("SELECT id, state FROM deliveries"))))
+"""
+
+
+def delivery_states(machine: Machine) -> dict[int, str]:
+    """Every delivery in the store and its state (`queue list` stops at 200 rows)."""
+    out = machine.run([str(VENV_BIN / "python"), "-c", STATES_SQL]).stdout
+    return {int(key): str(value) for key, value in json.loads(out).items()}
 
 
 def status(machine: Machine) -> dict[str, object]:

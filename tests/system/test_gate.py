@@ -280,7 +280,9 @@ def test_bad_input_gets_a_clear_error_and_writes_nothing(machine: Machine) -> No
     codes = machine.run([str(VENV_BIN / "python"), "-c", raw]).stdout.split()
     assert codes == ["65", "65", "65", "76"]
     assert machine.run(["systemctl", "is-active", "volute-gate"]).stdout.strip() == "active"
-    machine.run(["systemctl", "stop", "volute-gate.service"])
+    # Really absent: the service and its socket stopped (the service alone would be
+    # started again by the first connection).
+    machine.run(["systemctl", "stop", "volute-gate.socket", "volute-gate.service"])
     code, err = run("known", "--message", "x")
     assert code == 69 and "the gate is not running" in err
     assert "Traceback" not in err
