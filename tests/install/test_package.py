@@ -337,6 +337,20 @@ def test_an_upgrade_restarts_the_gate_but_not_its_socket_or_slices(installed: In
     m.write("/var/tmp/upgrade.done", "")
     client.wait(timeout=60)
     after = {unit: show(m, unit, "InvocationID") for unit in before}
+    units = m.run(
+        [
+            "journalctl",
+            "-b",
+            "--no-pager",
+            "-n",
+            "80",
+            "-u",
+            "volute-gate.service",
+            "-u",
+            "volute-gate.socket",
+        ]
+    ).stdout
+    artifact("upgrade-journal.txt", f"{before}\n{after}\n{upgrade.stdout}{upgrade.stderr}\n{units}")
     assert after["volute-gate.service"] != before["volute-gate.service"]  # restarted...
     assert after["volute-gate.socket"] == before["volute-gate.socket"]  # ...but not these
     assert after["volute-turns.slice"] == before["volute-turns.slice"]

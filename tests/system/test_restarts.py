@@ -38,6 +38,7 @@ pytestmark = pytest.mark.system
 
 GATE = "volute-gate.service"
 SOCKET = "volute-gate.socket"
+RESTARTS = 15
 
 
 def is_active(machine: Machine, unit: str) -> str:
@@ -90,10 +91,11 @@ def test_restarts_while_three_clients_deliver_refuse_nothing_and_run_each_delive
     rng = random.Random(11)
     try:
         time.sleep(1)
-        for _ in range(12):
-            # Past the unit's start limit (5 starts in 10 s) a restart would be refused;
-            # the jitter moves each restart to a different point of the clients' requests.
-            time.sleep(rng.uniform(2.2, 3.0))
+        for _ in range(RESTARTS):
+            # Back to back, far past systemd's default start limit (5 in 10 s), which the
+            # unit lifts: tripped, it would fail the socket too. The jitter moves each
+            # restart to a different point of the clients' requests.
+            time.sleep(rng.uniform(0.3, 1.5))
             machine.run(["systemctl", "restart", GATE], timeout=60)
             invocations.append(unit_property(machine, GATE, "InvocationID"))
         time.sleep(1)
@@ -101,7 +103,8 @@ def test_restarts_while_three_clients_deliver_refuse_nothing_and_run_each_delive
         machine.write("/var/tmp/clients.stop", "")
         for client in clients:
             client.wait(timeout=60)
-    assert len(set(invocations)) == 13  # 12 restarts, each a new gate process
+    assert len(set(invocations)) == RESTARTS + 1  # each restart, a new gate process
+    assert is_active(machine, SOCKET) == "active"
     assert gate_serves_systemds_socket(machine)
 
     results = []
@@ -116,7 +119,7 @@ def test_restarts_while_three_clients_deliver_refuse_nothing_and_run_each_delive
     waits_ms = sorted(int(fields[2]) for fields in results)
     # The restarts did catch clients mid-request: some deliveries waited out a restart.
     slow = [ms for ms in waits_ms if ms >= 300]
-    assert len(acknowledged) >= 150, len(acknowledged)
+    assert len(acknowledged) >= 90, len(acknowledged)
     assert len(slow) >= 3, waits_ms[-10:]
     assert len(set(acknowledged)) == len(acknowledged)
 

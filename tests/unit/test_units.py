@@ -188,6 +188,9 @@ def test_gate_service_is_wired_to_its_socket_and_still_starts_at_boot() -> None:
     # However the gate is started, its socket listens first and is passed to it.
     assert "volute-gate.socket" in unit["Unit"]["Requires"].split()
     assert "volute-gate.socket" in unit["Unit"]["After"].split()
+    # A tripped start limit would fail the socket too ('service-start-limit-hit').
+    assert unit["Unit"]["StartLimitIntervalSec"] == "0"
+    assert float(unit["Service"]["RestartSec"].rstrip("s")) >= 1  # what paces a crash loop
     # Enabled on its own too: deliveries queued before a reboot drain without a client.
     assert unit["Install"]["WantedBy"] == "multi-user.target"
     # dh_installsystemd follows Also= into the service's restart-on-upgrade snippet.
