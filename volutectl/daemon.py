@@ -23,6 +23,7 @@ import signal
 import socket
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,8 @@ from volutectl.store import Store
 from volutectl.systemd import Manager
 from volutectl.testrun import list_in_flight
 from volutectl.turns import Turn, Turns
+
+ADMIT_RETRY_SECONDS = 1.0
 
 
 @dataclass
@@ -81,6 +84,8 @@ class Gate:
         self.watchdog: float | None = None
         self.next_ping: float | None = None
         self.backoff_wake: float | None = None
+        self.admit_retry: float | None = None  # monotonic: admission failed, try again then
+        self.admit_failing = False
         self.foreign_live = 0
         self.limits = core.Limits(
             global_cap=settings.limits.global_concurrent_turns,
@@ -178,10 +183,16 @@ class Gate:
         return max(0.0, min(waits)) if waits else None
 
     def _deadlines(self) -> list[float]:
-        """Monotonic deadlines of the loop's timers (watchdog, pressure re-check)."""
+        """Monotonic deadlines of the loop's timers (watchdog, pressure re-check, turn time
+        limits and questions to systemd to ask again, a failed admission's retry)."""
         deadlines = [self.next_ping] if self.next_ping is not None else []
         if self.pressure is not None and self.pressure.deadline() is not None:
             deadlines.append(self.pressure.deadline() or 0.0)
+        if self.admit_retry is not None:
+            deadlines.append(self.admit_retry)
+        turn_deadline = self.turns.next_deadline() if self.turns is not None else None
+        if turn_deadline is not None:
+            deadlines.append(time.monotonic() + turn_deadline - time.time())
         return deadlines
 
     def _on_deadlines(self) -> None:
@@ -194,6 +205,13 @@ class Gate:
         if self.backoff_wake is not None and time.time() >= self.backoff_wake:
             self.backoff_wake = None
             self.dirty = True
+        if self.admit_retry is not None and mono >= self.admit_retry:
+            self.admit_retry = None
+            self.dirty = True
+        if self.turns is not None:
+            due = self.turns.next_deadline()
+            if due is not None and time.time() >= due:
+                self._guarded("a turn's deadline", self.turns.on_deadline, time.time())
 
     def step(self, timeout: float | None) -> None:
         """One pass of the loop: wait, take in what arrived, then admit."""
@@ -210,7 +228,7 @@ class Gate:
                     incoming += self._read_client(data)
             elif kind == "pidfd":
                 assert self.turns is not None
-                self.turns.reap(data)
+                self._guarded(f"the end of turn {data.id}", self.turns.reap, data)
             elif kind == "slots":
                 assert self.slots is not None
                 if self.slots.on_ready():
@@ -225,7 +243,7 @@ class Gate:
             self._handle_requests(incoming)
         assert self.turns is not None
         for event in self.manager.process_events():
-            self.turns.unit_ended(event.name)
+            self._guarded(f"systemd's news of {event.name}", self.turns.unit_ended, event.name)
         if self.turns.changed:
             self.turns.changed = False
             self.dirty = True
@@ -458,12 +476,45 @@ class Gate:
 
     # -- admission and launching ----------------------------------------------------------
 
+    def _guarded(self, what: str, handler: Callable[..., None], *args: Any) -> None:
+        """Run one event's handler; a failure there must not take the loop down.
+
+        Its state stays as it was: a turn keeps its place, a row its state. systemd or
+        the disk failing is logged; anything else is a bug, logged with its type."""
+        try:
+            handler(*args)
+        except (VoluteError, sqlite3.Error, OSError) as error:
+            text = error.message if isinstance(error, VoluteError) else str(error)
+            self.journal.log("error", f"handling {what} failed: {text}")
+            self.dirty = True
+        except Exception as error:  # noqa: BLE001 - the loop must outlive a bug
+            self.journal.log("error", f"handling {what} failed: {type(error).__name__}: {error}")
+            self.dirty = True
+
     def admit(self) -> None:
+        """Run admission; if systemd or the store fails, say so once and retry in a second.
+
+        Nothing is started on a guess: without systemd's listing, no turn starts."""
+        try:
+            self._admit()
+        except (VoluteError, sqlite3.Error, OSError) as error:
+            text = error.message if isinstance(error, VoluteError) else str(error)
+            if not self.admit_failing:
+                self.journal.log(
+                    "error",
+                    f"admission failed, no turn starts until it works: {text}; retrying "
+                    f"every {ADMIT_RETRY_SECONDS:.0f} s",
+                )
+            self.admit_failing = True
+            self.admit_retry = time.monotonic() + ADMIT_RETRY_SECONDS
+            return
+        if self.admit_failing:
+            self.journal.log("info", "admission works again")
+            self.admit_failing = False
+
+    def _admit(self) -> None:
         assert self.store is not None and self.turns is not None
-        live_names = self.turns.live_units()
-        ours = {turn.unit for turn in self.turns.turns.values()}
-        self.foreign_live = len(live_names - ours)
-        live = self.turns.live(live_names)
+        live, self.foreign_live = self.turns.count_live()
         # With limits.test_runs_count_as_turns, each held test slot takes one unit of the
         # global budget; test runs are never held here, only turns.
         test_runs = 0
@@ -517,7 +568,11 @@ class Gate:
 
     def status(self) -> dict[str, Any]:
         assert self.store is not None and self.turns is not None
-        live_names = self.turns.live_units()
+        try:
+            live_turns, foreign = self.turns.count_live()
+        except VoluteError:
+            live_turns, foreign = [], self.foreign_live  # systemd did not answer: what we know
+        live_ids = {turn.turn_id for turn in live_turns}
         now = time.time()
         turns: list[dict[str, Any]] = [
             {
@@ -528,7 +583,7 @@ class Gate:
                 "running_s": round(now - turn.started_at, 3),
             }
             for turn in sorted(self.turns.turns.values(), key=lambda t: t.id)
-            if turn.unit in live_names
+            if turn.id in live_ids
         ]
         pending = self.store.pending()
         minds: dict[str, dict[str, Any]] = {
@@ -546,11 +601,11 @@ class Gate:
         counts = self.store.counts()
         oldest = self.store.oldest_hold()
         return {
-            "active_turns": len(live_names),
+            "active_turns": len(turns) + foreign,
             "global_cap": self.limits.global_cap,
             "turns_per_mind": self.limits.turns_per_mind,
             "turns": turns,
-            "foreign_scopes": len(live_names) - len(turns),
+            "foreign_scopes": foreign,
             "minds": minds,
             "queue_depth": len(pending),
             "holds": holds,

@@ -15,13 +15,17 @@ Turn directory (under gate.runtime_dir/turns/<id>, owned by the mind's user):
                opened before the privilege drop)
   inbox/       deliveries folded in while the turn runs, one <id>.json file each; the
                turn takes one by deleting (or moving away) its file
+  .offered/    the gate's own record of what it offered (root-owned, 0700): <id> is
+               created after inbox/.<id>.tmp is written and before that is renamed to
+               inbox/<id>.json, so a gate killed half-way through a fold can still tell
+               "never offered" (no marker, or the .tmp still there) from "taken"
+               (marker, and neither file)
   started      created by the wrapper just before the command runs
   status       the command's exit status, written by the wrapper when it returns
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pwd
@@ -72,6 +76,10 @@ class TurnDir:
     def stdin(self) -> Path:
         return self.path / "stdin.jsonl"
 
+    @property
+    def offered(self) -> Path:
+        return self.path / ".offered"
+
     def started(self) -> bool:
         return (self.path / "started").exists()
 
@@ -81,15 +89,29 @@ class TurnDir:
         except (OSError, ValueError):
             return None
 
-    def untaken(self) -> set[int]:
-        """Ids of folded deliveries still sitting in the inbox."""
-        ids = set()
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(self.inbox):
-                stem = entry.name.removesuffix(".json")
-                if entry.name.endswith(".json") and stem.isdigit():
-                    ids.add(int(stem))
-        return ids
+    def ended_at(self) -> float | None:
+        """When the wrapper recorded the exit status (the status file's mtime)."""
+        try:
+            return (self.path / "status").stat().st_mtime
+        except OSError:
+            return None
+
+    def not_taken(self, folded: Sequence[int]) -> set[int]:
+        """Of the folded delivery ids, those the turn did not take: still in the inbox, or
+        never offered there (the gate died between the fold's commit and the rename)."""
+        if not self.offered.is_dir():
+            # A turn directory from volutectl 0.1.0, which kept no offer record: only
+            # what is still in the inbox is known to be untaken.
+            return {i for i in folded if (self.inbox / f"{i}.json").exists()}
+        left = set()
+        for delivery_id in folded:
+            if (
+                not (self.offered / str(delivery_id)).exists()
+                or (self.inbox / f".{delivery_id}.tmp").exists()
+                or (self.inbox / f"{delivery_id}.json").exists()
+            ):
+                left.add(delivery_id)
+        return left
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
@@ -119,6 +141,7 @@ def make_turn_dir(root: Path, turn_id: int, account: Account, stdin: bytes) -> T
         shutil.rmtree(path)
     path.mkdir(mode=0o700)
     (path / "inbox").mkdir(mode=0o700)
+    (path / ".offered").mkdir(mode=0o700)  # stays the gate's: not chowned below
     stdin_path = path / "stdin.jsonl"
     fd = os.open(stdin_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as handle:
@@ -130,20 +153,16 @@ def make_turn_dir(root: Path, turn_id: int, account: Account, stdin: bytes) -> T
 
 
 def offer(turn_dir: TurnDir, delivery_id: int, record: bytes, account: Account) -> None:
-    """Put a folded delivery into a running turn's inbox, atomically."""
+    """Put a folded delivery into a running turn's inbox, atomically, leaving the record
+    that `TurnDir.not_taken` reads: the .tmp first, then the marker, then the rename."""
     tmp = turn_dir.inbox / f".{delivery_id}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as handle:
         handle.write(record)
     if os.geteuid() == 0:
         os.chown(tmp, account.uid, account.gid)
+    os.close(os.open(turn_dir.offered / str(delivery_id), os.O_WRONLY | os.O_CREAT, 0o600))
     os.rename(tmp, turn_dir.inbox / f"{delivery_id}.json")
-
-
-def withdraw(turn_dir: TurnDir, delivery_ids: Sequence[int]) -> None:
-    for delivery_id in delivery_ids:
-        with contextlib.suppress(FileNotFoundError):
-            (turn_dir.inbox / f"{delivery_id}.json").unlink()
 
 
 @dataclass
