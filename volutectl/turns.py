@@ -28,6 +28,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from volutectl import core, launcher, names
@@ -41,7 +42,8 @@ from volutectl.systemd import ENDED_STATES, Manager, ScopeProperties
 TURN_PATTERN = "volute-turn-*.scope"
 RECHECK_SECONDS = 1.0  # after a failed question to systemd, ask again this much later
 # systemd's RuntimeMaxSec= backstop fires this long after the gate's own deadline (plus
-# the kill grace), so that with the gate up its own timer decides.
+# the kill grace; less for limits shorter than this), so that with the gate up its own
+# timer decides.
 BACKSTOP_MARGIN_SECONDS = 30.0
 
 
@@ -408,7 +410,7 @@ class Turns:
         backstop = None
         if max_runtime:
             grace = self.settings.turns.timeout_grace_seconds
-            backstop = max_runtime + grace + BACKSTOP_MARGIN_SECONDS
+            backstop = max_runtime + grace + min(BACKSTOP_MARGIN_SECONDS, max_runtime)
         return ScopeProperties(
             **{
                 **self.scope_props.__dict__,
@@ -604,7 +606,9 @@ class Turns:
         process; kept, and asked about again, if systemd cannot say. Its main process is
         watched again by the PID recorded at release, if that PID is still in the scope.
         """
-        for row in self.store.open_turns():
+        open_turns = self.store.open_turns()
+        self._remove_stale_dirs({row.id for row in open_turns})
+        for row in open_turns:
             turn = self._turn_from_row(row)
             self.turns[row.id] = turn
             if row.pid is not None:
@@ -613,6 +617,14 @@ class Turns:
             if row.id in self.turns and turn.recheck_at is None:
                 self._log_turn("info", turn, "is still running: adopted", event="adopt")
         self.changed = True
+
+    def _remove_stale_dirs(self, open_ids: set[int]) -> None:
+        """Turn directories of turns already settled: a gate killed after settling a turn
+        and before removing its directory leaves one behind."""
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.settings.gate.runtime_dir / "turns"):
+                if entry.name.isdigit() and int(entry.name) not in open_ids:
+                    launcher.TurnDir(Path(entry.path)).remove()
 
     def _turn_from_row(self, row: TurnRow) -> Turn:
         account = None
