@@ -29,7 +29,7 @@ from typing import Any
 
 import click
 
-from volutectl import core, protocol, validate
+from volutectl import core, launcher, protocol, validate
 from volutectl.config import Settings, load_settings
 from volutectl.errors import (
     EX_USAGE,
@@ -584,6 +584,7 @@ def gate_command(config_path: str | None) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    launcher.raise_nofile_limit()  # a descriptor per client; turns get the old limit back
     gate = Gate(settings)
 
     def ready() -> None:
