@@ -22,7 +22,9 @@ import selectors
 import signal
 import socket
 import sqlite3
+import struct
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,8 +34,9 @@ import click
 from volutectl import core, launcher, protocol, validate
 from volutectl.config import Settings, load_settings
 from volutectl.errors import (
-    EX_USAGE,
+    EX_SOFTWARE,
     DataError,
+    TemporaryError,
     UnavailableError,
     VoluteError,
 )
@@ -46,10 +49,13 @@ from volutectl.systemd import Manager
 from volutectl.testrun import list_in_flight
 from volutectl.turns import Turn, Turns
 
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
 
 @dataclass
 class Client:
     sock: socket.socket
+    fd: int  # the key in Gate.clients; sock.fileno() is -1 once closed
     buffer: bytes = b""
     outbox: bytearray = field(default_factory=bytearray)
     events: int = selectors.EVENT_READ
@@ -204,10 +210,7 @@ class Gate:
             if kind == "accept":
                 self._accept()
             elif kind == "client":
-                if mask & selectors.EVENT_WRITE:
-                    self._flush(data)
-                if mask & selectors.EVENT_READ:
-                    incoming += self._read_client(data)
+                incoming += self._client_event(data, mask)
             elif kind == "pidfd":
                 assert self.turns is not None
                 self.turns.reap(data)
@@ -280,9 +283,53 @@ class Gate:
             except BlockingIOError:
                 return
             sock.setblocking(False)
-            client = Client(sock)
-            self.clients[sock.fileno()] = client
+            client = Client(sock, sock.fileno())
+            self.clients[client.fd] = client
             self.selector.register(sock, selectors.EVENT_READ, ("client", client))
+
+    def _peer_uid(self, client: Client) -> int:
+        """The uid of the process that connected (SO_PEERCRED: fixed at connect())."""
+        raw = client.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        _pid, uid, _gid = _PEERCRED.unpack(raw)
+        return int(uid)
+
+    def _client_event(self, client: Client, mask: int) -> list[tuple[Client, dict[str, Any]]]:
+        """Serve one client's readiness; whatever fails ends that client, not the loop."""
+        try:
+            if mask & selectors.EVENT_WRITE:
+                self._flush(client)
+            if mask & selectors.EVENT_READ and not client.closed:
+                return self._read_client(client)
+        except Exception as error:  # noqa: BLE001 - see _client_failed
+            self._client_failed(client, "reading a request", error)
+        return []
+
+    def _client_failed(self, client: Client, what: str, error: Exception) -> None:
+        """A bug met while serving one client: log it once, tell the client (70) if it
+        still listens, and close it. The gate carries on with everyone else."""
+        self._log_failure(what, error)
+        with contextlib.suppress(Exception):
+            self._reply(
+                client,
+                protocol.error_reply(
+                    VoluteError(
+                        f"internal error in the gate while {what}",
+                        hint="see: journalctl -u volute-gate",
+                        exit_code=EX_SOFTWARE,
+                    )
+                ),
+            )
+        self._drop_client(client)
+
+    def _log_failure(self, what: str, error: BaseException) -> None:
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else None
+        self.journal.log(
+            "error",
+            f"internal error while {what}: {type(error).__name__}: {error}",
+            exception=type(error).__name__,
+            where=where,
+        )
 
     def _read_client(self, client: Client) -> list[tuple[Client, dict[str, Any]]]:
         try:
@@ -341,24 +388,27 @@ class Gate:
         if client.closed:
             return
         client.closed = True
-        fd = client.sock.fileno()
-        if fd >= 0 and fd in self.clients:
+        if self.clients.get(client.fd) is client:
+            del self.clients[client.fd]
             with contextlib.suppress(KeyError, ValueError):
-                self.selector.unregister(client.sock)
-            del self.clients[fd]
+                self.selector.unregister(client.fd)
         for delivery_id in client.waiting:
             waiting = self.waiters.get(delivery_id, [])
             if client in waiting:
                 waiting.remove(client)
-        client.sock.close()
+        with contextlib.suppress(OSError):
+            client.sock.close()
 
     # -- requests ---------------------------------------------------------------------
 
     def _handle_requests(self, incoming: list[tuple[Client, dict[str, Any]]]) -> None:
         deliveries: list[tuple[Client, dict[str, Any], tuple[str, str, bytes, bool]]] = []
         for client, request in incoming:
-            op = request.get("op")
+            if client.closed:
+                continue  # dropped since: e.g. it stopped reading its earlier replies
+            op = "unnamed"
             try:
+                op = validate.op(request)
                 if op == "deliver":
                     deliveries.append((client, request, validate.delivery(self.settings, request)))
                 elif op == "status":
@@ -368,24 +418,32 @@ class Gate:
                 elif op in ("retry", "drop"):
                     self._reply(client, {"ok": True, "changed": self._retry_drop(op, request)})
                 elif op == "register_repo":
-                    self._reply(client, {"ok": True, "new": self._register_repo(request)})
+                    self._reply(client, {"ok": True, "new": self._register_repo(client, request)})
                 elif op == "ping":
                     self._reply(client, {"ok": True})
-                else:
-                    raise VoluteError(f"unknown request {op!r}", exit_code=EX_USAGE)
             except VoluteError as error:
                 self._reply(client, protocol.error_reply(error))
-            except (TypeError, ValueError, KeyError, sqlite3.Error) as error:
-                # A malformed request must never take the gate down.
-                self._reply(client, protocol.error_reply(DataError(f"bad {op} request: {error}")))
+            except sqlite3.OperationalError as error:
+                # The disk is full, or the database locked or unwritable: try again later.
+                self.journal.log("warning", f"the queue failed a {op} request: {error}")
+                self._reply(
+                    client, protocol.error_reply(TemporaryError(f"{op}: the queue failed: {error}"))
+                )
+            except Exception as error:  # noqa: BLE001 - see _client_failed
+                self._client_failed(client, f"handling a {op} request", error)
+        deliveries = [item for item in deliveries if not item[0].closed]
         if not deliveries:
             return
         assert self.store is not None
         # One durable commit for everything that arrived together, then the acks.
-        ids = self.store.add_deliveries([item for _, _, item in deliveries])
+        try:
+            ids = self.store.add_deliveries([item for _, _, item in deliveries])
+        except Exception as error:  # noqa: BLE001 - nothing was stored: refuse them all
+            self._refuse_deliveries([client for client, _, _ in deliveries], error)
+            return
         crash_point("request_committed")
         for (client, request, item), delivery_id in zip(deliveries, ids, strict=True):
-            if request.get("wait"):
+            if validate.flag(request, "wait"):
                 client.waiting.add(delivery_id)
                 self.waiters.setdefault(delivery_id, []).append(client)
             self._reply(client, {"ok": True, "id": delivery_id})
@@ -397,6 +455,30 @@ class Gate:
                 delivery_id=delivery_id,
             )
         self.dirty = True
+
+    def _refuse_deliveries(self, clients: list[Client], error: Exception) -> None:
+        """The commit failed, so no delivery of the batch is stored: none is acknowledged.
+        A full disk or any SQLite error is temporary (75); anything else is our bug (70)."""
+        if not isinstance(error, sqlite3.Error | OSError):
+            for client in clients:
+                self._client_failed(client, "storing deliveries", error)
+            return
+        state_dir = self.settings.gate.state_dir
+        self.journal.log(
+            "error",
+            f"could not store {len(clients)} deliveries, refused them (nothing acknowledged): "
+            f"{type(error).__name__}: {error}",
+            exception=type(error).__name__,
+            state_dir=state_dir,
+        )
+        refusal = protocol.error_reply(
+            TemporaryError(
+                f"the queue could not store the delivery: {error}",
+                hint=f"nothing was queued; free space in {state_dir} and deliver again",
+            )
+        )
+        for client in clients:
+            self._reply(client, refusal)
 
     def _open_pressure(self) -> None:
         settings = self.settings.limits.io_pressure
@@ -412,12 +494,13 @@ class Gate:
         if self.pressure is not None:
             self.selector.register(self.pressure.fileno(), selectors.EVENT_READ, ("pressure", None))
 
-    def _register_repo(self, request: dict[str, Any]) -> bool:
+    def _register_repo(self, client: Client, request: dict[str, Any]) -> bool:
         assert self.slots is not None
         path = validate.repository_path(request)
-        new = self.slots.register(Path(path))
+        common = validate.git_common_dir(path, self._peer_uid(client))
+        new = self.slots.register(common)
         if new:
-            self.journal.log("info", f"watching test slots of {path}", repository=path)
+            self.journal.log("info", f"watching test slots of {common}", repository=common)
             self.dirty = True
         return new
 
