@@ -49,18 +49,27 @@ from volutectl.systemd import Manager
 from volutectl.testrun import list_in_flight
 from volutectl.turns import Turn, Turns
 
+# Replies queued for a client that does not read them: beyond this it is dropped. The
+# largest reply (a queue listing of 200 rows, without messages) is some 50 KiB.
+MAX_OUTBOX = 1 << 20
+# After accept() failed for want of descriptors or memory, the listener rests until a
+# client leaves or this long has passed (the descriptors may be held by turns instead).
+ACCEPT_RETRY_SECONDS = 1.0
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 @dataclass
 class Client:
     sock: socket.socket
-    fd: int  # the key in Gate.clients; sock.fileno() is -1 once closed
-    buffer: bytes = b""
+    fd: int  # the key in Gate.clients and Gate.idle; sock.fileno() is -1 once closed
+    buffer: bytearray = field(default_factory=bytearray)  # a request line still partial
     outbox: bytearray = field(default_factory=bytearray)
     events: int = selectors.EVENT_READ
     closed: bool = False
     waiting: set[int] = field(default_factory=set)  # delivery ids for --wait
+    # Monotonic time of the last complete line, of the accept, or of a wait's end: the
+    # client is dropped gate.client_idle_seconds later, unless it is waiting.
+    idle_since: float = 0.0
 
 
 class Gate:
@@ -81,7 +90,13 @@ class Gate:
         self.slots: SlotWatch | None = None
         self.pressure: PressureWatch | None = None
         self.clients: dict[int, Client] = {}
+        # The clients that can go idle (not waiting), oldest idle_since first: insertion
+        # order is that order, so the next idle deadline is the first entry's, in O(1).
+        self.idle: dict[int, Client] = {}
         self.waiters: dict[int, list[Client]] = {}
+        self.accepting = True  # the listener is in the selector (see _pause_accepting)
+        self.accept_retry: float | None = None  # monotonic, after accept() lacked fds
+        self.accept_problem: str | None = None  # why accepting paused, as last logged
         self.dirty = True
         self.stopping = False
         self.watchdog: float | None = None
@@ -184,10 +199,16 @@ class Gate:
         return max(0.0, min(waits)) if waits else None
 
     def _deadlines(self) -> list[float]:
-        """Monotonic deadlines of the loop's timers (watchdog, pressure re-check)."""
+        """Monotonic deadlines of the loop's timers (watchdog, pressure re-check, the
+        oldest idle client, a rested listener)."""
         deadlines = [self.next_ping] if self.next_ping is not None else []
         if self.pressure is not None and self.pressure.deadline() is not None:
             deadlines.append(self.pressure.deadline() or 0.0)
+        oldest = next(iter(self.idle.values()), None)
+        if oldest is not None:
+            deadlines.append(oldest.idle_since + self.settings.gate.client_idle_seconds)
+        if self.accept_retry is not None:
+            deadlines.append(self.accept_retry)
         return deadlines
 
     def _on_deadlines(self) -> None:
@@ -200,6 +221,9 @@ class Gate:
         if self.backoff_wake is not None and time.time() >= self.backoff_wake:
             self.backoff_wake = None
             self.dirty = True
+        self._drop_idle_clients(mono)
+        if self.accept_retry is not None and mono >= self.accept_retry:
+            self._resume_accepting()
 
     def step(self, timeout: float | None) -> None:
         """One pass of the loop: wait, take in what arrived, then admit."""
@@ -277,15 +301,85 @@ class Gate:
 
     def _accept(self) -> None:
         assert self.listener is not None
-        while True:
+        while len(self.clients) < self.settings.gate.max_clients:
             try:
                 sock, _ = self.listener.accept()
             except BlockingIOError:
+                self.accept_problem = None  # nobody is left waiting: a new episode may log
                 return
-            sock.setblocking(False)
-            client = Client(sock, sock.fileno())
-            self.clients[client.fd] = client
-            self.selector.register(sock, selectors.EVENT_READ, ("client", client))
+            except ConnectionAbortedError:
+                continue
+            except OSError as error:
+                # EMFILE, ENFILE, ENOBUFS, ENOMEM: accepting again at once would spin.
+                self._pause_accepting(
+                    f"cannot accept connections: {error.strerror or error}", retry=True
+                )
+                return
+            try:
+                self._add_client(sock)
+            except Exception as error:  # noqa: BLE001 - one connection, not the gate
+                sock.close()
+                self._log_failure("taking a new connection", error)
+                self._pause_accepting(f"cannot take connections: {error}", retry=True)
+                return
+        self._pause_accepting(
+            f"{self.settings.gate.max_clients} connections are open (gate.max_clients); "
+            "new ones wait until one closes"
+        )
+
+    def _add_client(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        client = Client(sock, sock.fileno())
+        self.selector.register(sock, selectors.EVENT_READ, ("client", client))
+        self.clients[client.fd] = client
+        self._mark_active(client)
+
+    def _pause_accepting(self, reason: str, *, retry: bool = False) -> None:
+        """Take the listener out of the selector: connections wait in its backlog, and
+        the loop does not wake for them. A client leaving (or, after a lack of
+        descriptors, ACCEPT_RETRY_SECONDS) puts it back."""
+        if self.accepting and self.listener is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(self.listener)
+            self.accepting = False
+        if retry:
+            self.accept_retry = time.monotonic() + ACCEPT_RETRY_SECONDS
+        if reason != self.accept_problem:  # once per episode, not once per retry
+            self.accept_problem = reason
+            self.journal.log(
+                "warning", f"not accepting for now: {reason}", clients=len(self.clients)
+            )
+
+    def _resume_accepting(self) -> None:
+        self.accept_retry = None
+        if self.accepting or self.listener is None or self.stopping:
+            return
+        if len(self.clients) >= self.settings.gate.max_clients:
+            return
+        self.selector.register(self.listener, selectors.EVENT_READ, ("accept", None))
+        self.accepting = True
+
+    def _mark_active(self, client: Client) -> None:
+        """Restart the client's idle clock; a client that waits on a turn has none."""
+        self.idle.pop(client.fd, None)
+        if not client.closed and not client.waiting:
+            client.idle_since = time.monotonic()
+            self.idle[client.fd] = client
+
+    def _drop_idle_clients(self, now: float) -> None:
+        limit = self.settings.gate.client_idle_seconds
+        while self.idle:
+            client = next(iter(self.idle.values()))
+            if now < client.idle_since + limit:
+                return
+            self.idle.pop(client.fd)
+            self._reply(
+                client,
+                protocol.error_reply(
+                    TemporaryError(f"no complete request in {limit:g} s: closing the connection")
+                ),
+            )
+            self._drop_client(client)
 
     def _peer_uid(self, client: Client) -> int:
         """The uid of the process that connected (SO_PEERCRED: fixed at connect())."""
@@ -341,30 +435,49 @@ class Gate:
         if not chunk:
             self._drop_client(client)
             return []
-        client.buffer += chunk
+        if b"\n" not in chunk:
+            client.buffer += chunk  # a bytearray: a line that trickles in is not recopied
+            if len(client.buffer) > protocol.MAX_LINE:
+                self._refuse_oversized(client)
+            return []
+        lines = chunk.split(b"\n")  # once: a chunk of a million lines is not quadratic
+        lines[0] = bytes(client.buffer) + lines[0]
+        client.buffer = bytearray(lines.pop())
+        self._mark_active(client)  # a complete line: the idle clock starts again
         requests = []
-        while b"\n" in client.buffer:
-            line, client.buffer = client.buffer.split(b"\n", 1)
-            try:
-                requests.append((client, protocol.decode(line)))
-            except VoluteError as error:
-                self._reply(client, protocol.error_reply(error))
+        for line in lines:
+            if len(line) > protocol.MAX_LINE:
+                self._refuse_oversized(client)
+            elif not client.closed:
+                try:
+                    requests.append((client, protocol.decode(line)))
+                except VoluteError as error:
+                    self._reply(client, protocol.error_reply(error))
+            if client.closed:
+                return []
         if len(client.buffer) > protocol.MAX_LINE:
-            limit = self.settings.gate.max_message_bytes
-            self._reply(
-                client,
-                protocol.error_reply(
-                    DataError(f"request too large: the message limit is {limit} bytes")
-                ),
-            )
-            self._drop_client(client)
+            self._refuse_oversized(client)
         return requests
+
+    def _refuse_oversized(self, client: Client) -> None:
+        limit = self.settings.gate.max_message_bytes
+        self._reply(
+            client,
+            protocol.error_reply(
+                DataError(f"request too large: the message limit is {limit} bytes")
+            ),
+        )
+        self._drop_client(client)
 
     def _reply(self, client: Client, message: dict[str, Any]) -> None:
         """Queue a reply and send what the socket takes now; never block the loop."""
         if client.closed:
             return
         client.outbox += protocol.encode(message)
+        if client.waiting:
+            self.idle.pop(client.fd, None)  # it waits on a turn: not idle
+        elif client.fd not in self.idle:
+            self._mark_active(client)  # its wait just ended
         self._flush(client)
 
     def _flush(self, client: Client) -> None:
@@ -373,7 +486,7 @@ class Gate:
                 sent = client.sock.send(client.outbox)
                 del client.outbox[:sent]
         except BlockingIOError:
-            if len(client.outbox) > 4 * protocol.MAX_LINE:
+            if len(client.outbox) > MAX_OUTBOX:
                 self._drop_client(client)  # a client that never reads
                 return
         except OSError:
@@ -388,6 +501,7 @@ class Gate:
         if client.closed:
             return
         client.closed = True
+        self.idle.pop(client.fd, None)
         if self.clients.get(client.fd) is client:
             del self.clients[client.fd]
             with contextlib.suppress(KeyError, ValueError):
@@ -398,6 +512,7 @@ class Gate:
                 waiting.remove(client)
         with contextlib.suppress(OSError):
             client.sock.close()
+        self._resume_accepting()  # one place free, or one descriptor
 
     # -- requests ---------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
-"""The gate as its own process, and what its turns inherit from it.
+"""The gate as its own process: out of file descriptors, and what its turns inherit.
 
 `volutectl gate` runs in a subprocess (tests/unit/gate_process.py: the real click
 command, with fake_systemd for systemd), so the test can set its RLIMIT_NOFILE the way
-LimitNOFILE= would, and read /proc about it and its turns. A turn's child is also
-checked right after the fork, before it is released.
+LimitNOFILE= would, watch its CPU time, and read /proc about it and its turns. A turn's
+child is also checked right after the fork, before it is released.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import selectors
 import signal
 import socket
 import subprocess
@@ -50,6 +51,11 @@ def soft_nofile(pid: int) -> int:
         if line.startswith("Max open files"):
             return int(line.split()[3])
     raise AssertionError(f"no 'Max open files' in /proc/{pid}/limits")
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
 
 
 class GateProcess:
@@ -112,6 +118,63 @@ def tracked() -> Iterator[list[GateProcess]]:
             gate.proc.kill()
             gate.proc.wait()
         remove_tree(gate.dir)
+
+
+def answered(
+    peers: list[socket.socket], timeout: float, expect: int | None = None
+) -> set[socket.socket]:
+    """The peers whose ping got its reply within `timeout` s (or once `expect` have)."""
+    done: set[socket.socket] = set()
+    with selectors.DefaultSelector() as selector:
+        for peer in peers:
+            selector.register(peer, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0 and len(done) < (expect or len(peers)):
+            for key, _ in selector.select(left):
+                peer = key.fileobj
+                assert isinstance(peer, socket.socket)
+                assert peer.recv(4096) == b'{"v":1,"ok":true}\n'
+                selector.unregister(peer)
+                done.add(peer)
+    return done
+
+
+def test_out_of_descriptors_the_gate_stops_accepting_without_dying_or_spinning(
+    tmp_path: Path, tracked: list[GateProcess]
+) -> None:
+    gate = GateProcess(tmp_path, {"mimsy": "true"}, nofile="48:48")
+    tracked.append(gate)
+    assert soft_nofile(gate.pid) == 48
+    free = 48 - len(os.listdir(f"/proc/{gate.pid}/fd"))
+    peers = [gate.connect() for _ in range(free + 20)]  # 20 more than it has descriptors for
+    for peer in peers:
+        peer.sendall(b'{"v":1,"op":"ping"}\n')
+    served = answered(peers, timeout=3)
+    waiting = [peer for peer in peers if peer not in served]
+    # (The count of free descriptors may be off by one: sd_notify's socket, just closing.)
+    assert 0 < len(served) <= free + 1 and len(waiting) >= 19
+    assert len(os.listdir(f"/proc/{gate.pid}/fd")) == 48  # it really is out of them
+    # Out of descriptors, with 20 connections knocking: it sleeps, it does not spin.
+    before = cpu_ticks(gate.pid)
+    time.sleep(2)
+    assert cpu_ticks(gate.pid) - before <= 20  # 0.2 s of CPU in 2 s, at most
+    # Every client that leaves lets one more in, until all have been served.
+    while waiting:
+        for peer in list(served)[:5]:
+            peer.close()
+            served.discard(peer)
+        newly = answered(waiting, timeout=5, expect=min(5, len(waiting)))
+        assert newly, f"{len(waiting)} clients still wait: {gate.stderr()}"
+        served |= newly
+        waiting = [peer for peer in waiting if peer not in newly]
+    for peer in served:
+        peer.close()
+    assert gate.proc.poll() is None
+    assert gate.stop() == 0
+    log = gate.stderr()
+    assert "Traceback" not in log
+    problem = "not accepting for now: cannot accept connections: Too many open files"
+    assert 1 <= log.count(problem) <= 5, log  # when it begins, not once per retry
 
 
 def test_a_turn_gets_default_signal_dispositions_and_the_original_fd_limit(

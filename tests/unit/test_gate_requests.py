@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -194,6 +195,19 @@ def test_an_oversized_line_is_refused_and_its_connection_closed(harness: Harness
         "request too large: the message limit is 1000 bytes",
     )
     harness.pump(peer.closed_by_gate)
+    harness.deliver_ok()
+
+
+def test_a_million_newlines_are_answered_without_stalling_the_gate(harness: Harness) -> None:
+    flood = harness.connect()
+    started = time.monotonic()
+    # A million empty requests, each refused (76), none of the refusals read: the gate
+    # drops the client once a MiB of them is waiting, and the rest is never sent.
+    with pytest.raises((BrokenPipeError, ConnectionResetError)):
+        flood.send(b"\n" * 1_000_000)
+    assert time.monotonic() - started < 5
+    other = harness.connect()
+    assert other.request({"op": "ping"}, timeout=10) == {"v": 1, "ok": True}
     harness.deliver_ok()
 
 
