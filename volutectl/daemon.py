@@ -372,14 +372,13 @@ class Gate:
             client = next(iter(self.idle.values()))
             if now < client.idle_since + limit:
                 return
-            self.idle.pop(client.fd)
             self._reply(
                 client,
                 protocol.error_reply(
                     TemporaryError(f"no complete request in {limit:g} s: closing the connection")
                 ),
             )
-            self._drop_client(client)
+            self._drop_client(client)  # which takes it out of self.idle
 
     def _peer_uid(self, client: Client) -> int:
         """The uid of the process that connected (SO_PEERCRED: fixed at connect())."""
@@ -558,7 +557,7 @@ class Gate:
             return
         crash_point("request_committed")
         for (client, request, item), delivery_id in zip(deliveries, ids, strict=True):
-            if validate.flag(request, "wait"):
+            if request.get("wait") is True:  # a boolean: validate.delivery checked it
                 client.waiting.add(delivery_id)
                 self.waiters.setdefault(delivery_id, []).append(client)
             self._reply(client, {"ok": True, "id": delivery_id})

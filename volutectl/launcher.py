@@ -55,7 +55,8 @@ def raise_nofile_limit() -> tuple[int, int]:
         _inherited_nofile = found
     soft, hard = found
     if soft != hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        with contextlib.suppress(ValueError, OSError):  # then we make do with the soft one
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return _inherited_nofile
 
 
