@@ -55,8 +55,10 @@ def raise_nofile_limit() -> tuple[int, int]:
         _inherited_nofile = found
     soft, hard = found
     if soft != hard:
-        with contextlib.suppress(ValueError, OSError):  # then we make do with the soft one
+        try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass  # then we make do with the soft limit
     return _inherited_nofile
 
 

@@ -91,6 +91,19 @@ class FakeManager:
         scope = self.scopes.get(name)
         return scope.state if scope is not None else "inactive"
 
+    def active_state(self, name: str) -> str | None:
+        """None: no such unit is loaded (a scope that ended stays loaded here, inactive)."""
+        self._collect()
+        scope = self.scopes.get(name)
+        return scope.state if scope is not None else None
+
+    def unit_processes(self, name: str) -> list[int] | None:
+        self._collect()
+        scope = self.scopes.get(name)
+        if scope is None:
+            return None
+        return list(scope.pids) if scope.state in LIVE_STATES else []
+
     def process_events(self) -> list[UnitEnded]:
         return self._collect()
 
