@@ -64,6 +64,12 @@ class GateSettings(Section):
     backoff_initial_seconds: Annotated[float, Field(gt=0)] = 5.0
     backoff_max_seconds: Annotated[float, Field(gt=0)] = 300.0
     watchdog: bool = True
+    # Connections served at once; beyond them the gate stops accepting (they wait in the
+    # listen backlog) until one leaves. Each holds a file descriptor.
+    max_clients: Positive = 512
+    # A connection whose request has not become a complete line in this long is closed
+    # (one that waits for its turn with `deliver --wait` is not idle).
+    client_idle_seconds: Annotated[float, Field(gt=0)] = 60.0
 
 
 class IoPressureSettings(Section):

@@ -29,7 +29,9 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import resource
 import shutil
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,45 @@ from volutectl.errors import DataError, VoluteError
 # `systemctl status volute-turns.slice` shows a readable command line.
 WRAPPER = str(Path(__file__).with_name("turn-wrapper.sh"))
 RELEASE = b"1"
+
+# RLIMIT_NOFILE as the gate found it, before raise_nofile_limit(): what turns get back.
+_inherited_nofile: tuple[int, int] | None = None
+
+
+def raise_nofile_limit() -> tuple[int, int]:
+    """Raise our soft RLIMIT_NOFILE to the hard limit: each client holds a descriptor,
+    and systemd's default soft limit (1024) is far below its hard one. Returns the
+    (soft, hard) found first, which every turn's child restores before it execs: a turn
+    must not inherit limits the gate raised for itself."""
+    global _inherited_nofile
+    found = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if _inherited_nofile is None:
+        _inherited_nofile = found
+    soft, hard = found
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass  # then we make do with the soft limit
+    return _inherited_nofile
+
+
+def _reset_inherited_state() -> None:
+    """In a turn's child: what exec would pass on from the gate goes back to the defaults.
+
+    Python ignores SIGPIPE and SIGXFSZ, and the gate handles SIGTERM and SIGINT: an
+    ignored signal stays ignored across exec, and until exec a handled one would run the
+    gate's Python handler in the child. The blocked-signal mask also survives exec."""
+    for signum in signal.valid_signals():
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            signal.signal(signum, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass  # signals the C library reserves for itself
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    if _inherited_nofile is not None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, _inherited_nofile)
 
 
 @dataclass(frozen=True)
@@ -236,6 +277,8 @@ def fork_turn(
         raise VoluteError(f"cannot fork a turn: {error}") from None
     if pid == 0:  # pragma: no cover - the child; its effects are tested end to end
         try:
+            # First: a SIGTERM from here on kills the child, not the gate's handler.
+            _reset_inherited_state()
             os.close(write_fd)
             os.setsid()
             stdin_fd = os.open(stdin_path, os.O_RDONLY)

@@ -10,6 +10,7 @@ The store is the truth for what was asked; systemd is the truth for what runs.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -561,9 +562,26 @@ class _Transaction:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
-            self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
-            if exc_type is None and self.durable and self.on_durable_commit is not None:
-                self.on_durable_commit()
+            if exc_type is None:
+                try:
+                    self.db.execute("COMMIT")
+                except sqlite3.Error:
+                    # A failed COMMIT can leave the transaction open, and then every
+                    # later BEGIN fails: the queue would refuse everything for good.
+                    # The COMMIT's error is the one to raise, not the ROLLBACK's.
+                    with contextlib.suppress(sqlite3.Error):
+                        self._rollback()
+                    raise
+                if self.durable and self.on_durable_commit is not None:
+                    self.on_durable_commit()
+            else:
+                self._rollback()
         finally:
             if not self.durable:
                 self.db.execute("PRAGMA synchronous=FULL")
+
+    def _rollback(self) -> None:
+        # SQLite rolls back by itself on some errors (SQLITE_FULL, SQLITE_IOERR): a
+        # second ROLLBACK would fail, and its error would hide the one that matters.
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")
