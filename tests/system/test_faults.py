@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import REPO, VENV_BIN
 from tests.machine import Machine
+from tests.system import chaos
 from tests.system.faults_fixture import (
     assert_exactly_once,
     assert_no_live_turn_scopes,
@@ -275,3 +276,20 @@ def test_systemd_reexecuting_and_reloading_under_running_turns(machine: Machine)
     assert_no_live_turn_scopes(machine)
     status = json.loads(machine.run([VOLUTECTL, "status", "--json"]).stdout)
     assert status["active_turns"] == 0 and status["queue_depth"] == 0
+
+
+def test_a_storm_of_30_gate_kills_during_a_fan_out_loses_and_repeats_nothing(
+    machine: Machine,
+) -> None:
+    # 3 clients deliver to 12 minds in closed loops while the gate's whole cgroup is
+    # SIGKILLed 30 times at random; turns fail 1 time in 7 and are retried.
+    result = chaos.verdict(chaos.run(machine, chaos.Storm(kills=30, seed=11)))
+    assert result["acknowledged"] >= 100, result
+    assert result["refused"] == 0, result  # the socket is systemd's: clients wait, retry
+    assert result["lost"] == [], result
+    assert result["ran_twice"] == [], result
+    assert result["dead"] == 0, result
+    assert result["drain_seconds"] is not None and result["drain_seconds"] < 60, result
+    assert result["max_turns"] <= 2 and result["max_per_mind"] <= 1, result
+    assert result["samples"] > 1000, result
+    assert result["live_scopes_after"] == [], result
