@@ -66,22 +66,38 @@ def raise_nofile_limit() -> tuple[int, int]:
     return _inherited_nofile
 
 
+# Signals that stop the gate's unit: a restart, a stop, an upgrade (SIGTERM to every
+# process of the gate's cgroup), ^C, a hang-up. A turn's child ignores them until it is
+# released, so that they cannot kill it between the fork and its scope: the gate, which
+# handles them by finishing the step it is in, then either releases the child into its
+# scope or closes its pipe. Only a SIGKILL can still land in that window.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def _reset_inherited_state() -> None:
     """In a turn's child: what exec would pass on from the gate goes back to the defaults.
 
     Python ignores SIGPIPE and SIGXFSZ, and the gate handles SIGTERM and SIGINT: an
     ignored signal stays ignored across exec, and until exec a handled one would run the
-    gate's Python handler in the child. The blocked-signal mask also survives exec."""
+    gate's Python handler in the child. The blocked-signal mask also survives exec; the
+    parent blocked everything around the fork, so nothing arrived before this ran. The
+    stop signals stay ignored until the release (`_ready_to_exec`)."""
     for signum in signal.valid_signals():
         if signum in (signal.SIGKILL, signal.SIGSTOP):
             continue
         try:
-            signal.signal(signum, signal.SIG_DFL)
+            signal.signal(signum, signal.SIG_IGN if signum in STOP_SIGNALS else signal.SIG_DFL)
         except (OSError, ValueError):
             pass  # signals the C library reserves for itself
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     if _inherited_nofile is not None:
         resource.setrlimit(resource.RLIMIT_NOFILE, _inherited_nofile)
+
+
+def _ready_to_exec() -> None:
+    """Released into its scope: the command gets default dispositions for every signal."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
 
 
 @dataclass(frozen=True)
@@ -269,15 +285,20 @@ def fork_turn(
     wrapper = ["/bin/sh", WRAPPER, *argv]
     environment = dict(env)
     stdin_path = str(turn_dir.stdin)
+    # Every signal blocked across the fork: none may run the gate's handlers in the child
+    # before it has reset them.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     try:
         pid = os.fork()
     except OSError as error:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(read_fd)
         os.close(write_fd)
         raise VoluteError(f"cannot fork a turn: {error}") from None
-    if pid == 0:  # pragma: no cover - the child; its effects are tested end to end
+    if pid != 0:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    else:  # pragma: no cover - the child; its effects are tested end to end
         try:
-            # First: a SIGTERM from here on kills the child, not the gate's handler.
             _reset_inherited_state()
             os.close(write_fd)
             os.setsid()
@@ -294,6 +315,7 @@ def fork_turn(
                 os.setuid(account.uid)
             if os.read(read_fd, 1) != RELEASE:
                 os._exit(0)
+            _ready_to_exec()
             os.execve("/bin/sh", wrapper, environment)
         finally:
             os._exit(127)

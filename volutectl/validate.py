@@ -153,9 +153,10 @@ def git_common_dir(path: str, uid: int) -> Path:
     """The resolved git common directory at `path`, if the user `uid` may register it.
 
     It must be a directory with HEAD, objects/ and refs/ (what `volutectl test` sends:
-    its repository's common dir), owned by `uid` or by root, and not under /proc, /sys
-    or /dev once symlinks are resolved. The gate watches what it registers and persists
-    it, so a group member must not make it watch anyone else's tree, or the kernel's.
+    its repository's common dir), owned by `uid` or by root (root may register any
+    repository), and not under /proc, /sys or /dev once symlinks are resolved. The gate
+    watches what it registers and persists it, so a group member must not make it watch
+    anyone else's tree, or the kernel's.
     """
     resolved = Path(os.path.realpath(path))
     for root in KERNEL_FILESYSTEMS:
@@ -176,7 +177,7 @@ def git_common_dir(path: str, uid: int) -> Path:
             f"path: {path} is not a git common directory (it needs HEAD, objects/ and refs/)",
             hint="register the repository's .git directory (git rev-parse --git-common-dir)",
         )
-    if info.st_uid not in (uid, 0):
+    if uid != 0 and info.st_uid not in (uid, 0):
         raise DataError(
             f"path: {path} belongs to uid {info.st_uid}; a user may register only a "
             "repository of their own (or root's)"

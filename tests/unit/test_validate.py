@@ -172,6 +172,8 @@ def test_a_git_dir_of_another_user_is_refused(tmp_path: Path) -> None:
     with pytest.raises(VoluteError, match=f"belongs to uid {owner}") as raised:
         validate.git_common_dir(str(git), owner + 1)  # neither its owner nor root
     assert raised.value.exit_code == EX_DATAERR
+    # Root, who may read and watch any tree anyway, may register anyone's.
+    assert validate.git_common_dir(str(git), 0) == git
 
 
 def test_kernel_filesystems_are_refused_wherever_a_symlink_points(tmp_path: Path) -> None:
