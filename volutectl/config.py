@@ -64,6 +64,12 @@ class GateSettings(Section):
     backoff_initial_seconds: Annotated[float, Field(gt=0)] = 5.0
     backoff_max_seconds: Annotated[float, Field(gt=0)] = 300.0
     watchdog: bool = True
+    # Connections served at once; beyond them the gate stops accepting (they wait in the
+    # listen backlog) until one leaves. Each holds a file descriptor.
+    max_clients: Positive = 512
+    # A connection whose request has not become a complete line in this long is closed
+    # (one that waits for its turn with `deliver --wait` is not idle).
+    client_idle_seconds: Annotated[float, Field(gt=0)] = 60.0
 
 
 class IoPressureSettings(Section):
@@ -111,6 +117,10 @@ class TurnsSettings(Section):
     io_read_bandwidth_max: list[str] = Field(default_factory=list)
     io_write_bandwidth_max: list[str] = Field(default_factory=list)
     default_user: str = "volute"
+    # A turn that runs longer is stopped (SIGTERM, then SIGKILL after the grace) and
+    # counts one failed attempt, outcome "timeout". 0: no limit.
+    max_runtime_seconds: Annotated[float, Field(ge=0)] = 3600.0
+    timeout_grace_seconds: Annotated[float, Field(gt=0, le=3600)] = 10.0
 
     @field_validator("slice")
     @classmethod
@@ -146,6 +156,7 @@ class MindSettings(Section):
     turns_per_mind: Positive | None = None
     working_directory: Path | None = None
     environment: dict[str, str] = Field(default_factory=dict)
+    max_runtime_seconds: Annotated[float, Field(ge=0)] | None = None  # turns.max_runtime_seconds
 
     @field_validator("command")
     @classmethod
@@ -181,6 +192,14 @@ class Settings(BaseSettings):
             except names.NameError_ as error:
                 raise ValueError(str(error)) from None
         return minds
+
+    def max_runtime(self, mind: str) -> float | None:
+        """The mind's turn time limit in seconds, or None for no limit."""
+        configured = self.minds.get(mind)
+        seconds = self.turns.max_runtime_seconds
+        if configured is not None and configured.max_runtime_seconds is not None:
+            seconds = configured.max_runtime_seconds
+        return seconds or None
 
     def mind_limit(self, mind: str) -> int:
         configured = self.minds.get(mind)

@@ -166,6 +166,22 @@ class AfterFailure:
     not_before: float | None
 
 
+def timed_out(
+    deadline: float | None, *, stopped_at: float | None, ended_at: float | None, now: float
+) -> bool:
+    """Whether a turn ran past its max runtime.
+
+    The gate's own record (`stopped_at`: it stopped the turn at its deadline) decides.
+    A turn that ended while no gate was watching was stopped by systemd's RuntimeMaxSec=
+    backstop if it ended at or after its deadline: `ended_at` is when its wrapper
+    recorded the exit status, or, with no status at all, `now`."""
+    if stopped_at is not None:
+        return True
+    if deadline is None:
+        return False
+    return (ended_at if ended_at is not None else now) >= deadline
+
+
 def after_failure(
     attempts: int, *, now: float, max_attempts: int, initial: float, ceiling: float
 ) -> AfterFailure:
@@ -183,7 +199,7 @@ def after_failure(
 class TurnOutcome:
     """How a turn ended, decided from what could be observed."""
 
-    kind: str  # "ok", "interrupted", "failed", "never_ran"
+    kind: str  # "ok", "interrupted", "failed", "timeout", "never_ran"
     exit_status: int | None
     detail: str
 
@@ -194,6 +210,7 @@ def turn_outcome(
     started_marker: bool,
     released: bool,
     interrupted: bool = False,
+    timed_out: bool = False,
 ) -> TurnOutcome:
     """Decide a turn's outcome from its exit status or, after a restart, its traces.
 
@@ -201,7 +218,12 @@ def turn_outcome(
     turn's wrapper got as far as running the command. `interrupted`: the gate sent it
     SIGINT for an --interrupt delivery; a turn that then exits non-zero did what it
     was asked (stop), so its deliveries count as carried, not as a failure to retry.
+    `timed_out`: it ran past its max runtime and was stopped; that is a failed attempt,
+    whatever it exited with, and it outranks an interrupt.
     """
+    if timed_out and (started_marker or released or exit_status is not None):
+        status = "no exit status" if exit_status is None else f"exit status {exit_status}"
+        return TurnOutcome("timeout", exit_status, f"ran past its time limit ({status})")
     if exit_status is not None:
         if exit_status == 0:
             return TurnOutcome("ok", 0, "exited 0")
@@ -213,8 +235,13 @@ def turn_outcome(
     return TurnOutcome("never_ran", None, "the command never started")
 
 
-def wait_exit_code(exit_status: int | None) -> int:
-    """The exit code `deliver --wait` reports for a turn's exit status."""
+EXIT_TIMEOUT = 124  # what timeout(1) exits with when the time limit stopped the command
+
+
+def wait_exit_code(exit_status: int | None, kind: str = "ok") -> int:
+    """The exit code `deliver --wait` reports for a turn's outcome and exit status."""
+    if kind == "timeout":
+        return EXIT_TIMEOUT
     if exit_status is None:
         return 1
     return exit_status if 0 <= exit_status <= 255 else 1

@@ -22,18 +22,22 @@ import selectors
 import signal
 import socket
 import sqlite3
+import struct
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import click
 
-from volutectl import activation, core, protocol, validate
+from volutectl import activation, core, launcher, protocol, validate
 from volutectl.config import Settings, load_settings
 from volutectl.errors import (
-    EX_USAGE,
+    EX_SOFTWARE,
     DataError,
+    TemporaryError,
     UnavailableError,
     VoluteError,
 )
@@ -46,15 +50,28 @@ from volutectl.systemd import Manager
 from volutectl.testrun import list_in_flight
 from volutectl.turns import Turn, Turns
 
+ADMIT_RETRY_SECONDS = 1.0
+# Replies queued for a client that does not read them: beyond this it is dropped. The
+# largest reply (a queue listing of 200 rows, without messages) is some 50 KiB.
+MAX_OUTBOX = 1 << 20
+# After accept() failed for want of descriptors or memory, the listener rests until a
+# client leaves or this long has passed (the descriptors may be held by turns instead).
+ACCEPT_RETRY_SECONDS = 1.0
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
 
 @dataclass
 class Client:
     sock: socket.socket
-    buffer: bytes = b""
+    fd: int  # the key in Gate.clients and Gate.idle; sock.fileno() is -1 once closed
+    buffer: bytearray = field(default_factory=bytearray)  # a request line still partial
     outbox: bytearray = field(default_factory=bytearray)
     events: int = selectors.EVENT_READ
     closed: bool = False
     waiting: set[int] = field(default_factory=set)  # delivery ids for --wait
+    # Monotonic time of the last complete line, of the accept, or of a wait's end: the
+    # client is dropped gate.client_idle_seconds later, unless it is waiting.
+    idle_since: float = 0.0
 
 
 class Gate:
@@ -79,12 +96,20 @@ class Gate:
         self.slots: SlotWatch | None = None
         self.pressure: PressureWatch | None = None
         self.clients: dict[int, Client] = {}
+        # The clients that can go idle (not waiting), oldest idle_since first: insertion
+        # order is that order, so the next idle deadline is the first entry's, in O(1).
+        self.idle: dict[int, Client] = {}
         self.waiters: dict[int, list[Client]] = {}
+        self.accepting = True  # the listener is in the selector (see _pause_accepting)
+        self.accept_retry: float | None = None  # monotonic, after accept() lacked fds
+        self.accept_problem: str | None = None  # why accepting paused, as last logged
         self.dirty = True
         self.stopping = False
         self.watchdog: float | None = None
         self.next_ping: float | None = None
         self.backoff_wake: float | None = None
+        self.admit_retry: float | None = None  # monotonic: admission failed, try again then
+        self.admit_failing = False
         self.foreign_live = 0
         self.limits = core.Limits(
             global_cap=settings.limits.global_concurrent_turns,
@@ -185,10 +210,22 @@ class Gate:
         return max(0.0, min(waits)) if waits else None
 
     def _deadlines(self) -> list[float]:
-        """Monotonic deadlines of the loop's timers (watchdog, pressure re-check)."""
+        """Monotonic deadlines of the loop's timers (watchdog, pressure re-check, turn time
+        limits and questions to systemd to ask again, a failed admission's retry, the
+        oldest idle client, a rested listener)."""
         deadlines = [self.next_ping] if self.next_ping is not None else []
         if self.pressure is not None and self.pressure.deadline() is not None:
             deadlines.append(self.pressure.deadline() or 0.0)
+        if self.admit_retry is not None:
+            deadlines.append(self.admit_retry)
+        turn_deadline = self.turns.next_deadline() if self.turns is not None else None
+        if turn_deadline is not None:
+            deadlines.append(time.monotonic() + turn_deadline - time.time())
+        oldest = next(iter(self.idle.values()), None)
+        if oldest is not None:
+            deadlines.append(oldest.idle_since + self.settings.gate.client_idle_seconds)
+        if self.accept_retry is not None:
+            deadlines.append(self.accept_retry)
         return deadlines
 
     def _on_deadlines(self) -> None:
@@ -201,6 +238,16 @@ class Gate:
         if self.backoff_wake is not None and time.time() >= self.backoff_wake:
             self.backoff_wake = None
             self.dirty = True
+        if self.admit_retry is not None and mono >= self.admit_retry:
+            self.admit_retry = None
+            self.dirty = True
+        if self.turns is not None:
+            due = self.turns.next_deadline()
+            if due is not None and time.time() >= due:
+                self._guarded("a turn's deadline", self.turns.on_deadline, time.time())
+        self._drop_idle_clients(mono)
+        if self.accept_retry is not None and mono >= self.accept_retry:
+            self._resume_accepting()
 
     def step(self, timeout: float | None) -> None:
         """One pass of the loop: wait, take in what arrived, then admit."""
@@ -211,13 +258,10 @@ class Gate:
             if kind == "accept":
                 self._accept()
             elif kind == "client":
-                if mask & selectors.EVENT_WRITE:
-                    self._flush(data)
-                if mask & selectors.EVENT_READ:
-                    incoming += self._read_client(data)
+                incoming += self._client_event(data, mask)
             elif kind == "pidfd":
                 assert self.turns is not None
-                self.turns.reap(data)
+                self._guarded(f"the end of turn {data.id}", self.turns.reap, data)
             elif kind == "slots":
                 assert self.slots is not None
                 if self.slots.on_ready():
@@ -232,7 +276,7 @@ class Gate:
             self._handle_requests(incoming)
         assert self.turns is not None
         for event in self.manager.process_events():
-            self.turns.unit_ended(event.name)
+            self._guarded(f"systemd's news of {event.name}", self.turns.unit_ended, event.name)
         if self.turns.changed:
             self.turns.changed = False
             self.dirty = True
@@ -301,15 +345,128 @@ class Gate:
 
     def _accept(self) -> None:
         assert self.listener is not None
-        while True:
+        while len(self.clients) < self.settings.gate.max_clients:
             try:
                 sock, _ = self.listener.accept()
             except BlockingIOError:
+                self.accept_problem = None  # nobody is left waiting: a new episode may log
                 return
-            sock.setblocking(False)
-            client = Client(sock)
-            self.clients[sock.fileno()] = client
-            self.selector.register(sock, selectors.EVENT_READ, ("client", client))
+            except ConnectionAbortedError:
+                continue
+            except OSError as error:
+                # EMFILE, ENFILE, ENOBUFS, ENOMEM: accepting again at once would spin.
+                self._pause_accepting(
+                    f"cannot accept connections: {error.strerror or error}", retry=True
+                )
+                return
+            try:
+                self._add_client(sock)
+            except Exception as error:  # noqa: BLE001 - one connection, not the gate
+                sock.close()
+                self._log_failure("taking a new connection", error)
+                self._pause_accepting(f"cannot take connections: {error}", retry=True)
+                return
+        self._pause_accepting(
+            f"{self.settings.gate.max_clients} connections are open (gate.max_clients); "
+            "new ones wait until one closes"
+        )
+
+    def _add_client(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        client = Client(sock, sock.fileno())
+        self.selector.register(sock, selectors.EVENT_READ, ("client", client))
+        self.clients[client.fd] = client
+        self._mark_active(client)
+
+    def _pause_accepting(self, reason: str, *, retry: bool = False) -> None:
+        """Take the listener out of the selector: connections wait in its backlog, and
+        the loop does not wake for them. A client leaving (or, after a lack of
+        descriptors, ACCEPT_RETRY_SECONDS) puts it back."""
+        if self.accepting and self.listener is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(self.listener)
+            self.accepting = False
+        if retry:
+            self.accept_retry = time.monotonic() + ACCEPT_RETRY_SECONDS
+        if reason != self.accept_problem:  # once per episode, not once per retry
+            self.accept_problem = reason
+            self.journal.log(
+                "warning", f"not accepting for now: {reason}", clients=len(self.clients)
+            )
+
+    def _resume_accepting(self) -> None:
+        self.accept_retry = None
+        if self.accepting or self.listener is None or self.stopping:
+            return
+        if len(self.clients) >= self.settings.gate.max_clients:
+            return
+        self.selector.register(self.listener, selectors.EVENT_READ, ("accept", None))
+        self.accepting = True
+
+    def _mark_active(self, client: Client) -> None:
+        """Restart the client's idle clock; a client that waits on a turn has none."""
+        self.idle.pop(client.fd, None)
+        if not client.closed and not client.waiting:
+            client.idle_since = time.monotonic()
+            self.idle[client.fd] = client
+
+    def _drop_idle_clients(self, now: float) -> None:
+        limit = self.settings.gate.client_idle_seconds
+        while self.idle:
+            client = next(iter(self.idle.values()))
+            if now < client.idle_since + limit:
+                return
+            self._reply(
+                client,
+                protocol.error_reply(
+                    TemporaryError(f"no complete request in {limit:g} s: closing the connection")
+                ),
+            )
+            self._drop_client(client)  # which takes it out of self.idle
+
+    def _peer_uid(self, client: Client) -> int:
+        """The uid of the process that connected (SO_PEERCRED: fixed at connect())."""
+        raw = client.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        _pid, uid, _gid = _PEERCRED.unpack(raw)
+        return int(uid)
+
+    def _client_event(self, client: Client, mask: int) -> list[tuple[Client, dict[str, Any]]]:
+        """Serve one client's readiness; whatever fails ends that client, not the loop."""
+        try:
+            if mask & selectors.EVENT_WRITE:
+                self._flush(client)
+            if mask & selectors.EVENT_READ and not client.closed:
+                return self._read_client(client)
+        except Exception as error:  # noqa: BLE001 - see _client_failed
+            self._client_failed(client, "reading a request", error)
+        return []
+
+    def _client_failed(self, client: Client, what: str, error: Exception) -> None:
+        """A bug met while serving one client: log it once, tell the client (70) if it
+        still listens, and close it. The gate carries on with everyone else."""
+        self._log_failure(what, error)
+        with contextlib.suppress(Exception):
+            self._reply(
+                client,
+                protocol.error_reply(
+                    VoluteError(
+                        f"internal error in the gate while {what}",
+                        hint="see: journalctl -u volute-gate",
+                        exit_code=EX_SOFTWARE,
+                    )
+                ),
+            )
+        self._drop_client(client)
+
+    def _log_failure(self, what: str, error: BaseException) -> None:
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else None
+        self.journal.log(
+            "error",
+            f"internal error while {what}: {type(error).__name__}: {error}",
+            exception=type(error).__name__,
+            where=where,
+        )
 
     def _read_client(self, client: Client) -> list[tuple[Client, dict[str, Any]]]:
         try:
@@ -321,30 +478,49 @@ class Gate:
         if not chunk:
             self._drop_client(client)
             return []
-        client.buffer += chunk
+        if b"\n" not in chunk:
+            client.buffer += chunk  # a bytearray: a line that trickles in is not recopied
+            if len(client.buffer) > protocol.MAX_LINE:
+                self._refuse_oversized(client)
+            return []
+        lines = chunk.split(b"\n")  # once: a chunk of a million lines is not quadratic
+        lines[0] = bytes(client.buffer) + lines[0]
+        client.buffer = bytearray(lines.pop())
+        self._mark_active(client)  # a complete line: the idle clock starts again
         requests = []
-        while b"\n" in client.buffer:
-            line, client.buffer = client.buffer.split(b"\n", 1)
-            try:
-                requests.append((client, protocol.decode(line)))
-            except VoluteError as error:
-                self._reply(client, protocol.error_reply(error))
+        for line in lines:
+            if len(line) > protocol.MAX_LINE:
+                self._refuse_oversized(client)
+            elif not client.closed:
+                try:
+                    requests.append((client, protocol.decode(line)))
+                except VoluteError as error:
+                    self._reply(client, protocol.error_reply(error))
+            if client.closed:
+                return []
         if len(client.buffer) > protocol.MAX_LINE:
-            limit = self.settings.gate.max_message_bytes
-            self._reply(
-                client,
-                protocol.error_reply(
-                    DataError(f"request too large: the message limit is {limit} bytes")
-                ),
-            )
-            self._drop_client(client)
+            self._refuse_oversized(client)
         return requests
+
+    def _refuse_oversized(self, client: Client) -> None:
+        limit = self.settings.gate.max_message_bytes
+        self._reply(
+            client,
+            protocol.error_reply(
+                DataError(f"request too large: the message limit is {limit} bytes")
+            ),
+        )
+        self._drop_client(client)
 
     def _reply(self, client: Client, message: dict[str, Any]) -> None:
         """Queue a reply and send what the socket takes now; never block the loop."""
         if client.closed:
             return
         client.outbox += protocol.encode(message)
+        if client.waiting:
+            self.idle.pop(client.fd, None)  # it waits on a turn: not idle
+        elif client.fd not in self.idle:
+            self._mark_active(client)  # its wait just ended
         self._flush(client)
 
     def _flush(self, client: Client) -> None:
@@ -353,7 +529,7 @@ class Gate:
                 sent = client.sock.send(client.outbox)
                 del client.outbox[:sent]
         except BlockingIOError:
-            if len(client.outbox) > 4 * protocol.MAX_LINE:
+            if len(client.outbox) > MAX_OUTBOX:
                 self._drop_client(client)  # a client that never reads
                 return
         except OSError:
@@ -368,16 +544,18 @@ class Gate:
         if client.closed:
             return
         client.closed = True
-        fd = client.sock.fileno()
-        if fd >= 0 and fd in self.clients:
+        self.idle.pop(client.fd, None)
+        if self.clients.get(client.fd) is client:
+            del self.clients[client.fd]
             with contextlib.suppress(KeyError, ValueError):
-                self.selector.unregister(client.sock)
-            del self.clients[fd]
+                self.selector.unregister(client.fd)
         for delivery_id in client.waiting:
             waiting = self.waiters.get(delivery_id, [])
             if client in waiting:
                 waiting.remove(client)
-        client.sock.close()
+        with contextlib.suppress(OSError):
+            client.sock.close()
+        self._resume_accepting()  # one place free, or one descriptor
 
     # -- requests ---------------------------------------------------------------------
 
@@ -386,8 +564,11 @@ class Gate:
             tuple[Client, dict[str, Any], tuple[str, str, bytes, bool], str | None]
         ] = []
         for client, request in incoming:
-            op = request.get("op")
+            if client.closed:
+                continue  # dropped since: e.g. it stopped reading its earlier replies
+            op = "unnamed"
             try:
+                op = validate.op(request)
                 if op == "deliver":
                     item = validate.delivery(self.settings, request)
                     deliveries.append((client, request, item, validate.request_id(request)))
@@ -398,37 +579,45 @@ class Gate:
                 elif op in ("retry", "drop"):
                     self._reply(client, {"ok": True, "changed": self._retry_drop(op, request)})
                 elif op == "register_repo":
-                    self._reply(client, {"ok": True, "new": self._register_repo(request)})
+                    self._reply(client, {"ok": True, "new": self._register_repo(client, request)})
                 elif op == "ping":
                     self._reply(client, {"ok": True})
-                else:
-                    raise VoluteError(f"unknown request {op!r}", exit_code=EX_USAGE)
             except VoluteError as error:
                 self._reply(client, protocol.error_reply(error))
-            except (TypeError, ValueError, KeyError, sqlite3.Error) as error:
-                # A malformed request must never take the gate down.
-                self._reply(client, protocol.error_reply(DataError(f"bad {op} request: {error}")))
+            except sqlite3.OperationalError as error:
+                # The disk is full, or the database locked or unwritable: try again later.
+                self.journal.log("warning", f"the queue failed a {op} request: {error}")
+                self._reply(
+                    client, protocol.error_reply(TemporaryError(f"{op}: the queue failed: {error}"))
+                )
+            except Exception as error:  # noqa: BLE001 - see _client_failed
+                self._client_failed(client, f"handling a {op} request", error)
+        deliveries = [item for item in deliveries if not item[0].closed]
         if not deliveries:
             return
         assert self.store is not None
         # One durable commit for everything that arrived together, then the acks. A request
         # id the store already holds is a client retrying after a gate died before its ack:
         # it gets the original delivery id back, and nothing is queued twice.
-        results = self.store.add_deliveries(
-            [item for _, _, item, _ in deliveries],
-            request_ids=[request_id for _, _, _, request_id in deliveries],
-        )
+        try:
+            results = self.store.add_deliveries(
+                [item for _, _, item, _ in deliveries],
+                request_ids=[request_id for _, _, _, request_id in deliveries],
+            )
+        except Exception as error:  # noqa: BLE001 - nothing was stored: refuse them all
+            self._refuse_deliveries([client for client, _, _, _ in deliveries], error)
+            return
         crash_point("request_committed")
         for (client, request, item, request_id), result in zip(deliveries, results, strict=True):
             if isinstance(result, VoluteError):
                 self._reply(client, protocol.error_reply(result))
                 continue
             delivery_id = result
-            if request.get("wait"):
+            if request.get("wait") is True:  # a boolean: validate.delivery checked it
                 client.waiting.add(delivery_id)
                 self.waiters.setdefault(delivery_id, []).append(client)
             self._reply(client, {"ok": True, "id": delivery_id})
-            if request.get("wait") and request_id is not None:
+            if request.get("wait") is True and request_id is not None:
                 # A retried request's delivery may have run already: tell the waiter now.
                 finished = self._finished_event(delivery_id)
                 if finished is not None:
@@ -463,6 +652,30 @@ class Gate:
             "exit_code": core.wait_exit_code(exit_status),
         }
 
+    def _refuse_deliveries(self, clients: list[Client], error: Exception) -> None:
+        """The commit failed, so no delivery of the batch is stored: none is acknowledged.
+        A full disk or any SQLite error is temporary (75); anything else is our bug (70)."""
+        if not isinstance(error, sqlite3.Error | OSError):
+            for client in clients:
+                self._client_failed(client, "storing deliveries", error)
+            return
+        state_dir = self.settings.gate.state_dir
+        self.journal.log(
+            "error",
+            f"could not store {len(clients)} deliveries, refused them (nothing acknowledged): "
+            f"{type(error).__name__}: {error}",
+            exception=type(error).__name__,
+            state_dir=state_dir,
+        )
+        refusal = protocol.error_reply(
+            TemporaryError(
+                f"the queue could not store the delivery: {error}",
+                hint=f"nothing was queued; free space in {state_dir} and deliver again",
+            )
+        )
+        for client in clients:
+            self._reply(client, refusal)
+
     def _open_pressure(self) -> None:
         settings = self.settings.limits.io_pressure
         if not settings.enabled:
@@ -477,12 +690,13 @@ class Gate:
         if self.pressure is not None:
             self.selector.register(self.pressure.fileno(), selectors.EVENT_READ, ("pressure", None))
 
-    def _register_repo(self, request: dict[str, Any]) -> bool:
+    def _register_repo(self, client: Client, request: dict[str, Any]) -> bool:
         assert self.slots is not None
         path = validate.repository_path(request)
-        new = self.slots.register(Path(path))
+        common = validate.git_common_dir(path, self._peer_uid(client))
+        new = self.slots.register(common)
         if new:
-            self.journal.log("info", f"watching test slots of {path}", repository=path)
+            self.journal.log("info", f"watching test slots of {common}", repository=common)
             self.dirty = True
         return new
 
@@ -523,12 +737,45 @@ class Gate:
 
     # -- admission and launching ----------------------------------------------------------
 
+    def _guarded(self, what: str, handler: Callable[..., None], *args: Any) -> None:
+        """Run one event's handler; a failure there must not take the loop down.
+
+        Its state stays as it was: a turn keeps its place, a row its state. systemd or
+        the disk failing is logged; anything else is a bug, logged with its type."""
+        try:
+            handler(*args)
+        except (VoluteError, sqlite3.Error, OSError) as error:
+            text = error.message if isinstance(error, VoluteError) else str(error)
+            self.journal.log("error", f"handling {what} failed: {text}")
+            self.dirty = True
+        except Exception as error:  # noqa: BLE001 - the loop must outlive a bug
+            self.journal.log("error", f"handling {what} failed: {type(error).__name__}: {error}")
+            self.dirty = True
+
     def admit(self) -> None:
+        """Run admission; if systemd or the store fails, say so once and retry in a second.
+
+        Nothing is started on a guess: without systemd's listing, no turn starts."""
+        try:
+            self._admit()
+        except (VoluteError, sqlite3.Error, OSError) as error:
+            text = error.message if isinstance(error, VoluteError) else str(error)
+            if not self.admit_failing:
+                self.journal.log(
+                    "error",
+                    f"admission failed, no turn starts until it works: {text}; retrying "
+                    f"every {ADMIT_RETRY_SECONDS:.0f} s",
+                )
+            self.admit_failing = True
+            self.admit_retry = time.monotonic() + ADMIT_RETRY_SECONDS
+            return
+        if self.admit_failing:
+            self.journal.log("info", "admission works again")
+            self.admit_failing = False
+
+    def _admit(self) -> None:
         assert self.store is not None and self.turns is not None
-        live_names = self.turns.live_units()
-        ours = {turn.unit for turn in self.turns.turns.values()}
-        self.foreign_live = len(live_names - ours)
-        live = self.turns.live(live_names)
+        live, self.foreign_live = self.turns.count_live()
         # With limits.test_runs_count_as_turns, each held test slot takes one unit of the
         # global budget; test runs are never held here, only turns.
         test_runs = 0
@@ -582,7 +829,11 @@ class Gate:
 
     def status(self) -> dict[str, Any]:
         assert self.store is not None and self.turns is not None
-        live_names = self.turns.live_units()
+        try:
+            live_turns, foreign = self.turns.count_live()
+        except VoluteError:
+            live_turns, foreign = [], self.foreign_live  # systemd did not answer: what we know
+        live_ids = {turn.turn_id for turn in live_turns}
         now = time.time()
         turns: list[dict[str, Any]] = [
             {
@@ -593,7 +844,7 @@ class Gate:
                 "running_s": round(now - turn.started_at, 3),
             }
             for turn in sorted(self.turns.turns.values(), key=lambda t: t.id)
-            if turn.unit in live_names
+            if turn.id in live_ids
         ]
         pending = self.store.pending()
         minds: dict[str, dict[str, Any]] = {
@@ -611,11 +862,11 @@ class Gate:
         counts = self.store.counts()
         oldest = self.store.oldest_hold()
         return {
-            "active_turns": len(live_names),
+            "active_turns": len(turns) + foreign,
             "global_cap": self.limits.global_cap,
             "turns_per_mind": self.limits.turns_per_mind,
             "turns": turns,
-            "foreign_scopes": len(live_names) - len(turns),
+            "foreign_scopes": foreign,
             "minds": minds,
             "queue_depth": len(pending),
             "holds": holds,
@@ -652,6 +903,7 @@ def gate_command(config_path: str | None) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    launcher.raise_nofile_limit()  # a descriptor per client; turns get the old limit back
     gate = Gate(settings, listener=listener)
 
     def ready() -> None:

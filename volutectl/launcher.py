@@ -15,17 +15,23 @@ Turn directory (under gate.runtime_dir/turns/<id>, owned by the mind's user):
                opened before the privilege drop)
   inbox/       deliveries folded in while the turn runs, one <id>.json file each; the
                turn takes one by deleting (or moving away) its file
+  .offered/    the gate's own record of what it offered (root-owned, 0700): <id> is
+               created after inbox/.<id>.tmp is written and before that is renamed to
+               inbox/<id>.json, so a gate killed half-way through a fold can still tell
+               "never offered" (no marker, or the .tmp still there) from "taken"
+               (marker, and neither file)
   started      created by the wrapper just before the command runs
   status       the command's exit status, written by the wrapper when it returns
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pwd
+import resource
 import shutil
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +43,61 @@ from volutectl.errors import DataError, VoluteError
 # `systemctl status volute-turns.slice` shows a readable command line.
 WRAPPER = str(Path(__file__).with_name("turn-wrapper.sh"))
 RELEASE = b"1"
+
+# RLIMIT_NOFILE as the gate found it, before raise_nofile_limit(): what turns get back.
+_inherited_nofile: tuple[int, int] | None = None
+
+
+def raise_nofile_limit() -> tuple[int, int]:
+    """Raise our soft RLIMIT_NOFILE to the hard limit: each client holds a descriptor,
+    and systemd's default soft limit (1024) is far below its hard one. Returns the
+    (soft, hard) found first, which every turn's child restores before it execs: a turn
+    must not inherit limits the gate raised for itself."""
+    global _inherited_nofile
+    found = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if _inherited_nofile is None:
+        _inherited_nofile = found
+    soft, hard = found
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass  # then we make do with the soft limit
+    return _inherited_nofile
+
+
+# Signals that stop the gate's unit: a restart, a stop, an upgrade (SIGTERM to every
+# process of the gate's cgroup), ^C, a hang-up. A turn's child ignores them until it is
+# released, so that they cannot kill it between the fork and its scope: the gate, which
+# handles them by finishing the step it is in, then either releases the child into its
+# scope or closes its pipe. Only a SIGKILL can still land in that window.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _reset_inherited_state() -> None:
+    """In a turn's child: what exec would pass on from the gate goes back to the defaults.
+
+    Python ignores SIGPIPE and SIGXFSZ, and the gate handles SIGTERM and SIGINT: an
+    ignored signal stays ignored across exec, and until exec a handled one would run the
+    gate's Python handler in the child. The blocked-signal mask also survives exec; the
+    parent blocked everything around the fork, so nothing arrived before this ran. The
+    stop signals stay ignored until the release (`_ready_to_exec`)."""
+    for signum in signal.valid_signals():
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            signal.signal(signum, signal.SIG_IGN if signum in STOP_SIGNALS else signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass  # signals the C library reserves for itself
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    if _inherited_nofile is not None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, _inherited_nofile)
+
+
+def _ready_to_exec() -> None:
+    """Released into its scope: the command gets default dispositions for every signal."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
 
 
 @dataclass(frozen=True)
@@ -72,6 +133,10 @@ class TurnDir:
     def stdin(self) -> Path:
         return self.path / "stdin.jsonl"
 
+    @property
+    def offered(self) -> Path:
+        return self.path / ".offered"
+
     def started(self) -> bool:
         return (self.path / "started").exists()
 
@@ -81,15 +146,29 @@ class TurnDir:
         except (OSError, ValueError):
             return None
 
-    def untaken(self) -> set[int]:
-        """Ids of folded deliveries still sitting in the inbox."""
-        ids = set()
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(self.inbox):
-                stem = entry.name.removesuffix(".json")
-                if entry.name.endswith(".json") and stem.isdigit():
-                    ids.add(int(stem))
-        return ids
+    def ended_at(self) -> float | None:
+        """When the wrapper recorded the exit status (the status file's mtime)."""
+        try:
+            return (self.path / "status").stat().st_mtime
+        except OSError:
+            return None
+
+    def not_taken(self, folded: Sequence[int]) -> set[int]:
+        """Of the folded delivery ids, those the turn did not take: still in the inbox, or
+        never offered there (the gate died between the fold's commit and the rename)."""
+        if not self.offered.is_dir():
+            # A turn directory from volutectl 0.1.0, which kept no offer record: only
+            # what is still in the inbox is known to be untaken.
+            return {i for i in folded if (self.inbox / f"{i}.json").exists()}
+        left = set()
+        for delivery_id in folded:
+            if (
+                not (self.offered / str(delivery_id)).exists()
+                or (self.inbox / f".{delivery_id}.tmp").exists()
+                or (self.inbox / f"{delivery_id}.json").exists()
+            ):
+                left.add(delivery_id)
+        return left
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
@@ -119,6 +198,7 @@ def make_turn_dir(root: Path, turn_id: int, account: Account, stdin: bytes) -> T
         shutil.rmtree(path)
     path.mkdir(mode=0o700)
     (path / "inbox").mkdir(mode=0o700)
+    (path / ".offered").mkdir(mode=0o700)  # stays the gate's: not chowned below
     stdin_path = path / "stdin.jsonl"
     fd = os.open(stdin_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as handle:
@@ -130,20 +210,16 @@ def make_turn_dir(root: Path, turn_id: int, account: Account, stdin: bytes) -> T
 
 
 def offer(turn_dir: TurnDir, delivery_id: int, record: bytes, account: Account) -> None:
-    """Put a folded delivery into a running turn's inbox, atomically."""
+    """Put a folded delivery into a running turn's inbox, atomically, leaving the record
+    that `TurnDir.not_taken` reads: the .tmp first, then the marker, then the rename."""
     tmp = turn_dir.inbox / f".{delivery_id}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as handle:
         handle.write(record)
     if os.geteuid() == 0:
         os.chown(tmp, account.uid, account.gid)
+    os.close(os.open(turn_dir.offered / str(delivery_id), os.O_WRONLY | os.O_CREAT, 0o600))
     os.rename(tmp, turn_dir.inbox / f"{delivery_id}.json")
-
-
-def withdraw(turn_dir: TurnDir, delivery_ids: Sequence[int]) -> None:
-    for delivery_id in delivery_ids:
-        with contextlib.suppress(FileNotFoundError):
-            (turn_dir.inbox / f"{delivery_id}.json").unlink()
 
 
 @dataclass
@@ -209,14 +285,21 @@ def fork_turn(
     wrapper = ["/bin/sh", WRAPPER, *argv]
     environment = dict(env)
     stdin_path = str(turn_dir.stdin)
+    # Every signal blocked across the fork: none may run the gate's handlers in the child
+    # before it has reset them.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     try:
         pid = os.fork()
     except OSError as error:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(read_fd)
         os.close(write_fd)
         raise VoluteError(f"cannot fork a turn: {error}") from None
-    if pid == 0:  # pragma: no cover - the child; its effects are tested end to end
+    if pid != 0:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    else:  # pragma: no cover - the child; its effects are tested end to end
         try:
+            _reset_inherited_state()
             os.close(write_fd)
             os.setsid()
             stdin_fd = os.open(stdin_path, os.O_RDONLY)
@@ -232,6 +315,7 @@ def fork_turn(
                 os.setuid(account.uid)
             if os.read(read_fd, 1) != RELEASE:
                 os._exit(0)
+            _ready_to_exec()
             os.execve("/bin/sh", wrapper, environment)
         finally:
             os._exit(127)

@@ -7,6 +7,7 @@ ours but the errors table. Validation happens here, at the edge, on both sides.
 from __future__ import annotations
 
 import json
+import re
 import socket
 
 from volutectl.errors import (
@@ -14,6 +15,7 @@ from volutectl.errors import (
     EX_NOPERM,
     EX_PROTOCOL,
     EX_TEMPFAIL,
+    DataError,
     PermissionDeniedError,
     UnavailableError,
     VoluteError,
@@ -27,7 +29,15 @@ if TYPE_CHECKING:
 VERSION = 1
 # A line may carry a 1 MiB message JSON-escaped (up to 6 bytes per byte) plus fields.
 MAX_LINE = 8 * 1024 * 1024 + 4096
-OPS = ("deliver", "status", "queue", "retry", "drop", "ping")
+OPS = ("deliver", "status", "queue", "retry", "drop", "register_repo", "ping")
+# Requests are flat (the deepest, a list of ids, is 2) and replies shallow (status: 6).
+MAX_DEPTH = 16
+# SQLite stores integers as signed 64 bits; a larger one must never reach the store.
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+# Enough characters for any 64-bit integer ("-9223372036854775808"): a longer literal is
+# refused without building the number (Python refuses beyond 4,300 digits anyway).
+_INT_DIGITS = 20
+_INFINITY = float("inf")  # not `math`: one import less on the hot path
 
 
 class ProtocolError(VoluteError):
@@ -42,17 +52,99 @@ class ConnectionLost(UnavailableError):
     request id may be sent again."""
 
 
+class _Refused:
+    """A JSON number we will not take (NaN, Infinity, a huge integer), kept in place by
+    the parser so that the check after parsing can name the field it sits in."""
+
+    __slots__ = ("text", "why")
+
+    def __init__(self, text: str, why: str) -> None:
+        self.text = text
+        self.why = why
+
+
+_OUT_OF_RANGE = "is outside SQLite's 64-bit integer range"
+
+
+def _parse_int(text: str) -> int | _Refused:
+    return _Refused(text, _OUT_OF_RANGE) if len(text) > _INT_DIGITS else int(text)
+
+
+def _parse_constant(text: str) -> _Refused:  # NaN, Infinity, -Infinity
+    return _Refused(text, "is not a finite number")
+
+
+def _field(path: str, key: object) -> str:
+    name = str(key) if len(str(key)) <= 40 else f"{str(key)[:40]}..."
+    name = name or '""'
+    return f"{path}.{name}" if path else name
+
+
+def _shown(text: str) -> str:
+    return text if len(text) <= 24 else f"{text[:12]}...{text[-4:]} ({len(text)} digits)"
+
+
+def check_values(value: object, path: str = "", depth: int = 1) -> None:
+    """Refuse what JSON allows but the gate must not take, naming the field: nesting
+    deeper than MAX_DEPTH, integers outside SQLite's 64 bits, NaN and infinities."""
+    where = path or "the request"
+    if depth > MAX_DEPTH:
+        raise DataError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_values(item, _field(path, key), depth + 1)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_values(item, f"{where}[{index}]", depth + 1)
+    elif isinstance(value, _Refused):
+        raise DataError(f"{where}: {_shown(value.text)} {value.why}")
+    elif type(value) is int and not INT_MIN <= value <= INT_MAX:
+        raise DataError(f"{where}: {value} {_OUT_OF_RANGE}")
+    elif type(value) is float and not -_INFINITY < value < _INFINITY:  # 1e400; NaN too
+        raise DataError(f"{where}: {value} is not a finite number")
+
+
+# A string (a key when a colon follows), or a bracket: enough to follow the nesting.
+# Compiled on first use, by re.finditer: not at import, on deliver's hot path.
+_TOKENS = rb'("(?:[^"\\]|\\.)*")\s*:|"(?:[^"\\]|\\.)*"|[][{}]'
+
+
+def _too_deep(line: bytes) -> DataError:
+    """The refusal of a line too deep for the parser, naming its top-level field. Only
+    run on such a line, never on the normal path."""
+    depth, key = 0, ""
+    for token in re.finditer(_TOKENS, line):
+        if token.group(1) is not None:
+            if depth == 1:
+                try:
+                    key = _field("", json.loads(token.group(1)))
+                except ValueError:
+                    key = "a field"
+        elif token.group() in (b"{", b"["):
+            depth += 1
+            if depth > MAX_DEPTH:
+                break
+        elif token.group() in (b"}", b"]"):
+            depth -= 1
+    return DataError(f"{key or 'the request'}: nested deeper than {MAX_DEPTH} levels")
+
+
 def encode(message: dict[str, Any]) -> bytes:
     return json.dumps({"v": VERSION, **message}, separators=(",", ":")).encode() + b"\n"
 
 
 def decode(line: bytes) -> dict[str, Any]:
+    """One line to a JSON object: a ProtocolError (76) if it is none, a DataError (65)
+    naming the field if it holds what the gate must not take (see check_values)."""
     try:
-        value = json.loads(line)
+        value = json.loads(line, parse_int=_parse_int, parse_constant=_parse_constant)
     except (ValueError, UnicodeDecodeError) as error:
         raise ProtocolError(f"not a JSON line: {error}") from None
+    except RecursionError:
+        raise _too_deep(line) from None
     if not isinstance(value, dict):
         raise ProtocolError("a request must be a JSON object")
+    check_values(value)
     version = value.get("v")
     # `type(...) is int`: in Python true == 1 and 1.0 == 1, but neither is version 1.
     if type(version) is not int or version != VERSION:

@@ -10,6 +10,7 @@ The store is the truth for what was asked; systemd is the truth for what runs.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -133,6 +134,10 @@ class TurnRow:
     outcome: str | None
     exit_status: int | None
     detail: str | None
+    pid: int | None = None  # the turn's main process (its wrapper), once released
+    interrupted: bool = False  # the gate sent it SIGINT for an --interrupt delivery
+    deadline: float | None = None  # when its max runtime runs out (None: no limit)
+    timed_out_at: float | None = None  # when the gate stopped it for running past that
 
 
 _ROW_COLUMNS = (
@@ -140,7 +145,8 @@ _ROW_COLUMNS = (
     "held_since, hold_reason, held_ms, turn_id, folded, last_error"
 )
 _TURN_COLUMNS = (
-    "id, mind, session, unit, state, released, started_at, ended_at, outcome, exit_status, detail"
+    "id, mind, session, unit, state, released, started_at, ended_at, outcome, exit_status, "
+    "detail, pid, interrupted, deadline, timed_out_at"
 )
 
 
@@ -165,7 +171,7 @@ def _row(v: Sequence[Any]) -> Row:
 def _turn(v: Sequence[Any]) -> TurnRow:
     return TurnRow(
         int(v[0]), str(v[1]), str(v[2]), str(v[3]), str(v[4]), bool(v[5]), float(v[6]),
-        v[7], v[8], v[9], v[10],
+        v[7], v[8], v[9], v[10], v[11], bool(v[12]), v[13], v[14],
     )  # fmt: skip
 
 
@@ -397,16 +403,18 @@ class Store:
         unit_for: Callable[[int], str],
         delivery_ids: Sequence[int],
         now: float,
+        deadline: float | None = None,
     ) -> tuple[int, list[Row]]:
         """Create a turn and move its rows to running, in one commit.
 
         Returns the turn id and the rows as they were (with the hold they leave).
-        `unit_for` turns the new turn id into its unit name.
+        `unit_for` turns the new turn id into its unit name; `deadline` is when the turn's
+        max runtime runs out.
         """
         with self._tx():
             cursor = self.db.execute(
-                "INSERT INTO turns (mind, session, started_at) VALUES (?, ?, ?)",
-                (mind, session, now),
+                "INSERT INTO turns (mind, session, started_at, deadline) VALUES (?, ?, ?, ?)",
+                (mind, session, now, deadline),
             )
             turn_id = int(cursor.lastrowid or 0)
             unit = unit_for(turn_id)
@@ -414,8 +422,14 @@ class Store:
             rows = self._take(turn_id, delivery_ids, now, folded=False)
         return turn_id, rows
 
-    def fold_into(self, turn_id: int, delivery_ids: Sequence[int], now: float) -> list[Row]:
+    def fold_into(
+        self, turn_id: int, delivery_ids: Sequence[int], now: float, *, interrupt: bool = False
+    ) -> list[Row]:
+        """Hand rows to a running turn; with `interrupt`, record in the same commit that the
+        turn is being interrupted, so a gate that restarts still knows."""
         with self._tx():
+            if interrupt:
+                self.db.execute("UPDATE turns SET interrupted = 1 WHERE id = ?", (turn_id,))
             return self._take(turn_id, delivery_ids, now, folded=True)
 
     def _take(self, turn_id: int, ids: Sequence[int], now: float, *, folded: bool) -> list[Row]:
@@ -526,13 +540,25 @@ class Store:
 
     # -- turns --------------------------------------------------------------------
 
-    def mark_released(self, turn_id: int) -> None:
-        """Note that the command was let go. Not synced: it sits on the handoff path, and
-        the wrapper's `started` file says the same thing to a gate that restarts."""
+    def mark_released(self, turn_id: int, pid: int | None = None) -> None:
+        """Note that the command was let go, and its main process. Not synced: it sits on
+        the handoff path, and the wrapper's `started` file says the same thing to a gate
+        that restarts."""
         with self._tx(durable=False):
             self.db.execute(
-                "UPDATE turns SET state = 'running', released = 1 WHERE id = ?", (turn_id,)
+                "UPDATE turns SET state = 'running', released = 1, pid = ? WHERE id = ?",
+                (pid, turn_id),
             )
+
+    def mark_timed_out(self, turn_id: int, now: float) -> None:
+        """Note that the gate is stopping the turn for running past its deadline. Not
+        synced: a crash of the gate keeps it (WAL), and a power cut ends the turn anyway."""
+        with self._tx(durable=False):
+            self.db.execute(
+                "UPDATE turns SET timed_out_at = ? WHERE id = ? AND timed_out_at IS NULL",
+                (now, turn_id),
+            )
+        self._unsynced = True
 
     def end_turn(
         self, turn_id: int, outcome: str, exit_status: int | None, detail: str, now: float
@@ -584,9 +610,26 @@ class _Transaction:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
-            self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
-            if exc_type is None and self.durable and self.on_durable_commit is not None:
-                self.on_durable_commit()
+            if exc_type is None:
+                try:
+                    self.db.execute("COMMIT")
+                except sqlite3.Error:
+                    # A failed COMMIT can leave the transaction open, and then every
+                    # later BEGIN fails: the queue would refuse everything for good.
+                    # The COMMIT's error is the one to raise, not the ROLLBACK's.
+                    with contextlib.suppress(sqlite3.Error):
+                        self._rollback()
+                    raise
+                if self.durable and self.on_durable_commit is not None:
+                    self.on_durable_commit()
+            else:
+                self._rollback()
         finally:
             if not self.durable:
                 self.db.execute("PRAGMA synchronous=FULL")
+
+    def _rollback(self) -> None:
+        # SQLite rolls back by itself on some errors (SQLITE_FULL, SQLITE_IOERR): a
+        # second ROLLBACK would fail, and its error would hide the one that matters.
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")

@@ -67,6 +67,7 @@ _SIGNATURES: dict[str, bytes] = {
     "Delegate": b"b",
     "SendSIGKILL": b"b",
     "TimeoutStopUSec": b"t",
+    "RuntimeMaxUSec": b"t",
 }
 
 # Properties we read, with their signatures (Get needs none, but the reply type helps).
@@ -102,6 +103,10 @@ class ScopeProperties:
     io_weight: int | None = None
     io_read_bandwidth_max: tuple[tuple[str, int], ...] = ()
     io_write_bandwidth_max: tuple[tuple[str, int], ...] = ()
+    # RuntimeMaxSec=: systemd stops the scope after this long (SIGTERM, then SIGKILL after
+    # the stop timeout), whether or not anyone else is watching. None: no limit.
+    runtime_max_seconds: float | None = None
+    stop_timeout_seconds: float | None = None  # TimeoutStopSec=: SIGTERM to SIGKILL
     extra: tuple[tuple[str, Any], ...] = field(default=())
 
     def as_dbus(self, pids: Sequence[int]) -> list[tuple[str, Any]]:
@@ -127,6 +132,10 @@ class ScopeProperties:
                     [(dev.encode(), n) for dev, n in self.io_write_bandwidth_max],
                 )
             )
+        if self.runtime_max_seconds is not None:
+            props.append(("RuntimeMaxUSec", int(self.runtime_max_seconds * 1_000_000)))
+        if self.stop_timeout_seconds is not None:
+            props.append(("TimeoutStopUSec", int(self.stop_timeout_seconds * 1_000_000)))
         props.extend(self.extra)
         return props
 
@@ -180,6 +189,19 @@ def _property_array(properties: Iterable[tuple[str, Any]]) -> list[tuple[int, An
 def unit_name_from_path(path: bytes | str) -> str:
     raw = path.encode() if isinstance(path, str) else path
     return _text(path_decode(raw, UNIT_PATH_PREFIX))
+
+
+_GONE_ERRORS = ("NoSuchUnit", "UnknownObject")
+
+
+def _no_such_unit(error: BaseException) -> bool:
+    """systemd's answer "no such unit (object) is loaded": an answer, not a failed call.
+
+    pystemd 0.15 maps org.freedesktop.systemd1.NoSuchUnit and
+    org.freedesktop.DBus.Error.UnknownObject to classes of their own (whose text then
+    omits the D-Bus name); older releases keep the name in the text."""
+    kind = type(error).__name__
+    return any(f"DBus{name}Error" == kind or name in str(error) for name in _GONE_ERRORS)
 
 
 def _dbus_error(error: BaseException, what: str) -> Exception:
@@ -400,8 +422,12 @@ class Manager:
                 continue
             try:
                 unit_slice = _text(self._get(path, _scope_or_unit(name), "Slice", b"s"))
-            except Exception:  # noqa: BLE001 - the unit vanished between the two calls
-                continue
+            except Exception as error:
+                if _no_such_unit(error):
+                    continue  # the unit vanished between the two calls
+                # Any other failure says nothing about the unit: dropping it would
+                # undercount the slice, so the whole listing fails instead.
+                raise _dbus_error(error, f"reading the slice of {name}") from None
             if unit_slice == slice:
                 units.append(UnitInfo(name, description, active, sub, _text(path)))
         return units
@@ -434,6 +460,45 @@ class Manager:
             raise _dbus_error(error, f"reading {name}") from None
         pairs = tuple((_text(kind), _text(address)) for kind, address in listen)
         return SocketUnit(name, load, active, pairs)
+
+    def active_state(self, name: str) -> str | None:
+        """The unit's ActiveState, or None when systemd says no such unit is loaded.
+
+        Both are answers from systemd: a unit that is not loaded does not run. A call that
+        fails (EINTR while the caller is being signalled, a timeout, a dropped bus)
+        raises SystemdError: that says nothing about the unit, and the caller must not
+        conclude that it ended."""
+        try:
+            path = self._bus.call_method(
+                DESTINATION,
+                MANAGER_PATH,
+                MANAGER_INTERFACE,
+                b"GetUnit",
+                apply_signature(b"s", [name.encode()]),
+            ).body
+            return _text(self._get(bytes(path), UNIT_INTERFACE, "ActiveState", b"s"))
+        except Exception as error:
+            if _no_such_unit(error):
+                return None
+            raise _dbus_error(error, f"reading the state of {name}") from None
+
+    def unit_processes(self, name: str) -> list[int] | None:
+        """PIDs in the unit's cgroup (and below), as systemd reads them; None if the unit
+        is not loaded. A scope can be active with no process at all: one started around
+        a PID that died before systemd moved it never empties, so it never ends."""
+        try:
+            rows = self._bus.call_method(
+                DESTINATION,
+                MANAGER_PATH,
+                MANAGER_INTERFACE,
+                b"GetUnitProcesses",
+                apply_signature(b"s", [name.encode()]),
+            ).body
+        except Exception as error:
+            if _no_such_unit(error):
+                return None
+            raise _dbus_error(error, f"listing the processes of {name}") from None
+        return [int(row[1]) for row in rows]
 
     def _unit_path(self, name: str) -> bytes:
         return bytes(

@@ -4,6 +4,10 @@ Independent of the gate (it speaks to systemd directly), so the caps it observes
 systemd's truth, not the gate's bookkeeping. Every ~2 ms it lists the live
 volute-turn-*.scope units and records the count and the per-mind count; it stops when
 the stop file appears and prints a JSON summary.
+
+A turn scope counts only while it holds a process (GetUnitProcesses): a scope started
+around a PID that had died is active but empty, runs nothing, and must not count against
+the cap; the summary lists such scopes under "empty_seen" with how long each was seen.
 """
 
 from __future__ import annotations
@@ -22,6 +26,16 @@ IFACE = b"org.freedesktop.systemd1.Manager"
 PATTERN = re.compile(r"volute-(turn|test)-(.+)-([0-9]+)\.scope")
 
 
+def holds_process(bus: DBus, name: bytes) -> bool:
+    try:
+        rows = bus.call_method(
+            DEST, PATH, IFACE, b"GetUnitProcesses", apply_signature(b"s", [name])
+        ).body
+    except Exception:  # noqa: BLE001 - it ended between the two calls
+        return False
+    return bool(rows)
+
+
 def main() -> None:
     stop_file = sys.argv[1]
     out_file = sys.argv[2]
@@ -36,6 +50,8 @@ def main() -> None:
         ],
     )
     samples = 0
+    gaps = 0  # listings systemd did not answer (e.g. while it re-executed)
+    empty_seen: dict[str, list[float]] = {}  # name -> [first seen, last seen]
     max_turns = 0
     max_tests = 0
     max_per_mind: dict[str, int] = {}
@@ -43,7 +59,12 @@ def main() -> None:
     seen: set[str] = set()
     timeline: list[tuple[float, int, int]] = []
     while not os.path.exists(stop_file):
-        rows = bus.call_method(DEST, PATH, IFACE, b"ListUnitsByPatterns", args).body
+        try:
+            rows = bus.call_method(DEST, PATH, IFACE, b"ListUnitsByPatterns", args).body
+        except Exception:  # noqa: BLE001 - systemd re-executing: no answer, ask again
+            gaps += 1
+            time.sleep(interval)
+            continue
         turns: dict[str, int] = {}
         count = tests = 0
         names = []
@@ -56,6 +77,10 @@ def main() -> None:
             seen.add(name)
             if match.group(1) == "test":
                 tests += 1
+                continue
+            if not holds_process(bus, row[0]):
+                now = time.time()
+                empty_seen.setdefault(name, [now, now])[1] = now
                 continue
             count += 1
             turns[match.group(2)] = turns.get(match.group(2), 0) + 1
@@ -73,11 +98,13 @@ def main() -> None:
         json.dump(
             {
                 "samples": samples,
+                "gaps": gaps,
                 "max_turns": max_turns,
                 "max_tests": max_tests,
                 "max_per_mind": max_per_mind,
                 "worst": worst,
                 "seen": sorted(seen),
+                "empty_seen": empty_seen,
                 "timeline": timeline,
             },
             handle,

@@ -483,3 +483,61 @@ def test_turn_outcome_table(
 )
 def test_wait_exit_code(exit_status: int | None, code: int) -> None:
     assert core.wait_exit_code(exit_status) == code
+
+
+@pytest.mark.parametrize(
+    ("exit_status", "started", "released", "interrupted", "kind"),
+    [
+        (143, True, True, False, "timeout"),  # SIGTERM at the limit, status recorded
+        (None, True, True, False, "timeout"),  # SIGKILLed with its wrapper
+        (0, True, True, False, "timeout"),  # finished during the grace: still too late
+        (130, True, True, True, "timeout"),  # a time limit outranks an interrupt
+        (None, False, False, False, "never_ran"),  # stopped before it ever ran: no attempt
+    ],
+)
+def test_a_timed_out_turn_is_a_timeout_unless_it_never_ran(
+    exit_status: int | None, started: bool, released: bool, interrupted: bool, kind: str
+) -> None:
+    outcome = core.turn_outcome(
+        exit_status=exit_status,
+        started_marker=started,
+        released=released,
+        interrupted=interrupted,
+        timed_out=True,
+    )
+    assert outcome.kind == kind
+    assert outcome.exit_status == exit_status
+
+
+def test_an_interrupted_turn_that_exits_non_zero_carries_its_deliveries() -> None:
+    outcome = core.turn_outcome(
+        exit_status=130, started_marker=True, released=True, interrupted=True
+    )
+    assert outcome.kind == "interrupted"
+
+
+def test_a_timeout_waits_with_124_as_timeout1_does() -> None:
+    assert core.wait_exit_code(143, "timeout") == 124
+    assert core.wait_exit_code(None, "timeout") == 124
+    assert core.wait_exit_code(143, "failed") == 143
+
+
+@pytest.mark.parametrize(
+    ("deadline", "stopped_at", "ended_at", "now", "timed_out"),
+    [
+        (None, None, None, 100.0, False),  # no limit
+        (50.0, 40.0, None, 45.0, True),  # the gate stopped it: its record decides
+        (50.0, None, 49.0, 200.0, False),  # ended (status written) before its deadline
+        (50.0, None, 50.0, 200.0, True),  # ended at the deadline: systemd's backstop
+        (50.0, None, None, 49.0, False),  # no status, and the deadline not yet reached
+        (50.0, None, None, 51.0, True),  # no status, found after the deadline
+    ],
+)
+def test_timed_out_from_the_gates_record_or_the_turns_end(
+    deadline: float | None,
+    stopped_at: float | None,
+    ended_at: float | None,
+    now: float,
+    timed_out: bool,
+) -> None:
+    assert core.timed_out(deadline, stopped_at=stopped_at, ended_at=ended_at, now=now) is timed_out

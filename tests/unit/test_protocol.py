@@ -44,7 +44,10 @@ def socket_dir() -> Iterator[Path]:
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=protocol.INT_MIN, max_value=protocol.INT_MAX)
+    | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
     max_leaves=12,
 )
@@ -90,6 +93,56 @@ def test_decode_refuses_non_objects(line: bytes) -> None:
 def test_decode_refuses_bad_json(line: bytes) -> None:
     with pytest.raises(ProtocolError, match="not a JSON line"):
         protocol.decode(line)
+
+
+def deep(levels: int, inner: bytes = b"1") -> bytes:
+    return b"[" * levels + inner + b"]" * levels
+
+
+@pytest.mark.parametrize(
+    ("line", "start"),
+    [
+        (b'{"v":1,"op":"retry","ids":[1208925819614629174706176]}', "ids[0]: 120892581961"),
+        (b'{"v":1,"ids":[1,9223372036854775808]}', "ids[1]: 9223372036854775808 is outside"),
+        (b'{"v":1,"ids":[-9223372036854775809]}', "ids[0]: -9223372036854775809 is outside"),
+        (b'{"v":1,"ids":[' + b"9" * 5000 + b"]}", "ids[0]: 999999999999...9999 (5000 digits)"),
+        (b'{"v":1,"interrupt":NaN}', "interrupt: NaN is not a finite number"),
+        (b'{"v":1,"wait":Infinity}', "wait: Infinity is not a finite number"),
+        (b'{"v":1,"a":{"b":[-Infinity]}}', "a.b[0]: -Infinity is not a finite number"),
+        (b'{"v":1,"x":1e400}', "x: inf is not a finite number"),
+        (
+            b'{"v":1,"x":' + deep(20) + b"}",
+            "x[0][0][0][0][0][0][0][0][0][0][0][0][0][0][0]: nested",
+        ),
+        (b'{"v":1,"op":"ping","x":' + deep(200_000) + b"}", "x: nested deeper than 16 levels"),
+        (b'{"v":1,"k\\"ey":' + deep(200_000) + b"}", 'k"ey: nested deeper than 16 levels'),
+        (deep(200_000), "the request: nested deeper than 16 levels"),
+    ],
+)
+def test_decode_refuses_what_the_gate_must_not_take_naming_the_field(
+    line: bytes, start: str
+) -> None:
+    with pytest.raises(DataError) as caught:
+        protocol.decode(line)
+    assert caught.value.exit_code == EX_DATAERR
+    assert caught.value.message.startswith(start), caught.value.message
+
+
+def test_decode_takes_the_64_bit_extremes_and_shallow_nesting() -> None:
+    line = b'{"v":1,"ids":[-9223372036854775808,9223372036854775807],"x":' + deep(14) + b"}"
+    assert protocol.decode(line)["ids"] == [protocol.INT_MIN, protocol.INT_MAX]
+
+
+BEYOND_64_BITS = st.integers(min_value=protocol.INT_MAX + 1) | st.integers(
+    max_value=protocol.INT_MIN - 1
+)
+
+
+@given(st.text(min_size=1, max_size=10).filter(lambda k: k != "v"), BEYOND_64_BITS)
+def test_every_integer_beyond_64_bits_is_refused_by_name(key: str, number: int) -> None:
+    with pytest.raises(DataError) as caught:
+        protocol.decode(json.dumps({"v": 1, key: [number]}).encode())
+    assert caught.value.message.startswith(f"{key}[0]: ")
 
 
 def test_an_error_reply_becomes_the_same_error_on_the_client() -> None:

@@ -104,6 +104,35 @@ def test_add_deliveries_is_all_or_nothing(store: Store) -> None:
     assert [row.mind for row in store.pending()] == ["a", "d"]
 
 
+def test_a_full_database_refuses_a_batch_by_its_cause_and_recovers(store: Store) -> None:
+    add(store, ("a", "main"))
+    pages = store.db.execute("PRAGMA page_count").fetchone()[0]
+    store.db.execute(f"PRAGMA max_page_count = {pages}")  # what a full disk does to SQLite
+    big = [("b", "main", b"x" * 200_000, False)]
+    # SQLite rolled the transaction back itself: the error is the full disk, not a
+    # failed second ROLLBACK that would hide it.
+    with pytest.raises(sqlite3.OperationalError, match="database or disk is full"):
+        store.add_deliveries(big, now=NOW)
+    assert [row.mind for row in store.pending()] == ["a"]
+    store.db.execute(f"PRAGMA max_page_count = {pages * 1000}")  # space is back
+    assert store.add_deliveries(big, now=NOW) == [2]
+
+
+def test_a_commit_that_fails_leaves_no_transaction_open(store: Store) -> None:
+    # A deferred constraint fails at COMMIT, as a full disk can, and SQLite then leaves
+    # the transaction open: every later BEGIN would fail, and the queue with it.
+    store.db.execute("PRAGMA foreign_keys = ON")
+    store.db.execute("CREATE TABLE parent (id INTEGER PRIMARY KEY)")
+    store.db.execute(
+        "CREATE TABLE child (parent INTEGER REFERENCES parent(id) DEFERRABLE INITIALLY DEFERRED)"
+    )
+    with pytest.raises(sqlite3.IntegrityError), store._tx():
+        store.db.execute("INSERT INTO child VALUES (7)")
+    assert not store.db.in_transaction
+    add(store, ("a", "main"))
+    assert [row.mind for row in store.pending()] == ["a"]
+
+
 def test_rows_survive_reopening(tmp_path: Path) -> None:
     path = tmp_path / "queue.sqlite3"
     first = Store(path)

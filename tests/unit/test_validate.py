@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from volutectl import validate
+from volutectl import protocol, validate
 from volutectl.config import Settings
-from volutectl.errors import EX_DATAERR, EX_NOUSER, VoluteError
+from volutectl.errors import EX_DATAERR, EX_NOUSER, EX_USAGE, VoluteError
 
 SETTINGS = Settings(
     minds={"mimsy": {"command": "true"}, "pip": {"command": ["true"]}},  # type: ignore[dict-item]
@@ -25,8 +27,19 @@ def code(request: dict[str, Any]) -> int:
 
 
 def test_a_good_delivery_comes_back_typed() -> None:
-    got = validate.delivery(SETTINGS, {"mind": "mimsy", "message": "héllo", "interrupt": 1})
+    got = validate.delivery(SETTINGS, {"mind": "mimsy", "message": "héllo", "interrupt": True})
     assert got == ("mimsy", "main", "héllo".encode(), True)
+    got = validate.delivery(SETTINGS, {"mind": "pip", "session": "s", "message": "", "wait": True})
+    assert got == ("pip", "s", b"", False)
+
+
+@pytest.mark.parametrize("field", ["interrupt", "wait"])
+@pytest.mark.parametrize("value", [1, 0, "yes", "true", None, 1.0, [], {}])
+def test_flags_are_booleans_and_nothing_is_coerced(field: str, value: object) -> None:
+    with pytest.raises(VoluteError) as raised:
+        validate.delivery(SETTINGS, {"mind": "mimsy", "message": "x", field: value})
+    assert raised.value.exit_code == EX_DATAERR
+    assert raised.value.message.startswith(f"{field}: must be true or false")
 
 
 @pytest.mark.parametrize(
@@ -58,10 +71,16 @@ def test_the_size_limit_counts_utf8_bytes_not_characters() -> None:
     assert code({"mind": "pip", "message": "é" * 6}) == EX_DATAERR
 
 
-@given(st.dictionaries(st.text(max_size=8), st.one_of(st.none(), st.integers(), st.text(),
-                                                     st.lists(st.integers()))))  # fmt: skip
+FIELDS = ["op", "mind", "session", "message", "interrupt", "wait", "states", "ids", "path"]
+VALUES = st.none() | st.booleans() | st.integers() | st.floats() | st.text()
+
+
+@given(st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8),
+                       VALUES | st.lists(VALUES, max_size=3)
+                       | st.dictionaries(st.text(max_size=3), VALUES, max_size=2)))  # fmt: skip
 def test_no_request_raises_anything_but_a_volute_error(request_: dict[str, Any]) -> None:
     for check in (
+        validate.op,
         lambda r: validate.delivery(SETTINGS, r),
         validate.queue_states,
         validate.delivery_ids,
@@ -88,6 +107,115 @@ def test_queue_states_ids_and_paths() -> None:
     assert validate.repository_path({"path": "/srv/repo/.git"}) == "/srv/repo/.git"
     with pytest.raises(VoluteError):
         validate.repository_path({"path": "relative/.git"})
+    for bad_path in ("/srv/\0", None, 5):
+        with pytest.raises(VoluteError, match="^path: "):
+            validate.repository_path({"path": bad_path})
+
+
+def test_each_refusal_names_its_field() -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"message": "x"}, "mind: missing"),
+        ({"mind": ["m"], "message": "x"}, "mind: must be a string, not an array"),
+        ({"mind": "mimsy", "session": 3, "message": "x"}, "session: must be a string"),
+        ({"mind": "mimsy"}, "message: missing"),
+        ({"mind": "mimsy", "message": {"a": 1}}, "message: must be a string, not an object"),
+        ({"mind": "mimsy", "message": "x", "interrupt": None}, "interrupt: must be true or false"),
+    ]
+    for request_, start in cases:
+        with pytest.raises(VoluteError) as raised:
+            validate.delivery(SETTINGS, request_)
+        assert raised.value.message.startswith(start), raised.value.message
+    with pytest.raises(VoluteError, match=r"^states\[1\]: 'nope' is not one of"):
+        validate.queue_states({"states": ["done", "nope"]})
+    with pytest.raises(VoluteError, match=r"^states: must be an array"):
+        validate.queue_states({"states": "done"})
+    with pytest.raises(VoluteError, match=r"^ids\[1\]: a delivery id is an integer, not a number"):
+        validate.delivery_ids({"ids": [1, 2.0]})
+    with pytest.raises(VoluteError, match=r"^ids\[0\]: delivery ids start at 1, not 0"):
+        validate.delivery_ids({"ids": [0]})
+
+
+def test_the_op_is_a_known_string() -> None:
+    assert [validate.op({"op": name}) for name in protocol.OPS] == list(protocol.OPS)
+    for request_, code_, start in [
+        ({}, EX_DATAERR, "op: missing"),
+        ({"op": None}, EX_DATAERR, "op: missing"),
+        ({"op": 5}, EX_DATAERR, "op: must be a string, not an integer"),
+        ({"op": "frobnicate"}, EX_USAGE, "op: unknown request 'frobnicate'"),
+    ]:
+        with pytest.raises(VoluteError) as raised:
+            validate.op(request_)
+        assert (raised.value.exit_code, raised.value.message[: len(start)]) == (code_, start)
+
+
+def fake_git_dir(path: Path) -> Path:
+    """The shape register_repo asks for: HEAD, objects/ and refs/."""
+    (path / "objects").mkdir(parents=True)
+    (path / "refs").mkdir()
+    (path / "HEAD").write_text("ref: refs/heads/main\n")
+    return path
+
+
+def test_a_git_common_dir_of_ones_own_is_accepted_resolved(tmp_path: Path) -> None:
+    git = fake_git_dir(tmp_path / "repo" / ".git")
+    (tmp_path / "link").symlink_to(git)
+    assert validate.git_common_dir(str(git), os.getuid()) == git
+    assert validate.git_common_dir(str(tmp_path / "link"), os.getuid()) == git
+
+
+def test_a_git_dir_of_another_user_is_refused(tmp_path: Path) -> None:
+    git = fake_git_dir(tmp_path / ".git")
+    owner = os.getuid()
+    if owner == 0:  # root's own would be accepted: give it to somebody else
+        os.chown(git, 65534, 65534)
+        owner = 65534
+    assert validate.git_common_dir(str(git), owner) == git
+    with pytest.raises(VoluteError, match=f"belongs to uid {owner}") as raised:
+        validate.git_common_dir(str(git), owner + 1)  # neither its owner nor root
+    assert raised.value.exit_code == EX_DATAERR
+    # Root, who may read and watch any tree anyway, may register anyone's.
+    assert validate.git_common_dir(str(git), 0) == git
+
+
+def test_kernel_filesystems_are_refused_wherever_a_symlink_points(tmp_path: Path) -> None:
+    shm = fake_git_dir(Path("/dev/shm") / f"volute-test-{os.getpid()}")
+    try:
+        (tmp_path / "to-shm").symlink_to(shm)
+        (tmp_path / "to-proc").symlink_to("/proc/self")
+        for path, under in [
+            ("/proc/self", "/proc"),
+            ("/proc", "/proc"),
+            ("/sys/kernel", "/sys"),
+            (str(shm), "/dev"),
+            (str(tmp_path / "to-shm"), "/dev"),
+            (str(tmp_path / "to-proc"), "/proc"),
+        ]:
+            with pytest.raises(VoluteError, match=f"is under {under},") as raised:
+                validate.git_common_dir(path, os.getuid())
+            assert raised.value.exit_code == EX_DATAERR
+    finally:
+        for name in ("HEAD", "objects", "refs"):
+            target = shm / name
+            target.unlink() if target.is_file() else target.rmdir()
+        shm.rmdir()
+
+
+def test_what_is_not_a_git_common_dir_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "HEAD").write_text("ref: refs/heads/main\n")  # a worktree's git dir looks so
+    for path, reason in [
+        ("/", "not a git common directory"),
+        (str(tmp_path), "not a git common directory"),
+        (str(half), "not a git common directory"),
+        (str(tmp_path / "file"), "not a directory"),
+        (str(tmp_path / "gone"), "No such file or directory"),
+    ]:
+        with pytest.raises(VoluteError, match=reason) as raised:
+            validate.git_common_dir(path, os.getuid())
+        assert raised.value.exit_code == EX_DATAERR
+        assert raised.value.message.startswith(f"path: {path}")
 
 
 def test_request_ids_are_128_bits_of_lowercase_hex_or_absent() -> None:

@@ -1,0 +1,167 @@
+"""A kill storm: clients deliver while the gate's whole cgroup is SIGKILLed at random.
+
+Used by tests/system/test_faults.py (30 kills) and by bench/gate_kills.py (50, by hand).
+Inside a booted container with the gate installed (tests/system/gate_fixture.py):
+
+- N minds run fault-probe (tests/system/faults_fixture.py): each turn holds a while,
+  takes its inbox, and exits 1 once in `fail_one_in` turns, so failures are retried;
+- C clients deliver in closed loops (`volutectl deliver`, its default --timeout),
+  logging each exit code and acknowledged id;
+- the gate is killed as `systemctl kill --signal=SIGKILL` does (every process of its
+  cgroup, a turn's child forked a moment ago included) `kills` times, at random moments,
+  each once the restarted gate answers again;
+- a sampler lists the turn scopes that hold a process, every ~2 ms, from systemd.
+
+`run()` returns the raw record; `verdict()` turns it into the figures asserted and
+reported: acknowledged, refused, lost, run twice, dead, drain time, caps, empty scopes.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from tests.machine import Machine
+from tests.system.faults_fixture import (
+    fast_restarts,
+    gate_pid,
+    install_fault_probe,
+    successful_runs,
+)
+from tests.system.gate_fixture import (
+    VOLUTECTL,
+    Sampler,
+    gate_config,
+    live_turn_scopes,
+    queue_rows,
+    start_gate,
+    turn_log,
+)
+
+CLIENT = """#!/bin/sh
+# chaos-client K N: deliver to mind m(i % N), session cK, until /var/tmp/chaos.stop exists.
+k=$1 n=$2 i=0
+while [ ! -e /var/tmp/chaos.stop ]; do
+  out=$({volutectl} deliver "m$((i % n))" --session "c$k" -m "c$k-$i" 2>>/var/tmp/chaos-$k.err)
+  echo "$i $? $out" >> /var/tmp/chaos-$k.log
+  i=$((i + 1))
+  sleep 0.05
+done
+"""
+
+
+@dataclass
+class Storm:
+    kills: int
+    minds: int = 12
+    clients: int = 3
+    cap: int = 2
+    hold: float = 0.3
+    fail_one_in: int = 7
+    pause: tuple[float, float] = (0.1, 0.8)  # between a gate answering and the next kill
+    seed: int | None = None
+    record: dict[str, object] = field(default_factory=dict)
+
+
+def run(machine: Machine, storm: Storm, drain_timeout: float = 120.0) -> dict[str, object]:
+    rng = random.Random(storm.seed)
+    install_fault_probe(machine)
+    machine.write("/usr/local/bin/chaos-client", CLIENT.format(volutectl=VOLUTECTL), mode=0o755)
+    fast_restarts(machine)
+    minds = {f"m{i}": f"fault-probe {storm.hold} {storm.fail_one_in}" for i in range(storm.minds)}
+    start_gate(
+        machine,
+        gate_config(
+            minds,
+            limits={"global_concurrent_turns": storm.cap},
+            gate={"backoff_initial_seconds": 0.1, "backoff_max_seconds": 1.0,
+                  "max_attempts": 100},
+        ),
+    )  # fmt: skip
+    sampler = Sampler(machine)
+    clients = [
+        machine.popen(["/usr/local/bin/chaos-client", str(k), str(storm.minds)])
+        for k in range(storm.clients)
+    ]
+    pids = [gate_pid(machine)]
+    started = time.monotonic()
+    for _ in range(storm.kills):
+        time.sleep(rng.uniform(*storm.pause))
+        machine.run(["systemctl", "kill", "--signal=SIGKILL", "volute-gate.service"])
+        pids.append(_wait_restarted(machine, pids[-1]))
+    last_kill = time.monotonic()
+    machine.write("/var/tmp/chaos.stop", "")
+    for client in clients:
+        client.wait(timeout=120)
+    drained = _wait_drained(machine, drain_timeout)
+    seen = sampler.stop()
+    storm.record = {
+        "kills": storm.kills,
+        "gate_pids": len(set(pids)),
+        "storm_seconds": round(last_kill - started, 1),
+        "drain_seconds": round(drained - last_kill, 1) if drained else None,
+        "client_results": _client_results(machine, storm.clients),
+        "samples": seen,
+        "turn_log": turn_log(machine),
+        "dead": queue_rows(machine, "dead"),
+        "live_scopes_after": live_turn_scopes(machine),
+    }
+    return storm.record
+
+
+def _wait_restarted(machine: Machine, old: int, timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = gate_pid(machine)
+        if pid not in (0, old):
+            answer = machine.run([VOLUTECTL, "status", "--json"], check=False)
+            if answer.returncode == 0:
+                return pid
+        time.sleep(0.02)
+    raise AssertionError(f"the gate did not come back within {timeout} s of a kill")
+
+
+def _wait_drained(machine: Machine, timeout: float) -> float | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not queue_rows(machine, "pending", "running"):
+            return time.monotonic()
+        time.sleep(0.2)
+    return None
+
+
+def _client_results(machine: Machine, clients: int) -> list[tuple[int, int | None]]:
+    """(exit code, acknowledged id or None) of every deliver the clients ran."""
+    results = []
+    for k in range(clients):
+        path = machine.host_path(f"/var/tmp/chaos-{k}.log")
+        for line in path.read_text().splitlines():
+            fields = line.split()
+            code = int(fields[1])
+            results.append((code, int(fields[2]) if code == 0 and len(fields) > 2 else None))
+    return results
+
+
+def verdict(record: dict[str, object]) -> dict[str, object]:
+    results: list[tuple[int, int | None]] = record["client_results"]  # type: ignore[assignment]
+    acked = [delivery for code, delivery in results if code == 0 and delivery is not None]
+    refused = [code for code, _ in results if code != 0]
+    counts = successful_runs(record["turn_log"])  # type: ignore[arg-type]
+    samples: dict[str, object] = record["samples"]  # type: ignore[assignment]
+    per_mind: dict[str, int] = samples["max_per_mind"]  # type: ignore[assignment]
+    return {
+        "kills": record["kills"],
+        "acknowledged": len(acked),
+        "refused": len(refused),
+        "refusal_codes": sorted(set(refused)),
+        "lost": sorted(i for i in acked if counts[i] == 0),
+        "ran_twice": sorted(i for i in acked if counts[i] > 1),
+        "dead": len(record["dead"]),  # type: ignore[arg-type]
+        "drain_seconds": record["drain_seconds"],
+        "max_turns": samples["max_turns"],
+        "max_per_mind": max(per_mind.values(), default=0),
+        "samples": samples["samples"],
+        "empty_scopes_seen": len(samples["empty_seen"]),  # type: ignore[arg-type]
+        "live_scopes_after": record["live_scopes_after"],
+    }

@@ -1,0 +1,107 @@
+"""Helpers for the fault tests: a turn command that logs its exit code, drop-ins that arm
+crash points and speed up restarts, and the exactly-once check over the turn log."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from tests.machine import Machine
+from tests.system.gate_fixture import VOLUTECTL, live_turn_scopes, wait_for
+
+# fault-probe SECONDS [FAIL_ONE_IN]: hold the turn, take the inbox, then exit 0, or 1
+# once in FAIL_ONE_IN turns (random). Logs "start M S T ids", "took M S T id" and
+# "end M S T rc" to /var/tmp/turns.log.
+FAULT_PROBE = r"""#!/bin/sh
+log=/var/tmp/turns.log
+hold=${1:-0.2}
+one_in=${2:-0}
+ids=$(sed -n 's/.*"id": *\([0-9][0-9]*\).*/\1/p' | tr '\n' ' ')
+echo "start $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $ids" >> $log
+end=$(( $(date +%s%3N) + $(echo "$hold" | awk '{printf "%d", $1 * 1000}') ))
+take() {
+  for f in "$VOLUTE_INBOX"/*.json; do
+    [ -e "$f" ] || continue
+    id=$(basename "$f" .json)
+    rm -f "$f" && echo "took $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $id" >> $log
+  done
+}
+while [ "$(date +%s%3N)" -lt "$end" ]; do take; sleep 0.02; done
+take
+rc=0
+if [ "$one_in" -gt 0 ] && [ $(( $(od -An -N2 -tu2 /dev/urandom) % one_in )) -eq 0 ]; then
+  rc=1
+fi
+echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $rc" >> $log
+exit $rc
+"""
+
+DROPIN = "/etc/systemd/system/volute-gate.service.d/faults.conf"
+
+
+def install_fault_probe(machine: Machine) -> None:
+    machine.write("/usr/local/bin/fault-probe", FAULT_PROBE, mode=0o755)
+    machine.run(["sh", "-c", ": > /var/tmp/turns.log; chmod 666 /var/tmp/turns.log"])
+
+
+def fast_restarts(machine: Machine, **environment: str) -> None:
+    """A drop-in: restart the gate 100 ms after it dies, with no start limit, and with
+    the given environment (e.g. VOLUTE_CRASH_AT)."""
+    lines = ["[Unit]", "StartLimitIntervalSec=0", "[Service]", "RestartSec=100ms"]
+    lines += [f"Environment={name}={value}" for name, value in environment.items()]
+    machine.write(DROPIN, "\n".join(lines) + "\n")
+    machine.run(["systemctl", "daemon-reload"])
+
+
+def gate_pid(machine: Machine) -> int:
+    out = machine.run(["systemctl", "show", "-p", "MainPID", "--value", "volute-gate.service"])
+    return int(out.stdout.strip() or 0)
+
+
+def wait_gate_up(machine: Machine, timeout: float = 30) -> int:
+    """Wait until the gate answers on its socket; return its PID."""
+
+    def answers() -> bool:
+        return machine.run([VOLUTECTL, "status", "--json"], check=False).returncode == 0
+
+    wait_for(answers, timeout=timeout, interval=0.1)
+    return gate_pid(machine)
+
+
+def turns_by_outcome(log: list[list[str]]) -> dict[int, tuple[list[int], int | None]]:
+    """turn id -> (delivery ids it received, its exit code or None if it logged no end)."""
+    received: dict[int, list[int]] = collections.defaultdict(list)
+    ended: dict[int, int] = {}
+    for fields in log:
+        if fields[0] == "start":
+            received[int(fields[3])] += [int(x) for x in fields[4:]]
+        elif fields[0] == "took":
+            received[int(fields[3])].append(int(fields[4]))
+        elif fields[0] == "end":
+            ended[int(fields[3])] = int(fields[4])
+    return {turn: (ids, ended.get(turn)) for turn, ids in received.items()}
+
+
+def successful_runs(log: list[list[str]]) -> collections.Counter[int]:
+    """How many turns that exited 0 each delivery id reached."""
+    counts: collections.Counter[int] = collections.Counter()
+    for ids, rc in turns_by_outcome(log).values():
+        if rc == 0:
+            counts.update(ids)
+    return counts
+
+
+def assert_exactly_once(log: list[list[str]], acknowledged: list[int]) -> None:
+    counts = successful_runs(log)
+    missing = [i for i in acknowledged if counts[i] == 0]
+    twice = {i: n for i, n in counts.items() if n > 1}
+    assert not missing, f"acknowledged but never ran successfully: {missing}"
+    assert not twice, f"ran successfully more than once: {twice}"
+
+
+def assert_no_live_turn_scopes(machine: Machine, timeout: float = 15) -> None:
+    """Once everything settled, no turn scope is left active (empty or not)."""
+    deadline = time.monotonic() + timeout
+    while live_turn_scopes(machine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert live_turn_scopes(machine) == []

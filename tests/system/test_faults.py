@@ -1,0 +1,295 @@
+"""The gate against faults, on a real systemd: crashes at each step of a turn, a scope
+left around a dead process, time limits, interrupts across a restart, and systemd
+re-executing itself under running turns.
+
+What every test here checks, from systemd's and the turns' own records rather than the
+gate's: nothing acknowledged is lost, nothing runs twice (counted in turns that exited
+0), the queue drains, held rows gain no attempt, and no turn scope is left active.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.conftest import REPO, VENV_BIN
+from tests.machine import Machine
+from tests.system import chaos
+from tests.system.faults_fixture import (
+    assert_exactly_once,
+    assert_no_live_turn_scopes,
+    fast_restarts,
+    gate_pid,
+    install_fault_probe,
+    turns_by_outcome,
+    wait_gate_up,
+)
+from tests.system.gate_fixture import (
+    VOLUTECTL,
+    Sampler,
+    all_settled,
+    deliver,
+    gate_config,
+    journal,
+    live_turn_scopes,
+    queue_rows,
+    start_gate,
+    turn_log,
+    wait_for,
+)
+
+pytestmark = pytest.mark.system
+
+FAST_RETRIES = {"backoff_initial_seconds": 0.2, "backoff_max_seconds": 1.0, "max_attempts": 50}
+
+# The steps of a turn's start, fold and end, in order (volutectl.faults.POINTS, less the
+# request's own point, which tests/system/test_socket.py covers).
+TURN_POINTS = [
+    "start_committed",
+    "forked",
+    "scope_started",
+    "released",
+    "release_recorded",
+    "fold_committed",
+    "inbox_written",
+    "settled",
+]
+
+
+@pytest.mark.parametrize("point", TURN_POINTS)
+def test_a_sigkill_of_the_gates_cgroup_at_each_step_loses_nothing(
+    machine: Machine, point: str
+) -> None:
+    install_fault_probe(machine)
+    fast_restarts(machine, VOLUTE_CRASH_AT=point, VOLUTE_CRASH_ONCE="/var/tmp/crashed")
+    start_gate(machine, gate_config({"m": "fault-probe 1.0"}, gate=FAST_RETRIES))
+    first = gate_pid(machine)
+    sampler = Sampler(machine)
+    acked = [deliver(machine, "m", "one", "--session", "s")]
+    if point in ("fold_committed", "inbox_written"):
+        wait_for(lambda: any(f[0] == "start" for f in turn_log(machine)))
+        acked.append(deliver(machine, "m", "two", "--session", "s"))
+    wait_for(lambda: machine.host_path("/var/tmp/crashed").exists(), timeout=30)
+    assert wait_gate_up(machine) != first  # it really died, and came back
+    wait_for(lambda: all_settled(machine), timeout=60, interval=0.2)
+    seen = sampler.stop()
+
+    assert_exactly_once(turn_log(machine), acked)
+    rows = queue_rows(machine, "done")
+    assert sorted(int(r["id"]) for r in rows) == sorted(acked)  # type: ignore[call-overload]
+    assert all(r["attempts"] == 0 for r in rows), rows  # a crash is never the turn's failure
+    assert seen["max_turns"] <= 1
+    assert_no_live_turn_scopes(machine)
+    # The restarted gate left no turn directory behind.
+    assert machine.run(["ls", "/run/volute/turns"]).stdout.split() == []
+
+
+WEDGE = """
+import os, sys, time
+from pathlib import Path
+from volutectl import names
+from volutectl.store import Store
+from volutectl.systemd import Manager, ScopeProperties
+
+# What a gate SIGKILLed with its whole cgroup between the fork and the scope leaves:
+# the turn and its delivery committed as running, and a scope started around a child
+# that had already died (a zombie when systemd moved it): active, and empty for ever.
+store = Store(Path("/var/lib/volute/queue.sqlite3"))
+[delivery] = store.add_deliveries([("m", "s", b"stranded", False)])
+turn, _ = store.start_turn("m", "s", lambda t: names.turn_scope_name("m", t), [delivery],
+                           time.time())
+store.close()
+manager = Manager.connect()
+
+def wedge(unit):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    time.sleep(0.1)
+    manager.start_scope(unit, [pid], ScopeProperties(slice="volute-turns.slice"))
+
+wedge(names.turn_scope_name("m", turn))
+wedge("volute-turn-other-99999.scope")  # and one the store does not know at all
+print(delivery, turn, names.turn_scope_name("m", turn))
+"""
+
+
+def test_a_scope_around_a_dead_process_is_stopped_and_its_turn_settled(
+    machine: Machine,
+) -> None:
+    install_fault_probe(machine)
+    config = gate_config(
+        {"m": "fault-probe 0.2", "other": "fault-probe 0.2"},
+        limits={"global_concurrent_turns": 1},
+    )
+    start_gate(machine, config)
+    machine.run(["systemctl", "stop", "volute-gate.service"])
+    out = machine.run(
+        [str(VENV_BIN / "python"), "-c", WEDGE], env={"PYTHONPATH": str(REPO)}
+    ).stdout.split()
+    stranded, unit = int(out[0]), out[2]
+    # systemd itself shows the wedge: active, and no process in it.
+    state = machine.run(["systemctl", "show", "-p", "ActiveState", "--value", unit]).stdout
+    assert state.strip() == "active"
+    assert sorted(live_turn_scopes(machine)) == sorted([unit, "volute-turn-other-99999.scope"])
+
+    machine.run(["systemctl", "start", "volute-gate.service"])
+    other = deliver(machine, "other", "not blocked by the orphan", "--session", "s")
+    wait_for(lambda: all_settled(machine), timeout=30, interval=0.2)
+
+    assert_exactly_once(turn_log(machine), [stranded, other])
+    rows = {int(r["id"]): r for r in queue_rows(machine, "done")}  # type: ignore[call-overload]
+    assert rows[stranded]["attempts"] == 0  # its command never ran: not a failure
+    assert_no_live_turn_scopes(machine)
+    log = journal(machine)
+    assert f"{unit} is active but holds no process" in log, log
+    assert "volute-turn-other-99999.scope is active but holds no process" in log, log
+
+
+def test_a_turn_over_its_time_limit_is_stopped_retried_and_reported_as_timeout(
+    machine: Machine,
+) -> None:
+    # "stubborn" ignores SIGTERM, so only the SIGKILL after the grace stops it; "polite"
+    # exits on SIGTERM, and its wrapper records the status.
+    config = gate_config(
+        {
+            "stubborn": "trap '' TERM; sleep 60",
+            "polite": "trap 'exit 143' TERM; sleep 60 & wait",
+        },
+        turns={"max_runtime_seconds": 1.0, "timeout_grace_seconds": 1.0},
+        gate={"backoff_initial_seconds": 0.3, "backoff_max_seconds": 0.3, "max_attempts": 2},
+    )
+    start_gate(machine, config)
+    started = time.monotonic()
+    waited = machine.run([VOLUTECTL, "deliver", "stubborn", "-m", "x", "--wait"], check=False)
+    first_turn = time.monotonic() - started
+    assert waited.returncode == 124, waited.stderr  # as timeout(1) exits
+    assert "timeout" in waited.stderr
+    # 1 s of runtime, then 1 s of grace before SIGKILL: not the 60 s it asked for.
+    assert first_turn < 10, first_turn
+    polite = deliver(machine, "polite", "y")
+
+    def both_dead() -> bool:
+        return len(queue_rows(machine, "dead")) == 2
+
+    wait_for(both_dead, timeout=30, interval=0.2)  # retried once after a backoff, then dead
+    for row in queue_rows(machine, "dead"):
+        assert row["attempts"] == 2
+        assert "ran past its time limit" in str(row["last_error"]), row
+    by_id = {int(r["id"]): r for r in queue_rows(machine, "dead")}  # type: ignore[call-overload]
+    assert "exit status 143" in str(by_id[polite]["last_error"])
+    # The stubborn one was SIGKILLed with its wrapper: 128 + 9, from the gate's waitpid.
+    stubborn = next(r for i, r in by_id.items() if i != polite)
+    assert "exit status 137" in str(stubborn["last_error"])
+    log = journal(machine)
+    assert log.count("ran past its limit of 1 s") == 4, log
+    assert_no_live_turn_scopes(machine)
+
+
+def test_systemds_runtime_limit_stops_a_turn_while_no_gate_runs(machine: Machine) -> None:
+    config = gate_config(
+        {"hung": "sleep 60"},
+        turns={"max_runtime_seconds": 2.0, "timeout_grace_seconds": 1.0},
+        gate={"max_attempts": 1},
+    )
+    start_gate(machine, config)
+    stuck = deliver(machine, "hung", "z")
+    wait_for(lambda: bool(live_turn_scopes(machine)))
+    [unit] = live_turn_scopes(machine)
+    runtime_max = machine.run(["systemctl", "show", "-p", "RuntimeMaxUSec", "--value", unit])
+    assert runtime_max.stdout.strip() == "5s"  # 2 s limit + 1 s grace + 2 s margin
+    machine.run(["systemctl", "stop", "volute-gate.service"])  # turns live on
+    wait_for(lambda: not live_turn_scopes(machine), timeout=15)  # systemd's backstop
+    machine.run(["systemctl", "start", "volute-gate.service"])
+    wait_for(lambda: bool(queue_rows(machine, "dead")), timeout=15)
+    [row] = queue_rows(machine, "dead")
+    assert row["id"] == stuck
+    assert "ran past its time limit" in str(row["last_error"]), row
+
+
+INTERRUPTIBLE = r"""#!/bin/sh
+# Takes its inbox for 10 s; on SIGINT, logs it, takes what the interrupt brought, winds
+# down for 1.5 s, and exits 130.
+log=/var/tmp/turns.log
+ids=$(sed -n 's/.*"id": *\([0-9][0-9]*\).*/\1/p' | tr '\n' ' ')
+echo "start $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $ids" >> $log
+take() {
+  for f in "$VOLUTE_INBOX"/*.json; do
+    [ -e "$f" ] || continue
+    id=$(basename "$f" .json)
+    rm -f "$f" && echo "took $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $id" >> $log
+  done
+}
+trap 'echo "sigint $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID" >> $log; take; sleep 1.5;
+      echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID 130" >> $log; exit 130' INT
+i=0
+while [ $i -lt 500 ]; do take; sleep 0.02; i=$((i + 1)); done
+echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID 0" >> $log
+"""
+
+
+def test_an_interrupted_turn_still_counts_as_interrupted_after_a_gate_restart(
+    machine: Machine,
+) -> None:
+    machine.write("/usr/local/bin/interruptible", INTERRUPTIBLE, mode=0o755)
+    machine.run(["sh", "-c", ": > /var/tmp/turns.log; chmod 666 /var/tmp/turns.log"])
+    start_gate(machine, gate_config({"m": "interruptible"}, gate=FAST_RETRIES))
+    first = deliver(machine, "m", "carry on", "--session", "s")
+    wait_for(lambda: any(f[0] == "start" for f in turn_log(machine)))
+    second = deliver(machine, "m", "stop, read this", "--session", "s", "--interrupt")
+    wait_for(lambda: any(f[0] == "sigint" for f in turn_log(machine)))
+    # The gate restarts while the interrupted turn is still winding down.
+    machine.run(["systemctl", "restart", "volute-gate.service"])
+    wait_for(lambda: all_settled(machine), timeout=30, interval=0.2)
+
+    turns = turns_by_outcome(turn_log(machine))
+    assert len(turns) == 1, turns  # no retry: an interrupted turn did what it was asked
+    [(ids, code)] = turns.values()
+    assert sorted(ids) == [first, second] and code == 130
+    rows = queue_rows(machine, "done")
+    assert sorted(int(r["id"]) for r in rows) == [first, second]  # type: ignore[call-overload]
+    assert all(r["attempts"] == 0 for r in rows)
+    assert "interrupted, exited 130" in journal(machine)
+
+
+def test_systemd_reexecuting_and_reloading_under_running_turns(machine: Machine) -> None:
+    install_fault_probe(machine)
+    minds = {f"m{i}": "fault-probe 0.8" for i in range(6)}
+    start_gate(machine, gate_config(minds, limits={"global_concurrent_turns": 2}))
+    pid = gate_pid(machine)
+    sampler = Sampler(machine)
+    acked = [deliver(machine, mind, f"{mind}-{n}", "--session", f"s{n}") for n in range(2)
+             for mind in minds]  # fmt: skip
+    for command in ("daemon-reexec", "daemon-reload", "daemon-reexec"):
+        wait_for(lambda: bool(live_turn_scopes(machine)), timeout=10)
+        machine.run(["systemctl", command], timeout=60)
+        time.sleep(0.5)
+    wait_for(lambda: all_settled(machine), timeout=60, interval=0.2)
+    seen = sampler.stop()
+
+    assert gate_pid(machine) == pid  # the gate rode it out
+    assert_exactly_once(turn_log(machine), acked)
+    assert seen["max_turns"] <= 2
+    assert all(r["attempts"] == 0 for r in queue_rows(machine, "done"))
+    assert_no_live_turn_scopes(machine)
+    status = json.loads(machine.run([VOLUTECTL, "status", "--json"]).stdout)
+    assert status["active_turns"] == 0 and status["queue_depth"] == 0
+
+
+def test_a_storm_of_30_gate_kills_during_a_fan_out_loses_and_repeats_nothing(
+    machine: Machine,
+) -> None:
+    # 3 clients deliver to 12 minds in closed loops while the gate's whole cgroup is
+    # SIGKILLed 30 times at random; turns fail 1 time in 7 and are retried.
+    result = chaos.verdict(chaos.run(machine, chaos.Storm(kills=30, seed=11)))
+    assert result["acknowledged"] >= 100, result
+    assert result["refused"] == 0, result  # the socket is systemd's: clients wait, retry
+    assert result["lost"] == [], result
+    assert result["ran_twice"] == [], result
+    assert result["dead"] == 0, result
+    assert result["drain_seconds"] is not None and result["drain_seconds"] < 60, result
+    assert result["max_turns"] <= 2 and result["max_per_mind"] <= 1, result
+    assert result["samples"] > 1000, result
+    assert result["live_scopes_after"] == [], result

@@ -1,0 +1,176 @@
+"""The real Gate, in this process, on real sockets and a real SQLite file, driven step by
+step by the test: `Harness.pump()` calls gate.step() until what the test waits for has
+happened. systemd is tests/unit/fake_systemd.py; turns are real forked processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tests.unit.fake_gate import remove_tree, short_socket_dir
+from tests.unit.fake_systemd import FakeManager
+from volutectl.config import Settings
+from volutectl.daemon import Gate
+from volutectl.journal import Journal
+
+ME = pwd.getpwuid(os.getuid()).pw_name
+
+
+class RecordingJournal(Journal):
+    """The gate's journal, kept in a list for the test to read."""
+
+    def __init__(self) -> None:
+        super().__init__("volute-gate-test")
+        self.sock = None  # never the real journal
+        self.entries: list[tuple[str, str, dict[str, Any]]] = []
+
+    def log(self, level: str, message: str, **fields: Any) -> None:
+        self.entries.append((level, message, fields))
+
+    def messages(self, level: str | None = None) -> list[str]:
+        return [text for lvl, text, _ in self.entries if level is None or lvl == level]
+
+
+def gate_settings(
+    state: Path, socket_path: Path, *, minds: dict[str, str] | None = None, **gate: Any
+) -> Settings:
+    """Settings for a gate under `state`; minds map name -> shell command, run as us."""
+    commands = minds if minds is not None else {"mimsy": "true"}
+    return Settings(
+        gate={  # type: ignore[arg-type]
+            "socket": socket_path,
+            "socket_group": ME,
+            "state_dir": state / "state",
+            "runtime_dir": state / "run",
+            "watchdog": False,
+            **gate,
+        },
+        minds={name: {"command": command, "user": ME} for name, command in commands.items()},  # type: ignore[misc]
+    )
+
+
+class Peer:
+    """A client connection, non-blocking so that one thread can drive gate and client."""
+
+    def __init__(self, harness: Harness) -> None:
+        self.harness = harness
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(harness.socket_path))
+        self.sock.setblocking(False)
+        self.buffer = b""
+        self.eof = False
+
+    def send(self, data: bytes, timeout: float = 10.0) -> None:
+        """Send all of `data`, stepping the gate whenever the socket is full."""
+        view = memoryview(data)
+        deadline = time.monotonic() + timeout
+        while view:
+            try:
+                view = view[self.sock.send(view) :]
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the gate took no more after {timeout} s") from None
+                self.harness.step(0.01)
+
+    def request(self, message: dict[str, Any] | bytes, timeout: float = 10.0) -> dict[str, Any]:
+        line = message if isinstance(message, bytes) else json.dumps({"v": 1, **message}).encode()
+        self.send(line + b"\n")
+        return self.reply(timeout)
+
+    def _receive(self) -> None:
+        while not self.eof:
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except BlockingIOError:
+                return
+            except ConnectionResetError:
+                chunk = b""
+            if not chunk:
+                self.eof = True
+            self.buffer += chunk
+
+    def has_line(self) -> bool:
+        self._receive()
+        return b"\n" in self.buffer
+
+    def closed_by_gate(self) -> bool:
+        self._receive()
+        return self.eof
+
+    def reply(self, timeout: float = 10.0) -> dict[str, Any]:
+        self.harness.pump(lambda: self.has_line() or self.eof, timeout)
+        if b"\n" not in self.buffer:
+            raise AssertionError("the gate closed the connection without a reply")
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Harness:
+    def __init__(self, tmp_path: Path, **options: Any) -> None:
+        self.socket_dir = short_socket_dir()
+        self.socket_path = self.socket_dir / "gate.sock"
+        self.settings = gate_settings(tmp_path, self.socket_path, **options)
+        self.journal = RecordingJournal()
+        self.manager = FakeManager()
+        self.gate = Gate(self.settings, manager=self.manager, journal=self.journal)
+        self.gate.open()
+        self.peers: list[Peer] = []
+        self.steps = 0
+
+    def step(self, timeout: float | None) -> None:
+        self.steps += 1
+        self.gate.step(timeout)
+
+    def pump(self, until: Callable[[], bool], timeout: float = 10.0, tick: float = 0.02) -> None:
+        """Step the gate until `until()` holds; fail after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not until():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout} s waiting for {until}")
+            self.step(tick)
+
+    def run_for(self, seconds: float) -> None:
+        """Step as the real loop does (sleeping until the gate's own deadline), for a while."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            timeout = self.gate._timeout()
+            self.step(left if timeout is None else min(timeout, left))
+
+    def connect(self) -> Peer:
+        peer = Peer(self)
+        self.peers.append(peer)
+        return peer
+
+    def deliver_ok(self, peer: Peer | None = None, mind: str = "mimsy") -> int:
+        """A good request: deliver a message, get its id, and find its row in the store."""
+        peer = peer or self.connect()
+        reply = peer.request({"op": "deliver", "mind": mind, "message": "good"})
+        assert reply.get("ok") is True and type(reply.get("id")) is int, reply
+        assert self.gate.store is not None
+        assert self.gate.store.row(reply["id"]) is not None
+        return int(reply["id"])
+
+    def close(self) -> None:
+        for peer in self.peers:
+            peer.close()
+        children = [turn.child.pid for turn in self.gate.turns.turns.values() if turn.child]
+        self.gate.close()
+        for pid in children:  # turns outlive the gate; a test's turns must not
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        remove_tree(self.socket_dir)

@@ -1,0 +1,150 @@
+"""Clients that hold on: idle ones, ones that never read, more than gate.max_clients.
+
+The gate runs in-process (tests/unit/gate_harness.py), so the test sees its select()
+timeout and counts its steps: the gate must neither poll nor spin while it waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.unit.gate_harness import Harness
+from volutectl import daemon
+from volutectl.errors import EX_TEMPFAIL
+
+IDLE = 0.3
+
+
+@pytest.fixture
+def harness(tmp_path: Path) -> Iterator[Harness]:
+    opened = Harness(
+        tmp_path,
+        client_idle_seconds=IDLE,
+        max_clients=3,
+        minds={"mimsy": "true", "slow": "sleep 1.2"},
+    )
+    yield opened
+    opened.close()
+
+
+def until_closed(harness: Harness, peer_closed: object) -> float:
+    """Run the loop as `run()` does, until the predicate holds; the seconds it took."""
+    started = time.monotonic()
+    while not peer_closed():  # type: ignore[operator]
+        assert time.monotonic() - started < 5, "the gate never closed the connection"
+        harness.run_for(0.05)
+    return time.monotonic() - started
+
+
+def test_a_partial_line_that_never_ends_is_dropped_after_the_idle_time(harness: Harness) -> None:
+    assert harness.gate._timeout() is None  # no client: the gate may sleep for ever
+    peer = harness.connect()
+    peer.send(b'{"v":1,"op":"pi')
+    harness.pump(lambda: bool(harness.gate.clients))  # accepted
+    harness.step(0.01)  # and the partial line read
+    # The idle deadline is what select() sleeps until, not a polling tick.
+    timeout = harness.gate._timeout()
+    assert timeout is not None and 0 < timeout <= IDLE
+    steps = harness.steps
+    took = until_closed(harness, peer.closed_by_gate)
+    assert IDLE * 0.5 <= took <= IDLE + 1.0
+    assert harness.steps - steps <= 8  # a few wake-ups, never a busy loop
+    reply = peer.reply()
+    assert reply["code"] == EX_TEMPFAIL
+    assert reply["error"] == f"no complete request in {IDLE:g} s: closing the connection"
+    assert harness.gate.clients == {} and harness.gate.idle == {}
+    assert harness.gate._timeout() is None
+    harness.deliver_ok()
+
+
+def test_a_client_that_connects_and_sends_nothing_is_dropped_too(harness: Harness) -> None:
+    peer = harness.connect()
+    took = until_closed(harness, peer.closed_by_gate)
+    assert took <= IDLE + 1.0
+    assert peer.reply()["code"] == EX_TEMPFAIL
+
+
+def test_a_trickle_that_never_completes_a_line_is_still_dropped(harness: Harness) -> None:
+    peer = harness.connect()
+    started = time.monotonic()
+    for byte in b'{"v":1,"op":"ping","padding":"' + b"x" * 100:
+        if peer.closed_by_gate():
+            break
+        try:
+            peer.sock.send(bytes([byte]))
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        harness.run_for(0.05)  # one byte every 50 ms: always active, never complete
+    assert peer.closed_by_gate()
+    assert time.monotonic() - started <= IDLE + 1.0
+
+
+def test_a_client_that_sends_a_line_now_and_then_stays(harness: Harness) -> None:
+    peer = harness.connect()
+    for _ in range(4):
+        harness.run_for(IDLE * 0.6)
+        assert peer.request({"op": "ping"}) == {"v": 1, "ok": True}
+    assert not peer.closed_by_gate()
+
+
+def test_a_client_waiting_for_its_turn_is_not_idle(harness: Harness) -> None:
+    peer = harness.connect()
+    ack = peer.request({"op": "deliver", "mind": "slow", "message": "m", "wait": True})
+    assert ack["ok"] is True
+    assert harness.gate.idle == {}  # no idle deadline while it waits
+    started = time.monotonic()
+    harness.pump(peer.has_line, timeout=15)
+    assert time.monotonic() - started > IDLE  # it outlived the idle time, waiting
+    event = peer.reply()
+    assert (event["event"], event["id"], event["exit_code"]) == ("turn_ended", ack["id"], 0)
+    # Its wait is over: from now on it is a client like any other.
+    assert list(harness.gate.idle.values())[0].fd in harness.gate.clients
+    until_closed(harness, peer.closed_by_gate)
+
+
+def test_a_client_that_never_reads_is_dropped_without_blocking_the_gate(harness: Harness) -> None:
+    reader = harness.connect()
+    assert reader.request({"op": "ping"}) == {"v": 1, "ok": True}
+    flood = harness.connect()
+    request = b'{"v":1,"op":"status"}\n'
+    reply_size = len(daemon.protocol.encode({"ok": True, "status": harness.gate.status()}))
+    count = 2 * daemon.MAX_OUTBOX // reply_size + 1000  # twice what the gate will queue
+    started = time.monotonic()
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        flood.send(request * count)  # and it never reads a single reply
+    harness.pump(lambda: len(harness.gate.clients) == 1)  # only the reader is left
+    assert reader.request({"op": "ping"}) == {"v": 1, "ok": True}
+    assert time.monotonic() - started < 10
+    harness.deliver_ok(reader)
+    # What the flood finds when it finally reads: some replies, then the end.
+    while not flood.closed_by_gate():
+        time.sleep(0.01)
+    assert 0 < flood.buffer.count(b"\n") < count
+
+
+def test_clients_beyond_max_clients_wait_unaccepted_and_are_served_when_one_leaves(
+    harness: Harness,
+) -> None:
+    first = [harness.connect() for _ in range(3)]
+    for peer in first:
+        assert peer.request({"op": "ping"}) == {"v": 1, "ok": True}
+    late = harness.connect()  # connect() succeeds: it waits in the listen backlog
+    late.send(b'{"v":1,"op":"ping"}\n')
+    harness.run_for(0.2)
+    assert not late.has_line()
+    assert len(harness.gate.clients) == 3 and not harness.gate.accepting
+    # At the cap the listener is out of the selector: nothing is ready, nothing spins.
+    assert harness.gate.selector.select(0) == []
+    warnings = harness.journal.messages("warning")
+    assert any("3 connections are open (gate.max_clients)" in text for text in warnings)
+    first[0].close()
+    late_reply = late.reply(timeout=5)
+    assert late_reply == {"v": 1, "ok": True}
+    assert harness.gate.accepting is False  # three again: the late one took the place
+    first[1].close()
+    harness.deliver_ok()

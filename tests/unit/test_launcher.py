@@ -1,0 +1,78 @@
+"""The turn directory's records, on real files: what a fold offered and what the turn took.
+
+A fold is: commit, write inbox/.<id>.tmp, create .offered/<id>, rename to inbox/<id>.json.
+A gate killed anywhere in that sequence must leave a directory from which `not_taken`
+reads "never offered" (so the delivery goes back to the queue), never "taken" (which
+would mark it done without it having run).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+from pathlib import Path
+
+import pytest
+
+from volutectl import launcher
+
+
+def account() -> launcher.Account:
+    entry = pwd.getpwuid(os.getuid())
+    return launcher.Account(entry.pw_name, entry.pw_uid, entry.pw_gid, (), entry.pw_dir)
+
+
+@pytest.fixture
+def turn_dir(tmp_path: Path) -> launcher.TurnDir:
+    return launcher.make_turn_dir(tmp_path, 7, account(), b'{"id": 1}\n')
+
+
+def test_a_completed_offer_is_untaken_until_the_turn_takes_it(turn_dir: launcher.TurnDir) -> None:
+    launcher.offer(turn_dir, 5, b"{}\n", account())
+    assert (turn_dir.inbox / "5.json").read_bytes() == b"{}\n"
+    assert turn_dir.not_taken([5]) == {5}
+    (turn_dir.inbox / "5.json").unlink()  # the turn takes it
+    assert turn_dir.not_taken([5]) == set()
+
+
+def test_a_turn_may_take_by_moving_the_file_away(turn_dir: launcher.TurnDir) -> None:
+    launcher.offer(turn_dir, 5, b"{}\n", account())
+    (turn_dir.inbox / "5.json").rename(turn_dir.path / "read-5.json")
+    assert turn_dir.not_taken([5]) == set()
+
+
+def test_each_step_of_an_interrupted_offer_reads_as_never_offered(
+    turn_dir: launcher.TurnDir,
+) -> None:
+    # Killed after the commit, before anything was written.
+    assert turn_dir.not_taken([5]) == {5}
+    # Killed with the .tmp written, before the marker.
+    (turn_dir.inbox / ".5.tmp").write_bytes(b"{}\n")
+    assert turn_dir.not_taken([5]) == {5}
+    # Killed with the marker made, before the rename.
+    (turn_dir.offered / "5").touch()
+    assert turn_dir.not_taken([5]) == {5}
+    # The rename done: offered, and in the inbox.
+    (turn_dir.inbox / ".5.tmp").rename(turn_dir.inbox / "5.json")
+    assert turn_dir.not_taken([5]) == {5}
+
+
+def test_a_directory_from_before_offer_records_trusts_the_inbox_alone(
+    turn_dir: launcher.TurnDir,
+) -> None:
+    turn_dir.offered.rmdir()  # what volutectl 0.1.0 made
+    (turn_dir.inbox / "6.json").write_bytes(b"{}\n")
+    assert turn_dir.not_taken([5, 6]) == {6}
+
+
+def test_the_offer_record_is_the_gates_own(turn_dir: launcher.TurnDir) -> None:
+    assert turn_dir.offered.is_dir()
+    assert turn_dir.offered.stat().st_mode & 0o777 == 0o700
+
+
+def test_the_status_files_time_is_when_the_turn_ended(turn_dir: launcher.TurnDir) -> None:
+    assert turn_dir.ended_at() is None and turn_dir.exit_status() is None
+    (turn_dir.path / "status").write_text("143\n")
+    os.utime(turn_dir.path / "status", (1000.0, 1000.0))
+    assert turn_dir.exit_status() == 143
+    assert turn_dir.ended_at() == 1000.0
