@@ -164,7 +164,7 @@ def request_id(request: dict[str, Any]) -> str | None:
         or len(value) != REQUEST_ID_LENGTH
         or any(ch not in "0123456789abcdef" for ch in value)
     ):
-        raise DataError(f"request_id must be {REQUEST_ID_LENGTH} lowercase hex digits (128 bits)")
+        raise DataError(f"request_id: must be {REQUEST_ID_LENGTH} lowercase hex digits (128 bits)")
     return value
 
 
