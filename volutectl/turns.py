@@ -172,8 +172,9 @@ class Turns:
 
         Called when its main process exited, when systemd reported its scope inactive,
         at adoption, and when a question failed before. The answers that settle: the
-        unit is not loaded, is inactive or failed, or holds no process (then it is
-        stopped too). Any failed question: ask again in RECHECK_SECONDS."""
+        unit is not loaded, is inactive or failed, or holds no process (then, if it was
+        never seen holding one, it is stopped too: it would stay active for ever). Any
+        failed question: ask again in RECHECK_SECONDS."""
         if turn.id not in self.turns:
             return
         try:
@@ -196,14 +197,18 @@ class Turns:
         if pids:
             turn.verified = True
             return
-        if pids is not None:  # live, but empty: it will never end by itself
-            self._log_turn(
-                "warning",
-                turn,
-                f"{turn.unit} is {state} but holds no process: stopping it",
-                event="empty_scope",
-            )
-            self._stop_quietly(turn.unit)
+        if pids is not None:  # live, but empty
+            if not turn.verified:
+                # Never seen holding a process: started around one that had died. It
+                # will never end by itself.
+                self._log_turn(
+                    "warning",
+                    turn,
+                    f"{turn.unit} is {state} but holds no process: stopping it",
+                    event="empty_scope",
+                )
+                self._stop_quietly(turn.unit)
+            # Otherwise its last process just left, and systemd is about to say so.
             self.settled_units.add(turn.unit)
         self.finish(turn)
 

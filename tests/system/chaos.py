@@ -106,6 +106,9 @@ def run(machine: Machine, storm: Storm, drain_timeout: float = 120.0) -> dict[st
         "turn_log": turn_log(machine),
         "dead": queue_rows(machine, "dead"),
         "live_scopes_after": live_turn_scopes(machine),
+        "empty_scopes_stopped": machine.run(
+            ["journalctl", "--no-pager", "-o", "cat", "-u", "volute-gate.service"], check=False
+        ).stdout.count("holds no process: stopping"),
     }
     return storm.record
 
@@ -150,6 +153,7 @@ def verdict(record: dict[str, object]) -> dict[str, object]:
     counts = successful_runs(record["turn_log"])  # type: ignore[arg-type]
     samples: dict[str, object] = record["samples"]  # type: ignore[assignment]
     per_mind: dict[str, int] = samples["max_per_mind"]  # type: ignore[assignment]
+    empty: dict[str, list[float]] = samples["empty_seen"]  # type: ignore[assignment]
     return {
         "kills": record["kills"],
         "acknowledged": len(acked),
@@ -162,6 +166,10 @@ def verdict(record: dict[str, object]) -> dict[str, object]:
         "max_turns": samples["max_turns"],
         "max_per_mind": max(per_mind.values(), default=0),
         "samples": samples["samples"],
-        "empty_scopes_seen": len(samples["empty_seen"]),  # type: ignore[arg-type]
+        "empty_scopes_seen": len(empty),
+        "longest_empty_seconds": round(
+            max((last - first for first, last in empty.values()), default=0.0), 3
+        ),
+        "empty_scopes_stopped_by_gate": record["empty_scopes_stopped"],
         "live_scopes_after": record["live_scopes_after"],
     }
