@@ -285,7 +285,9 @@ class Gate:
             self.dirty = False
             self.admit()
         assert self.store is not None
-        self.store.sync()  # a turn's settlement is durable before the gate sleeps
+        # A turn's settlement is durable before the gate sleeps; if the disk refuses,
+        # the next pass tries again (what was not synced is still in the WAL).
+        self._guarded("syncing the queue", self.store.sync)
 
     # -- the socket -------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -210,7 +211,14 @@ class Turns:
                 self._stop_quietly(turn.unit)
             # Otherwise its last process just left, and systemd is about to say so.
             self.settled_units.add(turn.unit)
-        self.finish(turn)
+        try:
+            self.finish(turn)
+        except (VoluteError, sqlite3.Error, OSError) as error:
+            # The settlement's commit failed (a full disk): nothing of it happened. The
+            # turn keeps its place until it can be settled.
+            text = error.message if isinstance(error, VoluteError) else str(error)
+            self._log_turn("error", turn, f"could not be settled: {text}; retrying")
+            turn.recheck_at = time.time() + RECHECK_SECONDS
 
     # -- deadlines -----------------------------------------------------------------------
 

@@ -36,6 +36,15 @@ class FakeManager:
         self.started_units: list[str] = []
         self.signals: list[tuple[str, int]] = []
         self.watching = False
+        # Methods that fail as a D-Bus call cut short does (EINTR, a timeout): a test
+        # adds a name here, and every call of that method raises until it is removed.
+        self.failing: set[str] = set()
+        self.calls: dict[str, int] = {}
+
+    def _call(self, method: str) -> None:
+        self.calls[method] = self.calls.get(method, 0) + 1
+        if method in self.failing:
+            raise SystemdError(f"{method}: [err -4]: Interrupted system call (injected)")
 
     # -- what the gate calls ------------------------------------------------------------
 
@@ -48,6 +57,7 @@ class FakeManager:
     def start_scope(
         self, name: str, pids: Sequence[int], props: ScopeProperties, timeout: float = 10.0
     ) -> None:
+        self._call("start_scope")
         if name in self.scopes and self.scopes[name].state in LIVE_STATES:
             raise SystemdError(f"scope {name} did not start: Unit {name} already exists")
         scope = FakeScope(name, props.slice, list(pids))
@@ -61,6 +71,7 @@ class FakeManager:
         self.started_units.append(name)
 
     def stop_unit(self, name: str, timeout: float = 30.0, wait: bool = True) -> None:
+        self._call("stop_unit")
         self.kill_unit(name, signals.SIGKILL)
 
     def kill_unit(self, name: str, signal: int, who: str = "all") -> None:
@@ -75,6 +86,7 @@ class FakeManager:
     def list_units(
         self, slice: str, patterns: Sequence[str] = ("*.scope",), known: Collection[str] = ()
     ) -> list[UnitInfo]:
+        self._call("list_units")
         self._collect()
         return [
             UnitInfo(scope.name, "", scope.state, "running", f"/fake/{scope.name}")
@@ -93,11 +105,13 @@ class FakeManager:
 
     def active_state(self, name: str) -> str | None:
         """None: no such unit is loaded (a scope that ended stays loaded here, inactive)."""
+        self._call("active_state")
         self._collect()
         scope = self.scopes.get(name)
         return scope.state if scope is not None else None
 
     def unit_processes(self, name: str) -> list[int] | None:
+        self._call("unit_processes")
         self._collect()
         scope = self.scopes.get(name)
         if scope is None:
