@@ -107,3 +107,34 @@ def test_a_database_from_a_newer_volutectl_is_refused_and_left_alone(tmp_path: P
     db = sqlite3.connect(path)
     assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION + 1
     db.close()
+
+
+def test_a_gate_on_an_upgraded_database_runs_each_pending_delivery_once(tmp_path: Path) -> None:
+    # The real gate, in-process, opens the 0.1.0 database: its open turns had no scope
+    # left (the machine rebooted into the new release), so turn 3 (released) counts one
+    # failed attempt and turn 4 (never released) returns its delivery unattempted; then
+    # every pending delivery runs, each exactly once.
+    from tests.unit.gate_harness import Harness
+
+    (tmp_path / "state").mkdir()
+    v1_database(tmp_path / "state" / "queue.sqlite3")
+    ran = tmp_path / "ran"
+    record = f"sed -n 's/.*\"id\": *\\([0-9]*\\).*/\\1/p' >> {ran}"
+    harness = Harness(
+        tmp_path,
+        minds={"mimsy": record, "whorl": record, "pip": record},
+        backoff_initial_seconds=0.05,
+        backoff_max_seconds=0.05,
+    )
+    store = harness.gate.store
+    assert store is not None
+    try:
+        harness.pump(lambda: not store.pending() and not store.open_turns(), timeout=20)
+        counts = store.counts()
+        assert counts == {"done": 7, "dead": 1, "dropped": 1}, counts
+        received = sorted(int(line) for line in ran.read_text().split())
+        assert received == [1, 2, 3, 4, 5, 9]  # each once; 6 and 7 were settled before
+        assert store.row(3).attempts == 0  # type: ignore[union-attr]  # never released
+        assert store.row(4).attempts == 1  # type: ignore[union-attr]  # released, no status
+    finally:
+        harness.close()
