@@ -6,12 +6,21 @@ loading click; the click command here only exists for `volutectl --help`.
 
 from __future__ import annotations
 
-from typing import Any
-
 import click
 
-from volutectl.deliver import deliver_main, request
-from volutectl.errors import EX_DATAERR, VoluteError
+from volutectl.deliver import call, deliver_main
+from volutectl.errors import EX_DATAERR, EX_USAGE, VoluteError
+from volutectl.messages import (
+    ChangedReply,
+    DropRequest,
+    QueueReply,
+    QueueRequest,
+    RetryRequest,
+    Status,
+    StatusReply,
+    StatusRequest,
+)
+from volutectl.states import QueueState
 
 
 @click.command(
@@ -31,42 +40,42 @@ def _format_age(seconds: float | None) -> str:
     return f"{seconds / 60:.1f}m"
 
 
-def format_status(status: dict[str, Any]) -> str:
-    cap = status["global_cap"] if status["global_cap"] is not None else "unlimited"
+def format_status(status: Status) -> str:
+    cap = status.global_cap if status.global_cap is not None else "unlimited"
     lines = [
-        f"active turns: {status['active_turns']} of {cap} "
-        f"(per mind: {status['turns_per_mind']}; slice {status['slice']})",
-        f"queue: {status['queue_depth']} pending, "
-        f"oldest hold {_format_age(status['oldest_held_s'])}, {status['dead']} dead",
+        f"active turns: {status.active_turns} of {cap} "
+        f"(per mind: {status.turns_per_mind}; slice {status.slice})",
+        f"queue: {status.queue_depth} pending, "
+        f"oldest hold {_format_age(status.oldest_held_s)}, {status.dead} dead",
     ]
-    if status["holds"]:
+    if status.holds:
         lines.append(
-            "holds: " + ", ".join(f"{n} {reason}" for reason, n in sorted(status["holds"].items()))
+            "holds: " + ", ".join(f"{n} {reason}" for reason, n in sorted(status.holds.items()))
         )
-    if status.get("foreign_scopes"):
-        lines.append(f"other scopes in the slice: {status['foreign_scopes']}")
-    for turn in status["turns"]:
+    if status.foreign_scopes:
+        lines.append(f"other scopes in the slice: {status.foreign_scopes}")
+    for turn in status.turns:
         lines.append(
-            f"  turn {turn['turn_id']}: {turn['mind']}/{turn['session']} "
-            f"running {_format_age(turn['running_s'])}  ({turn['unit']})"
+            f"  turn {turn.turn_id}: {turn.mind}/{turn.session} "
+            f"running {_format_age(turn.running_s)}  ({turn.unit})"
         )
-    pressure = status.get("io_pressure") or {}
-    if pressure.get("enabled"):
-        state = f"HIGH ({pressure.get('reason')}): holding new turns" if pressure["high"] else "ok"
-        lines.append(f"io pressure: {state}; {pressure.get('trigger')}")
-    for repo in status.get("test_runs") or []:
-        held = repo["slots_held"] if repo["slots_held"] is not None else "?"
-        slots = repo["slots"] if repo["slots"] is not None else "?"
-        counted = " (count as turns)" if status.get("test_runs_count_as_turns") else ""
-        lines.append(f"test slots: {held} of {slots} held in {repo['repository']}{counted}")
-        for run in repo["runs"]:
+    pressure = status.io_pressure
+    if pressure.enabled:
+        state = f"HIGH ({pressure.reason}): holding new turns" if pressure.high else "ok"
+        lines.append(f"io pressure: {state}; {pressure.trigger}")
+    for repo in status.test_runs:
+        held = repo.slots_held if repo.slots_held is not None else "?"
+        slots = repo.slots if repo.slots is not None else "?"
+        counted = " (count as turns)" if status.test_runs_count_as_turns else ""
+        lines.append(f"test slots: {held} of {slots} held in {repo.repository}{counted}")
+        for run in repo.runs:
             lines.append(
-                f"  test run: {run['worktree']} `{run['command']}` "
-                f"running {_format_age(run['running_s'])}  ({run['unit']})"
+                f"  test run: {run.worktree} `{run.command}` "
+                f"running {_format_age(run.running_s)}  ({run.unit})"
             )
-    for mind, info in sorted(status["minds"].items()):
-        sessions = ",".join(info["running_sessions"]) or "-"
-        lines.append(f"  mind {mind}: running {sessions}; {info['pending']} pending")
+    for mind, info in sorted(status.minds.items()):
+        sessions = ",".join(info.running_sessions) or "-"
+        lines.append(f"  mind {mind}: running {sessions}; {info.pending} pending")
     return "\n".join(lines)
 
 
@@ -76,11 +85,11 @@ def format_status(status: dict[str, Any]) -> str:
 @click.option("--config", "config_path", help="Config file, to find the socket.")
 def status_command(as_json: bool, socket: str | None, config_path: str | None) -> None:
     """Show active turns against the cap, holds, and the queue."""
-    status = request({"op": "status"}, socket, config_path)["status"]
+    status = call(StatusRequest(), StatusReply, socket, config_path).status
     if as_json:
         import json
 
-        click.echo(json.dumps(status, indent=2, sort_keys=True))
+        click.echo(json.dumps(status.to_wire(), indent=2, sort_keys=True))
     else:
         click.echo(format_status(status))
 
@@ -103,21 +112,32 @@ def queue_command(ctx: click.Context, socket: str | None, config_path: str | Non
 def queue_list(ctx: click.Context, states: tuple[str, ...] = (), as_json: bool = False) -> None:
     """List rows (default: pending, running and dead)."""
     socket, config_path = ctx.obj
-    rows = request({"op": "queue", "states": list(states) or None}, socket, config_path)["rows"]
+    wanted = tuple(QueueState(state) for state in _states(states))
+    rows = call(QueueRequest(wanted), QueueReply, socket, config_path).rows
     if as_json:
         import json
 
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(json.dumps([row.to_wire() for row in rows], indent=2))
         return
     if not rows:
         click.echo("the queue is empty")
     for row in rows:
-        extra = f" held:{row['hold_reason']}" if row["hold_reason"] else ""
-        error = f" last error: {row['last_error']}" if row["last_error"] else ""
+        extra = f" held:{row.hold_reason}" if row.hold_reason else ""
+        error = f" last error: {row.last_error}" if row.last_error else ""
         click.echo(
-            f"{row['id']:>6} {row['state']:<8} {row['mind']}/{row['session']} "
-            f"attempts={row['attempts']} {row['bytes']}B{extra}{error}"
+            f"{row.id:>6} {row.state:<8} {row.mind}/{row.session} "
+            f"attempts={row.attempts} {row.bytes}B{extra}{error}"
         )
+
+
+def _states(states: tuple[str, ...]) -> tuple[str, ...]:
+    known = [state.value for state in QueueState]
+    for state in states:
+        if state not in known:
+            raise VoluteError(
+                f"--state {state!r} is not one of {', '.join(known)}", exit_code=EX_USAGE
+            )
+    return states
 
 
 @queue_command.command("retry")
@@ -126,7 +146,7 @@ def queue_list(ctx: click.Context, states: tuple[str, ...] = (), as_json: bool =
 def queue_retry(ctx: click.Context, ids: tuple[int, ...]) -> None:
     """Send dead deliveries back to the queue, attempts reset."""
     socket, config_path = ctx.obj
-    changed = request({"op": "retry", "ids": list(ids)}, socket, config_path)["changed"]
+    changed = call(RetryRequest(ids), ChangedReply, socket, config_path).changed
     _report_changed("retried", ids, changed)
 
 
@@ -136,11 +156,11 @@ def queue_retry(ctx: click.Context, ids: tuple[int, ...]) -> None:
 def queue_drop(ctx: click.Context, ids: tuple[int, ...]) -> None:
     """Drop pending or dead deliveries (never a running one)."""
     socket, config_path = ctx.obj
-    changed = request({"op": "drop", "ids": list(ids)}, socket, config_path)["changed"]
+    changed = call(DropRequest(ids), ChangedReply, socket, config_path).changed
     _report_changed("dropped", ids, changed)
 
 
-def _report_changed(verb: str, asked: tuple[int, ...], changed: list[int]) -> None:
+def _report_changed(verb: str, asked: tuple[int, ...], changed: tuple[int, ...]) -> None:
     for delivery_id in changed:
         click.echo(f"{verb} {delivery_id}")
     missed = sorted(set(asked) - set(changed))

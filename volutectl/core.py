@@ -14,12 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-# Why a pending delivery did not start. Logged, shown in `status`, never an attempt.
-HOLD_MIND_BUSY = "mind_busy"  # the mind already runs its limit of turns
-HOLD_GLOBAL_CAP = "global_cap"  # limits.global_concurrent_turns reached
-HOLD_BEHIND_BACKOFF = "behind_backoff"  # an earlier row of this session is backing off
-HOLD_PRESSURE = "io_pressure"  # PSI says the storage is stalled
-HOLD_TEST_RUN = "test_run"  # test runs fill the shared budget
+from volutectl.states import HoldReason, Outcome, QueueState
 
 
 @dataclass(frozen=True)
@@ -71,7 +66,7 @@ class Fold:
 @dataclass(frozen=True)
 class Hold:
     delivery_id: int
-    reason: str
+    reason: HoldReason
 
 
 @dataclass(frozen=True)
@@ -89,7 +84,7 @@ def admit(
     now: float,
     other_busy: int = 0,
     pressure: bool = False,
-    other_busy_reason: str = HOLD_GLOBAL_CAP,
+    other_busy_reason: HoldReason = HoldReason.GLOBAL_CAP,
 ) -> Admission:
     """Decide, in id order, what starts, what folds into a live turn, and what waits.
 
@@ -123,7 +118,7 @@ def admit(
             backing_off.add(key)
             continue
         if key in backing_off:
-            holds.append(Hold(delivery.id, HOLD_BEHIND_BACKOFF))
+            holds.append(Hold(delivery.id, HoldReason.BEHIND_BACKOFF))
             continue
         if key in started:
             started[key].append(delivery.id)
@@ -132,15 +127,15 @@ def admit(
             folds.setdefault(live_session[key], []).append(delivery)
             continue
         if per_mind.get(delivery.mind, 0) >= limits.for_mind(delivery.mind):
-            holds.append(Hold(delivery.id, HOLD_MIND_BUSY))
+            holds.append(Hold(delivery.id, HoldReason.MIND_BUSY))
             continue
         busy = running + other_busy
         if limits.global_cap is not None and busy >= limits.global_cap:
-            reason = other_busy_reason if running < limits.global_cap else HOLD_GLOBAL_CAP
+            reason = other_busy_reason if running < limits.global_cap else HoldReason.GLOBAL_CAP
             holds.append(Hold(delivery.id, reason))
             continue
         if pressure and busy >= 1:
-            holds.append(Hold(delivery.id, HOLD_PRESSURE))
+            holds.append(Hold(delivery.id, HoldReason.IO_PRESSURE))
             continue
         started[key] = [delivery.id]
         start_order.append(key)
@@ -161,7 +156,7 @@ def admit(
 
 @dataclass(frozen=True)
 class AfterFailure:
-    state: str  # "pending" or "dead"
+    state: QueueState  # PENDING (backing off) or DEAD
     attempts: int
     not_before: float | None
 
@@ -188,18 +183,18 @@ def after_failure(
     """A real failure (not a hold): count the attempt, back off, or give up."""
     attempts += 1
     if attempts >= max_attempts:
-        return AfterFailure("dead", attempts, None)
+        return AfterFailure(QueueState.DEAD, attempts, None)
     # The exponent is bounded: past ~1024 doublings the float conversion overflows,
     # and any max_attempts that large would otherwise crash the gate on that failure.
     delay = min(initial * 2.0 ** min(attempts - 1, 1000), ceiling)
-    return AfterFailure("pending", attempts, now + delay)
+    return AfterFailure(QueueState.PENDING, attempts, now + delay)
 
 
 @dataclass(frozen=True)
 class TurnOutcome:
     """How a turn ended, decided from what could be observed."""
 
-    kind: str  # "ok", "interrupted", "failed", "timeout", "never_ran"
+    kind: Outcome
     exit_status: int | None
     detail: str
 
@@ -223,24 +218,26 @@ def turn_outcome(
     """
     if timed_out and (started_marker or released or exit_status is not None):
         status = "no exit status" if exit_status is None else f"exit status {exit_status}"
-        return TurnOutcome("timeout", exit_status, f"ran past its time limit ({status})")
+        return TurnOutcome(Outcome.TIMEOUT, exit_status, f"ran past its time limit ({status})")
     if exit_status is not None:
         if exit_status == 0:
-            return TurnOutcome("ok", 0, "exited 0")
+            return TurnOutcome(Outcome.OK, 0, "exited 0")
         if interrupted:
-            return TurnOutcome("interrupted", exit_status, f"interrupted, exited {exit_status}")
-        return TurnOutcome("failed", exit_status, f"exited {exit_status}")
+            return TurnOutcome(
+                Outcome.INTERRUPTED, exit_status, f"interrupted, exited {exit_status}"
+            )
+        return TurnOutcome(Outcome.FAILED, exit_status, f"exited {exit_status}")
     if started_marker or released:
-        return TurnOutcome("failed", None, "ended without recording an exit status")
-    return TurnOutcome("never_ran", None, "the command never started")
+        return TurnOutcome(Outcome.FAILED, None, "ended without recording an exit status")
+    return TurnOutcome(Outcome.NEVER_RAN, None, "the command never started")
 
 
 EXIT_TIMEOUT = 124  # what timeout(1) exits with when the time limit stopped the command
 
 
-def wait_exit_code(exit_status: int | None, kind: str = "ok") -> int:
+def wait_exit_code(exit_status: int | None, kind: Outcome = Outcome.OK) -> int:
     """The exit code `deliver --wait` reports for a turn's outcome and exit status."""
-    if kind == "timeout":
+    if kind == Outcome.TIMEOUT:
         return EXIT_TIMEOUT
     if exit_status is None:
         return 1

@@ -15,13 +15,25 @@ import os
 import sys
 import time
 
-from volutectl import protocol
+from volutectl import messages, protocol
 from volutectl.errors import EX_DATAERR, EX_TEMPFAIL, UnavailableError, UsageError, VoluteError
+from volutectl.messages import (
+    DeliverAck,
+    DeliverRequest,
+    DeliveryDead,
+    Event,
+    Request,
+    TurnEnded,
+)
+from volutectl.names import NameError_, check_mind, check_session
+from volutectl.states import Outcome
 
 # Not `import typing`: this module is on deliver's hot path (~6 ms).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, TypeVar
+
+    R = TypeVar("R", bound=messages.Reply)
 
 DEFAULT_SOCKET = "/run/volute/gate.sock"
 DEFAULT_CONFIG = "/etc/volute/volutectl.toml"
@@ -90,74 +102,66 @@ def _deliver_parser() -> argparse.ArgumentParser:
 
 def deliver_main(argv: list[str]) -> int:
     args = _deliver_parser().parse_args(argv)
-    from volutectl.names import NameError_, check_mind, check_session
-
     try:
         check_mind(args.mind)
         check_session(args.session)
     except NameError_ as error:
         raise VoluteError(str(error), exit_code=EX_DATAERR) from None
-    if args.message is not None:
-        message = args.message
+    message = _message(args.message)
+    request_ = DeliverRequest(
+        args.mind, message, args.session, args.interrupt, args.wait, os.urandom(16).hex()
+    )
+    connection, ack = acknowledged(socket_path(args.socket, args.config), request_, args.timeout)
+    try:
+        print(ack.id, flush=True)
+        if not args.wait:
+            return 0
+        event = messages.decode_event(connection.receive(timeout=None))
+    finally:
+        connection.close()
+    return _report(ack.id, event)
+
+
+def _message(given: str | None) -> str:
+    """The message: --message, else stdin; UTF-8 text either way."""
+    if given is not None:
         try:
             # Bytes that are not UTF-8 reach argv as lone surrogates; JSON would carry
             # them to the gate as text it cannot store.
-            message.encode("utf-8")
+            given.encode("utf-8")
         except UnicodeEncodeError:
             raise VoluteError("the --message is not UTF-8 text", exit_code=EX_DATAERR) from None
-    else:
-        if sys.stdin is None or sys.stdin.isatty():
-            raise UsageError("no message: pass --message TEXT or pipe it on stdin")
-        raw = sys.stdin.buffer.read()
-        if not raw:
-            raise UsageError("no message: stdin was empty; pass --message TEXT or pipe it in")
-        try:
-            message = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise VoluteError(
-                "the message on stdin is not UTF-8 text", exit_code=EX_DATAERR
-            ) from None
-    request_ = {
-        "op": "deliver",
-        "mind": args.mind,
-        "session": args.session,
-        "message": message,
-        "interrupt": args.interrupt,
-        "wait": args.wait,
-        "request_id": os.urandom(16).hex(),
-    }
-    connection, reply = acknowledged(socket_path(args.socket, args.config), request_, args.timeout)
+        return given
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UsageError("no message: pass --message TEXT or pipe it on stdin")
+    raw = sys.stdin.buffer.read()
+    if not raw:
+        raise UsageError("no message: stdin was empty; pass --message TEXT or pipe it in")
     try:
-        delivery_id = reply.get("id")
-        if type(delivery_id) is not int:
-            raise protocol.ProtocolError(f"the gate acknowledged without a delivery id: {reply}")
-        print(delivery_id, flush=True)
-        if not args.wait:
-            return 0
-        event = protocol.raise_for_reply(connection.receive(timeout=None))
-    finally:
-        connection.close()
-    kind = event.get("event")
-    if kind == "turn_ended":
-        if event.get("outcome") != "ok":
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise VoluteError("the message on stdin is not UTF-8 text", exit_code=EX_DATAERR) from None
+
+
+def _report(delivery_id: int, event: Event) -> int:
+    """Say how the delivery ended (on stderr, unless it went well); the exit code."""
+    if isinstance(event, TurnEnded):
+        if event.outcome is not Outcome.OK:
             print(
-                f"volutectl: turn {event.get('turn_id')} {event.get('outcome')}: "
-                f"exit status {event.get('exit_status')}",
+                f"volutectl: turn {event.turn_id} {event.outcome}: exit status {event.exit_status}",
                 file=sys.stderr,
             )
-        return int(event.get("exit_code", 1))
-    if kind == "dead":
-        print(f"volutectl: delivery {delivery_id} is dead: {event.get('error')}", file=sys.stderr)
+        return event.exit_code
+    if isinstance(event, DeliveryDead):
+        print(f"volutectl: delivery {delivery_id} is dead: {event.error}", file=sys.stderr)
         return 1
-    if kind == "dropped":
-        print(f"volutectl: delivery {delivery_id} was dropped", file=sys.stderr)
-        return 1
-    raise protocol.ProtocolError(f"unexpected reply from the gate: {event}")
+    print(f"volutectl: delivery {delivery_id} was dropped", file=sys.stderr)
+    return 1
 
 
 def acknowledged(
-    path: str, message: dict[str, Any], timeout: float
-) -> tuple[protocol.Connection, dict[str, Any]]:
+    path: str, message: DeliverRequest, timeout: float
+) -> tuple[protocol.Connection, DeliverAck]:
     """Send a deliver request until the gate acknowledges it; the connection and the ack.
 
     A connection lost before the ack (EOF, ECONNRESET: the gate restarted or died, maybe
@@ -179,9 +183,9 @@ def acknowledged(
                 raise
         else:
             try:
-                connection.send(message)
+                connection.send(message.to_wire())
                 reply = connection.receive(timeout=_left(deadline, timeout, lost))
-                return connection, protocol.raise_for_reply(reply)
+                return connection, messages.expect(DeliverAck, reply)
             except protocol.ConnectionLost as error:
                 lost = error
                 connection.close()
@@ -211,9 +215,11 @@ def _out_of_time(timeout: float, lost: protocol.ConnectionLost | None) -> Volute
     )
 
 
-def request(message: dict[str, Any], socket: str | None, config: str | None) -> dict[str, Any]:
+def call(request_: Request, reply: type[R], socket: str | None, config: str | None) -> R:
+    """One request to the gate, and its reply as `reply` (a refusal is raised)."""
     connection = protocol.Connection(socket_path(socket, config))
     try:
-        return connection.request(message)
+        connection.send(request_.to_wire())
+        return messages.expect(reply, connection.receive())
     finally:
         connection.close()

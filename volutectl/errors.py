@@ -67,10 +67,6 @@ class SystemdError(VoluteError):
     exit_code = EX_UNAVAILABLE
 
 
-def die(message: str, *, hint: str | None = None, exit_code: int = EX_FAILURE) -> None:
-    raise VoluteError(message, hint=hint, exit_code=exit_code)
-
-
 def format_error(error: VoluteError) -> str:
     text = f"volutectl: {error.message}"
     if error.hint:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from volutectl import core
+from volutectl.states import HoldReason
 
 if TYPE_CHECKING:
     from volutectl.config import IoPressureSettings
@@ -125,7 +126,7 @@ def pace_admission(admission: core.Admission, may_start: int = 1) -> core.Admiss
     kept, deferred = admission.starts[:may_start], admission.starts[may_start:]
     holds = list(admission.holds)
     holds += [
-        core.Hold(delivery_id, core.HOLD_PRESSURE)
+        core.Hold(delivery_id, HoldReason.IO_PRESSURE)
         for start in deferred
         for delivery_id in start.delivery_ids
     ]

@@ -1,7 +1,9 @@
-"""The gate's socket protocol: one JSON object per line, each with a version field.
+"""The gate's socket framing: one JSON object per line, each with a version field.
 
-Kept free of heavy imports: `volutectl deliver` loads this module and nothing else of
-ours but the errors table. Validation happens here, at the edge, on both sides.
+What the objects say (every request and reply, typed) is volutectl/messages.py; here
+are the lines, the checks no field of any message may fail (nesting, 64-bit integers,
+finite numbers), and a client's connection. docs/protocol.md documents both. Kept free
+of heavy imports: `volutectl deliver` loads this module on its hot path.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import re
 import socket
 
 from volutectl.errors import (
-    EX_DATAERR,
     EX_NOPERM,
     EX_PROTOCOL,
     EX_TEMPFAIL,
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
 VERSION = 1
 # A line may carry a 1 MiB message JSON-escaped (up to 6 bytes per byte) plus fields.
 MAX_LINE = 8 * 1024 * 1024 + 4096
-OPS = ("deliver", "status", "queue", "retry", "drop", "register_repo", "ping")
 # Requests are flat (the deepest, a list of ids, is 2) and replies shallow (status: 6).
 MAX_DEPTH = 16
 # SQLite stores integers as signed 64 bits; a larger one must never reach the store.
@@ -152,23 +152,6 @@ def decode(line: bytes) -> dict[str, Any]:
     return value
 
 
-def error_reply(error: VoluteError) -> dict[str, Any]:
-    return {"ok": False, "error": error.message, "hint": error.hint, "code": error.exit_code}
-
-
-def raise_for_reply(reply: dict[str, Any]) -> dict[str, Any]:
-    if reply.get("ok"):
-        return reply
-    code = reply.get("code", EX_DATAERR)
-    hint = reply.get("hint")
-    raise VoluteError(
-        str(reply.get("error", "the gate refused the request")),
-        hint=hint if isinstance(hint, str) else None,
-        # A malformed code must not turn a refusal into a traceback.
-        exit_code=code if type(code) is int and 1 <= code <= 255 else EX_PROTOCOL,
-    )
-
-
 class Connection:
     """A client's connection to the gate socket."""
 
@@ -243,8 +226,14 @@ class Connection:
         return decode(line)
 
     def request(self, message: dict[str, Any], timeout: float | None = 30.0) -> dict[str, Any]:
+        """Send one request and receive its reply; a refusal is raised as its error."""
+        from volutectl.messages import ErrorReply
+
         self.send(message)
-        return raise_for_reply(self.receive(timeout))
+        reply = self.receive(timeout)
+        if reply.get("ok") is False:
+            ErrorReply.from_wire(reply).raise_it()
+        return reply
 
     def close(self) -> None:
         self.sock.close()

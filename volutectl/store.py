@@ -5,84 +5,28 @@ commit that holds it has reached the disk, because the incident this tool exists
 ended in a power cycle. Deliveries that arrive together share one commit (group
 commit), which keeps durability affordable on a 60-IOPS SD card.
 
-The store is the truth for what was asked; systemd is the truth for what runs.
+The store is the truth for what was asked; systemd is the truth for what runs. Its
+shape (schema, migrations, the transaction helper) is in volutectl/schema.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from volutectl.core import Delivery
+from volutectl.core import AfterFailure, Delivery
 from volutectl.errors import DataError, PermissionDeniedError, UnavailableError
+from volutectl.schema import Transaction, migrate, schema_version
+from volutectl.states import HoldReason, Outcome, QueueState, TurnState
 
-# Schema 1: volutectl 0.1.0, written before the database carried a version. Every
-# database, new or old, is built by running this and then each migration in turn, so a
-# fresh database and an upgraded one cannot drift apart.
-SCHEMA_V1 = """
-CREATE TABLE IF NOT EXISTS deliveries (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    mind TEXT NOT NULL,
-    session TEXT NOT NULL,
-    message BLOB NOT NULL,
-    interrupt INTEGER NOT NULL DEFAULT 0,
-    state TEXT NOT NULL DEFAULT 'pending',   -- pending, running, done, dead, dropped
-    attempts INTEGER NOT NULL DEFAULT 0,
-    not_before REAL,                         -- backoff after a failure
-    created_at REAL NOT NULL,
-    held_since REAL,                         -- set while the gate holds the row
-    hold_reason TEXT,
-    held_ms INTEGER NOT NULL DEFAULT 0,      -- total time held, over all holds
-    turn_id INTEGER,                         -- the turn carrying it (running) or that ran it
-    folded INTEGER NOT NULL DEFAULT 0,       -- handed to a live turn's inbox
-    last_error TEXT,
-    finished_at REAL
-);
-CREATE INDEX IF NOT EXISTS deliveries_open ON deliveries(state, id);
-CREATE INDEX IF NOT EXISTS deliveries_turn ON deliveries(turn_id);
-CREATE TABLE IF NOT EXISTS turns (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    mind TEXT NOT NULL,
-    session TEXT NOT NULL,
-    unit TEXT NOT NULL DEFAULT '',
-    state TEXT NOT NULL DEFAULT 'starting',  -- starting, running, ended
-    released INTEGER NOT NULL DEFAULT 0,     -- the command was allowed to exec
-    started_at REAL NOT NULL,
-    ended_at REAL,
-    outcome TEXT,                            -- ok, failed, never_ran, start_failed
-    exit_status INTEGER,
-    detail TEXT
-);
-CREATE INDEX IF NOT EXISTS turns_open ON turns(state);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-"""
-
-# Forward migrations: MIGRATIONS[n] takes a database from schema n to n + 1. They run at
-# gate start (any Store open), each in one transaction with its new user_version.
-MIGRATIONS: dict[int, str] = {
-    # 1 -> 2 (the wedge-proof gate):
-    # - request_id: made by the client, so a request retried after the gate died before
-    #   acknowledging it gets its original delivery id back instead of a second row;
-    # - turns.pid: the turn's main process (the wrapper), to watch an adopted turn;
-    # - turns.interrupted: the gate sent SIGINT for an --interrupt delivery; a restarted
-    #   gate must still count a non-zero exit as interrupted, not failed;
-    # - turns.deadline: when turns.max_runtime_seconds runs out (NULL: no limit);
-    # - turns.timed_out_at: when the gate stopped the turn for running past it.
-    1: """
-ALTER TABLE deliveries ADD COLUMN request_id TEXT;
-CREATE UNIQUE INDEX deliveries_request ON deliveries(request_id) WHERE request_id IS NOT NULL;
-ALTER TABLE turns ADD COLUMN pid INTEGER;
-ALTER TABLE turns ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE turns ADD COLUMN deadline REAL;
-ALTER TABLE turns ADD COLUMN timed_out_at REAL;
-""",
-}
-SCHEMA_VERSION = 1 + len(MIGRATIONS)
+PENDING, RUNNING, DONE, DEAD, DROPPED = (
+    QueueState.PENDING, QueueState.RUNNING, QueueState.DONE, QueueState.DEAD,
+    QueueState.DROPPED,
+)  # fmt: skip
 
 
 class RequestIdReused(DataError):
@@ -100,18 +44,29 @@ class RequestIdReused(DataError):
 
 
 @dataclass(frozen=True)
+class NewDelivery:
+    """A delivery to add. `request_id`, made by the client, makes a retry harmless."""
+
+    mind: str
+    session: str
+    message: bytes
+    interrupt: bool = False
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
 class Row:
     id: int
     mind: str
     session: str
     message: bytes
     interrupt: bool
-    state: str
+    state: QueueState
     attempts: int
     not_before: float | None
     created_at: float
     held_since: float | None
-    hold_reason: str | None
+    hold_reason: HoldReason | None
     held_ms: int
     turn_id: int | None
     folded: bool
@@ -127,11 +82,11 @@ class TurnRow:
     mind: str
     session: str
     unit: str
-    state: str
+    state: TurnState
     released: bool
     started_at: float
     ended_at: float | None
-    outcome: str | None
+    outcome: Outcome | None
     exit_status: int | None
     detail: str | None
     pid: int | None = None  # the turn's main process (its wrapper), once released
@@ -150,29 +105,23 @@ _TURN_COLUMNS = (
 )
 
 
-def _statements(script: str) -> list[str]:
-    """Split a schema script into statements (executescript would commit on its own)."""
-    statements, buffer = [], ""
-    for line in script.splitlines(keepends=True):
-        buffer += line
-        if sqlite3.complete_statement(buffer):
-            statements.append(buffer.strip())
-            buffer = ""
-    return [statement for statement in statements if statement]
-
-
 def _row(v: Sequence[Any]) -> Row:
     return Row(
-        int(v[0]), str(v[1]), str(v[2]), bytes(v[3]), bool(v[4]), str(v[5]), int(v[6]), v[7],
-        float(v[8]), v[9], v[10], int(v[11]), v[12], bool(v[13]), v[14],
+        int(v[0]), str(v[1]), str(v[2]), bytes(v[3]), bool(v[4]), QueueState(v[5]), int(v[6]),
+        v[7], float(v[8]), v[9], HoldReason(v[10]) if v[10] else None, int(v[11]), v[12],
+        bool(v[13]), v[14],
     )  # fmt: skip
 
 
 def _turn(v: Sequence[Any]) -> TurnRow:
     return TurnRow(
-        int(v[0]), str(v[1]), str(v[2]), str(v[3]), str(v[4]), bool(v[5]), float(v[6]),
-        v[7], v[8], v[9], v[10], v[11], bool(v[12]), v[13], v[14],
+        int(v[0]), str(v[1]), str(v[2]), str(v[3]), TurnState(v[4]), bool(v[5]), float(v[6]),
+        v[7], Outcome(v[8]) if v[8] else None, v[9], v[10], v[11], bool(v[12]), v[13], v[14],
     )  # fmt: skip
+
+
+def _marks(values: Sequence[object]) -> str:
+    return ",".join("?" * len(values))
 
 
 class Store:
@@ -196,73 +145,19 @@ class Store:
             raise UnavailableError(f"{path}: cannot use the queue database: {error}") from None
 
     def schema_version(self) -> int:
-        return int(self.db.execute("PRAGMA user_version").fetchone()[0])
+        return schema_version(self.db)
 
     def migrate(self) -> list[int]:
-        """Bring the database to SCHEMA_VERSION; returns the versions it passed through.
-
-        Version 0 is either a new, empty file or a 0.1.0 database (schema 1, which set no
-        version): SCHEMA_V1's CREATE ... IF NOT EXISTS serves both. A database from a newer
-        volutectl is refused rather than guessed at.
-        """
-        passed: list[int] = []
-        while True:
-            # Each step reads the version inside its own write transaction, so two
-            # processes opening the same old database cannot both run one migration.
-            with self._tx():
-                version = self.schema_version()
-                if version > SCHEMA_VERSION:
-                    raise UnavailableError(
-                        f"{self.path}: the queue database has schema {version}, newer than "
-                        f"this volutectl's {SCHEMA_VERSION}",
-                        hint="a newer volutectl wrote it: upgrade volutectl again, not down",
-                    )
-                if version == SCHEMA_VERSION:
-                    return passed
-                script = SCHEMA_V1 if version == 0 else MIGRATIONS[version]
-                for statement in _statements(script):
-                    self.db.execute(statement)
-                self.db.execute(f"PRAGMA user_version = {version + 1}")
-            if version > 0:
-                passed.append(version + 1)
+        return migrate(self.db, self.path)
 
     def close(self) -> None:
         self.db.close()
 
-    def _tx(self, *, durable: bool = True) -> _Transaction:
-        return _Transaction(self.db, durable=durable, on_durable_commit=self._synced)
+    def _tx(self, *, durable: bool = True) -> Transaction:
+        return Transaction(self.db, durable=durable, on_durable_commit=self._synced)
 
     def _synced(self) -> None:
         self._unsynced = False  # a synced commit's fsync covers every earlier WAL frame
-
-    def settle_turn(
-        self,
-        turn_id: int,
-        *,
-        outcome: str,
-        exit_status: int | None,
-        detail: str,
-        done: Sequence[int],
-        returned: Sequence[int],
-        failed: Iterable[tuple[int, str, int, float | None]],
-        error: str,
-        now: float,
-        durable: bool = True,
-    ) -> None:
-        """Record how a turn ended and settle all its rows, in ONE commit.
-
-        With durable=False the commit skips its fsync and `sync_pending()` turns true: the
-        caller promises `sync()` before it sleeps. On the handoff path the next turn's
-        start_turn commit comes first and, the WAL being sequential, its one fsync makes
-        both durable; a pass that starts nothing pays the fsync in sync() instead.
-        """
-        with self._tx(durable=durable):
-            self._return_to_pending(returned)
-            self._finish_rows(done, now)
-            self._fail_rows(failed, error, now)
-            self._end_turn(turn_id, outcome, exit_status, detail, now)
-        if not durable:
-            self._unsynced = True
 
     def sync_pending(self) -> bool:
         return self._unsynced
@@ -279,61 +174,52 @@ class Store:
     # -- deliveries -------------------------------------------------------------
 
     def add_deliveries(
-        self,
-        items: Iterable[tuple[str, str, bytes, bool]],
-        now: float | None = None,
-        *,
-        request_ids: Sequence[str | None] | None = None,
+        self, items: Iterable[NewDelivery], now: float | None = None
     ) -> list[int | RequestIdReused]:
-        """Insert (mind, session, message, interrupt) rows in ONE durable commit.
+        """Insert deliveries in ONE durable commit; one result per item, in order.
 
-        `request_ids` (one per item, None for a request that carries none) makes a retry
-        harmless: a request id the store already holds, with the same mind, session,
-        message and interrupt flag, inserts nothing and gives back the ORIGINAL delivery
-        id, whatever state that delivery is in by now. The same id twice in one batch is
-        the same request twice. The same id with other content is refused: that item's
-        result is a RequestIdReused error (65), and the batch's other items still go in.
+        A request id the store already holds, with the same mind, session, message and
+        interrupt flag, inserts nothing and gives back the ORIGINAL delivery id, whatever
+        state that delivery is in by now. The same id twice in one batch is the same
+        request twice. The same id with other content is refused: that item's result is a
+        RequestIdReused error (65), and the batch's other items still go in.
         """
         now = time.time() if now is None else now
-        items = list(items)
-        ids_of_requests = list(request_ids) if request_ids is not None else [None] * len(items)
         results: list[int | RequestIdReused] = []
         with self._tx():
-            for (mind, session, message, interrupt), request_id in zip(
-                items, ids_of_requests, strict=True
-            ):
-                if request_id is not None:
-                    found = self.db.execute(
-                        "SELECT id, mind, session, message, interrupt FROM deliveries "
-                        "WHERE request_id = ?",
-                        (request_id,),
-                    ).fetchone()
-                    if found is not None:
-                        same = (found[1], found[2], bytes(found[3]), bool(found[4])) == (
-                            mind,
-                            session,
-                            message,
-                            bool(interrupt),
-                        )
-                        results.append(
-                            int(found[0]) if same else RequestIdReused(request_id, int(found[0]))
-                        )
-                        continue
+            for item in items:
+                found = self._by_request_id(item) if item.request_id is not None else None
+                if found is not None:
+                    results.append(found)
+                    continue
                 cursor = self.db.execute(
                     "INSERT INTO deliveries "
                     "(mind, session, message, interrupt, created_at, request_id) "
                     "VALUES (?, ?, ?, ?, ?, ?)",
-                    (mind, session, message, int(interrupt), now, request_id),
-                )
+                    (item.mind, item.session, item.message, int(item.interrupt), now,
+                     item.request_id),
+                )  # fmt: skip
                 results.append(int(cursor.lastrowid or 0))
         return results
+
+    def _by_request_id(self, item: NewDelivery) -> int | RequestIdReused | None:
+        found = self.db.execute(
+            "SELECT id, mind, session, message, interrupt FROM deliveries WHERE request_id = ?",
+            (item.request_id,),
+        ).fetchone()
+        if found is None:
+            return None
+        same = (found[1], found[2], bytes(found[3]), bool(found[4])) == (
+            item.mind, item.session, item.message, bool(item.interrupt),
+        )  # fmt: skip
+        return int(found[0]) if same else RequestIdReused(str(item.request_id), int(found[0]))
 
     def pending(self, *, with_message: bool = False) -> list[Row]:
         """Pending rows in id order. Without `with_message`, Row.message is empty: admission
         runs on every pass and must not read a deep queue's message bodies each time."""
         columns = _ROW_COLUMNS if with_message else _ROW_COLUMNS.replace("message", "x''", 1)
         cursor = self.db.execute(
-            f"SELECT {columns} FROM deliveries WHERE state = 'pending' ORDER BY id"
+            f"SELECT {columns} FROM deliveries WHERE state = ? ORDER BY id", (PENDING,)
         )
         return [_row(values) for values in cursor]
 
@@ -341,9 +227,9 @@ class Store:
         id_list = list(ids)
         if not id_list:
             return []
-        marks = ",".join("?" * len(id_list))
         cursor = self.db.execute(
-            f"SELECT {_ROW_COLUMNS} FROM deliveries WHERE id IN ({marks}) ORDER BY id", id_list
+            f"SELECT {_ROW_COLUMNS} FROM deliveries WHERE id IN ({_marks(id_list)}) ORDER BY id",
+            id_list,
         )
         return [_row(values) for values in cursor]
 
@@ -351,23 +237,22 @@ class Store:
         found = self.rows([delivery_id])
         return found[0] if found else None
 
-    def list_rows(self, states: Sequence[str], limit: int = 200) -> list[Row]:
-        marks = ",".join("?" * len(states))
+    def list_rows(self, states: Sequence[QueueState], limit: int = 200) -> list[Row]:
         cursor = self.db.execute(
-            f"SELECT {_ROW_COLUMNS} FROM deliveries WHERE state IN ({marks}) ORDER BY id LIMIT ?",
+            f"SELECT {_ROW_COLUMNS} FROM deliveries WHERE state IN ({_marks(states)}) "
+            "ORDER BY id LIMIT ?",
             (*states, limit),
         )
         return [_row(values) for values in cursor]
 
     def rows_of_turn(self, turn_id: int) -> list[Row]:
         cursor = self.db.execute(
-            f"SELECT {_ROW_COLUMNS} FROM deliveries WHERE turn_id = ? AND state = 'running' "
-            "ORDER BY id",
-            (turn_id,),
+            f"SELECT {_ROW_COLUMNS} FROM deliveries WHERE turn_id = ? AND state = ? ORDER BY id",
+            (turn_id, RUNNING),
         )
         return [_row(values) for values in cursor]
 
-    def mark_held(self, holds: Iterable[tuple[int, str]], now: float) -> list[int]:
+    def mark_held(self, holds: Iterable[tuple[int, HoldReason]], now: float) -> list[int]:
         """Record holds that just began; returns the ids whose hold is new (to log once).
 
         Not synced: a hold is bookkeeping for logs and `status`, and losing its start time
@@ -381,8 +266,8 @@ class Store:
             for delivery_id, reason in holds:
                 cursor = self.db.execute(
                     "UPDATE deliveries SET held_since = ?, hold_reason = ? "
-                    "WHERE id = ? AND state = 'pending' AND held_since IS NULL",
-                    (now, reason, delivery_id),
+                    "WHERE id = ? AND state = ? AND held_since IS NULL",
+                    (now, reason, delivery_id, PENDING),
                 )
                 if cursor.rowcount:
                     new.append(delivery_id)
@@ -391,10 +276,69 @@ class Store:
                     # on each pass, and rewriting unchanged rows costs a synced write.
                     self.db.execute(
                         "UPDATE deliveries SET hold_reason = ? "
-                        "WHERE id = ? AND state = 'pending' AND hold_reason IS NOT ?",
-                        (reason, delivery_id, reason),
+                        "WHERE id = ? AND state = ? AND hold_reason IS NOT ?",
+                        (reason, delivery_id, PENDING, reason),
                     )
         return new
+
+    def retry(self, delivery_ids: Sequence[int]) -> list[int]:
+        return self._change(
+            delivery_ids,
+            "state = ?, attempts = 0, not_before = NULL, turn_id = NULL, finished_at = NULL",
+            (PENDING,),
+            (DEAD,),
+        )
+
+    def drop(self, delivery_ids: Sequence[int], now: float) -> list[int]:
+        return self._change(
+            delivery_ids, "state = ?, finished_at = ?, held_since = NULL", (DROPPED, now),
+            (PENDING, DEAD),
+        )  # fmt: skip
+
+    def _change(
+        self,
+        delivery_ids: Sequence[int],
+        assignments: str,
+        values: tuple[object, ...],
+        from_states: tuple[QueueState, ...],
+    ) -> list[int]:
+        changed = []
+        with self._tx():
+            for delivery_id in delivery_ids:
+                cursor = self.db.execute(
+                    f"UPDATE deliveries SET {assignments} "
+                    f"WHERE id = ? AND state IN ({_marks(from_states)})",
+                    (*values, delivery_id, *from_states),
+                )
+                if cursor.rowcount:
+                    changed.append(delivery_id)
+        return changed
+
+    def next_backoff_deadline(self, after: float | None = None) -> float | None:
+        """The earliest backoff end of a pending row (only those later than `after`).
+
+        A row whose backoff has ended keeps its not_before until a turn takes it, so a
+        caller that sleeps until the next deadline passes `after=now`: otherwise a row
+        held past its backoff would be a deadline in the past, forever.
+        """
+        value = self.db.execute(
+            "SELECT MIN(not_before) FROM deliveries WHERE state = ? "
+            "AND not_before IS NOT NULL AND not_before > ?",
+            (PENDING, float("-inf") if after is None else after),
+        ).fetchone()[0]
+        return float(value) if value is not None else None
+
+    def counts(self) -> dict[QueueState, int]:
+        cursor = self.db.execute("SELECT state, COUNT(*) FROM deliveries GROUP BY state")
+        return {QueueState(state): int(count) for state, count in cursor}
+
+    def oldest_hold(self) -> float | None:
+        value = self.db.execute(
+            "SELECT MIN(held_since) FROM deliveries WHERE state = ?", (PENDING,)
+        ).fetchone()[0]
+        return float(value) if value is not None else None
+
+    # -- turns --------------------------------------------------------------------
 
     def start_turn(
         self,
@@ -417,8 +361,7 @@ class Store:
                 (mind, session, now, deadline),
             )
             turn_id = int(cursor.lastrowid or 0)
-            unit = unit_for(turn_id)
-            self.db.execute("UPDATE turns SET unit = ? WHERE id = ?", (unit, turn_id))
+            self.db.execute("UPDATE turns SET unit = ? WHERE id = ?", (unit_for(turn_id), turn_id))
             rows = self._take(turn_id, delivery_ids, now, folded=False)
         return turn_id, rows
 
@@ -433,112 +376,15 @@ class Store:
             return self._take(turn_id, delivery_ids, now, folded=True)
 
     def _take(self, turn_id: int, ids: Sequence[int], now: float, *, folded: bool) -> list[Row]:
-        rows = [row for row in self.rows(ids) if row.state == "pending"]
+        rows = [row for row in self.rows(ids) if row.state is PENDING]
         for row in rows:
             held = int((now - row.held_since) * 1000) if row.held_since is not None else 0
             self.db.execute(
-                "UPDATE deliveries SET state = 'running', turn_id = ?, folded = ?, "
-                "held_since = NULL, hold_reason = NULL, held_ms = held_ms + ?, not_before = NULL "
-                "WHERE id = ?",
-                (turn_id, int(folded), held, row.id),
+                "UPDATE deliveries SET state = ?, turn_id = ?, folded = ?, held_since = NULL, "
+                "hold_reason = NULL, held_ms = held_ms + ?, not_before = NULL WHERE id = ?",
+                (RUNNING, turn_id, int(folded), held, row.id),
             )
         return rows
-
-    def return_to_pending(self, delivery_ids: Sequence[int]) -> None:
-        """Undo a hand-off that never reached the command: no attempt is counted."""
-        with self._tx():
-            self._return_to_pending(delivery_ids)
-
-    def _return_to_pending(self, delivery_ids: Sequence[int]) -> None:
-        for delivery_id in delivery_ids:
-            self.db.execute(
-                "UPDATE deliveries SET state = 'pending', turn_id = NULL, folded = 0 "
-                "WHERE id = ? AND state = 'running'",
-                (delivery_id,),
-            )
-
-    def finish_rows(self, delivery_ids: Sequence[int], now: float) -> None:
-        with self._tx():
-            self._finish_rows(delivery_ids, now)
-
-    def _finish_rows(self, delivery_ids: Sequence[int], now: float) -> None:
-        for delivery_id in delivery_ids:
-            self.db.execute(
-                "UPDATE deliveries SET state = 'done', finished_at = ? "
-                "WHERE id = ? AND state = 'running'",
-                (now, delivery_id),
-            )
-
-    def fail_rows(
-        self, updates: Iterable[tuple[int, str, int, float | None]], error: str, now: float
-    ) -> None:
-        """(id, new state, attempts, not_before) after a real failure."""
-        with self._tx():
-            self._fail_rows(updates, error, now)
-
-    def _fail_rows(
-        self, updates: Iterable[tuple[int, str, int, float | None]], error: str, now: float
-    ) -> None:
-        for delivery_id, state, attempts, not_before in updates:
-            self.db.execute(
-                "UPDATE deliveries SET state = ?, attempts = ?, not_before = ?, "
-                "last_error = ?, turn_id = CASE WHEN ? = 'dead' THEN turn_id ELSE NULL END, "
-                "folded = 0, finished_at = CASE WHEN ? = 'dead' THEN ? ELSE NULL END "
-                "WHERE id = ? AND state = 'running'",
-                (state, attempts, not_before, error, state, state, now, delivery_id),
-            )
-
-    def retry(self, delivery_ids: Sequence[int]) -> list[int]:
-        changed = []
-        with self._tx():
-            for delivery_id in delivery_ids:
-                cursor = self.db.execute(
-                    "UPDATE deliveries SET state = 'pending', attempts = 0, not_before = NULL, "
-                    "turn_id = NULL, finished_at = NULL WHERE id = ? AND state = 'dead'",
-                    (delivery_id,),
-                )
-                if cursor.rowcount:
-                    changed.append(delivery_id)
-        return changed
-
-    def drop(self, delivery_ids: Sequence[int], now: float) -> list[int]:
-        changed = []
-        with self._tx():
-            for delivery_id in delivery_ids:
-                cursor = self.db.execute(
-                    "UPDATE deliveries SET state = 'dropped', finished_at = ?, held_since = NULL "
-                    "WHERE id = ? AND state IN ('pending', 'dead')",
-                    (now, delivery_id),
-                )
-                if cursor.rowcount:
-                    changed.append(delivery_id)
-        return changed
-
-    def next_backoff_deadline(self, after: float | None = None) -> float | None:
-        """The earliest backoff end of a pending row (only those later than `after`).
-
-        A row whose backoff has ended keeps its not_before until a turn takes it, so a
-        caller that sleeps until the next deadline passes `after=now`: otherwise a row
-        held past its backoff would be a deadline in the past, forever.
-        """
-        value = self.db.execute(
-            "SELECT MIN(not_before) FROM deliveries WHERE state = 'pending' "
-            "AND not_before IS NOT NULL AND not_before > ?",
-            (float("-inf") if after is None else after,),
-        ).fetchone()[0]
-        return float(value) if value is not None else None
-
-    def counts(self) -> dict[str, int]:
-        cursor = self.db.execute("SELECT state, COUNT(*) FROM deliveries GROUP BY state")
-        return {str(state): int(count) for state, count in cursor}
-
-    def oldest_hold(self) -> float | None:
-        value = self.db.execute(
-            "SELECT MIN(held_since) FROM deliveries WHERE state = 'pending'"
-        ).fetchone()[0]
-        return float(value) if value is not None else None
-
-    # -- turns --------------------------------------------------------------------
 
     def mark_released(self, turn_id: int, pid: int | None = None) -> None:
         """Note that the command was let go, and its main process. Not synced: it sits on
@@ -546,8 +392,8 @@ class Store:
         that restarts."""
         with self._tx(durable=False):
             self.db.execute(
-                "UPDATE turns SET state = 'running', released = 1, pid = ? WHERE id = ?",
-                (pid, turn_id),
+                "UPDATE turns SET state = ?, released = 1, pid = ? WHERE id = ?",
+                (TurnState.RUNNING, pid, turn_id),
             )
 
     def mark_timed_out(self, turn_id: int, now: float) -> None:
@@ -560,24 +406,81 @@ class Store:
             )
         self._unsynced = True
 
+    def settle_turn(
+        self,
+        turn_id: int,
+        *,
+        outcome: Outcome,
+        exit_status: int | None,
+        detail: str,
+        done: Sequence[int],
+        returned: Sequence[int],
+        failed: Mapping[int, AfterFailure],
+        error: str,
+        now: float,
+        durable: bool = True,
+    ) -> None:
+        """Record how a turn ended and settle all its rows, in ONE commit.
+
+        done: carried (done); returned: back to pending with no attempt (never offered,
+        untaken, or never run); failed: one attempt counted (backoff or dead).
+
+        With durable=False the commit skips its fsync and `sync_pending()` turns true: the
+        caller promises `sync()` before it sleeps. On the handoff path the next turn's
+        start_turn commit comes first and, the WAL being sequential, its one fsync makes
+        both durable; a pass that starts nothing pays the fsync in sync() instead.
+        """
+        with self._tx(durable=durable):
+            for delivery_id in returned:
+                self.db.execute(
+                    "UPDATE deliveries SET state = ?, turn_id = NULL, folded = 0 "
+                    "WHERE id = ? AND state = ?",
+                    (PENDING, delivery_id, RUNNING),
+                )
+            for delivery_id in done:
+                self.db.execute(
+                    "UPDATE deliveries SET state = ?, finished_at = ? WHERE id = ? AND state = ?",
+                    (DONE, now, delivery_id, RUNNING),
+                )
+            self._fail_rows(failed, error, now)
+            self._end_turn(turn_id, outcome, exit_status, detail, now)
+        if not durable:
+            self._unsynced = True
+
+    def fail_rows(self, failed: Mapping[int, AfterFailure], error: str, now: float) -> None:
+        """Rows whose turn could not even start: one attempt each, in one commit."""
+        with self._tx():
+            self._fail_rows(failed, error, now)
+
+    def _fail_rows(self, failed: Mapping[int, AfterFailure], error: str, now: float) -> None:
+        for delivery_id, after in failed.items():
+            dead = after.state is DEAD
+            self.db.execute(
+                "UPDATE deliveries SET state = ?, attempts = ?, not_before = ?, last_error = ?, "
+                "turn_id = CASE WHEN ? THEN turn_id ELSE NULL END, folded = 0, "
+                "finished_at = ? WHERE id = ? AND state = ?",
+                (after.state, after.attempts, after.not_before, error, dead,
+                 now if dead else None, delivery_id, RUNNING),
+            )  # fmt: skip
+
     def end_turn(
-        self, turn_id: int, outcome: str, exit_status: int | None, detail: str, now: float
+        self, turn_id: int, outcome: Outcome, exit_status: int | None, detail: str, now: float
     ) -> None:
         with self._tx():
             self._end_turn(turn_id, outcome, exit_status, detail, now)
 
     def _end_turn(
-        self, turn_id: int, outcome: str, exit_status: int | None, detail: str, now: float
+        self, turn_id: int, outcome: Outcome, exit_status: int | None, detail: str, now: float
     ) -> None:
         self.db.execute(
-            "UPDATE turns SET state = 'ended', outcome = ?, exit_status = ?, detail = ?, "
-            "ended_at = ? WHERE id = ?",
-            (outcome, exit_status, detail, now, turn_id),
+            "UPDATE turns SET state = ?, outcome = ?, exit_status = ?, detail = ?, ended_at = ? "
+            "WHERE id = ?",
+            (TurnState.ENDED, outcome, exit_status, detail, now, turn_id),
         )
 
     def open_turns(self) -> list[TurnRow]:
         cursor = self.db.execute(
-            f"SELECT {_TURN_COLUMNS} FROM turns WHERE state != 'ended' ORDER BY id"
+            f"SELECT {_TURN_COLUMNS} FROM turns WHERE state != ? ORDER BY id", (TurnState.ENDED,)
         )
         return [_turn(values) for values in cursor]
 
@@ -586,50 +489,3 @@ class Store:
             f"SELECT {_TURN_COLUMNS} FROM turns WHERE id = ?", (turn_id,)
         ).fetchone()
         return _turn(values) if values else None
-
-
-class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT; with durable=False, that one commit skips the fsync
-    (synchronous=NORMAL in WAL mode: safe against a crash of the gate, not a power cut)."""
-
-    def __init__(
-        self,
-        db: sqlite3.Connection,
-        *,
-        durable: bool = True,
-        on_durable_commit: Callable[[], None] | None = None,
-    ) -> None:
-        self.db = db
-        self.durable = durable
-        self.on_durable_commit = on_durable_commit
-
-    def __enter__(self) -> None:
-        if not self.durable:
-            self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        try:
-            if exc_type is None:
-                try:
-                    self.db.execute("COMMIT")
-                except sqlite3.Error:
-                    # A failed COMMIT can leave the transaction open, and then every
-                    # later BEGIN fails: the queue would refuse everything for good.
-                    # The COMMIT's error is the one to raise, not the ROLLBACK's.
-                    with contextlib.suppress(sqlite3.Error):
-                        self._rollback()
-                    raise
-                if self.durable and self.on_durable_commit is not None:
-                    self.on_durable_commit()
-            else:
-                self._rollback()
-        finally:
-            if not self.durable:
-                self.db.execute("PRAGMA synchronous=FULL")
-
-    def _rollback(self) -> None:
-        # SQLite rolls back by itself on some errors (SQLITE_FULL, SQLITE_IOERR): a
-        # second ROLLBACK would fail, and its error would hide the one that matters.
-        if self.db.in_transaction:
-            self.db.execute("ROLLBACK")

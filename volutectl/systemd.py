@@ -30,16 +30,36 @@ pystemd's traps, and what this module does about each:
 from __future__ import annotations
 
 import collections
-import os
 import select
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from pystemd.dbuslib import DBus, apply_signature, path_decode
 
 from volutectl.errors import PermissionDeniedError, SystemdError, UnavailableError
+from volutectl.units import (
+    ENDED_STATES,
+    LIVE_STATES,
+    ScopeProperties,
+    SocketUnit,
+    UnitEnded,
+    UnitInfo,
+)
+
+# The data types live in volutectl/units.py (the gate's port); they are re-exported here
+# for the adapter's other callers.
+__all__ = [
+    "ENDED_STATES",
+    "LIVE_STATES",
+    "Manager",
+    "ScopeProperties",
+    "SocketUnit",
+    "UnitEnded",
+    "UnitInfo",
+    "manager_reachable",
+    "unit_name_from_path",
+]
 
 DESTINATION = b"org.freedesktop.systemd1"
 MANAGER_PATH = b"/org/freedesktop/systemd1"
@@ -49,9 +69,6 @@ PROPERTIES_INTERFACE = b"org.freedesktop.DBus.Properties"
 SOCKET_INTERFACE = b"org.freedesktop.systemd1.Socket"
 UNIT_PATH_PREFIX = b"/org/freedesktop/systemd1/unit"
 
-# States in which a unit still has (or may have) processes: it counts as live.
-LIVE_STATES = ("active", "activating", "deactivating", "reloading")
-ENDED_STATES = ("inactive", "failed")
 
 # D-Bus signatures of the transient-unit properties we send.
 _SIGNATURES: dict[str, bytes] = {
@@ -70,101 +87,13 @@ _SIGNATURES: dict[str, bytes] = {
     "RuntimeMaxUSec": b"t",
 }
 
-# Properties we read, with their signatures (Get needs none, but the reply type helps).
+# Properties `unit_property` reads, with their signatures and interfaces.
 _UNIT_PROPERTY_SIGNATURES: dict[str, bytes] = {
     "ActiveState": b"s",
-    "SubState": b"s",
-    "Description": b"s",
-    "Slice": b"s",
     "ActiveEnterTimestamp": b"t",
-    "ActiveEnterTimestampMonotonic": b"t",
-    "InactiveEnterTimestamp": b"t",
-    "CPUWeight": b"t",
-    "IOWeight": b"t",
-    "ControlGroup": b"s",
-    "Result": b"s",
+    "Slice": b"s",
 }
-_UNIT_PROPERTY_INTERFACE: dict[str, bytes] = {
-    "Slice": b"org.freedesktop.systemd1.Scope",
-    "CPUWeight": b"org.freedesktop.systemd1.Scope",
-    "IOWeight": b"org.freedesktop.systemd1.Scope",
-    "ControlGroup": b"org.freedesktop.systemd1.Scope",
-    "Result": b"org.freedesktop.systemd1.Scope",
-}
-
-
-@dataclass(frozen=True)
-class ScopeProperties:
-    """What a transient scope is started with. CollectMode is always inactive-or-failed."""
-
-    slice: str
-    description: str = ""
-    cpu_weight: int | None = None
-    io_weight: int | None = None
-    io_read_bandwidth_max: tuple[tuple[str, int], ...] = ()
-    io_write_bandwidth_max: tuple[tuple[str, int], ...] = ()
-    # RuntimeMaxSec=: systemd stops the scope after this long (SIGTERM, then SIGKILL after
-    # the stop timeout), whether or not anyone else is watching. None: no limit.
-    runtime_max_seconds: float | None = None
-    stop_timeout_seconds: float | None = None  # TimeoutStopSec=: SIGTERM to SIGKILL
-    extra: tuple[tuple[str, Any], ...] = field(default=())
-
-    def as_dbus(self, pids: Sequence[int]) -> list[tuple[str, Any]]:
-        props: list[tuple[str, Any]] = [
-            ("PIDs", [int(pid) for pid in pids]),
-            ("Slice", self.slice.encode()),
-            ("CollectMode", b"inactive-or-failed"),
-        ]
-        if self.description:
-            props.append(("Description", self.description.encode()))
-        if self.cpu_weight is not None:
-            props.append(("CPUWeight", int(self.cpu_weight)))
-        if self.io_weight is not None:
-            props.append(("IOWeight", int(self.io_weight)))
-        if self.io_read_bandwidth_max:
-            props.append(
-                ("IOReadBandwidthMax", [(dev.encode(), n) for dev, n in self.io_read_bandwidth_max])
-            )
-        if self.io_write_bandwidth_max:
-            props.append(
-                (
-                    "IOWriteBandwidthMax",
-                    [(dev.encode(), n) for dev, n in self.io_write_bandwidth_max],
-                )
-            )
-        if self.runtime_max_seconds is not None:
-            props.append(("RuntimeMaxUSec", int(self.runtime_max_seconds * 1_000_000)))
-        if self.stop_timeout_seconds is not None:
-            props.append(("TimeoutStopUSec", int(self.stop_timeout_seconds * 1_000_000)))
-        props.extend(self.extra)
-        return props
-
-
-@dataclass(frozen=True)
-class UnitInfo:
-    name: str
-    description: str
-    active_state: str
-    sub_state: str
-    object_path: str
-
-
-@dataclass(frozen=True)
-class SocketUnit:
-    """A .socket unit: whether it is installed and listening, and on what."""
-
-    name: str
-    load_state: str  # loaded, not-found, masked, ...
-    active_state: str
-    listen: tuple[tuple[str, str], ...]  # (type, address), e.g. ("Stream", "/run/x.sock")
-
-
-@dataclass(frozen=True)
-class UnitEnded:
-    """A unit left the live states (its last process exited, or it failed)."""
-
-    name: str
-    active_state: str
+_UNIT_PROPERTY_INTERFACE: dict[str, bytes] = {"Slice": b"org.freedesktop.systemd1.Scope"}
 
 
 def _text(value: object) -> str:
@@ -539,11 +468,6 @@ def _scope_or_unit(name: str) -> bytes:
     return UNIT_INTERFACE
 
 
-def wait_readable(fd: int, timeout: float | None) -> bool:
-    ready, _, _ = select.select([fd], [], [], timeout)
-    return bool(ready)
-
-
 def manager_reachable(user: bool = False) -> str | None:
     """None if the manager answers, else why not (for `doctor`)."""
     try:
@@ -551,7 +475,3 @@ def manager_reachable(user: bool = False) -> str | None:
     except (UnavailableError, PermissionDeniedError, SystemdError) as error:
         return error.message
     return None
-
-
-def running_under_systemd() -> bool:
-    return os.path.isdir("/run/systemd/system")

@@ -28,6 +28,7 @@ import click
 from volutectl import slotcore, slots
 from volutectl.config import load_settings
 from volutectl.errors import PermissionDeniedError, SystemdError, UnavailableError
+from volutectl.messages import RegisterRepoRequest
 
 if TYPE_CHECKING:
     from volutectl.config import TestsSettings
@@ -242,7 +243,7 @@ def register_with_gate(socket_path: str, common_dir: Path) -> None:
     except (VoluteError, OSError):
         return
     try:
-        connection.send({"op": "register_repo", "path": str(common_dir)})
+        connection.send(RegisterRepoRequest(str(common_dir)).to_wire())
     except (VoluteError, OSError):
         pass
     finally:

@@ -1,23 +1,11 @@
-"""The turns the gate runs: start, fold-in, settle, and re-adopt after a restart.
+"""The turns the gate runs: start, fold-in, and settle.
 
-`Turns` carries out admission's decisions (core.admit) for one gate: it creates the
-turn's row and directory, forks the child, has systemd put it in its scope, releases
-it, and when the turn is over, settles its deliveries in one commit. It owns no
-sockets and no event loop: the gate hands it the events and gives it callbacks, to
-watch a pidfd and to tell --wait clients how their delivery ended.
-
-A turn is settled only on positive evidence that nothing of it runs any more:
-- systemd answers that its scope is not loaded, or is inactive or failed; or
-- systemd lists the scope's processes and there are none. A scope started around a
-  PID that died before systemd moved it (the gate's whole cgroup SIGKILLed between
-  the fork and the scope) stays `active` with an empty cgroup for ever, and no "empty"
-  event ever comes; such a scope is stopped, and its turn settled.
-A question to systemd that fails (EINTR while the gate is being stopped, a timeout)
-proves nothing: the turn keeps its place, and the question is asked again later.
-
-Evidence that a turn still runs costs nothing on the handoff path: the gate holds a
-pidfd on each turn's main process (the wrapper), its own child or, after a restart,
-the PID recorded at release. While that process lives, the scope is not empty.
+`Turns` carries out admission's decisions (core.admit): it creates a turn's row and
+directory, forks the child, has systemd put it in its scope, releases it, and, once
+volutectl/liveness.py has systemd's word that nothing of the turn runs any more,
+settles its deliveries in one commit. It owns no sockets and no event loop: the gate
+gives it callbacks, to watch a pidfd, to tell waiting clients how their delivery ended,
+and to say that admission should run again.
 """
 
 from __future__ import annotations
@@ -25,11 +13,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from volutectl import core, launcher, names
@@ -37,11 +23,11 @@ from volutectl.config import Settings, parse_bandwidth
 from volutectl.errors import DataError, VoluteError
 from volutectl.faults import crash_point
 from volutectl.journal import Journal
-from volutectl.store import Row, Store, TurnRow
-from volutectl.systemd import ENDED_STATES, Manager, ScopeProperties
+from volutectl.messages import DeliveryDead, Reply, TurnEnded
+from volutectl.states import HoldReason, Outcome, QueueState
+from volutectl.store import Row, Store
+from volutectl.units import ScopeProperties, SystemdManager
 
-TURN_PATTERN = "volute-turn-*.scope"
-RECHECK_SECONDS = 1.0  # after a failed question to systemd, ask again this much later
 # systemd's RuntimeMaxSec= backstop fires this long after the gate's own deadline (plus
 # the kill grace; less for limits shorter than this), so that with the gate up its own
 # timer decides.
@@ -80,12 +66,13 @@ class Turns:
         self,
         settings: Settings,
         store: Store,
-        manager: Manager,
+        manager: SystemdManager,
         journal: Journal,
         *,
-        notify: Callable[[int, dict[str, Any]], None],
+        notify: Callable[[int, Reply], None],
         watch_fd: Callable[[int, Turn], None],
         unwatch_fd: Callable[[int], None],
+        wake: Callable[[], None],
     ) -> None:
         self.settings = settings
         self.store = store
@@ -94,12 +81,9 @@ class Turns:
         self.notify = notify
         self.watch_fd = watch_fd
         self.unwatch_fd = unwatch_fd
-        self.turns: dict[int, Turn] = {}
+        self.wake = wake  # a turn ended or failed to start: admission should run
+        self._turns: dict[int, Turn] = {}
         self.accounts: dict[str, launcher.Account] = {}
-        self.changed = False  # a turn ended or failed to start: admission should run
-        # Scopes of turns we settled that systemd may still list as live for a moment
-        # (settled on seeing them empty): not counted, not asked about again.
-        self.settled_units: set[str] = set()
         turns = settings.turns
         self.scope_props = ScopeProperties(
             slice=turns.slice,
@@ -110,173 +94,24 @@ class Turns:
             stop_timeout_seconds=turns.timeout_grace_seconds,
         )
 
-    # -- what runs ---------------------------------------------------------------------
+    # -- the registry -----------------------------------------------------------------------
 
-    def count_live(self) -> tuple[list[core.LiveTurn], int]:
-        """Our live turns, and how many other scopes in the turns slice hold a process.
+    def all(self) -> list[Turn]:
+        """Every turn the gate holds a place for, oldest first."""
+        return sorted(self._turns.values(), key=lambda turn: turn.id)
 
-        Raises SystemdError if systemd cannot list the slice: admission must then wait,
-        not guess. Only scopes that really hold a process count against the cap."""
-        ours = {turn.unit: turn for turn in self.turns.values()}
-        listed = self.manager.list_units(self.settings.turns.slice, [TURN_PATTERN], known=ours)
-        names_listed = {unit.name for unit in listed}
-        self.settled_units &= names_listed
-        for turn in list(self.turns.values()):
-            if turn.unit not in names_listed and not turn.main_alive():
-                self.check(turn)  # systemd lists it as not live: confirm, then settle
-        foreign = 0
-        for name in sorted(names_listed):
-            own = ours.get(name)
-            if own is not None:
-                if not (own.main_alive() or own.verified or own.recheck_at is not None):
-                    self.check(own)
-            elif name not in self.settled_units and self._foreign_holds_process(name):
-                foreign += 1
-        live = [
-            core.LiveTurn(turn.id, turn.mind, turn.session)
-            for turn in self.turns.values()
-            if turn.unit in names_listed or turn.main_alive() or turn.recheck_at is not None
-        ]
-        return live, foreign
+    def get(self, turn_id: int) -> Turn | None:
+        return self._turns.get(turn_id)
 
-    def _foreign_holds_process(self, unit: str) -> bool:
-        """A scope in our slice that is not one of our turns: count it unless it is empty.
+    def add(self, turn: Turn) -> None:
+        self._turns[turn.id] = turn
 
-        An empty turn scope (named as ours: a gate that crashed left it) is stopped."""
-        try:
-            pids = self.manager.unit_processes(unit)
-        except VoluteError:
-            return True  # cannot tell: count it, the cap is what must hold
-        if pids is None:
-            return False
-        if pids:
-            return True
-        self.journal.log(
-            "warning",
-            f"{unit} is active but holds no process: stopping it (a turn started around a "
-            "process that had died)",
-            unit=unit,
-            event="empty_scope",
-        )
-        self._stop_quietly(unit)
-        self.settled_units.add(unit)
-        return False
+    def holds(self, turn: Turn) -> bool:
+        return self._turns.get(turn.id) is turn
 
-    def _stop_quietly(self, unit: str) -> None:
-        try:
-            self.manager.stop_unit(unit, wait=False)
-        except VoluteError as error:
-            self.journal.log("warning", f"could not stop {unit}: {error.message}", unit=unit)
+    # -- logging ----------------------------------------------------------------------------
 
-    def check(self, turn: Turn) -> None:
-        """Ask systemd whether the turn still runs; settle it only if systemd says no.
-
-        Called when its main process exited, when systemd reported its scope inactive,
-        at adoption, and when a question failed before. The answers that settle: the
-        unit is not loaded, is inactive or failed, or holds no process (then, if it was
-        never seen holding one, it is stopped too: it would stay active for ever). Any
-        failed question: ask again in RECHECK_SECONDS."""
-        if turn.id not in self.turns:
-            return
-        try:
-            state = self.manager.active_state(turn.unit)
-            pids = (
-                None if state is None or state in ENDED_STATES
-                else self.manager.unit_processes(turn.unit)
-            )  # fmt: skip
-        except VoluteError as error:
-            if turn.recheck_at is None:
-                self._log_turn(
-                    "warning",
-                    turn,
-                    f"cannot tell whether it still runs ({error.message}): it keeps its "
-                    f"place; asking again in {RECHECK_SECONDS:.0f} s",
-                )
-            turn.recheck_at = time.time() + RECHECK_SECONDS
-            return
-        turn.recheck_at = None
-        if pids:
-            turn.verified = True
-            return
-        if pids is not None:  # live, but empty
-            if not turn.verified:
-                # Never seen holding a process: started around one that had died. It
-                # will never end by itself.
-                self._log_turn(
-                    "warning",
-                    turn,
-                    f"{turn.unit} is {state} but holds no process: stopping it",
-                    event="empty_scope",
-                )
-                self._stop_quietly(turn.unit)
-            # Otherwise its last process just left, and systemd is about to say so.
-            self.settled_units.add(turn.unit)
-        try:
-            self.finish(turn)
-        except (VoluteError, sqlite3.Error, OSError) as error:
-            # The settlement's commit failed (a full disk): nothing of it happened. The
-            # turn keeps its place until it can be settled.
-            text = error.message if isinstance(error, VoluteError) else str(error)
-            self._log_turn("error", turn, f"could not be settled: {text}; retrying")
-            turn.recheck_at = time.time() + RECHECK_SECONDS
-
-    # -- deadlines -----------------------------------------------------------------------
-
-    def next_deadline(self) -> float | None:
-        """The earliest wall-clock time at which `on_deadline` has work: a turn's time
-        limit, or a question to systemd to ask again."""
-        times = [t.recheck_at for t in self.turns.values() if t.recheck_at is not None]
-        times += [
-            t.deadline
-            for t in self.turns.values()
-            if t.deadline is not None and t.timed_out_at is None
-        ]
-        return min(times) if times else None
-
-    def on_deadline(self, now: float) -> None:
-        for turn in list(self.turns.values()):
-            if turn.deadline is not None and turn.timed_out_at is None and now >= turn.deadline:
-                self.time_out(turn, now)
-            if turn.recheck_at is not None and now >= turn.recheck_at:
-                self.check(turn)
-
-    def time_out(self, turn: Turn, now: float) -> None:
-        """The turn ran past its limit: record it, then have systemd stop the scope
-        (SIGTERM to every process, SIGKILL after turns.timeout_grace_seconds)."""
-        turn.timed_out_at = now
-        self.store.mark_timed_out(turn.id, now)
-        limit = turn.deadline - turn.started_at if turn.deadline is not None else 0.0
-        self._log_turn(
-            "warning",
-            turn,
-            f"ran past its limit of {limit:.0f} s: stopping it (SIGTERM, then SIGKILL after "
-            f"{self.settings.turns.timeout_grace_seconds:g} s)",
-            event="timeout",
-        )
-        try:
-            self.manager.stop_unit(turn.unit, wait=False)
-        except VoluteError as error:
-            # Stopping it is still owed: systemd's RuntimeMaxSec= backstop will, and
-            # so will the next check.
-            self._log_turn("warning", turn, f"could not stop it: {error.message}")
-            turn.recheck_at = now + RECHECK_SECONDS
-
-    def record_holds(self, holds: list[core.Hold], rows: dict[int, Row], now: float) -> None:
-        # Only holds that began or changed reason: the rest are already recorded.
-        changed = [
-            (h.delivery_id, h.reason)
-            for h in holds
-            if rows[h.delivery_id].held_since is None or rows[h.delivery_id].hold_reason != h.reason
-        ]
-        if not changed:
-            return
-        new = set(self.store.mark_held(changed, now))
-        for hold in holds:
-            if hold.delivery_id in new:
-                row = rows[hold.delivery_id]
-                self._log_row("info", row, f"held: {hold.reason}", reason=hold.reason, event="hold")
-
-    def _log_row(self, level: str, row: Row, text: str, **fields: Any) -> None:
+    def log_row(self, level: str, row: Row, text: str, **fields: Any) -> None:
         """Log about one delivery, with the journal fields that find it again."""
         self.journal.log(
             level,
@@ -287,7 +122,7 @@ class Turns:
             **fields,
         )
 
-    def _log_turn(self, level: str, turn: Turn, text: str, **fields: Any) -> None:
+    def log_turn(self, level: str, turn: Turn, text: str, **fields: Any) -> None:
         """Log about one turn, with the journal fields that find it again."""
         self.journal.log(
             level,
@@ -299,11 +134,11 @@ class Turns:
             **fields,
         )
 
-    def log_released(self, rows: list[Row], now: float, how: str) -> None:
+    def log_released(self, rows: Iterable[Row], now: float, how: str) -> None:
         for row in rows:
             if row.held_since is not None:
                 held_ms = int((now - row.held_since) * 1000)
-                self._log_row(
+                self.log_row(
                     "info",
                     row,
                     f"was held {held_ms} ms ({row.hold_reason}); {how}",
@@ -312,8 +147,26 @@ class Turns:
                     event="hold_end",
                 )
 
+    # -- admission's decisions -----------------------------------------------------------------
+
+    def record_holds(self, holds: list[core.Hold], rows: Mapping[int, Row], now: float) -> None:
+        # Only holds that began or changed reason: the rest are already recorded.
+        changed: list[tuple[int, HoldReason]] = [
+            (h.delivery_id, h.reason)
+            for h in holds
+            if rows[h.delivery_id].held_since is None or rows[h.delivery_id].hold_reason != h.reason
+        ]
+        if not changed:
+            return
+        new = set(self.store.mark_held(changed, now))
+        for hold in holds:
+            if hold.delivery_id in new:
+                row = rows[hold.delivery_id]
+                self.log_row("info", row, f"held: {hold.reason}", reason=hold.reason, event="hold")
+
     def fold(self, fold: core.Fold, now: float) -> None:
-        turn = self.turns[fold.turn_id]
+        """Hand deliveries to a live turn of their session, through its inbox."""
+        turn = self._turns[fold.turn_id]
         rows = self.store.fold_into(turn.id, list(fold.delivery_ids), now, interrupt=fold.interrupt)
         crash_point("fold_committed")
         account = turn.account or self.account_of(turn.mind)
@@ -324,12 +177,12 @@ class Turns:
         self.log_released(rows, now, f"folded into turn {turn.id}")
         if rows:
             ids = " ".join(str(r.id) for r in rows)
-            self._log_turn("info", turn, f"took deliveries {ids} in its inbox", delivery_ids=ids)
+            self.log_turn("info", turn, f"took deliveries {ids} in its inbox", delivery_ids=ids)
         if fold.interrupt:
             turn.interrupted = True
             with contextlib.suppress(VoluteError):
                 self.manager.kill_unit(turn.unit, signal.SIGINT)
-            self._log_turn("info", turn, "interrupted (SIGINT to its scope)")
+            self.log_turn("info", turn, "interrupted (SIGINT to its scope)")
 
     def account_of(self, mind: str) -> launcher.Account:
         """The mind's user, looked up once: NSS lookups would sit on every handoff."""
@@ -341,82 +194,65 @@ class Turns:
         return account
 
     def start(self, start: core.Start, now: float) -> None:
-        mind_settings = self.settings.minds.get(start.mind)
+        """Commit the turn, fork its child, have systemd put it in its scope, release it."""
         max_runtime = self.settings.max_runtime(start.mind)
+        deadline = now + max_runtime if max_runtime else None
         turn_id, taken = self.store.start_turn(
             start.mind,
             start.session,
             lambda tid: names.turn_scope_name(start.mind, tid),
             list(start.delivery_ids),
             now,
-            deadline=now + max_runtime if max_runtime else None,
+            deadline=deadline,
         )
         crash_point("start_committed")
         unit = names.turn_scope_name(start.mind, turn_id)
-        ids = [row.id for row in taken]
         self.log_released(taken, now, f"starting turn {turn_id}")
-        child: launcher.Child | None = None
+        turn_dir, child = None, None
         try:
-            if mind_settings is None:
-                raise DataError(f"mind {start.mind!r} is no longer configured")
             account = self.account_of(start.mind)
-            turn_dir = launcher.make_turn_dir(
-                self.settings.gate.runtime_dir,
-                turn_id,
-                account,
-                b"".join(
-                    launcher.delivery_record(r.id, r.session, r.message, r.interrupt) for r in taken
-                ),
-            )
-            env = launcher.turn_environment(
-                account,
-                mind=start.mind,
-                session=start.session,
-                turn_id=turn_id,
-                delivery_ids=ids,
-                turn_dir=turn_dir,
-                extra=mind_settings.environment,
-            )
-            cwd = str(mind_settings.working_directory or account.home or "/")
-            argv = launcher.command_argv(mind_settings.command)
+            turn_dir, argv, env, cwd = self._prepare(start, turn_id, taken, account)
             child = launcher.fork_turn(argv, env, account, turn_dir, cwd)
             crash_point("forked")
             self.manager.start_scope(unit, [child.pid], self._scope_props(start, turn_id))
             crash_point("scope_started")
             child.release()
             crash_point("released")
-        except (VoluteError, OSError) as error:
+        except (VoluteError, OSError, KeyError) as error:
             self._start_failed(start, turn_id, unit, taken, child, error)
             return
         self.store.mark_released(turn_id, child.pid)
         crash_point("release_recorded")
-        turn = Turn(
-            turn_id,
-            start.mind,
-            start.session,
-            unit,
-            turn_dir,
-            account,
-            now,
-            True,
-            child,
-            pidfd=child.pidfd,
-            deadline=now + max_runtime if max_runtime else None,
-            verified=True,
-        )
-        self.turns[turn_id] = turn
+        turn = Turn(turn_id, start.mind, start.session, unit, turn_dir, account, now, True,
+                    child, pidfd=child.pidfd, deadline=deadline, verified=True)  # fmt: skip
+        self._turns[turn_id] = turn
         self.watch_fd(child.pidfd, turn)
-        self.journal.log(
-            "info",
-            f"started turn {turn_id} of {start.mind}/{start.session} with deliveries "
-            f"{' '.join(map(str, ids))}",
+        ids = " ".join(str(row.id) for row in taken)
+        self.log_turn("info", turn, f"started with deliveries {ids}", delivery_ids=ids,
+                      event="start")  # fmt: skip
+
+    def _prepare(
+        self, start: core.Start, turn_id: int, taken: list[Row], account: launcher.Account
+    ) -> tuple[launcher.TurnDir, list[str], dict[str, str], str]:
+        """The turn's directory (stdin: its batch), command, environment and cwd."""
+        mind = self.settings.minds.get(start.mind)
+        if mind is None:
+            raise DataError(f"mind {start.mind!r} is no longer configured")
+        stdin = b"".join(
+            launcher.delivery_record(r.id, r.session, r.message, r.interrupt) for r in taken
+        )
+        turn_dir = launcher.make_turn_dir(self.settings.gate.runtime_dir, turn_id, account, stdin)
+        env = launcher.turn_environment(
+            account,
             mind=start.mind,
             session=start.session,
-            unit=unit,
             turn_id=turn_id,
-            delivery_ids=" ".join(map(str, ids)),
-            event="start",
+            delivery_ids=[row.id for row in taken],
+            turn_dir=turn_dir,
+            extra=mind.environment,
         )
+        cwd = str(mind.working_directory or account.home or "/")
+        return turn_dir, launcher.command_argv(mind.command), env, cwd
 
     def _scope_props(self, start: core.Start, turn_id: int) -> ScopeProperties:
         max_runtime = self.settings.max_runtime(start.mind)
@@ -439,7 +275,7 @@ class Turns:
         unit: str,
         taken: list[Row],
         child: launcher.Child | None,
-        error: VoluteError | OSError,
+        error: Exception,
     ) -> None:
         """The command never ran: the child (if forked) exits unreleased, and the turn's
         deliveries count one failed attempt (a missing user or mind fails every time)."""
@@ -456,90 +292,54 @@ class Turns:
             session=start.session,
             unit=unit,
         )
-        self.store.end_turn(turn_id, "start_failed", None, message, time.time())
+        self.store.end_turn(turn_id, Outcome.START_FAILED, None, message, time.time())
         self.fail(taken, message)
-        self._remove_dir(turn_id)
-        self.changed = True
-
-    def _remove_dir(self, turn_id: int) -> None:
         launcher.TurnDir(self.settings.gate.runtime_dir / "turns" / str(turn_id)).remove()
+        self.wake()
+
+    # -- failures ---------------------------------------------------------------------------
 
     def fail(self, rows: list[Row], error: str) -> None:
-        updates = self.failure_updates(rows, error)
-        self.store.fail_rows(updates, error, time.time())
-        self.tell_dead(rows, updates, error)
+        failed = self.failures(rows)
+        self.store.fail_rows(failed, error, time.time())
+        self.tell_dead(rows, failed, error)
 
-    def failure_updates(
-        self, rows: list[Row], error: str
-    ) -> list[tuple[int, str, int, float | None]]:
-        """Count an attempt for each row: (id, backoff or dead, attempts, not_before)."""
+    def failures(self, rows: Iterable[Row]) -> dict[int, core.AfterFailure]:
+        """Count an attempt for each row: backoff, or dead after the last."""
         gate = self.settings.gate
         now = time.time()
-        updates = []
-        for row in rows:
-            after = core.after_failure(
+        return {
+            row.id: core.after_failure(
                 row.attempts,
                 now=now,
                 max_attempts=gate.max_attempts,
                 initial=gate.backoff_initial_seconds,
                 ceiling=gate.backoff_max_seconds,
             )
-            updates.append((row.id, after.state, after.attempts, after.not_before))
-        return updates
+            for row in rows
+        }
 
     def tell_dead(
-        self, rows: list[Row], updates: list[tuple[int, str, int, float | None]], error: str
+        self, rows: Iterable[Row], failed: Mapping[int, core.AfterFailure], error: str
     ) -> None:
         """Once the failure is committed: log the rows that went dead, tell their waiters."""
-        by_id = {row.id: row for row in rows}
-        for delivery_id, state, attempts, _ in updates:
-            if state == "dead":
-                row = by_id[delivery_id]
-                self._log_row(
-                    "warning", row, f"is dead after {attempts} attempts: {error}", event="dead"
-                )
-                self.notify(row.id, {"event": "dead", "id": row.id, "error": error, "exit_code": 1})
+        for row in rows:
+            after = failed.get(row.id)
+            if after is not None and after.state is QueueState.DEAD:
+                self.log_row(
+                    "warning", row, f"is dead after {after.attempts} attempts: {error}",
+                    event="dead",
+                )  # fmt: skip
+                self.notify(row.id, DeliveryDead(row.id, error))
 
-    # -- turns ending --------------------------------------------------------------------
+    # -- settling -------------------------------------------------------------------------
 
-    def reap(self, turn: Turn) -> None:
-        """The turn's main process exited (its pidfd is readable): collect its status if
-        it is our child, then find out whether the scope is done."""
-        if turn.child is not None:
-            with contextlib.suppress(ChildProcessError):
-                pid, status = os.waitpid(turn.child.pid, os.WNOHANG)
-                if pid == turn.child.pid:
-                    turn.exit_status = os.waitstatus_to_exitcode(status)
-                    if turn.exit_status < 0:  # killed by a signal
-                        turn.exit_status = 128 - turn.exit_status
-            turn.child = None
-        self._close_pidfd(turn)
-        self.check(turn)
-
-    def _close_pidfd(self, turn: Turn) -> None:
+    def close_pidfd(self, turn: Turn) -> None:
         if turn.pidfd >= 0:
             self.unwatch_fd(turn.pidfd)
             with contextlib.suppress(OSError):
                 os.close(turn.pidfd)
             turn.pidfd = -1
-
-    def unit_ended(self, unit: str) -> None:
-        """systemd says a turn scope left the live states (or was removed)."""
-        if unit in self.settled_units:
-            self.settled_units.discard(unit)
-            return
-        parsed = names.parse_turn_scope_name(unit)
-        if parsed is None:
-            return
-        turn = self.turns.get(parsed[1])
-        if turn is None or turn.unit != unit:
-            self.changed = True  # a foreign scope ended: the budget may have freed
-            return
-        if turn.main_alive():
-            # systemd also announces a scope's initial "inactive" while creating it; and
-            # a scope cannot have ended while its main process lives. Its pidfd will say.
-            return
-        self.check(turn)
 
     def finish(self, turn: Turn) -> None:
         """Nothing of the turn runs any more: settle its deliveries and free its place."""
@@ -565,16 +365,14 @@ class Turns:
         carried = [row for row in rows if row.id not in not_taken]
         carried_ids = [row.id for row in carried]
         error = f"turn {turn.id} {outcome.detail}"
-        failing = outcome.kind in ("failed", "timeout")
-        failed = self.failure_updates(carried, error) if failing else []
-        # One commit settles the turn and all of its rows.
+        failed = self.failures(carried) if outcome.kind.failed else {}
         self.store.settle_turn(
             turn.id,
             outcome=outcome.kind,
             exit_status=outcome.exit_status,
             detail=outcome.detail,
-            done=carried_ids if outcome.kind in ("ok", "interrupted") else [],
-            returned=returned + (carried_ids if outcome.kind == "never_ran" else []),
+            done=carried_ids if outcome.kind.carried else [],
+            returned=returned + (carried_ids if outcome.kind is Outcome.NEVER_RAN else []),
             failed=failed,
             error=error,
             now=now,
@@ -582,93 +380,21 @@ class Turns:
         )
         crash_point("settled")
         self.tell_dead(carried, failed, error)
-        self.turns.pop(turn.id, None)
-        self._close_pidfd(turn)
+        self._turns.pop(turn.id, None)
+        self.close_pidfd(turn)
         turn.turn_dir.remove()
-        self._log_turn(
-            "warning" if failing else "info",
+        self.log_turn(
+            "warning" if outcome.kind.failed else "info",
             turn,
             f"ended: {outcome.detail}",
             outcome=outcome.kind,
             exit_status=outcome.exit_status,
             event="end",
         )
-        if outcome.kind != "never_ran":
+        if outcome.kind is not Outcome.NEVER_RAN:
             code = core.wait_exit_code(outcome.exit_status, outcome.kind)
             for row in carried:
                 self.notify(
-                    row.id,
-                    {
-                        "event": "turn_ended",
-                        "id": row.id,
-                        "turn_id": turn.id,
-                        "outcome": outcome.kind,
-                        "exit_status": outcome.exit_status,
-                        "exit_code": code,
-                    },
+                    row.id, TurnEnded(row.id, turn.id, outcome.kind, outcome.exit_status, code)
                 )
-        self.changed = True
-
-    # -- recovery ----------------------------------------------------------------------
-
-    def recover(self) -> None:
-        """Take back the store's open turns, each on systemd's word.
-
-        Each open turn first takes its place (so admission counts it), then is checked:
-        settled if its scope is gone, inactive or empty; adopted if its scope holds a
-        process; kept, and asked about again, if systemd cannot say. Its main process is
-        watched again by the PID recorded at release, if that PID is still in the scope.
-        """
-        open_turns = self.store.open_turns()
-        self._remove_stale_dirs({row.id for row in open_turns})
-        for row in open_turns:
-            turn = self._turn_from_row(row)
-            self.turns[row.id] = turn
-            if row.pid is not None:
-                self._watch_adopted(turn, row.pid)
-            self.check(turn)
-            if row.id in self.turns and turn.recheck_at is None:
-                self._log_turn("info", turn, "is still running: adopted", event="adopt")
-        self.changed = True
-
-    def _remove_stale_dirs(self, open_ids: set[int]) -> None:
-        """Turn directories of turns already settled: a gate killed after settling a turn
-        and before removing its directory leaves one behind."""
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(self.settings.gate.runtime_dir / "turns"):
-                if entry.name.isdigit() and int(entry.name) not in open_ids:
-                    launcher.TurnDir(Path(entry.path)).remove()
-
-    def _turn_from_row(self, row: TurnRow) -> Turn:
-        account = None
-        with contextlib.suppress(VoluteError, KeyError):
-            account = self.account_of(row.mind)
-        return Turn(
-            row.id,
-            row.mind,
-            row.session,
-            row.unit,
-            launcher.TurnDir(self.settings.gate.runtime_dir / "turns" / str(row.id)),
-            account,
-            row.started_at,
-            row.released,
-            interrupted=row.interrupted,
-            deadline=row.deadline,
-            timed_out_at=row.timed_out_at,
-        )
-
-    def _watch_adopted(self, turn: Turn, pid: int) -> None:
-        """Watch an adopted turn's main process, if that PID still belongs to its scope."""
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            return  # exited (or the PID is gone): nothing to watch
-        try:
-            in_scope = pid in (self.manager.unit_processes(turn.unit) or [])
-        except VoluteError:
-            in_scope = False
-        if not in_scope:
-            os.close(fd)  # reused by an unrelated process, or the question failed
-            return
-        turn.pidfd = fd
-        self.watch_fd(fd, turn)
+        self.wake()

@@ -19,7 +19,7 @@ from typing import Any
 from tests.unit.fake_gate import remove_tree, short_socket_dir
 from tests.unit.fake_systemd import FakeManager
 from volutectl.config import Settings
-from volutectl.daemon import Gate
+from volutectl.gate import Gate
 from volutectl.journal import Journal
 
 ME = pwd.getpwuid(os.getuid()).pw_name
@@ -126,7 +126,6 @@ class Harness:
         self.journal = RecordingJournal()
         self.manager = FakeManager()
         self.gate = Gate(self.settings, manager=self.manager, journal=self.journal)
-        self.gate.open()
         self.peers: list[Peer] = []
         self.steps = 0
 
@@ -146,7 +145,7 @@ class Harness:
         """Step as the real loop does (sleeping until the gate's own deadline), for a while."""
         end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
-            timeout = self.gate._timeout()
+            timeout = self.gate.timeout()
             self.step(left if timeout is None else min(timeout, left))
 
     def connect(self) -> Peer:
@@ -159,14 +158,13 @@ class Harness:
         peer = peer or self.connect()
         reply = peer.request({"op": "deliver", "mind": mind, "message": "good"})
         assert reply.get("ok") is True and type(reply.get("id")) is int, reply
-        assert self.gate.store is not None
-        assert self.gate.store.row(reply["id"]) is not None
+        assert self.gate.state.store.row(reply["id"]) is not None
         return int(reply["id"])
 
     def close(self) -> None:
         for peer in self.peers:
             peer.close()
-        children = [turn.child.pid for turn in self.gate.turns.turns.values() if turn.child]
+        children = [turn.child.pid for turn in self.gate.state.turns.all() if turn.child]
         self.gate.close()
         for pid in children:  # turns outlive the gate; a test's turns must not
             with contextlib.suppress(ProcessLookupError):

@@ -13,7 +13,7 @@ import resource
 import sys
 
 from tests.unit.fake_systemd import FakeManager
-from volutectl import daemon
+from volutectl import daemon, systemd
 
 
 def main(argv: list[str]) -> None:
@@ -21,7 +21,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         soft, hard = (int(part) for part in argv[1].split(":"))
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    daemon.Manager.connect = lambda user=False: FakeManager()  # type: ignore[assignment,method-assign,misc]
+    systemd.Manager.connect = lambda user=False: FakeManager()  # type: ignore[assignment,method-assign,misc]
     daemon.gate_command.main(["--config", config], prog_name="volutectl gate")
 
 

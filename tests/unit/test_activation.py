@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import selectors
 import shutil
 import socket
 import subprocess
@@ -25,9 +26,9 @@ import pytest
 from tests.unit.fake_gate import remove_tree, short_socket_dir
 from volutectl import activation
 from volutectl.config import Settings
-from volutectl.daemon import Gate
 from volutectl.errors import EX_CONFIG, ConfigError
 from volutectl.journal import Journal
+from volutectl.server import Server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -202,18 +203,21 @@ class RecordingJournal(Journal):
         self.lines.append((level, message))
 
 
-def gate_for(socket_path: Path, listener: socket.socket | None) -> tuple[Gate, RecordingJournal]:
+def server_for(
+    socket_path: Path, listener: socket.socket | None
+) -> tuple[Server, RecordingJournal]:
+    """The gate's socket side (volutectl/server.py), as the gate builds it."""
     settings = Settings(gate={"socket": socket_path})  # type: ignore[arg-type]
     journal = RecordingJournal()
-    return Gate(settings, journal=journal, listener=listener), journal
+    server = Server(settings, selectors.DefaultSelector(), journal, inherited=listener)
+    return server, journal
 
 
 def test_an_activated_gate_serves_systemds_socket_and_never_unlinks_it(socket_dir: Path) -> None:
     path = socket_dir / "gate.sock"
     held_by_systemd = listening(path)
     passed = socket.socket(fileno=os.dup(held_by_systemd.fileno()))
-    gate, journal = gate_for(path, passed)
-    gate.listener = gate._listen(path, "volute")
+    gate, journal = server_for(path, passed)
     assert gate.listener is passed
     assert not gate.listener.getblocking()
     gate.close()
@@ -239,9 +243,8 @@ def test_when_the_unit_and_the_config_disagree_the_inherited_socket_wins(
 ) -> None:
     unit_path, config_path = socket_dir / "unit.sock", socket_dir / "config.sock"
     held_by_systemd = listening(unit_path)
-    gate, journal = gate_for(config_path, socket.socket(fileno=os.dup(held_by_systemd.fileno())))
+    gate, journal = server_for(config_path, socket.socket(fileno=os.dup(held_by_systemd.fileno())))
     try:
-        gate.listener = gate._listen(config_path, "volute")
         assert activation.served_path(gate.listener) == str(unit_path)
         assert not config_path.exists()  # no second socket that nobody would queue on
         [(level, message)] = journal.lines
@@ -254,8 +257,7 @@ def test_when_the_unit_and_the_config_disagree_the_inherited_socket_wins(
 
 def test_a_gate_run_by_hand_binds_its_socket_and_unlinks_it_on_close(socket_dir: Path) -> None:
     path = socket_dir / "gate.sock"
-    gate, _ = gate_for(path, None)
-    gate.listener = gate._listen(path, "volute")
+    gate, _ = server_for(path, None)
     assert path.exists()
     assert fcntl.fcntl(gate.listener.fileno(), fcntl.F_GETFD) & fcntl.FD_CLOEXEC
     gate.close()

@@ -18,13 +18,14 @@ from hypothesis import strategies as st
 
 from volutectl import core
 from volutectl.core import Admission, Delivery, Fold, Hold, Limits, LiveTurn, Start
+from volutectl.states import HoldReason, Outcome
 
 NOW = 1_000_000.0
 MINDS = ("ada", "bob", "cyd", "dee")
 SESSIONS = ("main", "chat", "heartbeat")
 # None: never failed; in the past or exactly now: backoff over; in the future: backing off.
 NOT_BEFORE = (None, None, None, NOW - 30.0, NOW, NOW + 30.0)
-OTHER_REASONS = (core.HOLD_GLOBAL_CAP, core.HOLD_TEST_RUN)
+OTHER_REASONS = (HoldReason.GLOBAL_CAP, HoldReason.TEST_RUN)
 
 
 @st.composite
@@ -169,23 +170,23 @@ def check_invariants(case: Case, decision: Admission) -> None:
                 assert t < w, f"{t} reached a turn while earlier {w} of {key} waits"
 
     # Every hold has its reason.
-    cap_reasons = {core.HOLD_GLOBAL_CAP, other_busy_reason}
+    cap_reasons = {HoldReason.GLOBAL_CAP, other_busy_reason}
     backing_ids = [d.id for d in pending if backing_off(d)]
     for hold in decision.holds:
         held = by_id[hold.delivery_id]
-        if hold.reason == core.HOLD_MIND_BUSY:
+        if hold.reason == HoldReason.MIND_BUSY:
             assert live_per_mind[held.mind] + starts_per_mind[held.mind] >= limits.for_mind(
                 held.mind
             )
         elif hold.reason in cap_reasons:
             assert limits.global_cap is not None
             assert busy + len(decision.starts) >= limits.global_cap
-        elif hold.reason == core.HOLD_BEHIND_BACKOFF:
+        elif hold.reason == HoldReason.BEHIND_BACKOFF:
             assert any(
                 b < held.id and (by_id[b].mind, by_id[b].session) == (held.mind, held.session)
                 for b in backing_ids
             )
-        elif hold.reason == core.HOLD_PRESSURE:
+        elif hold.reason == HoldReason.IO_PRESSURE:
             assert pressure and busy + len(decision.starts) >= 1
         else:
             raise AssertionError(f"unknown hold reason {hold.reason!r}")
@@ -194,7 +195,7 @@ def check_invariants(case: Case, decision: Admission) -> None:
     # them is never overtaken by a later delivery starting a new turn.
     first_ids = [min(start.delivery_ids) for start in decision.starts]
     for hold in decision.holds:
-        if hold.reason in cap_reasons | {core.HOLD_PRESSURE}:
+        if hold.reason in cap_reasons | {HoldReason.IO_PRESSURE}:
             assert all(first < hold.delivery_id for first in first_ids)
 
     # Under I/O pressure, at most one turn runs.
@@ -265,7 +266,7 @@ def test_fan_out_33_minds_3_deliveries_cap_2_starts_exactly_2() -> None:
     ]
     assert decision.folds == []
     assert len(decision.holds) == 99 - 6
-    assert {hold.reason for hold in decision.holds} == {core.HOLD_GLOBAL_CAP}
+    assert {hold.reason for hold in decision.holds} == {HoldReason.GLOBAL_CAP}
     assert [hold.delivery_id for hold in decision.holds] == sorted(
         d.id for d in pending if d.mind not in ("mind00", "mind01")
     )
@@ -282,14 +283,14 @@ def test_three_aligned_heartbeats_queue_behind_a_cap_of_1() -> None:
     pending = [Delivery(i, mind, "heartbeat") for i, mind in enumerate(("a", "b", "c"), 1)]
     decision = core.admit(pending, [], Limits(global_cap=1), now=NOW)
     assert decision.starts == [Start("a", "heartbeat", (1,))]
-    assert decision.holds == [Hold(2, core.HOLD_GLOBAL_CAP), Hold(3, core.HOLD_GLOBAL_CAP)]
+    assert decision.holds == [Hold(2, HoldReason.GLOBAL_CAP), Hold(3, HoldReason.GLOBAL_CAP)]
 
 
 def test_unset_cap_is_unlimited_but_per_mind_serializes() -> None:
     pending = [Delivery(1, "a", "x"), Delivery(2, "a", "y"), Delivery(3, "b", "x")]
     decision = core.admit(pending, [], Limits(), now=NOW)
     assert decision.starts == [Start("a", "x", (1,)), Start("b", "x", (3,))]
-    assert decision.holds == [Hold(2, core.HOLD_MIND_BUSY)]
+    assert decision.holds == [Hold(2, HoldReason.MIND_BUSY)]
 
 
 def test_per_mind_override_allows_more_turns_for_that_mind() -> None:
@@ -304,7 +305,7 @@ def test_delivery_to_a_session_mid_turn_folds_in() -> None:
     decision = core.admit(pending, live, Limits(global_cap=1), now=NOW)
     assert decision.starts == []
     assert decision.folds == [Fold(7, (1, 3), interrupt=False)]
-    assert decision.holds == [Hold(2, core.HOLD_MIND_BUSY)]
+    assert decision.holds == [Hold(2, HoldReason.MIND_BUSY)]
 
 
 def test_fold_in_adds_no_concurrency_even_at_the_cap_or_under_pressure() -> None:
@@ -340,14 +341,14 @@ def test_rows_behind_a_backing_off_row_wait_in_id_order() -> None:
     ]
     decision = core.admit(pending, [], Limits(), now=NOW)
     assert decision.starts == [Start("a", "side", (3,))]
-    assert decision.holds == [Hold(2, core.HOLD_BEHIND_BACKOFF)]
+    assert decision.holds == [Hold(2, HoldReason.BEHIND_BACKOFF)]
 
 
 def test_rows_behind_a_backing_off_row_do_not_fold_either() -> None:
     live = [LiveTurn(7, "a", "main")]
     pending = [Delivery(1, "a", "main", not_before=NOW + 5), Delivery(2, "a", "main")]
     decision = core.admit(pending, live, Limits(), now=NOW)
-    assert decision == Admission([], [], [Hold(2, core.HOLD_BEHIND_BACKOFF)])
+    assert decision == Admission([], [], [Hold(2, HoldReason.BEHIND_BACKOFF)])
 
 
 def test_a_backoff_that_has_expired_is_eligible() -> None:
@@ -364,11 +365,11 @@ def test_other_busy_counts_against_the_cap_with_its_own_reason() -> None:
         Limits(global_cap=2),
         now=NOW,
         other_busy=1,
-        other_busy_reason=core.HOLD_TEST_RUN,
+        other_busy_reason=HoldReason.TEST_RUN,
     )
     assert decision.starts == [Start("a", "main", (1,))]
     # The gate's own turn now fills half the cap, test runs the rest: blame the runs.
-    assert decision.holds == [Hold(2, core.HOLD_TEST_RUN)]
+    assert decision.holds == [Hold(2, HoldReason.TEST_RUN)]
 
 
 def test_turns_alone_filling_the_cap_are_a_global_cap_hold() -> None:
@@ -379,16 +380,16 @@ def test_turns_alone_filling_the_cap_are_a_global_cap_hold() -> None:
         Limits(global_cap=2),
         now=NOW,
         other_busy=1,
-        other_busy_reason=core.HOLD_TEST_RUN,
+        other_busy_reason=HoldReason.TEST_RUN,
     )
-    assert decision.holds == [Hold(3, core.HOLD_GLOBAL_CAP)]
+    assert decision.holds == [Hold(3, HoldReason.GLOBAL_CAP)]
 
 
 def test_pressure_holds_a_second_turn() -> None:
     pending = [Delivery(1, "a", "main"), Delivery(2, "b", "main")]
     decision = core.admit(pending, [], Limits(), now=NOW, pressure=True)
     assert decision.starts == [Start("a", "main", (1,))]
-    assert decision.holds == [Hold(2, core.HOLD_PRESSURE)]
+    assert decision.holds == [Hold(2, HoldReason.IO_PRESSURE)]
 
 
 def test_two_live_turns_of_one_session_fold_into_the_oldest_whatever_the_order() -> None:
@@ -517,9 +518,9 @@ def test_an_interrupted_turn_that_exits_non_zero_carries_its_deliveries() -> Non
 
 
 def test_a_timeout_waits_with_124_as_timeout1_does() -> None:
-    assert core.wait_exit_code(143, "timeout") == 124
-    assert core.wait_exit_code(None, "timeout") == 124
-    assert core.wait_exit_code(143, "failed") == 143
+    assert core.wait_exit_code(143, Outcome.TIMEOUT) == 124
+    assert core.wait_exit_code(None, Outcome.TIMEOUT) == 124
+    assert core.wait_exit_code(143, Outcome.FAILED) == 143
 
 
 @pytest.mark.parametrize(

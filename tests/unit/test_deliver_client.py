@@ -308,7 +308,10 @@ def test_wait_exits_with_the_turns_exit_code(socket_dir: Path) -> None:
 
 
 def test_wait_on_a_turn_that_succeeded_is_0(socket_dir: Path) -> None:
-    ended = {"ok": True, "event": "turn_ended", "turn_id": 4, "outcome": "ok", "exit_code": 0}
+    ended = {
+        "ok": True, "event": "turn_ended", "id": 7, "turn_id": 4, "outcome": "ok",
+        "exit_status": 0, "exit_code": 0,
+    }  # fmt: skip
     with gate_at(socket_dir, [ACK, ended]) as gate:
         result = run("ada", "--message", "hi", "--wait", "--socket", str(gate.path))
     assert (result.returncode, result.stdout, result.stderr) == (0, b"7\n", b"")

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.unit.gate_harness import Harness
-from volutectl import daemon
+from volutectl import protocol, server, status
 from volutectl.errors import EX_TEMPFAIL
+from volutectl.messages import StatusReply
 
 IDLE = 0.3
 
@@ -42,13 +43,13 @@ def until_closed(harness: Harness, peer_closed: object) -> float:
 
 
 def test_a_partial_line_that_never_ends_is_dropped_after_the_idle_time(harness: Harness) -> None:
-    assert harness.gate._timeout() is None  # no client: the gate may sleep for ever
+    assert harness.gate.timeout() is None  # no client: the gate may sleep for ever
     peer = harness.connect()
     peer.send(b'{"v":1,"op":"pi')
-    harness.pump(lambda: bool(harness.gate.clients))  # accepted
+    harness.pump(lambda: bool(harness.gate.server.clients))  # accepted
     harness.step(0.01)  # and the partial line read
     # The idle deadline is what select() sleeps until, not a polling tick.
-    timeout = harness.gate._timeout()
+    timeout = harness.gate.timeout()
     assert timeout is not None and 0 < timeout <= IDLE
     steps = harness.steps
     took = until_closed(harness, peer.closed_by_gate)
@@ -57,8 +58,8 @@ def test_a_partial_line_that_never_ends_is_dropped_after_the_idle_time(harness: 
     reply = peer.reply()
     assert reply["code"] == EX_TEMPFAIL
     assert reply["error"] == f"no complete request in {IDLE:g} s: closing the connection"
-    assert harness.gate.clients == {} and harness.gate.idle == {}
-    assert harness.gate._timeout() is None
+    assert harness.gate.server.clients == {} and harness.gate.server.idle == {}
+    assert harness.gate.timeout() is None
     harness.deliver_ok()
 
 
@@ -96,14 +97,14 @@ def test_a_client_waiting_for_its_turn_is_not_idle(harness: Harness) -> None:
     peer = harness.connect()
     ack = peer.request({"op": "deliver", "mind": "slow", "message": "m", "wait": True})
     assert ack["ok"] is True
-    assert harness.gate.idle == {}  # no idle deadline while it waits
+    assert harness.gate.server.idle == {}  # no idle deadline while it waits
     started = time.monotonic()
     harness.pump(peer.has_line, timeout=15)
     assert time.monotonic() - started > IDLE  # it outlived the idle time, waiting
     event = peer.reply()
     assert (event["event"], event["id"], event["exit_code"]) == ("turn_ended", ack["id"], 0)
     # Its wait is over: from now on it is a client like any other.
-    assert list(harness.gate.idle.values())[0].fd in harness.gate.clients
+    assert list(harness.gate.server.idle.values())[0].fd in harness.gate.server.clients
     until_closed(harness, peer.closed_by_gate)
 
 
@@ -112,12 +113,13 @@ def test_a_client_that_never_reads_is_dropped_without_blocking_the_gate(harness:
     assert reader.request({"op": "ping"}) == {"v": 1, "ok": True}
     flood = harness.connect()
     request = b'{"v":1,"op":"status"}\n'
-    reply_size = len(daemon.protocol.encode({"ok": True, "status": harness.gate.status()}))
-    count = 2 * daemon.MAX_OUTBOX // reply_size + 1000  # twice what the gate will queue
+    reply = StatusReply(status.build(harness.gate.state))
+    reply_size = len(protocol.encode(reply.to_wire()))
+    count = 2 * server.MAX_OUTBOX // reply_size + 1000  # twice what the gate will queue
     started = time.monotonic()
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
         flood.send(request * count)  # and it never reads a single reply
-    harness.pump(lambda: len(harness.gate.clients) == 1)  # only the reader is left
+    harness.pump(lambda: len(harness.gate.server.clients) == 1)  # only the reader is left
     assert reader.request({"op": "ping"}) == {"v": 1, "ok": True}
     assert time.monotonic() - started < 10
     harness.deliver_ok(reader)
@@ -137,7 +139,7 @@ def test_clients_beyond_max_clients_wait_unaccepted_and_are_served_when_one_leav
     late.send(b'{"v":1,"op":"ping"}\n')
     harness.run_for(0.2)
     assert not late.has_line()
-    assert len(harness.gate.clients) == 3 and not harness.gate.accepting
+    assert len(harness.gate.server.clients) == 3 and not harness.gate.server.accepting
     # At the cap the listener is out of the selector: nothing is ready, nothing spins.
     assert harness.gate.selector.select(0) == []
     warnings = harness.journal.messages("warning")
@@ -145,6 +147,6 @@ def test_clients_beyond_max_clients_wait_unaccepted_and_are_served_when_one_leav
     first[0].close()
     late_reply = late.reply(timeout=5)
     assert late_reply == {"v": 1, "ok": True}
-    assert harness.gate.accepting is False  # three again: the late one took the place
+    assert harness.gate.server.accepting is False  # three again: the late one took the place
     first[1].close()
     harness.deliver_ok()

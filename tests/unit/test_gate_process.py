@@ -26,7 +26,7 @@ from tests.conftest import REPO
 from tests.system.gate_fixture import gate_config
 from tests.unit.fake_gate import remove_tree, short_socket_dir
 from tests.unit.gate_harness import ME
-from volutectl import launcher, protocol
+from volutectl import launcher, messages, protocol
 
 SIGPIPE_BIT = 1 << (signal.SIGPIPE - 1)
 SIGXFSZ_BIT = 1 << (signal.SIGXFSZ - 1)
@@ -195,7 +195,7 @@ def test_a_turn_gets_default_signal_dispositions_and_the_original_fd_limit(
     connection = protocol.Connection(str(gate.socket), timeout=30)
     try:
         reply = connection.request({"op": "deliver", "mind": "probe", "message": "m", "wait": True})
-        ended = protocol.raise_for_reply(connection.receive(timeout=30))
+        ended = messages.decode_event(connection.receive(timeout=30)).to_wire()
     finally:
         connection.close()
     assert (ended["event"], ended["id"], ended["exit_code"]) == ("turn_ended", reply["id"], 0)

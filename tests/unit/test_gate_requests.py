@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.unit.gate_harness import Harness
-from volutectl import protocol
+from volutectl import handlers, protocol
 from volutectl.errors import EX_DATAERR, EX_NOUSER, EX_PROTOCOL, EX_SOFTWARE, EX_TEMPFAIL, EX_USAGE
+from volutectl.messages import Op, Reply
 
 
 @pytest.fixture
@@ -169,7 +170,7 @@ def test_a_bad_request_gets_its_code_and_the_same_gate_serves_the_next(
     first = harness.deliver_ok(peer)
     assert harness.deliver_ok() == first + 1
     assert harness.gate is gate and os.getpid() == pid
-    assert gate.store is not None and len(gate.store.list_rows(["pending", "running", "done"])) == 2
+    assert len(gate.state.store.list_rows(["pending", "running", "done"])) == 2
 
 
 def test_at_least_thirty_bad_requests_are_tried() -> None:
@@ -214,10 +215,10 @@ def test_a_million_newlines_are_answered_without_stalling_the_gate(harness: Harn
 def test_a_failure_inside_a_request_ends_only_that_client_and_is_logged_once(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken_status() -> dict[str, object]:
+    def broken_status(*args: object) -> Reply:
         raise RuntimeError("status is broken")
 
-    monkeypatch.setattr(harness.gate, "status", broken_status)
+    monkeypatch.setitem(handlers.HANDLERS, Op.STATUS, broken_status)
     waiting = harness.connect()
     waiting.send(b'{"v":1,"op":"ping"')  # a partial request, from a bystander
     peer = harness.connect()
@@ -264,7 +265,7 @@ def test_a_full_disk_refuses_every_delivery_of_the_batch_and_acknowledges_none(
     harness: Harness,
 ) -> None:
     first = harness.deliver_ok()
-    store = harness.gate.store
+    store = harness.gate.state.store
     assert store is not None
     pages = store.db.execute("PRAGMA page_count").fetchone()[0]
     store.db.execute(f"PRAGMA max_page_count = {pages}")  # SQLite's view of a full disk
@@ -287,12 +288,11 @@ def test_a_full_disk_refuses_every_delivery_of_the_batch_and_acknowledges_none(
 def test_a_failing_store_in_retry_is_temporary_not_a_crash(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert harness.gate.store is not None
 
     def locked(ids: list[int]) -> list[int]:
         raise sqlite3.OperationalError("database is locked")
 
-    monkeypatch.setattr(harness.gate.store, "retry", locked)
+    monkeypatch.setattr(harness.gate.state.store, "retry", locked)
     reply = harness.connect().request({"op": "retry", "ids": [1]})
     assert (reply["code"], reply["error"]) == (
         EX_TEMPFAIL,

@@ -25,7 +25,7 @@ def harness(tmp_path: Path) -> Iterator[Harness]:
 
 
 def state_of(harness: Harness, delivery_id: int) -> str:
-    row = harness.gate.store.row(delivery_id)  # type: ignore[union-attr]
+    row = harness.gate.state.store.row(delivery_id)
     assert row is not None
     return row.state
 
@@ -49,12 +49,12 @@ def test_a_listing_that_fails_starts_nothing_says_so_once_and_retries(
 def test_a_question_that_fails_never_settles_a_turn(harness: Harness) -> None:
     delivery = harness.deliver_ok(mind="m")
     harness.pump(lambda: state_of(harness, delivery) == "running")
-    [turn] = harness.gate.turns.turns.values()  # type: ignore[union-attr]
+    [turn] = harness.gate.state.turns.all()
     harness.manager.failing.update({"active_state", "unit_processes"})
     # Its process exits; every question about its scope fails.
     harness.pump(lambda: not turn.main_alive(), timeout=5)
     harness.run_for(1.5)
-    assert turn.id in harness.gate.turns.turns  # type: ignore[union-attr]
+    assert harness.gate.state.turns.holds(turn)
     assert turn.recheck_at is not None
     assert state_of(harness, delivery) == "running"
     assert harness.manager.calls["active_state"] >= 2  # asked again, not given up on
@@ -63,14 +63,13 @@ def test_a_question_that_fails_never_settles_a_turn(harness: Harness) -> None:
     # The answers come back: it is settled, once, as the exit status says.
     harness.manager.failing.clear()
     harness.pump(lambda: state_of(harness, delivery) == "done")
-    assert turn.id not in harness.gate.turns.turns  # type: ignore[union-attr]
+    assert not harness.gate.state.turns.holds(turn)
 
 
 def test_a_turn_whose_settlement_the_disk_refuses_keeps_its_place_until_it_can(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = harness.gate.store
-    assert store is not None
+    store = harness.gate.state.store
     real = store.settle_turn
     refused: list[int] = []
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from volutectl.errors import UnavailableError
-from volutectl.store import SCHEMA_VERSION, Store
+from volutectl.schema import SCHEMA_VERSION
+from volutectl.store import Store
 
 V1_DUMP = Path(__file__).parent / "data" / "queue-v1.sql"
 
@@ -126,8 +127,7 @@ def test_a_gate_on_an_upgraded_database_runs_each_pending_delivery_once(tmp_path
         backoff_initial_seconds=0.05,
         backoff_max_seconds=0.05,
     )
-    store = harness.gate.store
-    assert store is not None
+    store = harness.gate.state.store
     try:
         harness.pump(lambda: not store.pending() and not store.open_turns(), timeout=20)
         counts = store.counts()

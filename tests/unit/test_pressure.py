@@ -15,6 +15,7 @@ from volutectl import core, pressure
 from volutectl.config import IoPressureSettings, Settings, load_settings
 from volutectl.errors import ConfigError
 from volutectl.pressure import PressureWatch, Trigger
+from volutectl.states import HoldReason
 
 PSI = Path("/proc/pressure/io")
 
@@ -134,7 +135,7 @@ def test_pace_keeps_the_oldest_start_and_holds_the_rest_for_pressure() -> None:
     paced = pressure.pace_admission(admission, 1)
     assert [s.delivery_ids for s in paced.starts] == [(1, 6)]
     assert [(h.delivery_id, h.reason) for h in paced.holds] == [
-        (i, core.HOLD_PRESSURE) for i in (2, 3, 4, 5)
+        (i, HoldReason.IO_PRESSURE) for i in (2, 3, 4, 5)
     ]
     assert pressure.pace_admission(paced, 1) == paced
 
@@ -292,7 +293,7 @@ def test_watch_hysteresis_and_settling_with_real_psi_readings() -> None:
             pending[1:], [core.LiveTurn(1, "m1", "s")], core.Limits(), now=0, pressure=watch.high
         )
         assert not again.starts
-        assert {h.reason for h in again.holds} == {core.HOLD_PRESSURE}
+        assert {h.reason for h in again.holds} == {HoldReason.IO_PRESSURE}
         assert watch.on_deadline(30_000.0) is True and not watch.high
     finally:
         watch.close()

@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.unit.fake_gate import FakeGate, remove_tree, short_socket_dir
-from volutectl import protocol
+from volutectl import messages, protocol
 from volutectl.errors import (
     EX_DATAERR,
     EX_NOPERM,
@@ -33,6 +33,7 @@ from volutectl.errors import (
     UnavailableError,
     VoluteError,
 )
+from volutectl.messages import DeliverAck, ErrorReply
 from volutectl.protocol import ProtocolError
 
 
@@ -51,10 +52,10 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
     max_leaves=12,
 )
-messages = st.dictionaries(st.text().filter(lambda k: k != "v"), json_values, max_size=6)
+json_objects = st.dictionaries(st.text().filter(lambda k: k != "v"), json_values, max_size=6)
 
 
-@given(messages)
+@given(json_objects)
 def test_encode_decode_round_trip_is_one_line(message: dict[str, Any]) -> None:
     line = protocol.encode(message)
     assert line.endswith(b"\n")
@@ -146,26 +147,32 @@ def test_every_integer_beyond_64_bits_is_refused_by_name(key: str, number: int) 
 
 
 def test_an_error_reply_becomes_the_same_error_on_the_client() -> None:
-    reply = protocol.decode(
-        protocol.encode(protocol.error_reply(DataError("message too big", hint="send a path")))
-    )
+    refusal = ErrorReply.of(DataError("message too big", hint="send a path"))
+    reply = protocol.decode(protocol.encode(refusal.to_wire()))
     with pytest.raises(VoluteError) as caught:
-        protocol.raise_for_reply(reply)
+        messages.expect(DeliverAck, reply)
     assert caught.value.message == "message too big"
     assert caught.value.hint == "send a path"
     assert caught.value.exit_code == EX_DATAERR
 
 
-@pytest.mark.parametrize("code", ["x", None, 0, 300, True, [77]])
+@pytest.mark.parametrize("code", ["x", None, True, [77]])
 def test_a_malformed_error_code_is_a_protocol_error_not_a_crash(code: object) -> None:
     with pytest.raises(VoluteError) as caught:
-        protocol.raise_for_reply({"ok": False, "error": "no", "code": code, "hint": 5})
+        messages.expect(DeliverAck, {"ok": False, "error": "no", "code": code, "hint": 5})
     assert caught.value.exit_code == EX_PROTOCOL
     assert caught.value.hint is None
 
 
+@pytest.mark.parametrize("code", [0, 300, -1])
+def test_an_error_code_out_of_range_is_a_protocol_error(code: int) -> None:
+    with pytest.raises(VoluteError) as caught:
+        messages.expect(DeliverAck, {"ok": False, "error": "no", "code": code})
+    assert caught.value.exit_code == EX_PROTOCOL
+
+
 def test_an_ok_reply_passes_through() -> None:
-    assert protocol.raise_for_reply({"v": 1, "ok": True, "id": 3}) == {"v": 1, "ok": True, "id": 3}
+    assert messages.expect(DeliverAck, {"v": 1, "ok": True, "id": 3}) == DeliverAck(3)
 
 
 # -- connections ------------------------------------------------------------------------------

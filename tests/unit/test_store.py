@@ -21,8 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from volutectl import core
+from volutectl.core import AfterFailure
 from volutectl.errors import UnavailableError
-from volutectl.store import RequestIdReused, Row, Store
+from volutectl.states import HoldReason, Outcome, QueueState
+from volutectl.store import NewDelivery, RequestIdReused, Row, Store
 
 NOW = 1_700_000_000.0
 
@@ -39,9 +41,39 @@ def unit_for(turn_id: int) -> str:
 
 
 def add(store: Store, *items: tuple[str, str], interrupt: bool = False) -> list[int]:
-    return store.add_deliveries(
-        [(mind, session, f"to {mind}".encode(), interrupt) for mind, session in items], now=NOW
+    ids = store.add_deliveries(
+        [NewDelivery(mind, session, f"to {mind}".encode(), interrupt) for mind, session in items],
+        now=NOW,
     )
+    assert all(isinstance(i, int) for i in ids)
+    return ids  # type: ignore[return-value]
+
+
+def new(
+    *items: tuple[str, str, bytes, bool], request_ids: list[str | None] | None = None
+) -> list[NewDelivery]:
+    rids = request_ids if request_ids is not None else [None] * len(items)
+    return [NewDelivery(*item, request_id=rid) for item, rid in zip(items, rids, strict=True)]
+
+
+def failures(*updates: tuple[int, QueueState, int, float | None]) -> dict[int, AfterFailure]:
+    return {
+        i: AfterFailure(state, attempts, not_before) for i, state, attempts, not_before in updates
+    }
+
+
+def settle(
+    store: Store,
+    turn_id: int,
+    *,
+    done: tuple[int, ...] | list[int] = (),
+    returned: tuple[int, ...] | list[int] = (),
+    now: float = NOW,
+) -> None:
+    store.settle_turn(
+        turn_id, outcome=Outcome.OK, exit_status=0, detail="", done=done, returned=returned,
+        failed={}, error="", now=now,
+    )  # fmt: skip
 
 
 def one(store: Store, delivery_id: int) -> Row:
@@ -92,10 +124,7 @@ def test_add_deliveries_is_one_commit_with_consecutive_ids(store: Store) -> None
 
 def test_add_deliveries_is_all_or_nothing(store: Store) -> None:
     add(store, ("a", "main"))
-    bad: list[tuple[str, str, bytes, bool]] = [
-        ("b", "main", b"ok", False),
-        ("c", None, b"no session", False),  # type: ignore[list-item]
-    ]
+    bad = new(("b", "main", b"ok", False), ("c", None, b"no session", False))  # type: ignore[arg-type]
     with pytest.raises(sqlite3.IntegrityError):
         store.add_deliveries(bad, now=NOW)
     assert [row.mind for row in store.pending()] == ["a"]
@@ -108,7 +137,7 @@ def test_a_full_database_refuses_a_batch_by_its_cause_and_recovers(store: Store)
     add(store, ("a", "main"))
     pages = store.db.execute("PRAGMA page_count").fetchone()[0]
     store.db.execute(f"PRAGMA max_page_count = {pages}")  # what a full disk does to SQLite
-    big = [("b", "main", b"x" * 200_000, False)]
+    big = new(("b", "main", b"x" * 200_000, False))
     # SQLite rolled the transaction back itself: the error is the full disk, not a
     # failed second ROLLBACK that would hide it.
     with pytest.raises(sqlite3.OperationalError, match="database or disk is full"):
@@ -156,7 +185,8 @@ def test_acknowledged_rows_survive_sigkill_of_the_writer(tmp_path: Path) -> None
         from pathlib import Path
         from volutectl.store import Store
         store = Store(Path({str(path)!r}))
-        ids = store.add_deliveries([("m", "s", b"x" * 100, False)] * 50)
+        from volutectl.store import NewDelivery
+        ids = store.add_deliveries([NewDelivery("m", "s", b"x" * 100)] * 50)
         print(" ".join(map(str, ids)), flush=True)
         time.sleep(60)  # never closes: the kill comes first
         """
@@ -191,16 +221,18 @@ def count_rows(store: Store) -> int:
 def test_a_retried_request_id_gets_the_original_delivery_id(tmp_path: Path) -> None:
     path = tmp_path / "queue.sqlite3"
     store = Store(path)
-    [first] = store.add_deliveries([("m", "s", b"hello", False)], now=NOW, request_ids=[RID])
+    [first] = store.add_deliveries(new(("m", "s", b"hello", False), request_ids=[RID]), now=NOW)
     assert isinstance(first, int)
     # The row has moved on (a turn took it and finished) before the retry arrives.
     turn_id, _ = store.start_turn("m", "s", unit_for, [first], NOW + 1)
-    store.finish_rows([first], NOW + 2)
+    settle(store, turn_id, done=[first], now=NOW + 2)
     store.close()
     # The retry reaches a restarted gate: a new connection to the same file.
     store = Store(path)
     try:
-        again = store.add_deliveries([("m", "s", b"hello", False)], now=NOW + 3, request_ids=[RID])
+        again = store.add_deliveries(
+            new(("m", "s", b"hello", False), request_ids=[RID]), now=NOW + 3
+        )
         assert again == [first]
         assert count_rows(store) == 1
         assert one(store, first).state == "done"  # untouched: no second run
@@ -213,10 +245,10 @@ def test_the_same_request_id_twice_in_one_batch_is_one_delivery(store: Store) ->
     statements: list[str] = []
     store.db.set_trace_callback(statements.append)
     results = store.add_deliveries(
-        [("m", "s", b"x", False), ("n", "s", b"y", False), ("m", "s", b"x", False)],
+        new(("m", "s", b"x", False), ("n", "s", b"y", False), ("m", "s", b"x", False),
+            request_ids=[RID, other, RID]),
         now=NOW,
-        request_ids=[RID, other, RID],
-    )
+    )  # fmt: skip
     store.db.set_trace_callback(None)
     assert results[0] == results[2] and results[0] != results[1]
     assert all(isinstance(result, int) for result in results)
@@ -241,9 +273,9 @@ def test_the_same_request_id_twice_in_one_batch_is_one_delivery(store: Store) ->
 def test_a_request_id_reused_with_other_content_is_refused_with_65(
     store: Store, changed: tuple[str, str, bytes, bool]
 ) -> None:
-    [original] = store.add_deliveries([("m", "s", b"hello", False)], now=NOW, request_ids=[RID])
+    [original] = store.add_deliveries(new(("m", "s", b"hello", False), request_ids=[RID]), now=NOW)
     results = store.add_deliveries(
-        [("k", "s", b"fine", False), changed], now=NOW + 1, request_ids=[None, RID]
+        new(("k", "s", b"fine", False), changed, request_ids=[None, RID]), now=NOW + 1
     )
     fine, refused = results
     assert isinstance(refused, RequestIdReused)
@@ -259,7 +291,7 @@ def test_a_request_id_reused_with_other_content_is_refused_with_65(
 
 def test_the_second_of_two_conflicting_requests_in_one_batch_is_refused(store: Store) -> None:
     first, second = store.add_deliveries(
-        [("m", "s", b"one", False), ("m", "s", b"two", False)], now=NOW, request_ids=[RID, RID]
+        new(("m", "s", b"one", False), ("m", "s", b"two", False), request_ids=[RID, RID]), now=NOW
     )
     assert isinstance(first, int)
     assert isinstance(second, RequestIdReused) and second.delivery_id == first
@@ -267,9 +299,7 @@ def test_the_second_of_two_conflicting_requests_in_one_batch_is_refused(store: S
 
 
 def test_requests_without_an_id_are_never_merged(store: Store) -> None:
-    results = store.add_deliveries(
-        [("m", "s", b"same", False)] * 3, now=NOW, request_ids=[None, None, None]
-    )
+    results = store.add_deliveries(new(*[("m", "s", b"same", False)] * 3), now=NOW)
     assert len(set(results)) == 3
     assert add(store, ("m", "s"), ("m", "s"))[0] != add(store, ("m", "s"))[0]
     assert count_rows(store) == 6
@@ -280,11 +310,11 @@ def test_requests_without_an_id_are_never_merged(store: Store) -> None:
 
 def test_mark_held_records_the_start_once_and_updates_the_reason(store: Store) -> None:
     [a, b] = add(store, ("a", "main"), ("b", "main"))
-    assert store.mark_held([(a, core.HOLD_GLOBAL_CAP)], NOW + 1) == [a]
-    assert store.mark_held([(a, core.HOLD_MIND_BUSY), (b, core.HOLD_MIND_BUSY)], NOW + 5) == [b]
+    assert store.mark_held([(a, HoldReason.GLOBAL_CAP)], NOW + 1) == [a]
+    assert store.mark_held([(a, HoldReason.MIND_BUSY), (b, HoldReason.MIND_BUSY)], NOW + 5) == [b]
     row_a = one(store, a)
     assert row_a.held_since == NOW + 1
-    assert row_a.hold_reason == core.HOLD_MIND_BUSY
+    assert row_a.hold_reason == HoldReason.MIND_BUSY
     assert row_a.attempts == 0
     assert one(store, b).held_since == NOW + 5
     assert store.oldest_hold() == NOW + 1
@@ -292,7 +322,12 @@ def test_mark_held_records_the_start_once_and_updates_the_reason(store: Store) -
 
 def test_a_held_row_keeps_zero_attempts_through_many_holds(store: Store) -> None:
     [delivery_id] = add(store, ("a", "main"))
-    reasons = [core.HOLD_GLOBAL_CAP, core.HOLD_MIND_BUSY, core.HOLD_PRESSURE, core.HOLD_TEST_RUN]
+    reasons = [
+        HoldReason.GLOBAL_CAP,
+        HoldReason.MIND_BUSY,
+        HoldReason.IO_PRESSURE,
+        HoldReason.TEST_RUN,
+    ]
     for i in range(200):
         store.mark_held([(delivery_id, reasons[i % len(reasons)])], NOW + i)
     row = one(store, delivery_id)
@@ -302,20 +337,20 @@ def test_a_held_row_keeps_zero_attempts_through_many_holds(store: Store) -> None
 
 def test_holding_again_for_the_same_reason_writes_nothing(store: Store) -> None:
     ids = add(store, *[(f"m{i}", "main") for i in range(30)])
-    store.mark_held([(i, core.HOLD_GLOBAL_CAP) for i in ids], NOW)
+    store.mark_held([(i, HoldReason.GLOBAL_CAP) for i in ids], NOW)
     before = store.db.total_changes
     for tick in range(5):  # admission passes while the cap stays full
-        assert store.mark_held([(i, core.HOLD_GLOBAL_CAP) for i in ids], NOW + tick) == []
+        assert store.mark_held([(i, HoldReason.GLOBAL_CAP) for i in ids], NOW + tick) == []
     assert store.db.total_changes == before
-    store.mark_held([(ids[0], core.HOLD_PRESSURE)], NOW + 9)
+    store.mark_held([(ids[0], HoldReason.IO_PRESSURE)], NOW + 9)
     assert store.db.total_changes == before + 1
-    assert one(store, ids[0]).hold_reason == core.HOLD_PRESSURE
+    assert one(store, ids[0]).hold_reason == HoldReason.IO_PRESSURE
 
 
 def test_mark_held_does_not_touch_rows_that_are_not_pending(store: Store) -> None:
     [a] = add(store, ("a", "main"))
     store.start_turn("a", "main", unit_for, [a], NOW)
-    assert store.mark_held([(a, core.HOLD_GLOBAL_CAP)], NOW + 1) == []
+    assert store.mark_held([(a, HoldReason.GLOBAL_CAP)], NOW + 1) == []
     row = one(store, a)
     assert (row.state, row.held_since, row.hold_reason) == ("running", None, None)
 
@@ -325,7 +360,7 @@ def test_mark_held_does_not_touch_rows_that_are_not_pending(store: Store) -> Non
 
 def test_start_turn_moves_rows_to_running_and_accounts_the_hold(store: Store) -> None:
     [a, b, c] = add(store, ("a", "main"), ("a", "main"), ("a", "main"))
-    store.mark_held([(a, core.HOLD_GLOBAL_CAP)], NOW + 1)
+    store.mark_held([(a, HoldReason.GLOBAL_CAP)], NOW + 1)
     turn_id, taken = store.start_turn("a", "main", unit_for, [a, b], NOW + 3.5)
     # The rows as they were, with the hold they leave (to log held_ms).
     assert [(r.id, r.state, r.held_since) for r in taken] == [
@@ -362,7 +397,7 @@ def test_start_turn_skips_rows_that_left_pending(store: Store) -> None:
 def test_fold_into_marks_rows_folded(store: Store) -> None:
     [a, b] = add(store, ("a", "main"), ("a", "main"))
     turn_id, _ = store.start_turn("a", "main", unit_for, [a], NOW)
-    store.mark_held([(b, core.HOLD_MIND_BUSY)], NOW)
+    store.mark_held([(b, HoldReason.MIND_BUSY)], NOW)
     folded = store.fold_into(turn_id, [b], NOW + 0.25)
     assert [r.id for r in folded] == [b]
     row = one(store, b)
@@ -391,24 +426,24 @@ def test_turn_lifecycle_released_then_ended(store: Store) -> None:
     assert store.turn(turn_id + 100) is None
 
 
-def test_finish_rows_only_finishes_running_rows(store: Store) -> None:
+def test_settling_as_done_only_finishes_running_rows(store: Store) -> None:
     [a, b] = add(store, ("a", "main"), ("a", "main"))
-    store.start_turn("a", "main", unit_for, [a], NOW)
-    store.finish_rows([a, b], NOW + 2)
+    turn_id, _ = store.start_turn("a", "main", unit_for, [a], NOW)
+    settle(store, turn_id, done=[a, b], now=NOW + 2)
     assert one(store, a).state == "done"
     assert one(store, b).state == "pending"
     assert store.counts() == {"done": 1, "pending": 1}
 
 
-def test_return_to_pending_counts_no_attempt(store: Store) -> None:
+def test_returning_to_pending_counts_no_attempt(store: Store) -> None:
     [a] = add(store, ("a", "main"))
     turn_id, _ = store.start_turn("a", "main", unit_for, [a], NOW)
-    store.return_to_pending([a])
+    settle(store, turn_id, returned=[a])
     row = one(store, a)
     assert (row.state, row.turn_id, row.folded, row.attempts) == ("pending", None, False, 0)
     assert store.rows_of_turn(turn_id) == []
     # Only running rows go back: a second undo changes nothing.
-    store.return_to_pending([a])
+    settle(store, turn_id, returned=[a])
     assert one(store, a) == row
 
 
@@ -416,7 +451,11 @@ def test_fail_rows_backs_off_or_kills(store: Store) -> None:
     [a, b, c] = add(store, ("a", "main"), ("a", "main"), ("a", "main"))
     turn_id, _ = store.start_turn("a", "main", unit_for, [a, b], NOW)
     store.fail_rows(
-        [(a, "pending", 1, NOW + 5), (b, "dead", 10, None), (c, "dead", 10, None)],
+        failures(
+            (a, QueueState.PENDING, 1, NOW + 5),
+            (b, QueueState.DEAD, 10, None),
+            (c, QueueState.DEAD, 10, None),
+        ),
         "turn 1 exited 3",
         NOW + 1,
     )
@@ -440,7 +479,7 @@ def test_fail_rows_backs_off_or_kills(store: Store) -> None:
 def test_a_row_that_backed_off_starts_clean(store: Store) -> None:
     [a] = add(store, ("a", "main"))
     store.start_turn("a", "main", unit_for, [a], NOW)
-    store.fail_rows([(a, "pending", 1, NOW + 5)], "exited 1", NOW)
+    store.fail_rows(failures((a, QueueState.PENDING, 1, NOW + 5)), "exited 1", NOW)
     assert one(store, a).as_delivery() == core.Delivery(a, "a", "main", False, NOW + 5)
     store.start_turn("a", "main", unit_for, [a], NOW + 6)
     row = one(store, a)
@@ -453,8 +492,14 @@ def test_next_backoff_deadline_is_the_earliest_pending_one(store: Store) -> None
     ids = add(store, ("a", "x"), ("a", "y"), ("a", "z"))
     for delivery_id in ids:
         store.start_turn("a", "x", unit_for, [delivery_id], NOW)
-    store.fail_rows([(ids[0], "pending", 1, NOW + 30), (ids[1], "pending", 2, NOW + 10)], "e", NOW)
-    store.fail_rows([(ids[2], "dead", 3, None)], "e", NOW)
+    store.fail_rows(
+        failures(
+            (ids[0], QueueState.PENDING, 1, NOW + 30), (ids[1], QueueState.PENDING, 2, NOW + 10)
+        ),
+        "e",
+        NOW,
+    )
+    store.fail_rows(failures((ids[2], QueueState.DEAD, 3, None)), "e", NOW)
     assert store.next_backoff_deadline() == NOW + 10
     store.drop([ids[1]], NOW)
     assert store.next_backoff_deadline() == NOW + 30
@@ -464,7 +509,13 @@ def test_next_backoff_deadline_after_skips_backoffs_that_ended(store: Store) -> 
     ids = add(store, ("a", "x"), ("a", "y"))
     for delivery_id in ids:
         store.start_turn("a", "x", unit_for, [delivery_id], NOW)
-    store.fail_rows([(ids[0], "pending", 1, NOW + 5), (ids[1], "pending", 1, NOW + 50)], "e", NOW)
+    store.fail_rows(
+        failures(
+            (ids[0], QueueState.PENDING, 1, NOW + 5), (ids[1], QueueState.PENDING, 1, NOW + 50)
+        ),
+        "e",
+        NOW,
+    )
     # ids[0]'s backoff is over but it is still pending (say, held by the cap): a loop
     # sleeping until "the next deadline" must not see NOW + 5 again.
     assert store.next_backoff_deadline() == NOW + 5
@@ -475,7 +526,7 @@ def test_next_backoff_deadline_after_skips_backoffs_that_ended(store: Store) -> 
 def test_retry_revives_only_dead_rows_with_attempts_reset(store: Store) -> None:
     [a, b] = add(store, ("a", "main"), ("a", "main"))
     store.start_turn("a", "main", unit_for, [a], NOW)
-    store.fail_rows([(a, "dead", 10, None)], "e", NOW)
+    store.fail_rows(failures((a, QueueState.DEAD, 10, None)), "e", NOW)
     assert store.retry([a, b, 999]) == [a]
     row = one(store, a)
     assert (row.state, row.attempts, row.not_before, row.turn_id) == ("pending", 0, None, None)
@@ -484,18 +535,21 @@ def test_retry_revives_only_dead_rows_with_attempts_reset(store: Store) -> None:
 
 def test_drop_takes_pending_and_dead_rows_never_running_ones(store: Store) -> None:
     [a, b, c] = add(store, ("a", "x"), ("a", "y"), ("a", "z"))
-    store.mark_held([(a, core.HOLD_GLOBAL_CAP)], NOW)
+    store.mark_held([(a, HoldReason.GLOBAL_CAP)], NOW)
     store.start_turn("a", "y", unit_for, [b], NOW)
     store.start_turn("a", "z", unit_for, [c], NOW)
-    store.fail_rows([(c, "dead", 10, None)], "e", NOW)
+    store.fail_rows(failures((c, QueueState.DEAD, 10, None)), "e", NOW)
     assert store.drop([a, b, c, 999], NOW + 1) == [a, c]
     assert one(store, a).state == "dropped"
     assert one(store, a).held_since is None
     assert one(store, b).state == "running"
     assert store.oldest_hold() is None
     assert store.pending() == []
-    assert [r.id for r in store.list_rows(["dropped"])] == [a, c]
-    assert [r.id for r in store.list_rows(["running", "dropped"], limit=2)] == [a, b]
+    assert [r.id for r in store.list_rows([QueueState.DROPPED])] == [a, c]
+    assert [r.id for r in store.list_rows([QueueState.RUNNING, QueueState.DROPPED], limit=2)] == [
+        a,
+        b,
+    ]
 
 
 # -- invariant 4, over generated histories --------------------------------------------------
@@ -516,13 +570,13 @@ def test_holds_and_undone_handoffs_never_count_an_attempt(tmp_path: Path, steps:
         for i, step in enumerate(steps):
             now = NOW + i
             if step in ("hold", "hold_again"):
-                store.mark_held([(held, core.HOLD_GLOBAL_CAP)], now)
+                store.mark_held([(held, HoldReason.GLOBAL_CAP)], now)
             elif step == "start_and_return":
-                store.start_turn("a", "main", unit_for, [held], now)
-                store.return_to_pending([held])
+                turn_id, _ = store.start_turn("a", "main", unit_for, [held], now)
+                settle(store, turn_id, returned=[held], now=now)
             else:
                 store.fold_into(other_turn, [held], now)
-                store.return_to_pending([held])
+                settle(store, other_turn, returned=[held], now=now)
             row = one(store, held)
             assert (row.state, row.attempts, row.not_before) == ("pending", 0, None)
     finally:
@@ -538,12 +592,12 @@ def test_settle_turn_in_one_commit_and_unsynced_until_the_next_synced_commit(
     store.db.set_trace_callback(statements.append)
     store.settle_turn(
         turn_id,
-        outcome="ok",
+        outcome=Outcome.OK,
         exit_status=0,
         detail="exited 0",
         done=[ids[0]],
         returned=[ids[1]],
-        failed=[(ids[2], "pending", 1, 9.0)],
+        failed=failures((ids[2], QueueState.PENDING, 1, 9.0)),
         error="boom",
         now=2.0,
         durable=False,
@@ -569,7 +623,7 @@ def test_sync_makes_an_unsynced_settlement_durable_with_one_synced_commit(store:
     ids = add(store, ("mimsy", "a"))
     turn_id, _ = store.start_turn("mimsy", "a", unit_for, ids, now=1.0)
     store.settle_turn(
-        turn_id, outcome="ok", exit_status=0, detail="", done=ids, returned=[], failed=[],
+        turn_id, outcome=Outcome.OK, exit_status=0, detail="", done=ids, returned=[], failed={},
         error="", now=2.0, durable=False,
     )  # fmt: skip
     statements: list[str] = []

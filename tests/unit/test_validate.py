@@ -1,4 +1,5 @@
-"""The gate's request checks, as pure functions of settings and a request."""
+"""The gate's request checks: messages.decode_request (each field's type, range and name)
+and validate (what needs the gate's settings, or the filesystem)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from volutectl import protocol, validate
+from volutectl import messages, validate
 from volutectl.config import Settings
 from volutectl.errors import EX_DATAERR, EX_NOUSER, EX_USAGE, VoluteError
+from volutectl.messages import DeliverRequest, Op
+from volutectl.states import QueueState
+from volutectl.store import NewDelivery
 
 SETTINGS = Settings(
     minds={"mimsy": {"command": "true"}, "pip": {"command": ["true"]}},  # type: ignore[dict-item]
@@ -20,24 +24,29 @@ SETTINGS = Settings(
 )
 
 
+def delivery(request: dict[str, Any]) -> NewDelivery:
+    """A deliver request as the gate takes it: decoded, then checked against settings."""
+    return validate.delivery(SETTINGS, DeliverRequest.decode(request))
+
+
 def code(request: dict[str, Any]) -> int:
     with pytest.raises(VoluteError) as raised:
-        validate.delivery(SETTINGS, request)
+        delivery(request)
     return raised.value.exit_code
 
 
 def test_a_good_delivery_comes_back_typed() -> None:
-    got = validate.delivery(SETTINGS, {"mind": "mimsy", "message": "héllo", "interrupt": True})
-    assert got == ("mimsy", "main", "héllo".encode(), True)
-    got = validate.delivery(SETTINGS, {"mind": "pip", "session": "s", "message": "", "wait": True})
-    assert got == ("pip", "s", b"", False)
+    got = delivery({"mind": "mimsy", "message": "héllo", "interrupt": True})
+    assert got == NewDelivery("mimsy", "main", "héllo".encode(), True)
+    got = delivery({"mind": "pip", "session": "s", "message": "", "wait": True})
+    assert got == NewDelivery("pip", "s", b"", False)
 
 
 @pytest.mark.parametrize("field", ["interrupt", "wait"])
 @pytest.mark.parametrize("value", [1, 0, "yes", "true", None, 1.0, [], {}])
 def test_flags_are_booleans_and_nothing_is_coerced(field: str, value: object) -> None:
     with pytest.raises(VoluteError) as raised:
-        validate.delivery(SETTINGS, {"mind": "mimsy", "message": "x", field: value})
+        delivery({"mind": "mimsy", "message": "x", field: value})
     assert raised.value.exit_code == EX_DATAERR
     assert raised.value.message.startswith(f"{field}: must be true or false")
 
@@ -62,12 +71,12 @@ def test_bad_deliveries_name_the_problem_with_a_sysexits_code(
 
 def test_an_unknown_mind_lists_the_configured_ones() -> None:
     with pytest.raises(VoluteError) as raised:
-        validate.delivery(SETTINGS, {"mind": "ghost", "message": "x"})
+        delivery({"mind": "ghost", "message": "x"})
     assert raised.value.hint is not None and "mimsy, pip" in raised.value.hint
 
 
 def test_the_size_limit_counts_utf8_bytes_not_characters() -> None:
-    assert validate.delivery(SETTINGS, {"mind": "pip", "message": "é" * 5})[2] == "é".encode() * 5
+    assert delivery({"mind": "pip", "message": "é" * 5}).message == "é".encode() * 5
     assert code({"mind": "pip", "message": "é" * 6}) == EX_DATAERR
 
 
@@ -80,12 +89,12 @@ VALUES = st.none() | st.booleans() | st.integers() | st.floats() | st.text()
                        | st.dictionaries(st.text(max_size=3), VALUES, max_size=2)))  # fmt: skip
 def test_no_request_raises_anything_but_a_volute_error(request_: dict[str, Any]) -> None:
     for check in (
-        validate.op,
-        lambda r: validate.delivery(SETTINGS, r),
-        validate.queue_states,
-        validate.delivery_ids,
-        validate.repository_path,
-        validate.request_id,
+        messages.decode_request,
+        delivery,
+        messages.queue_states,
+        messages.delivery_ids,
+        messages.RegisterRepoRequest.decode,
+        messages.request_id,
     ):
         try:
             check(request_)
@@ -94,22 +103,23 @@ def test_no_request_raises_anything_but_a_volute_error(request_: dict[str, Any])
 
 
 def test_queue_states_ids_and_paths() -> None:
-    assert validate.queue_states({}) == ["pending", "running", "dead"]
-    assert validate.queue_states({"states": ["done"]}) == ["done"]
+    assert messages.queue_states({}) == ()  # the default: states.DEFAULT_LISTED
+    assert messages.queue_states({"states": ["done"]}) == (QueueState.DONE,)
     bad: object
     for bad in ([{}], "pending", ["nope"]):
         with pytest.raises(VoluteError):
-            validate.queue_states({"states": bad})
-    assert validate.delivery_ids({"ids": [3, 4]}) == [3, 4]
+            messages.queue_states({"states": bad})
+    assert messages.delivery_ids({"ids": [3, 4]}) == (3, 4)
     for bad_ids in (None, ["x"], [True], 3):
         with pytest.raises(VoluteError):
-            validate.delivery_ids({"ids": bad_ids})
-    assert validate.repository_path({"path": "/srv/repo/.git"}) == "/srv/repo/.git"
+            messages.delivery_ids({"ids": bad_ids})
+    register = messages.RegisterRepoRequest.decode
+    assert register({"path": "/srv/repo/.git"}).path == "/srv/repo/.git"
     with pytest.raises(VoluteError):
-        validate.repository_path({"path": "relative/.git"})
+        register({"path": "relative/.git"})
     for bad_path in ("/srv/\0", None, 5):
         with pytest.raises(VoluteError, match="^path: "):
-            validate.repository_path({"path": bad_path})
+            register({"path": bad_path})
 
 
 def test_each_refusal_names_its_field() -> None:
@@ -123,20 +133,20 @@ def test_each_refusal_names_its_field() -> None:
     ]
     for request_, start in cases:
         with pytest.raises(VoluteError) as raised:
-            validate.delivery(SETTINGS, request_)
+            delivery(request_)
         assert raised.value.message.startswith(start), raised.value.message
     with pytest.raises(VoluteError, match=r"^states\[1\]: 'nope' is not one of"):
-        validate.queue_states({"states": ["done", "nope"]})
+        messages.queue_states({"states": ["done", "nope"]})
     with pytest.raises(VoluteError, match=r"^states: must be an array"):
-        validate.queue_states({"states": "done"})
+        messages.queue_states({"states": "done"})
     with pytest.raises(VoluteError, match=r"^ids\[1\]: a delivery id is an integer, not a number"):
-        validate.delivery_ids({"ids": [1, 2.0]})
+        messages.delivery_ids({"ids": [1, 2.0]})
     with pytest.raises(VoluteError, match=r"^ids\[0\]: delivery ids start at 1, not 0"):
-        validate.delivery_ids({"ids": [0]})
+        messages.delivery_ids({"ids": [0]})
 
 
 def test_the_op_is_a_known_string() -> None:
-    assert [validate.op({"op": name}) for name in protocol.OPS] == list(protocol.OPS)
+    assert [messages.op_of({"op": op.value}) for op in Op] == list(Op)
     for request_, code_, start in [
         ({}, EX_DATAERR, "op: missing"),
         ({"op": None}, EX_DATAERR, "op: missing"),
@@ -144,7 +154,7 @@ def test_the_op_is_a_known_string() -> None:
         ({"op": "frobnicate"}, EX_USAGE, "op: unknown request 'frobnicate'"),
     ]:
         with pytest.raises(VoluteError) as raised:
-            validate.op(request_)
+            messages.op_of(request_)
         assert (raised.value.exit_code, raised.value.message[: len(start)]) == (code_, start)
 
 
@@ -220,11 +230,11 @@ def test_what_is_not_a_git_common_dir_is_refused(tmp_path: Path) -> None:
 
 def test_request_ids_are_128_bits_of_lowercase_hex_or_absent() -> None:
     good = "0123456789abcdef" * 2
-    assert validate.request_id({"request_id": good}) == good
-    assert validate.request_id({}) is None  # a client older than request ids
-    assert validate.request_id({"request_id": None}) is None
+    assert messages.request_id({"request_id": good}) == good
+    assert messages.request_id({}) is None  # a client older than request ids
+    assert messages.request_id({"request_id": None}) is None
     for bad in (good[:-1], good + "0", good.upper(), "g" * 32, 7, ["x"], "", True):
         with pytest.raises(VoluteError) as raised:
-            validate.request_id({"request_id": bad})
+            messages.request_id({"request_id": bad})
         assert raised.value.exit_code == EX_DATAERR
         assert "request_id" in raised.value.message

@@ -1,0 +1,375 @@
+"""The gate: one event loop over file descriptors, no polling.
+
+It waits in one select() on: the listening socket and its clients (volutectl/server.py),
+the D-Bus connection (scope-ended signals), a pidfd per turn's main process, the
+test-slot watch, the PSI trigger when enabled, and a stop fd. A timeout is used only for
+real deadlines: a failed delivery's backoff, a turn's time limit, a question to systemd
+to ask again, an idle client, and the watchdog.
+
+Each pass (`step`): take in requests (deliveries share one durable commit, then are
+acknowledged: volutectl/handlers.py), learn which turns ended (volutectl/liveness.py),
+then run admission (core.admit) against the scopes that hold a place, and carry out its
+decisions (volutectl/turns.py).
+
+`Gate.open(settings)` builds every part, or fails having opened nothing that stays;
+`run(stop_fd)` serves until told to stop. Tests build it with a fake systemd
+(tests/unit/fake_systemd.py) and drive `step()` themselves. The CLI edge (signals,
+sd_notify) is volutectl/daemon.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import selectors
+import socket
+import sqlite3
+import time
+from collections.abc import Callable
+from typing import Any
+
+from volutectl import core, handlers
+from volutectl.config import Settings
+from volutectl.errors import VoluteError
+from volutectl.handlers import Caller, GateState
+from volutectl.journal import Journal, sd_notify, watchdog_interval
+from volutectl.liveness import Liveness
+from volutectl.messages import DeliverAck, DeliverRequest, Reply, Request
+from volutectl.pressure import PressureWatch, slice_cgroup
+from volutectl.server import Client, Server
+from volutectl.slotwatch import SlotWatch
+from volutectl.states import HoldReason
+from volutectl.store import Store
+from volutectl.turns import Turn, Turns
+from volutectl.units import SystemdManager
+
+ADMIT_RETRY_SECONDS = 1.0
+
+
+def limits_of(settings: Settings) -> core.Limits:
+    return core.Limits(
+        global_cap=settings.limits.global_concurrent_turns,
+        turns_per_mind=settings.limits.turns_per_mind,
+        per_mind={
+            name: mind.turns_per_mind
+            for name, mind in settings.minds.items()
+            if mind.turns_per_mind is not None
+        },
+    )
+
+
+class Gate:
+    """Built whole by its constructor (or not at all: what it opened is closed again)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        manager: SystemdManager | None = None,
+        journal: Journal | None = None,
+        listener: socket.socket | None = None,
+    ) -> None:
+        """Open the store, connect to systemd (subscribed before anything is listed, so no
+        turn can end unseen), take the socket, then take back the open turns."""
+        self.settings = settings
+        self.journal = journal or Journal("volute-gate")
+        self.selector = selectors.DefaultSelector()
+        self.stopping = False
+        self.watchdog: float | None = None
+        self.next_ping: float | None = None
+        self.backoff_wake: float | None = None
+        self.admit_retry: float | None = None  # monotonic: admission failed, try again then
+        self.admit_failing = False
+        self._opened: list[Any] = [self.selector]
+        try:
+            self.state = self._build_state(manager)
+            self.server = Server(settings, self.selector, self.journal, inherited=listener)
+            self._opened.append(self.server)
+            self.state.liveness.recover()
+            self.state.store.sync()
+            self.selector.register(self.state.manager.fileno(), selectors.EVENT_READ, ("bus", None))
+            self.selector.register(self.state.slots.fileno(), selectors.EVENT_READ, ("slots", None))
+            self._open_pressure()
+        except BaseException:
+            for part in reversed(self._opened):
+                with contextlib.suppress(Exception):
+                    part.close()
+            raise
+
+    def _build_state(self, manager: SystemdManager | None) -> GateState:
+        settings, journal = self.settings, self.journal
+        store = Store(settings.gate.state_dir / "queue.sqlite3")
+        self._opened.append(store)
+        if manager is None:
+            from volutectl.systemd import Manager
+
+            manager = Manager.connect(user=settings.gate.manager == "user")
+        self._opened.append(manager)
+        manager.watch_units()
+        turns = Turns(
+            settings,
+            store,
+            manager,
+            journal,
+            notify=self._notify,
+            watch_fd=self._watch,
+            unwatch_fd=self._unwatch,
+            wake=self.mark_dirty,
+        )
+        liveness = Liveness(settings, store, manager, turns, wake=self.mark_dirty)
+        slots = SlotWatch(
+            settings.tests.repositories,
+            settings.gate.state_dir / "repositories.json",
+            lambda level, message: journal.log(level, message),
+        )
+        self._opened.append(slots)
+        return GateState(settings, store, manager, turns, liveness, slots, None, journal,
+                         limits_of(settings), notify=self._notify)  # fmt: skip
+
+    # Callbacks for the parts: they run only once the constructor has finished.
+
+    def _notify(self, delivery_id: int, event: Reply) -> None:
+        self.server.notify(delivery_id, event)
+
+    def _watch(self, fd: int, turn: Turn) -> None:
+        self.selector.register(fd, selectors.EVENT_READ, ("pidfd", turn))
+
+    def _unwatch(self, fd: int) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(fd)
+
+    def _open_pressure(self) -> None:
+        settings = self.settings.limits.io_pressure
+        if not settings.enabled:
+            return
+        # The slice's cgroup (and its io.pressure) exists only while the slice is active.
+        with contextlib.suppress(VoluteError):
+            self.state.manager.start_unit(self.settings.turns.slice)
+        self.state.pressure = PressureWatch.open(
+            settings,
+            slice_cgroup=slice_cgroup(self.settings.turns.slice),
+            journal_log=lambda level, message: self.journal.log(level, message),
+        )
+        if self.state.pressure is not None:
+            self.selector.register(
+                self.state.pressure.fileno(), selectors.EVENT_READ, ("pressure", None)
+            )
+
+    def mark_dirty(self) -> None:
+        self.state.dirty = True
+
+    def close(self) -> None:
+        """Stop serving. Turns keep running in their scopes; a restarted gate adopts them."""
+        self.server.close()
+        for turn in self.state.turns.all():
+            self.state.turns.close_pidfd(turn)
+        self.state.slots.close()
+        if self.state.pressure is not None:
+            self.state.pressure.close()
+        self.state.store.close()
+        self.state.manager.close()
+        self.selector.close()
+
+    def run(self, stop_fd: int | None = None, ready: Callable[[], None] | None = None) -> None:
+        """Serve until `stop_fd` becomes readable, then close."""
+        if stop_fd is not None:
+            self.selector.register(stop_fd, selectors.EVENT_READ, ("stop", None))
+        if ready is not None:
+            ready()
+        limits = self.state.limits
+        self.journal.log(
+            "info",
+            f"gate ready on {self.settings.gate.socket}: cap "
+            f"{limits.global_cap or 'unlimited'}, {limits.turns_per_mind} per mind",
+            socket=self.settings.gate.socket,
+        )
+        self.watchdog = watchdog_interval() if self.settings.gate.watchdog else None
+        self.next_ping = time.monotonic() + self.watchdog if self.watchdog else None
+        try:
+            while not self.stopping:
+                self.step(self.timeout())
+        finally:
+            self.close()
+
+    # -- deadlines ----------------------------------------------------------------------
+
+    def timeout(self) -> float | None:
+        """How long select() may sleep: only until a real deadline, else forever."""
+        if self.state.manager.has_pending_events():
+            return 0.0
+        now, mono = time.time(), time.monotonic()
+        waits = []
+        # Backoffs still to end; a row whose backoff already ended is not a deadline.
+        self.backoff_wake = self.state.store.next_backoff_deadline(after=now)
+        if self.backoff_wake is not None:
+            waits.append(self.backoff_wake - now)
+        waits += [deadline - mono for deadline in self._deadlines()]
+        return max(0.0, min(waits)) if waits else None
+
+    def _deadlines(self) -> list[float]:
+        """Monotonic deadlines of the loop's timers."""
+        deadlines = [self.next_ping] if self.next_ping is not None else []
+        pressure = self.state.pressure
+        if pressure is not None and pressure.deadline() is not None:
+            deadlines.append(pressure.deadline() or 0.0)
+        if self.admit_retry is not None:
+            deadlines.append(self.admit_retry)
+        turn_deadline = self.state.liveness.next_deadline()
+        if turn_deadline is not None:
+            deadlines.append(time.monotonic() + turn_deadline - time.time())
+        return deadlines + self.server.deadlines()
+
+    def _on_deadlines(self) -> None:
+        mono = time.monotonic()
+        if self.next_ping is not None and self.watchdog and mono >= self.next_ping:
+            sd_notify("WATCHDOG=1")
+            self.next_ping = mono + self.watchdog
+        if self.state.pressure is not None and self.state.pressure.on_deadline(mono):
+            self.state.dirty = True  # pressure fell below the resume threshold
+        if self.backoff_wake is not None and time.time() >= self.backoff_wake:
+            self.backoff_wake = None
+            self.state.dirty = True
+        if self.admit_retry is not None and mono >= self.admit_retry:
+            self.admit_retry = None
+            self.state.dirty = True
+        due = self.state.liveness.next_deadline()
+        if due is not None and time.time() >= due:
+            self._guarded("a turn's deadline", self.state.liveness.on_deadline, time.time())
+        self.server.on_deadlines(mono)
+
+    # -- one pass ---------------------------------------------------------------------------
+
+    def step(self, timeout: float | None) -> None:
+        """One pass of the loop: wait, take in what arrived, then admit."""
+        incoming: list[tuple[Client, Request]] = []
+        for key, mask in self.selector.select(timeout):
+            kind, data = key.data
+            if kind == "accept":
+                self.server.accept()
+            elif kind == "client":
+                incoming += self.server.on_client(data, mask)
+            elif kind == "pidfd":
+                self._guarded(f"the end of turn {data.id}", self.state.liveness.reap, data)
+            elif kind == "slots":
+                if self.state.slots.on_ready():
+                    self.state.dirty = True  # a test run started or ended: the budget moved
+            elif kind == "pressure":
+                assert self.state.pressure is not None
+                if self.state.pressure.on_ready(time.monotonic()):
+                    self.state.dirty = True
+            elif kind == "stop":
+                self.stopping = True
+        if incoming:
+            self._serve(incoming)
+        for event in self.state.manager.process_events():
+            news = f"systemd's news of {event.name}"
+            self._guarded(news, self.state.liveness.unit_ended, event.name)
+        self._on_deadlines()
+        if self.state.dirty and not self.stopping:
+            self.state.dirty = False
+            self.admit()
+        # A turn's settlement is durable before the gate sleeps; if the disk refuses,
+        # the next pass tries again (what was not synced is still in the WAL).
+        self._guarded("syncing the queue", self.state.store.sync)
+
+    def _serve(self, incoming: list[tuple[Client, Request]]) -> None:
+        deliveries: list[tuple[Client, DeliverRequest]] = []
+        for client, request in incoming:
+            if client.closed:
+                continue  # dropped since: e.g. it stopped reading its earlier replies
+            if isinstance(request, DeliverRequest):
+                deliveries.append((client, request))
+                continue
+            try:
+                reply = handlers.handle(self.state, request, Caller(client.peer_uid()))
+            except Exception as error:  # noqa: BLE001 - a bug: it ends this client only
+                self.server.client_failed(client, f"handling a {request.OP} request", error)
+                continue
+            self.server.reply(client, reply)
+        deliveries = [(client, request) for client, request in deliveries if not client.closed]
+        if deliveries:
+            self._deliver(deliveries)
+
+    def _deliver(self, deliveries: list[tuple[Client, DeliverRequest]]) -> None:
+        try:
+            replies = handlers.accept_deliveries(self.state, [r for _, r in deliveries])
+        except Exception as error:  # noqa: BLE001 - nothing was stored: end these clients
+            for client, _ in deliveries:
+                self.server.client_failed(client, "storing deliveries", error)
+            return
+        for (client, request), reply in zip(deliveries, replies, strict=True):
+            if request.wait and isinstance(reply, DeliverAck):
+                self.server.wait_for(client, reply.id)
+                self.server.reply(client, reply)
+                if request.request_id is not None:
+                    # A retried request's delivery may have run already: tell it now.
+                    finished = handlers.finished_event(self.state, reply.id)
+                    if finished is not None:
+                        self.server.notify(reply.id, finished)
+            else:
+                self.server.reply(client, reply)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def _guarded(self, what: str, handler: Callable[..., None], *args: Any) -> None:
+        """Run one event's handler; a failure there must not take the loop down.
+
+        Its state stays as it was: a turn keeps its place, a row its state. systemd or
+        the disk failing is logged; anything else is a bug, logged with its type."""
+        try:
+            handler(*args)
+        except (VoluteError, sqlite3.Error, OSError) as error:
+            text = error.message if isinstance(error, VoluteError) else str(error)
+            self.journal.log("error", f"handling {what} failed: {text}")
+            self.state.dirty = True
+        except Exception as error:  # noqa: BLE001 - the loop must outlive a bug
+            self.journal.log("error", f"handling {what} failed: {type(error).__name__}: {error}")
+            self.state.dirty = True
+
+    def admit(self) -> None:
+        """Run admission; if systemd or the store fails, say so once and retry in a second.
+
+        Nothing is started on a guess: without systemd's listing, no turn starts."""
+        try:
+            self._admit()
+        except (VoluteError, sqlite3.Error, OSError) as error:
+            text = error.message if isinstance(error, VoluteError) else str(error)
+            if not self.admit_failing:
+                self.journal.log(
+                    "error",
+                    f"admission failed, no turn starts until it works: {text}; retrying "
+                    f"every {ADMIT_RETRY_SECONDS:.0f} s",
+                )
+            self.admit_failing = True
+            self.admit_retry = time.monotonic() + ADMIT_RETRY_SECONDS
+            return
+        if self.admit_failing:
+            self.journal.log("info", "admission works again")
+            self.admit_failing = False
+
+    def _admit(self) -> None:
+        state = self.state
+        live, state.foreign_live = state.liveness.count_live()
+        # With limits.test_runs_count_as_turns, each held test slot takes one unit of the
+        # global budget; test runs are never held here, only turns.
+        test_runs = 0
+        if self.settings.limits.test_runs_count_as_turns:
+            test_runs = len(state.slots.held())
+        rows = {row.id: row for row in state.store.pending()}
+        now = time.time()
+        decision = core.admit(
+            [row.as_delivery() for row in rows.values()],
+            live,
+            state.limits,
+            now=now,
+            other_busy=state.foreign_live + test_runs,
+            other_busy_reason=HoldReason.TEST_RUN if test_runs else HoldReason.GLOBAL_CAP,
+            pressure=state.pressure is not None and state.pressure.high,
+        )
+        if state.pressure is not None:
+            # PSI is reactive: start at most one turn per pass, and let it settle.
+            decision = state.pressure.pace(decision, time.monotonic())
+        for fold in decision.folds:
+            state.turns.fold(fold, now)
+        for start in decision.starts:
+            state.turns.start(start, now)
+        state.turns.record_holds(decision.holds, rows, now)

@@ -1,0 +1,229 @@
+"""What the gate does with each request: one handler per op, in one dispatch table.
+
+A handler is a function of the gate's state and a typed request (and who sent it) to a
+typed reply. It owns no socket: volutectl/server.py reads the request and sends the
+reply. Refusals come back as ErrorReply with their exit code; a failure that is not a
+refusal (a bug) is left to the caller, which ends that one client.
+
+Deliveries are the exception that proves the rule: they arrive in batches, and every
+delivery of a batch shares one durable commit before any of them is acknowledged
+(`accept_deliveries`).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from volutectl import core, status, validate
+from volutectl.config import Settings
+from volutectl.errors import TemporaryError, VoluteError
+from volutectl.faults import crash_point
+from volutectl.journal import Journal
+from volutectl.liveness import Liveness
+from volutectl.messages import (
+    ChangedReply,
+    DeliverAck,
+    DeliverRequest,
+    DeliveryDead,
+    DeliveryDropped,
+    DropRequest,
+    ErrorReply,
+    Op,
+    Pong,
+    QueueReply,
+    QueueRequest,
+    QueueRow,
+    RegisterReply,
+    RegisterRepoRequest,
+    Reply,
+    Request,
+    RetryRequest,
+    StatusReply,
+    TurnEnded,
+)
+from volutectl.pressure import PressureWatch
+from volutectl.slotwatch import SlotWatch
+from volutectl.states import DEFAULT_LISTED, Outcome, QueueState
+from volutectl.store import NewDelivery, Store
+from volutectl.turns import Turns
+from volutectl.units import SystemdManager
+
+
+@dataclass
+class GateState:
+    """What the handlers act on: the gate's parts, none of its sockets."""
+
+    settings: Settings
+    store: Store
+    manager: SystemdManager
+    turns: Turns
+    liveness: Liveness
+    slots: SlotWatch
+    pressure: PressureWatch | None
+    journal: Journal
+    limits: core.Limits
+    notify: Callable[[int, Reply], None]  # tell a delivery's waiters how it ended
+    dirty: bool = True  # admission should run
+    foreign_live: int = 0  # other scopes holding a place in the turns slice, last counted
+
+
+@dataclass(frozen=True)
+class Caller:
+    uid: int  # SO_PEERCRED of the connection
+
+
+def status_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+    return StatusReply(status.build(state))
+
+
+def queue_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+    assert isinstance(request, QueueRequest)
+    rows = state.store.list_rows(request.states or DEFAULT_LISTED)
+    return QueueReply(
+        tuple(
+            QueueRow(row.id, row.mind, row.session, row.state, row.attempts, row.hold_reason,
+                     row.held_ms, row.turn_id, row.created_at, row.last_error, len(row.message))
+            for row in rows
+        )
+    )  # fmt: skip
+
+
+def retry_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+    assert isinstance(request, RetryRequest)
+    changed = state.store.retry(request.ids)
+    for delivery_id in changed:
+        state.journal.log("info", f"retry delivery {delivery_id}", delivery_id=delivery_id)
+    state.dirty = True
+    return ChangedReply(tuple(changed))
+
+
+def drop_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+    assert isinstance(request, DropRequest)
+    changed = state.store.drop(request.ids, time.time())
+    for delivery_id in changed:
+        state.journal.log("info", f"drop delivery {delivery_id}", delivery_id=delivery_id)
+        state.notify(delivery_id, DeliveryDropped(delivery_id))
+    state.dirty = True
+    return ChangedReply(tuple(changed))
+
+
+def register_repo_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+    assert isinstance(request, RegisterRepoRequest)
+    common = validate.git_common_dir(request.path, caller.uid)
+    new = state.slots.register(common)
+    if new:
+        state.journal.log("info", f"watching test slots of {common}", repository=common)
+        state.dirty = True
+    return RegisterReply(new)
+
+
+def ping_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+    return Pong()
+
+
+Handler = Callable[[GateState, Request, Caller], Reply]
+HANDLERS: dict[Op, Handler] = {
+    Op.STATUS: status_handler,
+    Op.QUEUE: queue_handler,
+    Op.RETRY: retry_handler,
+    Op.DROP: drop_handler,
+    Op.REGISTER_REPO: register_repo_handler,
+    Op.PING: ping_handler,
+}
+
+
+def handle(state: GateState, request: Request, caller: Caller) -> Reply:
+    """The reply to one request (not a delivery: see accept_deliveries)."""
+    try:
+        return HANDLERS[request.OP](state, request, caller)
+    except VoluteError as error:
+        return ErrorReply.of(error)
+    except sqlite3.OperationalError as error:
+        # The disk is full, or the database locked or unwritable: try again later.
+        state.journal.log("warning", f"the queue failed a {request.OP} request: {error}")
+        return ErrorReply.of(TemporaryError(f"{request.OP}: the queue failed: {error}"))
+
+
+def accept_deliveries(state: GateState, batch: list[DeliverRequest]) -> list[Reply]:
+    """Queue a batch in ONE durable commit, then acknowledge: a DeliverAck or an
+    ErrorReply per request, in order.
+
+    A request id the store already holds is a client retrying after a gate died before
+    its ack: it gets the original delivery id back, and nothing is queued twice. If the
+    commit fails (a full disk), nothing is stored and every one is refused with 75; an
+    error that is not the store's is raised, for the caller to end those clients.
+    """
+    replies: list[Reply | None] = []
+    rows: list[NewDelivery] = []
+    for request in batch:
+        try:
+            rows.append(validate.delivery(state.settings, request))
+            replies.append(None)
+        except VoluteError as error:
+            replies.append(ErrorReply.of(error))
+    if not rows:
+        return [reply for reply in replies if reply is not None]
+    try:
+        results = iter(state.store.add_deliveries(rows))
+    except (sqlite3.Error, OSError) as error:
+        refusal = _refusal(state, len(rows), error)
+        return [reply or refusal for reply in replies]
+    crash_point("request_committed")
+    done: list[Reply] = []
+    for reply, request in zip(replies, batch, strict=True):
+        if reply is not None:
+            done.append(reply)
+            continue
+        result = next(results)
+        if isinstance(result, VoluteError):
+            done.append(ErrorReply.of(result))
+            continue
+        done.append(DeliverAck(result))
+        state.journal.log(
+            "debug",
+            f"queued delivery {result} for {request.mind}/{request.session}",
+            mind=request.mind,
+            session=request.session,
+            delivery_id=result,
+        )
+    state.dirty = True
+    return done
+
+
+def _refusal(state: GateState, count: int, error: Exception) -> ErrorReply:
+    state_dir: Path = state.settings.gate.state_dir
+    state.journal.log(
+        "error",
+        f"could not store {count} deliveries, refused them (nothing acknowledged): "
+        f"{type(error).__name__}: {error}",
+        exception=type(error).__name__,
+        state_dir=state_dir,
+    )
+    return ErrorReply.of(
+        TemporaryError(
+            f"the queue could not store the delivery: {error}",
+            hint=f"nothing was queued; free space in {state_dir} and deliver again",
+        )
+    )
+
+
+def finished_event(state: GateState, delivery_id: int) -> Reply | None:
+    """What a waiting client would have been told, for a delivery that already ended (a
+    retried `--wait` request whose delivery ran before the retry arrived)."""
+    row = state.store.row(delivery_id)
+    if row is None or row.state in (QueueState.PENDING, QueueState.RUNNING):
+        return None
+    if row.state is QueueState.DEAD:
+        return DeliveryDead(row.id, row.last_error or "dead")
+    if row.state is QueueState.DROPPED:
+        return DeliveryDropped(row.id)
+    turn = state.store.turn(row.turn_id) if row.turn_id is not None else None
+    outcome = turn.outcome if turn is not None and turn.outcome else Outcome.OK
+    exit_status = turn.exit_status if turn is not None else None
+    return TurnEnded(
+        row.id, row.turn_id or 0, outcome, exit_status, core.wait_exit_code(exit_status, outcome)
+    )

@@ -1,0 +1,428 @@
+"""Every message on the gate's socket, typed, and the one step that checks each on arrival.
+
+The gate and every client (`volutectl deliver` included) import this module, so an op,
+a field or a reply is defined here once. docs/protocol.md documents the same messages for
+programs in other languages; tests/unit/test_protocol_schema.py holds its JSON Schemas
+against these classes. Framing (one JSON object per line, the version, the connection)
+is volutectl/protocol.py.
+
+Light on purpose: `volutectl deliver` imports it on its hot path, so a message is a
+volutectl.records.Record (a frozen record that needs neither `typing` nor `dataclasses`).
+
+- Requests check their fields on the way in (`decode_request`), each refusal a
+  DataError (65) that names the field: types, ranges, names, flags that are booleans.
+  What needs the gate's settings (is the mind configured, is the message too long) is
+  checked by the gate's handler, volutectl/validate.py.
+- Replies are decoded by the client from their declared field types; a reply that does
+  not fit is a ProtocolError (76).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from volutectl.errors import EX_PROTOCOL, EX_USAGE, DataError, VoluteError
+from volutectl.names import NameError_, check_mind, check_session
+from volutectl.records import Record, WireError, kind_of, register_enum
+from volutectl.states import HoldReason, Outcome, QueueState
+
+TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: no `typing` import at run time
+if TYPE_CHECKING:
+    from typing import Any, ClassVar, Self, TypeVar
+
+    R = TypeVar("R", bound="Reply")
+
+
+REQUEST_ID_LENGTH = 32  # 128 random bits, lowercase hex
+
+
+class Op(StrEnum):
+    DELIVER = "deliver"
+    STATUS = "status"
+    QUEUE = "queue"
+    RETRY = "retry"
+    DROP = "drop"
+    REGISTER_REPO = "register_repo"
+    PING = "ping"
+
+
+for _enum in (QueueState, HoldReason, Outcome, Op):
+    register_enum(_enum)
+
+
+# -- request fields: each refusal names its field ----------------------------------------
+
+
+def text(obj: dict[str, Any], field: str, default: str | None = None) -> str:
+    value = obj.get(field, default)
+    if value is None:
+        raise DataError(f"{field}: missing")
+    if not isinstance(value, str):
+        raise DataError(f"{field}: must be a string, not {kind_of(value)}")
+    return value
+
+
+def flag(obj: dict[str, Any], field: str) -> bool:
+    """An optional true/false field. Nothing else is coerced: 1, "yes" and null are refused."""
+    value = obj.get(field, False)
+    if type(value) is not bool:
+        raise DataError(f"{field}: must be true or false, not {kind_of(value)}")
+    return value is True
+
+
+def delivery_ids(obj: dict[str, Any]) -> tuple[int, ...]:
+    raw = obj.get("ids")
+    if not isinstance(raw, list):
+        raise DataError(f"ids: must be an array of delivery ids, not {kind_of(raw)}")
+    for index, value in enumerate(raw):
+        if type(value) is not int:
+            raise DataError(f"ids[{index}]: a delivery id is an integer, not {kind_of(value)}")
+        if value < 1:
+            raise DataError(f"ids[{index}]: delivery ids start at 1, not {value}")
+    return tuple(raw)
+
+
+def queue_states(obj: dict[str, Any]) -> tuple[QueueState, ...]:
+    """The states to list; absent, null or [] mean the default (states.DEFAULT_LISTED)."""
+    states = obj.get("states")
+    if states is None or states == []:
+        return ()
+    if not isinstance(states, list):
+        raise DataError(f"states: must be an array of state names, not {kind_of(states)}")
+    known = [state.value for state in QueueState]
+    for index, state in enumerate(states):
+        if not isinstance(state, str) or state not in known:
+            shown = repr(state[:40]) if isinstance(state, str) else kind_of(state)
+            raise DataError(f"states[{index}]: {shown} is not one of {', '.join(known)}")
+    return tuple(QueueState(state) for state in states)
+
+
+def request_id(obj: dict[str, Any]) -> str | None:
+    """A deliver request's client-made id (128 random bits, hex), or None if it has none.
+    Clients older than request ids send none; their requests are never merged."""
+    value = obj.get("request_id")
+    if value is None:
+        return None
+    if (
+        not isinstance(value, str)
+        or len(value) != REQUEST_ID_LENGTH
+        or any(ch not in "0123456789abcdef" for ch in value)
+    ):
+        raise DataError(f"request_id: must be {REQUEST_ID_LENGTH} lowercase hex digits (128 bits)")
+    return value
+
+
+def op_of(obj: dict[str, Any]) -> Op:
+    value = obj.get("op")
+    if value is None:
+        raise DataError("op: missing: the request names no operation")
+    if not isinstance(value, str):
+        raise DataError(f"op: must be a string, not {kind_of(value)}")
+    try:
+        return Op(value)
+    except ValueError:
+        raise VoluteError(
+            f"op: unknown request {value[:40]!r}",
+            hint=f"this gate knows: {', '.join(op.value for op in Op)}",
+            exit_code=EX_USAGE,
+        ) from None
+
+
+def _names(mind: str, session: str) -> None:
+    try:
+        check_mind(mind)
+        check_session(session)
+    except NameError_ as error:
+        # It quotes the name: keep a hostile one from making the reply as long as itself.
+        shown = str(error) if len(str(error)) <= 300 else f"{str(error)[:300]}..."
+        raise DataError(shown) from None
+
+
+# -- requests -----------------------------------------------------------------------------
+
+
+class Request(Record):
+    """A request: its op is a class constant, sent as the "op" field."""
+
+    OP: ClassVar[Op]
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls()
+
+
+class DeliverRequest(Request):
+    """Queue `message` for `mind`'s session; with `wait`, stay for the turn's outcome."""
+
+    OP = Op.DELIVER
+    WIRE = {"op": Op.DELIVER.value}
+    mind: str
+    message: str
+    session: str = "main"
+    interrupt: bool = False
+    wait: bool = False
+    request_id: str | None = None
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        mind, session = text(obj, "mind"), text(obj, "session", "main")
+        message = text(obj, "message")
+        request = cls(
+            mind, message, session, flag(obj, "interrupt"), flag(obj, "wait"), request_id(obj)
+        )
+        _names(mind, session)
+        return request
+
+
+class StatusRequest(Request):
+    OP = Op.STATUS
+    WIRE = {"op": Op.STATUS.value}
+
+
+class PingRequest(Request):
+    OP = Op.PING
+    WIRE = {"op": Op.PING.value}
+
+
+class QueueRequest(Request):
+    """List deliveries in `states` (none given: pending, running and dead)."""
+
+    OP = Op.QUEUE
+    WIRE = {"op": Op.QUEUE.value}
+    states: tuple[QueueState, ...] = ()
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls(queue_states(obj))
+
+
+class RetryRequest(Request):
+    """Make dead deliveries pending again, with their attempts reset."""
+
+    OP = Op.RETRY
+    WIRE = {"op": Op.RETRY.value}
+    ids: tuple[int, ...]
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls(delivery_ids(obj))
+
+
+class DropRequest(Request):
+    """Drop pending or dead deliveries."""
+
+    OP = Op.DROP
+    WIRE = {"op": Op.DROP.value}
+    ids: tuple[int, ...]
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls(delivery_ids(obj))
+
+
+class RegisterRepoRequest(Request):
+    """Watch the test slots of the repository whose git common directory is `path`."""
+
+    OP = Op.REGISTER_REPO
+    WIRE = {"op": Op.REGISTER_REPO.value}
+    path: str
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        path = text(obj, "path")
+        if "\0" in path:
+            raise DataError("path: contains a NUL byte")
+        if not path.startswith("/"):
+            raise DataError(
+                f"path: {path[:80]!r} is relative; register_repo needs an absolute path"
+            )
+        return cls(path)
+
+
+REQUESTS: dict[Op, type[Request]] = {
+    cls.OP: cls
+    for cls in (
+        DeliverRequest, StatusRequest, PingRequest, QueueRequest, RetryRequest, DropRequest,
+        RegisterRepoRequest,
+    )
+}  # fmt: skip
+
+
+def decode_request(obj: dict[str, Any]) -> Request:
+    """A decoded line (protocol.decode) as its typed request, or a refusal naming the field.
+    Fields an op does not know are ignored, so that a newer client can add an optional
+    one; an incompatible change bumps the protocol version instead."""
+    return REQUESTS[op_of(obj)].decode(obj)
+
+
+# -- replies ------------------------------------------------------------------------------
+
+
+class Reply(Record):
+    WIRE = {"ok": True}
+
+
+class ErrorReply(Reply):
+    """The request was refused: `code` is the exit code the client exits with."""
+
+    WIRE = {"ok": False}
+    error: str
+    code: int
+    hint: str | None = None
+
+    @classmethod
+    def of(cls, error: VoluteError) -> ErrorReply:
+        return cls(error.message, error.exit_code, error.hint)
+
+    def raise_it(self) -> None:
+        raise VoluteError(
+            self.error,
+            hint=self.hint,
+            # A code out of range must not turn a refusal into a traceback.
+            exit_code=self.code if 1 <= self.code <= 255 else EX_PROTOCOL,
+        )
+
+
+class Pong(Reply):
+    pass
+
+
+class DeliverAck(Reply):
+    """The delivery is durably queued as `id` (or was already: a retried request id)."""
+
+    id: int
+
+
+class ChangedReply(Reply):
+    """The ids a retry or drop changed; the others were in no state to change."""
+
+    changed: tuple[int, ...]
+
+
+class RegisterReply(Reply):
+    new: bool  # false: the gate already watched it
+
+
+class QueueRow(Record):
+    id: int
+    mind: str
+    session: str
+    state: QueueState
+    attempts: int
+    hold_reason: HoldReason | None
+    held_ms: int
+    turn_id: int | None
+    created_at: float
+    last_error: str | None
+    bytes: int
+
+
+class QueueReply(Reply):
+    rows: tuple[QueueRow, ...]
+
+
+class TurnStatus(Record):
+    turn_id: int
+    mind: str
+    session: str
+    unit: str
+    running_s: float
+
+
+class MindStatus(Record):
+    running_sessions: tuple[str, ...]
+    pending: int
+
+
+class TestRunStatus(Record):
+    unit: str
+    worktree: str
+    command: str
+    running_s: float | None
+
+
+class RepositoryStatus(Record):
+    repository: str
+    slots_held: int | None  # None: a repository the gate does not watch
+    slots: int | None
+    runs: tuple[TestRunStatus, ...]
+
+
+class PressureStatus(Record):
+    enabled: bool
+    high: bool
+    reason: str | None
+    trigger: str | None
+
+
+class Status(Record):
+    active_turns: int  # turn scopes that hold a process, ours and others in the slice
+    global_cap: int | None
+    turns_per_mind: int
+    turns: tuple[TurnStatus, ...]
+    foreign_scopes: int
+    minds: dict[str, MindStatus]
+    queue_depth: int
+    holds: dict[str, int]
+    oldest_held_s: float | None
+    dead: int
+    slice: str
+    test_runs: tuple[RepositoryStatus, ...]
+    io_pressure: PressureStatus
+    test_runs_count_as_turns: bool
+
+
+class StatusReply(Reply):
+    status: Status
+
+
+# Events: what a `wait` client is told when its delivery settles.
+
+
+class TurnEnded(Reply):
+    """The turn that carried delivery `id` ended; `exit_code` is what `--wait` exits with."""
+
+    WIRE = {"ok": True, "event": "turn_ended"}
+    id: int
+    turn_id: int
+    outcome: Outcome
+    exit_status: int | None
+    exit_code: int
+
+
+class DeliveryDead(Reply):
+    WIRE = {"ok": True, "event": "dead"}
+    id: int
+    error: str
+    exit_code: int = 1
+
+
+class DeliveryDropped(Reply):
+    WIRE = {"ok": True, "event": "dropped"}
+    id: int
+
+
+Event = TurnEnded | DeliveryDead | DeliveryDropped
+EVENTS: dict[object, type[Reply]] = {
+    "turn_ended": TurnEnded,
+    "dead": DeliveryDead,
+    "dropped": DeliveryDropped,
+}
+
+
+def expect(cls: type[R], obj: dict[str, Any]) -> R:
+    """The reply `obj` as `cls`, or the refusal it is raised; a WireError if it is neither."""
+    if obj.get("ok") is False:
+        ErrorReply.from_wire(obj).raise_it()
+    if obj.get("ok") is not True:
+        raise WireError(f"the gate's reply has no ok field: {str(obj)[:200]}")
+    return cls.from_wire(obj)
+
+
+def decode_event(obj: dict[str, Any]) -> Event:
+    if obj.get("ok") is False:
+        ErrorReply.from_wire(obj).raise_it()
+    cls = EVENTS.get(obj.get("event"))
+    if cls is None:
+        raise WireError(f"unexpected reply from the gate: {str(obj)[:200]}")
+    return cls.from_wire(obj)  # type: ignore[return-value]

@@ -1,0 +1,62 @@
+"""The names of states, outcomes and reasons, each defined once.
+
+StrEnums, so each member is its own string: it goes into SQL parameters, JSON and the
+journal as is, and a value read back from any of them compares equal to its member.
+Light on purpose (`enum` only): `volutectl deliver` imports it through the protocol.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class QueueState(StrEnum):
+    """Where a delivery is. pending -> running -> done; failed turns send their rows back
+    to pending with an attempt counted, or to dead after the last attempt."""
+
+    PENDING = "pending"
+    RUNNING = "running"  # handed to a live turn (its stdin, or its inbox)
+    DONE = "done"
+    DEAD = "dead"  # out of attempts; kept until retried or dropped
+    DROPPED = "dropped"
+
+
+class TurnState(StrEnum):
+    STARTING = "starting"  # committed; its command not yet released
+    RUNNING = "running"  # its command was released
+    ENDED = "ended"
+
+
+class Outcome(StrEnum):
+    """How a turn ended."""
+
+    OK = "ok"  # exited 0
+    INTERRUPTED = "interrupted"  # exited non-zero after an --interrupt: carried
+    FAILED = "failed"  # exited non-zero, or ended with no exit status: one attempt
+    TIMEOUT = "timeout"  # stopped for running past its time limit: one attempt
+    NEVER_RAN = "never_ran"  # its command never started: back to pending, no attempt
+    START_FAILED = "start_failed"  # it could not be started (user, fork, scope): one attempt
+
+    @property
+    def carried(self) -> bool:
+        """Its deliveries are done."""
+        return self in (Outcome.OK, Outcome.INTERRUPTED)
+
+    @property
+    def failed(self) -> bool:
+        """Its deliveries count one attempt."""
+        return self in (Outcome.FAILED, Outcome.TIMEOUT, Outcome.START_FAILED)
+
+
+class HoldReason(StrEnum):
+    """Why a pending delivery did not start. Logged, shown in `status`, never an attempt."""
+
+    MIND_BUSY = "mind_busy"  # the mind already runs its limit of turns
+    GLOBAL_CAP = "global_cap"  # limits.global_concurrent_turns reached
+    BEHIND_BACKOFF = "behind_backoff"  # an earlier row of this session is backing off
+    IO_PRESSURE = "io_pressure"  # PSI says the storage is stalled
+    TEST_RUN = "test_run"  # test runs fill the shared budget
+
+
+# What `volutectl queue list` shows when no state is asked for.
+DEFAULT_LISTED = (QueueState.PENDING, QueueState.RUNNING, QueueState.DEAD)
