@@ -90,14 +90,14 @@ WEDGE = """
 import os, sys, time
 from pathlib import Path
 from volutectl import names
-from volutectl.store import Store
+from volutectl.store import NewDelivery, Store
 from volutectl.systemd import Manager, ScopeProperties
 
 # What a gate SIGKILLed with its whole cgroup between the fork and the scope leaves:
 # the turn and its delivery committed as running, and a scope started around a child
 # that had already died (a zombie when systemd moved it): active, and empty for ever.
 store = Store(Path("/var/lib/volute/queue.sqlite3"))
-[delivery] = store.add_deliveries([("m", "s", b"stranded", False)])
+[delivery] = store.add_deliveries([NewDelivery("m", "s", b"stranded")])
 turn, _ = store.start_turn("m", "s", lambda t: names.turn_scope_name("m", t), [delivery],
                            time.time())
 store.close()
