@@ -1,41 +1,70 @@
-"""An in-memory stand-in for volutectl.systemd.Manager, for running the gate without root.
+"""An in-memory systemd for the gate's port (volutectl.units.SystemdManager), without root.
 
-Only the methods the gate calls, and only what they promise: a scope is live while its
-processes run and ends when they have all exited, which the gate learns the way it
-does from systemd, by its fd turning readable and process_events() reporting the unit.
-Here that fd is an epoll over one pidfd per process; systemd's Slice=, weights and
-cgroups are not modelled. The system tier proves the real adapter.
+It keeps transient scopes in memory around real processes, and promises what systemd
+promises the gate, no more; tests/contract.py holds those promises, and the same
+assertions run against this fake (unit tier) and the real adapter (system tier):
+
+- a scope holds the processes it was started with, while they live, and ends (a
+  UnitEnded from process_events(), its fileno() turning readable) when they have all
+  exited;
+- a scope started around a process that had already died (a zombie) holds nothing and
+  stays active for ever, as systemd 252 does, until it is stopped;
+- stop_unit sends SIGTERM, then SIGKILL after the scope's TimeoutStopSec=; kill_unit
+  sends a signal to every process of the scope;
+- a unit that is not loaded answers None, not an error.
+
+What it leaves out: cgroups and their controllers, weights, Slice= nesting, and
+RuntimeMaxSec= (the gate's own deadline stops a turn first). A test may make any method
+fail as a D-Bus call cut short does (`failing`), or drop the bus.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import select
 import signal as signals
+import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from volutectl.errors import SystemdError
-from volutectl.systemd import LIVE_STATES, ScopeProperties, UnitEnded, UnitInfo
+from volutectl.units import (
+    LIVE_STATES,
+    ScopeProperties,
+    SocketUnit,
+    UnitEnded,
+    UnitInfo,
+)
 
 
 @dataclass
 class FakeScope:
     name: str
     slice: str
+    description: str
     pids: list[int]
+    stop_timeout: float
     pidfds: list[int] = field(default_factory=list)
     state: str = "active"
+    killer: threading.Timer | None = None
 
 
 class FakeManager:
     def __init__(self) -> None:
         self.epoll = select.epoll()
+        # Wakes the loop for news the fake makes itself (a stop, a dropped bus).
+        self.news = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.epoll.register(self.news, select.EPOLLIN)
+        self.lock = threading.Lock()
         self.scopes: dict[str, FakeScope] = {}
+        self.pending: list[UnitEnded] = []
         self.started_units: list[str] = []
         self.signals: list[tuple[str, int]] = []
         self.watching = False
+        self.most_live = 0  # the most scopes that held a process at once, for cap checks
         # Methods that fail as a D-Bus call cut short does (EINTR, a timeout): a test
         # adds a name here, and every call of that method raises until it is removed.
         self.failing: set[str] = set()
@@ -46,7 +75,7 @@ class FakeManager:
         if method in self.failing:
             raise SystemdError(f"{method}: [err -4]: Interrupted system call (injected)")
 
-    # -- what the gate calls ------------------------------------------------------------
+    # -- the port ----------------------------------------------------------------------
 
     def watch_units(self) -> None:
         self.watching = True
@@ -58,30 +87,47 @@ class FakeManager:
         self, name: str, pids: Sequence[int], props: ScopeProperties, timeout: float = 10.0
     ) -> None:
         self._call("start_scope")
+        self._collect()
         if name in self.scopes and self.scopes[name].state in LIVE_STATES:
             raise SystemdError(f"scope {name} did not start: Unit {name} already exists")
-        scope = FakeScope(name, props.slice, list(pids))
+        stop_timeout = props.stop_timeout_seconds if props.stop_timeout_seconds else 90.0
+        scope = FakeScope(name, props.slice, props.description, [], stop_timeout)
         for pid in pids:
             pidfd = os.pidfd_open(pid)
+            if _exited(pidfd):  # a zombie: systemd "moves" it, and the scope holds nothing
+                os.close(pidfd)
+                continue
+            scope.pids.append(pid)
             scope.pidfds.append(pidfd)
             self.epoll.register(pidfd, select.EPOLLIN)
         self.scopes[name] = scope
+        self.most_live = max(self.most_live, self._holding())
 
     def start_unit(self, name: str, timeout: float = 30.0) -> None:
+        self._call("start_unit")
         self.started_units.append(name)
 
     def stop_unit(self, name: str, timeout: float = 30.0, wait: bool = True) -> None:
+        """SIGTERM to every process now, SIGKILL after the scope's stop timeout."""
         self._call("stop_unit")
-        self.kill_unit(name, signals.SIGKILL)
+        scope = self.scopes.get(name)
+        if scope is None or scope.state not in LIVE_STATES:
+            return
+        if not scope.pidfds:  # nothing to wait for: it stops at once
+            self._end(scope, "inactive")
+            return
+        scope.state = "deactivating"
+        self._signal(scope, signals.SIGTERM)
+        scope.killer = threading.Timer(scope.stop_timeout, self._signal, (scope, signals.SIGKILL))
+        scope.killer.daemon = True
+        scope.killer.start()
 
     def kill_unit(self, name: str, signal: int, who: str = "all") -> None:
+        self._call("kill_unit")
         self.signals.append((name, signal))
         scope = self.scopes.get(name)
-        for pid in scope.pids if scope is not None else []:
-            try:
-                os.kill(pid, signal)
-            except ProcessLookupError:
-                pass
+        if scope is not None:
+            self._signal(scope, signal)
 
     def list_units(
         self, slice: str, patterns: Sequence[str] = ("*.scope",), known: Collection[str] = ()
@@ -89,37 +135,48 @@ class FakeManager:
         self._call("list_units")
         self._collect()
         return [
-            UnitInfo(scope.name, "", scope.state, "running", f"/fake/{scope.name}")
+            UnitInfo(scope.name, scope.description, scope.state, "running", f"/fake/{scope.name}")
             for scope in self.scopes.values()
             if scope.state in LIVE_STATES
             and scope.slice == slice
             and any(fnmatch.fnmatchcase(scope.name, pattern) for pattern in patterns)
         ]
 
-    def unit_property(self, name: str, prop: str) -> object:
-        if prop != "ActiveState":
-            raise ValueError(f"the fake knows no property {prop}")
-        self._collect()
-        scope = self.scopes.get(name)
-        return scope.state if scope is not None else "inactive"
+    def unit_property(self, name: str, prop: str) -> Any:
+        if prop == "ActiveState":
+            self._collect()
+            scope = self.scopes.get(name)
+            return scope.state if scope is not None else "inactive"
+        if prop == "ActiveEnterTimestamp":
+            return 0
+        raise ValueError(f"the fake knows no property {prop}")
 
     def active_state(self, name: str) -> str | None:
-        """None: no such unit is loaded (a scope that ended stays loaded here, inactive)."""
+        """None: no such unit is loaded (one that ended is collected, as CollectMode=
+        inactive-or-failed has systemd do)."""
         self._call("active_state")
         self._collect()
         scope = self.scopes.get(name)
-        return scope.state if scope is not None else None
+        return scope.state if scope is not None and scope.state in LIVE_STATES else None
 
     def unit_processes(self, name: str) -> list[int] | None:
         self._call("unit_processes")
         self._collect()
         scope = self.scopes.get(name)
-        if scope is None:
+        if scope is None or scope.state not in LIVE_STATES:
             return None
-        return list(scope.pids) if scope.state in LIVE_STATES else []
+        return list(scope.pids)
+
+    def socket_unit(self, name: str) -> SocketUnit:
+        return SocketUnit(name, "not-found", "inactive", ())
 
     def process_events(self) -> list[UnitEnded]:
-        return self._collect()
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.news)
+        self._collect()
+        with self.lock:
+            events, self.pending = self.pending, []
+        return events
 
     def has_pending_events(self) -> bool:
         return False  # process_events() reports everything it finds at once
@@ -128,22 +185,41 @@ class FakeManager:
         for scope in self.scopes.values():
             self._release(scope)
         self.epoll.close()
+        os.close(self.news)
 
     # -- the model ------------------------------------------------------------------------
 
-    def _collect(self) -> list[UnitEnded]:
+    def _holding(self) -> int:
+        return sum(1 for s in self.scopes.values() if s.state in LIVE_STATES and s.pidfds)
+
+    def _signal(self, scope: FakeScope, signal: int) -> None:
+        for pid in list(scope.pids):
+            try:
+                os.kill(pid, signal)
+            except ProcessLookupError:
+                pass
+
+    def _collect(self) -> None:
         """Scopes whose processes have all exited become inactive, as systemd reports."""
-        ended = []
-        for scope in self.scopes.values():
+        for scope in list(self.scopes.values()):
             if scope.state in LIVE_STATES and scope.pidfds and all(map(_exited, scope.pidfds)):
-                self._release(scope)
-                scope.state = "inactive"
-                ended.append(UnitEnded(scope.name, "inactive"))
-        return ended
+                self._end(scope, "inactive")
+
+    def _end(self, scope: FakeScope, state: str) -> None:
+        self._release(scope)
+        scope.state = state
+        if scope.killer is not None:
+            scope.killer.cancel()
+        with self.lock:
+            self.pending.append(UnitEnded(scope.name, state))
+        os.eventfd_write(self.news, 1)
 
     def _release(self, scope: FakeScope) -> None:
         for pidfd in scope.pidfds:
-            self.epoll.unregister(pidfd)
+            try:
+                self.epoll.unregister(pidfd)
+            except (OSError, ValueError):
+                pass
             os.close(pidfd)
         scope.pidfds = []
 
@@ -152,3 +228,4 @@ def _exited(pidfd: int) -> bool:
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     return bool(poller.poll(0))
+
