@@ -1,6 +1,6 @@
 """The turn gate, end to end, in a throwaway systemd: handoff, deliver, enqueue, idle.
 
-Boots a container (tests/machine.py: systemd-nspawn over an overlay of this root, the
+Boots a container (volute_testbed.machine: systemd-nspawn over an overlay of this root, the
 checkout and venv bound at the same paths), installs units/ with this checkout's
 volutectl, and starts volute-gate.service. The gate's state directory and socket live in
 a work directory on the host's disk (/var/tmp, ext4), bound into the container, so its
@@ -53,6 +53,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from volute_testbed.gate import start_gate
+from volute_testbed.machine import dev_machine
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -482,10 +485,6 @@ def wait_for(predicate: Any, timeout: float, what: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    sys.path.insert(0, str(REPO))
-    from tests.machine import boot
-    from tests.system.gate_fixture import start_gate
-
     results: dict[str, Any] = {}
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="volute-bench-gate.", dir="/var/tmp"))
@@ -499,11 +498,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ["gcc", "-O2", "-static", "-o", str(stamp), str(REPO / "bench/stamp.c")], check=True
         )
         log = turns_dir / "stamps.log"
-        binds = [REPO, work]
-        if not Path(sys.prefix).is_relative_to(REPO):
-            binds.append(Path(sys.prefix))
         print("bench_gate: booting a throwaway systemd (systemd-nspawn) ...", flush=True)
-        with boot(binds=binds, name="volute-bench-gate") as machine:
+        with dev_machine(name="volute-bench-gate", binds=[work]) as machine:
             start_gate(machine, gate_config(work, stamp, log))
             gate = Gate(machine, work)
             wait_for(lambda: os.path.exists(gate.socket), 30, "the gate socket")

@@ -1,10 +1,10 @@
 """The install tier: the Debian package in a clean Debian trixie root.
 
 packaging/build-deb builds the .debs from this checkout; a debootstrapped trixie minbase
-root (cached under /var/cache/volute-test, see rootfs.py) boots as a throwaway overlay
-under systemd-nspawn; `apt-get install ./volutectl_*.deb` then pulls python3-pystemd,
-python3-click and python3-pydantic-settings from Debian. The tests share one container
-and run in file order: install, inspect, then remove and purge last.
+root (cached under /var/cache/volute-test, see volute_testbed.rootfs) boots as a
+throwaway overlay under systemd-nspawn; `apt-get install ./volutectl_*.deb` then pulls
+python3-pystemd, python3-click and python3-pydantic-settings from Debian. The tests share
+one container and run in file order: install, inspect, then remove and purge last.
 
 Run: .venv/bin/pytest -m install tests/install   (root; about 1.5 min with a warm cache)
 Artifacts (the `systemctl status volute-turns.slice` capture, lintian output) go to
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.install.rootfs import apt_cache_binds, ensure_root
-from tests.machine import Machine, boot
+from volute_testbed.machine import Machine, boot
+from volute_testbed.rootfs import apt_cache_binds, ensure_root
 
 pytestmark = pytest.mark.install
 

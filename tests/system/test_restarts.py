@@ -16,9 +16,7 @@ import time
 
 import pytest
 
-from tests.conftest import VENV_BIN
-from tests.machine import Machine
-from tests.system.gate_fixture import (
+from volute_testbed.gate import (
     VOLUTECTL,
     all_settled,
     deliver,
@@ -33,6 +31,8 @@ from tests.system.gate_fixture import (
     unit_property,
     wait_for,
 )
+from volute_testbed.machine import Machine
+from volute_testbed.paths import VENV_BIN
 
 pytestmark = pytest.mark.system
 

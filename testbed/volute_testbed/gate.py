@@ -1,4 +1,5 @@
-"""Helpers to run the real gate service (units/ from this checkout) in a test container."""
+"""The real gate service (units/ from this checkout) in a booted machine: install and start
+it, deliver, and read back what systemd, the store and the turn probe saw."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import time
 import tomllib
 from pathlib import Path
 
-from tests.conftest import REPO, VENV_BIN
-from tests.machine import Machine
+from volute_testbed.machine import Machine
+from volute_testbed.paths import CHECKOUT, VENV_BIN
 
-UNITS = REPO / "units"
+UNITS = CHECKOUT / "units"
 DEFAULT_SOCKET = "/run/volute/gate.sock"  # volute-gate.socket's ListenStream=
 VOLUTECTL = str(VENV_BIN / "volutectl")
 
@@ -30,7 +31,7 @@ def install_units(machine: Machine) -> None:
     # /var/tmp (a CI clone), which the heartbeat's ProtectHome=yes and the private /tmp
     # and /var/tmp of DynamicUser=yes hide; so they are bound back in, read-only. The
     # packaged volutectl is /usr/bin/volutectl and needs none of this.
-    binds = " ".join(f"-{path}" for path in sorted({str(REPO), str(Path(sys.prefix))}))
+    binds = " ".join(f"-{path}" for path in sorted({str(CHECKOUT), str(Path(sys.prefix))}))
     machine.write(
         "/etc/systemd/system/volute-heartbeat@.service.d/test-venv.conf",
         f"[Service]\nProtectHome=read-only\nBindReadOnlyPaths={binds}\n",
@@ -208,9 +209,8 @@ class Sampler:
         self.stop_file = f"/var/tmp/{name}.stop"
         self.out_file = f"/var/tmp/{name}.json"
         self.proc = machine.popen(
-            [str(VENV_BIN / "python"), str(REPO / "tests/system/scope_sampler.py"),
+            [str(VENV_BIN / "python"), "-m", "volute_testbed.scope_sampler",
              self.stop_file, self.out_file],
-            env={"PYTHONPATH": str(REPO)},
         )  # fmt: skip
         self.result: dict[str, object] = {}
 

@@ -23,7 +23,7 @@ takes precedence over a qemu-aarch64 handler the host may have (binfmt-support,
 systemd-binfmt), which is never touched and applies again once ours is removed.
 binfmt_misc is mounted if it is not, and unmounted only if this mounted it.
 
-    python -m tests.install.binfmt -- CMD...    # run CMD with the handler registered
+    python -m volute_testbed.binfmt -- CMD...    # run CMD with the handler registered
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.install.rootfs import CACHE, MAX_AGE_SECONDS
+from volute_testbed.rootfs import CACHE, MAX_AGE_SECONDS
 
 BINFMT_MISC = Path("/proc/sys/fs/binfmt_misc")
 HANDLER = "volute-qemu-aarch64"
@@ -197,7 +197,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("usage: python -m tests.install.binfmt -- CMD...", file=sys.stderr)
+        print("usage: python -m volute_testbed.binfmt -- CMD...", file=sys.stderr)
         return 64
     with qemu_aarch64():
         return subprocess.run(argv, check=False).returncode

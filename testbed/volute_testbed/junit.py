@@ -3,7 +3,7 @@
 Every test marked `system`, `install` or `install_arm64` gets a junit property
 `tier=<marker>`, so ./run-tests can count, from the report alone, how many tests of
 each tier ran and how many were skipped, and fail a run in which the system tier
-did not run. Loaded with `-p tests.junit_tiers`.
+did not run. Loaded with `-p volute_testbed.junit`.
 """
 
 from __future__ import annotations

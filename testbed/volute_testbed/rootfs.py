@@ -4,7 +4,7 @@ The root is built once per (suite, arch, variant, packages, mirror) and reused f
 week; each test boots a throwaway overlay of it, so nothing a test does reaches the
 cache. Building takes about 40 s for amd64. Concurrent builders serialize on a flock.
 
-    python -m tests.install.rootfs          # build (or reuse) and print the path
+    python -m volute_testbed.rootfs          # build (or reuse) and print the path
 """
 
 from __future__ import annotations
