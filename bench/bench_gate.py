@@ -54,12 +54,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from volute_testbed.gate import start_gate
+from volute_testbed.gate import VOLUTECTL, start_gate
 from volute_testbed.machine import dev_machine
+from volute_testbed.paths import PYTHON
 
 REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
-VOLUTECTL = str(VENV_BIN / "volutectl")
 HANDOFF_MINDS = ("h1", "h2", "h3")
 TARGET_HANDOFF_MS = 25.0
 WATCHDOG_SEC = 30.0
@@ -97,7 +96,7 @@ def inner_deliver(runs: int, seed: int) -> None:
         "volutectl deliver": [VOLUTECTL, "deliver", "q", "--message", "x"],
         "python3 -c pass": ["/usr/bin/python3", "-c", "pass"],
         "python3 -I -c pass": ["/usr/bin/python3", "-I", "-c", "pass"],
-        "venv python -I -c pass": [str(VENV_BIN / "python"), "-I", "-c", "pass"],
+        "venv python -I -c pass": [PYTHON, "-I", "-c", "pass"],
     }
     rng = random.Random(seed)
     times: dict[str, list[float]] = {name: [] for name in commands}

@@ -49,12 +49,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from volute_testbed.gate import gate_config, start_gate
+from volute_testbed.gate import VOLUTECTL, gate_config, start_gate
 from volute_testbed.machine import dev_machine
 from volute_testbed.slowdisk import WRITE_BPS, WRITE_IOPS, SlowDisk, slow_disk
 
-VENV_BIN = Path(sys.executable).parent
-VOLUTECTL = str(VENV_BIN / "volutectl")
 PROBE_INTERVAL = 0.2
 TURN_LOG = "/var/tmp/replay-turns.log"  # inside the container: on its tmpfs, not the slow disk
 

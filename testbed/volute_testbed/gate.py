@@ -11,11 +11,11 @@ import tomllib
 from pathlib import Path
 
 from volute_testbed.machine import Machine
-from volute_testbed.paths import CHECKOUT, VENV_BIN
+from volute_testbed.paths import CHECKOUT, PYTHON, SCRIPTS
 
 UNITS = CHECKOUT / "units"
 DEFAULT_SOCKET = "/run/volute/gate.sock"  # volute-gate.socket's ListenStream=
-VOLUTECTL = str(VENV_BIN / "volutectl")
+VOLUTECTL = str(SCRIPTS / "volutectl")
 
 
 def install_units(machine: Machine) -> None:
@@ -103,7 +103,7 @@ print(json.dumps(dict(db.execute("SELECT id, state FROM deliveries"))))
 
 def delivery_states(machine: Machine) -> dict[int, str]:
     """Every delivery in the store and its state (`queue list` stops at 200 rows)."""
-    out = machine.run([str(VENV_BIN / "python"), "-c", STATES_SQL]).stdout
+    out = machine.run([PYTHON, "-c", STATES_SQL]).stdout
     return {int(key): str(value) for key, value in json.loads(out).items()}
 
 
@@ -209,9 +209,8 @@ class Sampler:
         self.stop_file = f"/var/tmp/{name}.stop"
         self.out_file = f"/var/tmp/{name}.json"
         self.proc = machine.popen(
-            [str(VENV_BIN / "python"), "-m", "volute_testbed.scope_sampler",
-             self.stop_file, self.out_file],
-        )  # fmt: skip
+            [PYTHON, "-m", "volute_testbed.scope_sampler", self.stop_file, self.out_file]
+        )
         self.result: dict[str, object] = {}
 
     def stop(self) -> dict[str, object]:

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from volute_testbed.paths import CHECKOUT, VENV_BIN
+from volute_testbed.paths import CHECKOUT, SCRIPTS
 
 # Units that slow the boot or fail in a container; masked in the overlay only.
 MASKED_UNITS = (
@@ -344,9 +344,10 @@ def dev_machine(
     """A booted machine that runs this checkout's volutectl with the tests' interpreter.
 
     The checkout and the interpreter's environment are bound in (plus `binds`), the
-    environment's bin directory leads PATH, and non-root users may run the interpreter.
+    environment's scripts directory leads PATH, and non-root users may run the
+    interpreter.
     """
     with boot(binds=[*machine_binds(), *binds], name=name) as machine:
-        machine.env["PATH"] = f"{VENV_BIN}:{CLEAN_PATH}"
+        machine.env["PATH"] = f"{SCRIPTS}:{CLEAN_PATH}"
         open_interpreter_path(machine)
         yield machine

@@ -38,7 +38,7 @@ from volute_testbed.gate import (
     wait_for,
 )
 from volute_testbed.machine import Machine
-from volute_testbed.paths import CHECKOUT, VENV_BIN
+from volute_testbed.paths import CHECKOUT, PYTHON
 
 pytestmark = pytest.mark.system
 
@@ -126,9 +126,7 @@ def test_a_scope_around_a_dead_process_is_stopped_and_its_turn_settled(
     )
     start_gate(machine, config)
     machine.run(["systemctl", "stop", "volute-gate.service"])
-    out = machine.run(
-        [str(VENV_BIN / "python"), "-c", WEDGE], env={"PYTHONPATH": str(CHECKOUT)}
-    ).stdout.split()
+    out = machine.run([PYTHON, "-c", WEDGE], env={"PYTHONPATH": str(CHECKOUT)}).stdout.split()
     stranded, unit = int(out[0]), out[2]
     # systemd itself shows the wedge: active, and no process in it.
     state = machine.run(["systemctl", "show", "-p", "ActiveState", "--value", unit]).stdout

@@ -29,7 +29,7 @@ from volute_testbed.gate import (
     wait_for,
 )
 from volute_testbed.machine import Machine
-from volute_testbed.paths import VENV_BIN
+from volute_testbed.paths import PYTHON
 
 pytestmark = pytest.mark.system
 
@@ -277,7 +277,7 @@ def test_bad_input_gets_a_clear_error_and_writes_nothing(machine: Machine) -> No
         "    s.sendall(line + b'\\n')\n"
         "    print(json.loads(s.makefile().readline())['code'])\n"
     )
-    codes = machine.run([str(VENV_BIN / "python"), "-c", raw]).stdout.split()
+    codes = machine.run([PYTHON, "-c", raw]).stdout.split()
     assert codes == ["65", "65", "65", "76"]
     assert machine.run(["systemctl", "is-active", "volute-gate"]).stdout.strip() == "active"
     # Really absent: the service and its socket stopped (the service alone would be

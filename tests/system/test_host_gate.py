@@ -31,7 +31,7 @@ from volute_testbed.gate import (
     wait_for,
 )
 from volute_testbed.machine import Machine
-from volute_testbed.paths import CHECKOUT, VENV_BIN
+from volute_testbed.paths import CHECKOUT, PYTHON
 
 pytestmark = pytest.mark.system
 
@@ -297,7 +297,7 @@ def test_the_watch_sees_a_real_run_in_a_container(machine: Machine) -> None:
     make_repository(machine)
     machine.write("/var/tmp/watch.py", WATCH_SCRIPT)
     watcher = machine.popen(
-        [str(VENV_BIN / "python"), "/var/tmp/watch.py", WORKTREE],
+        [PYTHON, "/var/tmp/watch.py", WORKTREE],
         stdout=subprocess.PIPE,
         env={"PYTHONPATH": str(CHECKOUT)},
     )

@@ -8,12 +8,12 @@ import time
 import pytest
 
 from volute_testbed.machine import Machine
-from volute_testbed.paths import CHECKOUT
+from volute_testbed.paths import CHECKOUT, PYTHON
 
 pytestmark = pytest.mark.system
 
 PROBE = str(CHECKOUT / "tests/system/adapter_probe.py")
-PY = str(CHECKOUT / ".venv/bin/python")
+PY = PYTHON
 ENV = {"PYTHONPATH": str(CHECKOUT)}
 
 
