@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -155,3 +156,28 @@ def deliver_and_wait_for_scope(
         time.sleep(0.1)
     journal = m.run(["journalctl", "-b", "--no-pager", "-u", "volute-gate.service"], check=False)
     raise AssertionError(f"no turn scope for {mind} within {timeout} s:\n{journal.stdout[-3000:]}")
+
+
+def archives_of(m: Machine, package: str) -> list[dict[str, str]]:
+    """The Release fields (o=Origin, a=Suite, n=Codename, l=Label, c=Component, ...) of
+    each archive that offers the installed version of `package`, as `apt-cache policy`
+    reports them: where it came from by the archive's own word, not by its host name."""
+    releases: dict[str, dict[str, str]] = {}
+    source = ""
+    for line in m.run(["apt-cache", "policy"]).stdout.splitlines():
+        if re.fullmatch(r" *-?\d+ \S.*", line):
+            source = line.split(None, 1)[1]
+        elif line.strip().startswith("release ") and source:
+            fields = line.strip().removeprefix("release ").split(",")
+            releases[source] = dict(field.split("=", 1) for field in fields if "=" in field)
+    offered: list[dict[str, str]] = []
+    installed = False
+    for line in m.run(["apt-cache", "policy", package]).stdout.splitlines()[1:]:
+        version = re.fullmatch(r" (\*\*\*| {3}) \S+ -?\d+", line)
+        if version:
+            installed = version.group(1) == "***"
+        elif installed and re.fullmatch(r" *-?\d+ \S.*", line):
+            where = line.split(None, 1)[1]
+            if where != "/var/lib/dpkg/status":
+                offered.append(releases.get(where, {}))
+    return offered

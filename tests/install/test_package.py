@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from volute_testbed.install_tier import archives_of
 from volute_testbed.machine import Machine, boot
 from volute_testbed.rootfs import apt_cache_binds, ensure_root
 
@@ -97,8 +98,16 @@ def test_build_passes_lintian_without_errors(installed: Installed) -> None:
 def test_dependencies_come_from_debian(installed: Installed) -> None:
     m = installed.machine
     for package in ("python3-pystemd", "python3-click", "python3-pydantic-settings"):
-        policy = m.run(["apt-cache", "policy", package]).stdout
-        assert "deb.debian.org/debian trixie" in policy, policy
+        # By the archive's own Release file (trixie's Suite is "stable" or "testing" by
+        # date, its Codename is trixie), not by the host name of the mirror it came from.
+        archives = archives_of(m, package)
+        assert archives, m.run(["apt-cache", "policy", package]).stdout
+        for release in archives:
+            assert (release.get("o"), release.get("l"), release.get("n")) == (
+                "Debian",
+                "Debian",
+                "trixie",
+            ), (package, release)
         status = m.run(["dpkg-query", "-W", "-f=${Status}", package]).stdout
         assert status == "install ok installed"
     versions = m.run(["dpkg-query", "-W", "python3-pystemd", "systemd", "python3"]).stdout
