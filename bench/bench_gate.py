@@ -245,7 +245,7 @@ def proc_sample(pid: int) -> tuple[int, int]:
 
 
 def measure_idle(pid: int, seconds: float) -> dict[str, float]:
-    rss0, sw0 = proc_sample(pid)
+    _, sw0 = proc_sample(pid)
     time.sleep(seconds)
     rss1, sw1 = proc_sample(pid)
     return {

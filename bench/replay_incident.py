@@ -53,7 +53,6 @@ from volute_testbed.gate import VOLUTECTL, gate_config, start_gate
 from volute_testbed.machine import dev_machine
 from volute_testbed.slowdisk import WRITE_BPS, WRITE_IOPS, SlowDisk, slow_disk
 
-PROBE_INTERVAL = 0.2
 TURN_LOG = "/var/tmp/replay-turns.log"  # inside the container: on its tmpfs, not the slow disk
 
 # The probe: a 4 KiB write+fsync every 200 ms (on a fixed grid; a late write skips

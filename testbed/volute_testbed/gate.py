@@ -4,7 +4,6 @@ it, deliver, and read back what systemd, the store and the turn probe saw."""
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 import tomllib
@@ -118,7 +117,7 @@ def deliver(machine: Machine, mind: str, message: str, *args: str, check: bool =
     return int(proc.stdout.strip()) if proc.returncode == 0 else -proc.returncode
 
 
-def live_turn_scopes(machine: Machine, slice_: str = "volute-turns.slice") -> list[str]:
+def live_turn_scopes(machine: Machine) -> list[str]:
     out = machine.run(
         [
             "systemctl",
@@ -143,15 +142,6 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05) -> None: 
 
 def journal(machine: Machine, unit: str = "volute-gate.service") -> str:
     return machine.run(["journalctl", "--no-pager", "-o", "cat", "-u", unit], check=False).stdout
-
-
-def mind_of(unit: str) -> str:
-    match = re.fullmatch(r"volute-turn-(.+)-[0-9]+\.scope", unit)
-    return match.group(1) if match else ""
-
-
-def host_path(machine: Machine, path: str) -> Path:
-    return machine.host_path(path)
 
 
 # A turn command for tests: logs what it got (from stdin and the inbox) to a shared log.
