@@ -49,6 +49,7 @@ from pathlib import Path
 from inotify_simple import INotify, flags
 
 from volutectl import slotcore
+from volutectl.gitdirs import resolve_common_dir
 
 Log = Callable[[str, str], None]
 
@@ -81,35 +82,6 @@ class RepositorySlots:
     slots: int
     held: int
     watching: bool  # False while the repository is missing or unreadable
-
-
-def resolve_common_dir(path: Path) -> Path | None:
-    """The git common dir for a checkout, a linked worktree, or a git dir; no git run.
-
-    `path/.git` is a directory (a main checkout) or a file naming the git dir (a linked
-    worktree or submodule). A git dir with a `commondir` file is a linked worktree's;
-    that file names the shared one."""
-    path = Path(os.path.abspath(path))
-    dotgit = path / ".git"
-    if dotgit.is_file():
-        try:
-            named = slotcore.parse_gitdir_file(dotgit.read_text(errors="replace"))
-        except OSError:
-            return None
-        if named is None:
-            return None
-        gitdir = (path / named).resolve()
-    elif dotgit.is_dir():
-        gitdir = dotgit.resolve()
-    elif (path / "HEAD").is_file():
-        gitdir = path.resolve()
-    else:
-        return None
-    commondir = gitdir / "commondir"
-    with contextlib.suppress(OSError):
-        if commondir.is_file():
-            return (gitdir / commondir.read_text().strip()).resolve()
-    return gitdir if (gitdir / "HEAD").is_file() else None
 
 
 # -- the watch ----------------------------------------------------------------------------
