@@ -15,7 +15,6 @@ import json
 import os
 import select
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from volutectl import slotcore, slots
+from volutectl import processes, slotcore, slots
 from volutectl.config import load_settings
 from volutectl.errors import PermissionDeniedError, SystemdError, UnavailableError
 
@@ -214,12 +213,7 @@ def elapsed_ms(since: float) -> int:
 
 
 def run_check(check: str, as_json: bool) -> int:
-    result = subprocess.run(
-        ["/bin/sh", "-c", check], stdout=sys.stderr if as_json else None, check=False
-    )
-    if result.returncode < 0:
-        return 128 - result.returncode
-    return result.returncode
+    return processes.run(["/bin/sh", "-c", check], redirect={1: 2} if as_json else None).exit_code
 
 
 # -- the gate -----------------------------------------------------------------------------
@@ -366,26 +360,20 @@ def spawn_held(
     The child must not exec before systemd has moved it into the scope: a fast command
     would exit first and fail the scope. Closing the gate without writing aborts it.
     The slot's descriptor is inherited, so the command holds the slot too."""
-    gate_read, gate_write = os.pipe()
+    gate_read, gate_write = os.pipe2(os.O_CLOEXEC)
     gate_fd = 8 if slot_fd == 9 else 9  # dash takes single-digit descriptors only
-    if gate_read == gate_fd:
-        moved = os.dup(gate_read)
-        os.close(gate_read)
-        gate_read = moved
-    actions: list[tuple[Any, ...]] = [(os.POSIX_SPAWN_DUP2, gate_read, gate_fd)]
+    redirect: dict[int, processes.Source] = {gate_fd: gate_read}
     if as_json:
-        actions.append((os.POSIX_SPAWN_DUP2, 2, 1))
-    argv = ["sh", "-c", GATE_SCRIPT.format(fd=gate_fd), "volutectl test", *command]
+        redirect[1] = 2
+    argv = ["/bin/sh", "-c", GATE_SCRIPT.format(fd=gate_fd), "volutectl test", *command]
     try:
-        if slot_fd is not None:
-            os.set_inheritable(slot_fd, True)
-        pid = os.posix_spawn("/bin/sh", argv, dict(env), file_actions=actions)
+        pid = processes.spawn(
+            argv, env=env, redirect=redirect, inherit=[] if slot_fd is None else [slot_fd]
+        )
     except BaseException:
         os.close(gate_write)
         raise
     finally:
-        if slot_fd is not None:
-            os.set_inheritable(slot_fd, False)
         os.close(gate_read)
     return pid, gate_write
 
@@ -398,9 +386,7 @@ def wait_for_child(pid: int, wake_read: int, manager: Manager | None, scope: str
         while True:
             ready, _, _ = select.select([pidfd, wake_read], [], [])
             if pidfd in ready:
-                _, status = os.waitpid(pid, 0)
-                code = os.waitstatus_to_exitcode(status)
-                return 128 - code if code < 0 else code
+                return processes.wait(pid)
             with contextlib.suppress(BlockingIOError):
                 received = os.read(wake_read, 64)
                 for signum in received:
