@@ -47,7 +47,7 @@ from volutectl.pressure import PressureWatch, slice_cgroup
 from volutectl.slotwatch import SlotWatch
 from volutectl.store import Store
 from volutectl.systemd import Manager
-from volutectl.testrun import list_in_flight
+from volutectl.testscopes import list_in_flight
 from volutectl.turns import Turn, Turns
 
 ADMIT_RETRY_SECONDS = 1.0

@@ -26,10 +26,10 @@ import click
 
 from volutectl import processes, slotcore, slots
 from volutectl.config import load_settings
-from volutectl.errors import PermissionDeniedError, SystemdError, UnavailableError
+from volutectl.errors import PermissionDeniedError, SystemdError
+from volutectl.testscopes import connect_manager, list_in_flight, one_line, scope_properties
 
 if TYPE_CHECKING:
-    from volutectl.config import TestsSettings
     from volutectl.systemd import Manager
 
 HISTORY_TAIL_BYTES = 64 * 1024
@@ -203,11 +203,6 @@ def run_test(
     return outcome
 
 
-def one_line(text: str) -> str:
-    """A notice is one line; D-Bus error texts are not always."""
-    return text.strip().splitlines()[0] if text.strip() else text
-
-
 def elapsed_ms(since: float) -> int:
     return int(round((time.monotonic() - since) * 1000))
 
@@ -241,60 +236,6 @@ def register_with_gate(socket_path: str, common_dir: Path) -> None:
         pass
     finally:
         connection.close()
-
-
-# -- systemd ------------------------------------------------------------------------------
-
-
-def connect_manager(say: Any) -> Manager | None:
-    """The system manager as root, the user's own manager otherwise; None if unreachable."""
-    try:
-        from volutectl.systemd import Manager
-
-        return Manager.connect(user=os.geteuid() != 0)
-    except (UnavailableError, PermissionDeniedError, ImportError) as error:
-        reason = one_line(getattr(error, "message", str(error)))
-        say(
-            f"volutectl test: no systemd manager reachable ({reason}); "
-            "running the command as a plain child, outside the tests slice"
-        )
-        return None
-
-
-def scope_properties(tests: TestsSettings, worktree: str, command: Sequence[str]) -> Any:
-    from volutectl.systemd import ScopeProperties
-
-    return ScopeProperties(
-        slice=tests.slice,
-        description=slotcore.scope_description(worktree, command),
-        cpu_weight=tests.cpu_weight,
-        io_weight=tests.io_weight,
-    )
-
-
-def list_in_flight(manager: Manager | None, slice_name: str) -> list[slotcore.InFlight]:
-    """The live test runs, from the scopes in the tests slice. Best effort: the wait line
-    decorates, it never decides."""
-    if manager is None:
-        return []
-    runs = []
-    try:
-        units = manager.list_units(slice_name)
-    except (SystemdError, PermissionDeniedError):
-        return []
-    now = time.time()
-    for unit in units:
-        if not unit.name.startswith(slotcore.SCOPE_PREFIX):
-            continue
-        parsed = slotcore.parse_scope_description(unit.description)
-        worktree, command = parsed if parsed else ("?", unit.description)
-        running: float | None = None
-        with contextlib.suppress(SystemdError, PermissionDeniedError, TypeError, ValueError):
-            usec = int(manager.unit_property(unit.name, "ActiveEnterTimestamp"))
-            if usec > 0:
-                running = max(0.0, now - usec / 1_000_000)
-        runs.append(slotcore.InFlight(unit.name, worktree, command, running))
-    return runs
 
 
 # -- the command itself -------------------------------------------------------------------
