@@ -22,14 +22,7 @@ from volutectl.config import (
     flatten,
 )
 from volutectl.config import load_settings as _load_settings
-
-config_option = click.option(
-    "--config",
-    "config_path",
-    metavar="PATH",
-    default=None,
-    help="Config file to read (default: $VOLUTE_CONFIG, else /etc/volute/volutectl.toml).",
-)
+from volutectl.options import config_option
 
 
 @click.group("config")

@@ -24,6 +24,7 @@ from typing import Literal
 import click
 
 from volutectl.errors import EX_CONFIG, EX_OK, EX_UNAVAILABLE, VoluteError
+from volutectl.options import config_option
 from volutectl.probes import (
     CGROUP_ROOT,
     PSI_ENABLE,
@@ -415,13 +416,7 @@ def exit_code(checks: list[Check]) -> int:
 
 
 @click.command("doctor")
-@click.option(
-    "--config",
-    "config_path",
-    metavar="PATH",
-    default=None,
-    help="Config file to read (default: $VOLUTE_CONFIG, else /etc/volute/volutectl.toml).",
-)
+@config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead.")
 def doctor_command(config_path: str | None, as_json: bool) -> int:
     """Say which protections take effect on this host, and what to change.

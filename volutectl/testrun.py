@@ -27,6 +27,7 @@ import click
 from volutectl import processes, slotcore, slots
 from volutectl.config import load_settings
 from volutectl.errors import PermissionDeniedError, SystemdError
+from volutectl.options import config_option
 from volutectl.testscopes import connect_manager, list_in_flight, one_line, scope_properties
 
 if TYPE_CHECKING:
@@ -88,13 +89,7 @@ class Outcome:
     is_flag=True,
     help="Print the result as JSON on stdout (the command's stdout goes to stderr).",
 )
-@click.option(
-    "--config",
-    "config_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="The config file (default $VOLUTE_CONFIG, /etc/volute/volutectl.toml).",
-)
+@config_option
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def test_command(
     slot_count: int | None,
