@@ -13,15 +13,9 @@ from typing import Any
 
 import click
 
-from volutectl.config import (
-    DEFAULT_CONFIG_PATH,
-    ENV_NESTED,
-    ENV_PREFIX,
-    LoadedSettings,
-    Settings,
-    flatten,
-)
+from volutectl.config import DEFAULT_CONFIG_PATH, LoadedSettings, Settings, flatten
 from volutectl.config import load_settings as _load_settings
+from volutectl.config_sources import ENV_NESTED, ENV_PREFIX
 from volutectl.options import config_option
 
 
@@ -80,7 +74,7 @@ def unused_variables(loaded: LoadedSettings, environ: dict[str, str] | None = No
         for name in environ
         if name.upper().startswith(ENV_PREFIX)
         and ENV_NESTED in name
-        and name not in loaded.env_values
+        and name not in loaded.variables
     )
 
 
