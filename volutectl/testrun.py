@@ -31,6 +31,7 @@ from volutectl.options import config_option
 from volutectl.testscopes import connect_manager, list_in_flight, one_line, scope_properties
 
 if TYPE_CHECKING:
+    from volutectl.config import Settings
     from volutectl.systemd import Manager
 
 HISTORY_TAIL_BYTES = 64 * 1024
@@ -58,6 +59,11 @@ class Outcome:
     execution_ms: int = 0
     duration_ms: int = 0
     notices: list[str] = field(default_factory=list)
+
+    def say(self, text: str) -> None:
+        """A notice on stderr, kept for --json too."""
+        self.notices.append(text)
+        notice(text)
 
     def as_json(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
@@ -116,30 +122,22 @@ def run_test(
     config_path: str | None,
     environ: Mapping[str, str],
 ) -> Outcome:
+    """The order of events is in the module docstring; the Outcome says what happened."""
     started = time.monotonic()
     outcome = Outcome()
-
-    def say(text: str) -> None:
-        outcome.notices.append(text)
-        notice(text)
-
     loaded = load_settings(config_path, environ)
-    tests = loaded.settings.tests
     nested = bool(environ.get(slotcore.NESTING_MARKER))
-    cwd = Path.cwd()
-    repository = None if nested else slots.find_repository(cwd)
+    repository = None if nested else slots.find_repository(Path.cwd())
     cap = slotcore.resolve_cap(
         slot_count,
         repository.cap_setting if repository else None,
-        tests.concurrent_runs,
+        loaded.settings.tests.concurrent_runs,
         loaded.source_of(slotcore.CONFIG_KEY),
     )
     outcome.cap, outcome.cap_source = (0, "nested") if nested else (cap.slots, cap.source)
     if check:
-        status = run_check(check, as_json)
-        outcome.check_exit_status = status
-        if status != 0:
-            outcome.exit_status = status
+        outcome.check_exit_status = outcome.exit_status = run_check(check, as_json)
+        if outcome.exit_status != 0:  # exit with the check's status, never queue
             outcome.duration_ms = elapsed_ms(started)
             return outcome
     if nested:
@@ -149,41 +147,38 @@ def run_test(
         outcome.nested = True
         launch = launch_command(command, dict(environ), None, None, None, as_json)
         outcome.exit_status, outcome.execution_ms = launch
-        outcome.duration_ms = elapsed_ms(started)
-        return outcome
-    worktree = str(repository.worktree if repository else cwd)
-    manager = connect_manager(say)
+    else:
+        run_capped(command, environ, loaded.settings, repository, cap, as_json, outcome)
+    outcome.duration_ms = elapsed_ms(started)
+    return outcome
+
+
+def run_capped(
+    command: list[str],
+    environ: Mapping[str, str],
+    settings: Settings,
+    repository: slots.Repository | None,
+    cap: slotcore.Cap,
+    as_json: bool,
+    outcome: Outcome,
+) -> None:
+    """Take a slot (waiting if all are held), then run the command in a scope."""
+    worktree = str(repository.worktree if repository else Path.cwd())
+    manager = connect_manager(outcome.say)
     if manager is not None:
         outcome.manager = "user" if manager.user else "system"
     try:
-        slot: slots.Slot | None = None
-        if cap.slots > 0 and repository is None:
-            say(f"volutectl test: {cwd} is not in a git repository; running without the cap")
-        elif cap.slots > 0 and repository is not None:
-            common_dir = repository.common_dir
-
-            def on_wait() -> None:
-                in_flight = list_in_flight(manager, tests.slice)
-                typical = slotcore.typical_duration_ms(
-                    read_history(common_dir), slotcore.join_command(command)
-                )
-                notice(slotcore.wait_line(cap.slots, in_flight, typical, str(common_dir)))
-                outcome.wait = slotcore.wait_info(cap.slots, cap.source, in_flight, typical)
-
-            register_with_gate(str(loaded.settings.gate.socket), common_dir)
-            wait_started = time.monotonic()
-            slot = slots.acquire_slot(common_dir, cap.slots, on_wait=on_wait, notice=say)
-            outcome.waited_ms = elapsed_ms(wait_started)
+        slot = take_slot(command, settings, repository, cap, manager, outcome)
         child_env = dict(environ)
         child_env[slotcore.NESTING_MARKER] = str(slot.path) if slot else "-"
         outcome.slot = str(slot.path) if slot else None
         scope = slotcore.test_scope_name(Path(worktree).name, os.getpid())
-        props = scope_properties(tests, worktree, command)
+        props = scope_properties(settings.tests, worktree, command)
         try:
             outcome.exit_status, outcome.execution_ms = launch_command(
                 command, child_env, slot, manager, (scope, props), as_json,
                 on_scope=lambda started_scope: setattr(outcome, "scope", started_scope),
-                say=say,
+                say=outcome.say,
             )  # fmt: skip
         finally:
             if slot is not None:
@@ -194,8 +189,39 @@ def run_test(
     finally:
         if manager is not None:
             manager.close()
-    outcome.duration_ms = elapsed_ms(started)
-    return outcome
+
+
+def take_slot(
+    command: list[str],
+    settings: Settings,
+    repository: slots.Repository | None,
+    cap: slotcore.Cap,
+    manager: Manager | None,
+    outcome: Outcome,
+) -> slots.Slot | None:
+    """One of the repository's slots, saying once why we wait; None to run uncapped."""
+    if cap.slots <= 0:
+        return None
+    if repository is None:
+        outcome.say(
+            f"volutectl test: {Path.cwd()} is not in a git repository; running without the cap"
+        )
+        return None
+    common_dir = repository.common_dir
+
+    def on_wait() -> None:
+        in_flight = list_in_flight(manager, settings.tests.slice)
+        typical = slotcore.typical_duration_ms(
+            read_history(common_dir), slotcore.join_command(command)
+        )
+        notice(slotcore.wait_line(cap.slots, in_flight, typical, str(common_dir)))
+        outcome.wait = slotcore.wait_info(cap.slots, cap.source, in_flight, typical)
+
+    register_with_gate(str(settings.gate.socket), common_dir)
+    wait_started = time.monotonic()
+    slot = slots.acquire_slot(common_dir, cap.slots, on_wait=on_wait, notice=outcome.say)
+    outcome.waited_ms = elapsed_ms(wait_started)
+    return slot
 
 
 def elapsed_ms(since: float) -> int:
