@@ -12,6 +12,7 @@ import click
 
 from volutectl.deliver import deliver_main, request
 from volutectl.errors import EX_DATAERR, VoluteError
+from volutectl.options import config_option
 
 
 @click.command(
@@ -73,7 +74,7 @@ def format_status(status: dict[str, Any]) -> str:
 @click.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--socket", help="Gate socket.")
-@click.option("--config", "config_path", help="Config file, to find the socket.")
+@config_option
 def status_command(as_json: bool, socket: str | None, config_path: str | None) -> None:
     """Show active turns against the cap, holds, and the queue."""
     status = request({"op": "status"}, socket, config_path)["status"]
@@ -87,7 +88,7 @@ def status_command(as_json: bool, socket: str | None, config_path: str | None) -
 
 @click.group("queue", invoke_without_command=True)
 @click.option("--socket", help="Gate socket.")
-@click.option("--config", "config_path", help="Config file, to find the socket.")
+@config_option
 @click.pass_context
 def queue_command(ctx: click.Context, socket: str | None, config_path: str | None) -> None:
     """List, retry or drop queued deliveries (default: list)."""

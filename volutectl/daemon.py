@@ -32,7 +32,7 @@ from typing import Any
 
 import click
 
-from volutectl import activation, core, launcher, protocol, validate
+from volutectl import activation, core, launcher, options, protocol, validate
 from volutectl.config import Settings, load_settings
 from volutectl.errors import (
     EX_SOFTWARE,
@@ -47,7 +47,7 @@ from volutectl.pressure import PressureWatch, slice_cgroup
 from volutectl.slotwatch import SlotWatch
 from volutectl.store import Store
 from volutectl.systemd import Manager
-from volutectl.testrun import list_in_flight
+from volutectl.testscopes import list_in_flight
 from volutectl.turns import Turn, Turns
 
 ADMIT_RETRY_SECONDS = 1.0
@@ -890,7 +890,7 @@ class Gate:
 
 
 @click.command("gate")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Config file.")
+@options.config_option
 def gate_command(config_path: str | None) -> None:
     """Run the turn gate in the foreground (the daemon behind volute-gate.service)."""
     # First of all, before the gate can fork a turn: take the socket systemd may have
