@@ -1,6 +1,6 @@
 """The turn gate, end to end, in a throwaway systemd: handoff, deliver, enqueue, idle.
 
-Boots a container (tests/machine.py: systemd-nspawn over an overlay of this root, the
+Boots a container (volute_testbed.machine: systemd-nspawn over an overlay of this root, the
 checkout and venv bound at the same paths), installs units/ with this checkout's
 volutectl, and starts volute-gate.service. The gate's state directory and socket live in
 a work directory on the host's disk (/var/tmp, ext4), bound into the container, so its
@@ -54,9 +54,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from volute_testbed.gate import VOLUTECTL, start_gate
+from volute_testbed.machine import dev_machine
+from volute_testbed.paths import PYTHON
+
 REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
-VOLUTECTL = str(VENV_BIN / "volutectl")
 HANDOFF_MINDS = ("h1", "h2", "h3")
 TARGET_HANDOFF_MS = 25.0
 WATCHDOG_SEC = 30.0
@@ -94,7 +96,7 @@ def inner_deliver(runs: int, seed: int) -> None:
         "volutectl deliver": [VOLUTECTL, "deliver", "q", "--message", "x"],
         "python3 -c pass": ["/usr/bin/python3", "-c", "pass"],
         "python3 -I -c pass": ["/usr/bin/python3", "-I", "-c", "pass"],
-        "venv python -I -c pass": [str(VENV_BIN / "python"), "-I", "-c", "pass"],
+        "venv python -I -c pass": [PYTHON, "-I", "-c", "pass"],
     }
     rng = random.Random(seed)
     times: dict[str, list[float]] = {name: [] for name in commands}
@@ -243,7 +245,7 @@ def proc_sample(pid: int) -> tuple[int, int]:
 
 
 def measure_idle(pid: int, seconds: float) -> dict[str, float]:
-    rss0, sw0 = proc_sample(pid)
+    _, sw0 = proc_sample(pid)
     time.sleep(seconds)
     rss1, sw1 = proc_sample(pid)
     return {
@@ -482,10 +484,6 @@ def wait_for(predicate: Any, timeout: float, what: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    sys.path.insert(0, str(REPO))
-    from tests.machine import boot
-    from tests.system.gate_fixture import start_gate
-
     results: dict[str, Any] = {}
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="volute-bench-gate.", dir="/var/tmp"))
@@ -499,11 +497,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ["gcc", "-O2", "-static", "-o", str(stamp), str(REPO / "bench/stamp.c")], check=True
         )
         log = turns_dir / "stamps.log"
-        binds = [REPO, work]
-        if not Path(sys.prefix).is_relative_to(REPO):
-            binds.append(Path(sys.prefix))
         print("bench_gate: booting a throwaway systemd (systemd-nspawn) ...", flush=True)
-        with boot(binds=binds, name="volute-bench-gate") as machine:
+        with dev_machine(name="volute-bench-gate", binds=[work]) as machine:
             start_gate(machine, gate_config(work, stamp, log))
             gate = Gate(machine, work)
             wait_for(lambda: os.path.exists(gate.socket), 30, "the gate socket")

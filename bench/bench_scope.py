@@ -24,7 +24,7 @@ launch, in which the adapter's connection drains its unit signals as a gate's ev
 would; so drift and the previous scope's garbage collection hit both alike. The issue's
 target: adapter fork->exec at most 0.6x systemd-run end to end (median).
 
-When PID 1 here is not systemd, the bench boots a throwaway systemd (tests/machine.py:
+When PID 1 here is not systemd, the bench boots a throwaway systemd (volute_testbed.machine:
 systemd-nspawn over an overlay of this root, with the checkout bound at the same path)
 and runs itself inside it.
 
@@ -41,6 +41,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from volute_testbed.machine import dev_machine
 
 REPO = Path(__file__).resolve().parents[1]
 SLICE = "volute-turns.slice"
@@ -213,14 +215,8 @@ def systemd_is_pid1() -> bool:
 
 
 def run_in_container(argv: list[str]) -> int:
-    sys.path.insert(0, str(REPO))
-    from tests.machine import boot
-
-    binds = [REPO]
-    if not Path(sys.prefix).is_relative_to(REPO):
-        binds.append(Path(sys.prefix))
     print("bench_scope: PID 1 is not systemd; booting a throwaway one (systemd-nspawn)")
-    with boot(binds=binds, name="volute-bench-scope") as machine:
+    with dev_machine(name="volute-bench-scope") as machine:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--here", *argv]
         proc = subprocess.run(
             machine.command(cmd, env={"PYTHONPATH": str(REPO)}), check=False, timeout=600

@@ -1,5 +1,5 @@
 """The kill storm, run by hand: the gate's whole cgroup SIGKILLed at random N times while
-clients deliver to many minds (tests/system/chaos.py), in a throwaway systemd.
+clients deliver to many minds (volute_testbed.chaos), in a throwaway systemd.
 
 It prints what the clients saw (acknowledged, refused), what the turns' own log says
 (lost, run twice), what systemd showed (the most turn scopes holding a process at once,
@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from volute_testbed import chaos
+from volute_testbed.machine import dev_machine
 
 
 def main() -> int:
@@ -27,17 +27,10 @@ def main() -> int:
     parser.add_argument("--cap", type=int, default=2)
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
-    from tests.conftest import VENV_BIN, machine_binds, open_interpreter_path
-    from tests.machine import CLEAN_PATH, boot
-    from tests.system import chaos
-
     storm = chaos.Storm(
         kills=args.kills, minds=args.minds, clients=args.clients, cap=args.cap, seed=args.seed
     )
-    with boot(binds=machine_binds(), name="gate-kills") as machine:
-        machine.env["PATH"] = f"{VENV_BIN}:{CLEAN_PATH}"
-        open_interpreter_path(machine)
+    with dev_machine(name="gate-kills") as machine:
         record = chaos.run(machine, storm)
     result = chaos.verdict(record)
     print(json.dumps(result, indent=2))

@@ -27,12 +27,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.install.binfmt import qemu_aarch64  # noqa: E402
-from tests.install.rootfs import RootSpec, ensure_root, host_arch  # noqa: E402
-from tests.install.test_package_arm64 import (  # noqa: E402
+from volute_testbed.binfmt import qemu_aarch64
+from volute_testbed.install_tier import (
     ARM64_ROOT,
     BOOT_TIMEOUT,
     EMULATION_DROPIN,
@@ -42,7 +38,8 @@ from tests.install.test_package_arm64 import (  # noqa: E402
     configure_mind,
     deliver_and_wait_for_scope,
 )
-from tests.machine import MASKED_UNITS, boot  # noqa: E402
+from volute_testbed.machine import MASKED_UNITS, boot
+from volute_testbed.rootfs import RootSpec, ensure_root, host_arch
 
 
 @contextlib.contextmanager

@@ -39,25 +39,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
-VOLUTECTL = str(VENV_BIN / "volutectl")
-BLKIO = Path("/sys/fs/cgroup/blkio")
-WRITE_IOPS = 60
-WRITE_BPS = 2 * 1024 * 1024
-PROBE_INTERVAL = 0.2
+from volute_testbed.gate import VOLUTECTL, gate_config, start_gate
+from volute_testbed.machine import dev_machine
+from volute_testbed.slowdisk import WRITE_BPS, WRITE_IOPS, SlowDisk, slow_disk
+
 TURN_LOG = "/var/tmp/replay-turns.log"  # inside the container: on its tmpfs, not the slow disk
 
 # The probe: a 4 KiB write+fsync every 200 ms (on a fixed grid; a late write skips
@@ -81,100 +76,6 @@ with open(out, "w", buffering=1) as log:
             tick += 0.2
         time.sleep(tick - now)
 """
-
-
-# -- the slow disk --------------------------------------------------------------------------
-
-
-@dataclass
-class SlowDisk:
-    device: str  # /dev/loopN
-    majmin: str  # "7:N"
-    mount: Path  # the ext4 mount (bind it into containers at the same path)
-    cgroup: Path | None  # the blkio cgroup this process (and its children) is in
-
-
-def _run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, check=True, capture_output=True, text=True, **kwargs)
-
-
-@contextlib.contextmanager
-def slow_disk(
-    size_mib: int = 1024, iops: int = WRITE_IOPS, bps: int = WRITE_BPS, name: str = "replay"
-) -> Iterator[SlowDisk]:
-    """A throttled ext4 loop device; this process is in its blkio cgroup while inside.
-
-    Everything is undone on the way out, whatever happens: the process leaves the
-    cgroup, the cgroup is removed, the mount unmounted, the loop device detached and
-    its backing file deleted.
-    """
-    if os.geteuid() != 0:
-        raise SystemExit("the slow disk needs root (losetup, mount, blkio cgroups)")
-    work = Path(tempfile.mkdtemp(prefix=f"volute-{name}.", dir="/var/tmp"))
-    work.chmod(0o755)  # turns run as unprivileged users
-    image = work / "disk.img"
-    mount = work / "mnt"
-    device = ""
-    mounted = False
-    cgroup: Path | None = None
-    entered = False
-    try:
-        with image.open("wb") as handle:
-            handle.truncate(size_mib * 1024 * 1024)
-        device = _run(["losetup", "-f", "--show", str(image)]).stdout.strip()
-        _run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", device])
-        mount.mkdir()
-        _run(["mount", "-o", "noatime", device, str(mount)])
-        mounted = True
-        mount.chmod(0o1777)
-        st = os.stat(device)
-        majmin = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
-        if not (BLKIO / "blkio.throttle.write_iops_device").exists():
-            raise SystemExit(f"no cgroup-v1 blkio throttle at {BLKIO}: cannot slow the disk")
-        cgroup = BLKIO / f"volute-{name}-{os.getpid()}"
-        cgroup.mkdir()
-        (cgroup / "blkio.throttle.write_iops_device").write_text(f"{majmin} {iops}\n")
-        (cgroup / "blkio.throttle.write_bps_device").write_text(f"{majmin} {bps}\n")
-        (cgroup / "cgroup.procs").write_text(str(os.getpid()))
-        entered = True
-        yield SlowDisk(device, majmin, mount, cgroup)
-    finally:
-        if entered:
-            with contextlib.suppress(OSError):
-                (BLKIO / "cgroup.procs").write_text(str(os.getpid()))
-        if cgroup is not None:
-            _remove_cgroup(cgroup)
-        if mounted:
-            for _ in range(50):
-                if subprocess.run(["umount", str(mount)], capture_output=True).returncode == 0:
-                    break
-                time.sleep(0.2)
-            else:
-                subprocess.run(["umount", "-l", str(mount)], capture_output=True)
-        if device:
-            subprocess.run(["losetup", "-d", device], capture_output=True)
-        with contextlib.suppress(OSError):
-            image.unlink()
-        with contextlib.suppress(OSError):
-            mount.rmdir()
-        with contextlib.suppress(OSError):
-            work.rmdir()
-
-
-def _remove_cgroup(cgroup: Path) -> None:
-    """Move stragglers to the root blkio cgroup, then remove ours."""
-    for _ in range(50):
-        with contextlib.suppress(OSError):
-            for pid in (cgroup / "cgroup.procs").read_text().split():
-                with contextlib.suppress(OSError):
-                    (BLKIO / "cgroup.procs").write_text(pid)
-        try:
-            cgroup.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.1)
 
 
 # -- measuring ---------------------------------------------------------------------------------
@@ -317,20 +218,10 @@ def fan_out(
     limits: dict[str, Any],
     timeout: float,
 ) -> Result:
-    from tests.machine import CLEAN_PATH, boot
-    from tests.system.gate_fixture import gate_config, start_gate
-
     names = [f"m{i:02d}" for i in range(minds)]
     command = writer_command(disk.mount, writes)
-    binds = [REPO, disk.mount]
-    venv = Path(sys.prefix)
-    if not venv.is_relative_to(REPO):
-        binds.append(venv)
-    with boot(binds=binds, name=f"replay-{label.replace(' ', '-')}"[:30]) as machine:
-        machine.env["PATH"] = f"{VENV_BIN}:{CLEAN_PATH}"
-        from tests.conftest import open_interpreter_path
-
-        open_interpreter_path(machine)
+    name = f"replay-{label.replace(' ', '-')}"[:30]
+    with dev_machine(name=name, binds=[disk.mount]) as machine:
         machine.write(TURN_LOG, "")
         machine.run(["chmod", "666", TURN_LOG])
         if gated:
@@ -469,7 +360,6 @@ def main() -> None:
     )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     chosen = [SHORT[k] for k in args.only.split(",") if k] or list(RUNS)
     started = time.monotonic()
     results: list[Result] = []

@@ -23,12 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.conftest import VENV_BIN, open_interpreter_path  # noqa: E402
-from tests.machine import CLEAN_PATH, boot, nspawn_available  # noqa: E402
-from tests.system.gate_fixture import (  # noqa: E402
+from volute_testbed.gate import (
     VOLUTECTL,
     Sampler,
     gate_config,
@@ -37,6 +32,7 @@ from tests.system.gate_fixture import (  # noqa: E402
     start_gate,
     turn_log,
 )
+from volute_testbed.machine import dev_machine, nspawn_available
 
 
 def main() -> int:
@@ -58,9 +54,7 @@ def main() -> int:
         return 69
     minds = {f"mind{i:02d}": f"turn-probe {args.turn_seconds}" for i in range(1, args.minds + 1)}
     print("booting a throwaway systemd (nspawn over an overlay of /) ...", flush=True)
-    with boot(binds=[REPO, Path(sys.prefix)]) as machine:
-        machine.env["PATH"] = f"{VENV_BIN}:{CLEAN_PATH}"
-        open_interpreter_path(machine)
+    with dev_machine() as machine:
         install_probe(machine)
         start_gate(machine, gate_config(minds, limits={"global_concurrent_turns": args.cap}))
         print(

@@ -20,6 +20,7 @@ from volutectl.messages import (
     StatusReply,
     StatusRequest,
 )
+from volutectl.options import config_option
 from volutectl.states import QueueState
 
 
@@ -82,7 +83,7 @@ def format_status(status: Status) -> str:
 @click.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--socket", help="Gate socket.")
-@click.option("--config", "config_path", help="Config file, to find the socket.")
+@config_option
 def status_command(as_json: bool, socket: str | None, config_path: str | None) -> None:
     """Show active turns against the cap, holds, and the queue."""
     status = call(StatusRequest(), StatusReply, socket, config_path).status
@@ -96,7 +97,7 @@ def status_command(as_json: bool, socket: str | None, config_path: str | None) -
 
 @click.group("queue", invoke_without_command=True)
 @click.option("--socket", help="Gate socket.")
-@click.option("--config", "config_path", help="Config file, to find the socket.")
+@config_option
 @click.pass_context
 def queue_command(ctx: click.Context, socket: str | None, config_path: str | None) -> None:
     """List, retry or drop queued deliveries (default: list)."""

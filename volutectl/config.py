@@ -8,16 +8,17 @@ Precedence, lowest to highest:
   4. command-line flags of the command that reads the value.
 
 An unknown key, a wrong type or a negative cap is a ConfigError (exit 78) that names
-the key and where it came from.
+the key and where it came from. The file and the environment are read by sources of our
+own (volutectl.config_sources), which record where each value came from and never touch
+os.environ.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -34,15 +35,21 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    SettingsError,
 )
 
 from volutectl import names
+from volutectl.config_sources import (
+    ENV_NESTED,
+    ENV_PREFIX,
+    EnvironSource,
+    Origins,
+    TomlFileSource,
+    config_error,
+    key_path,
+)
 from volutectl.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/volute/volutectl.toml")
-ENV_PREFIX = "VOLUTE_"
-ENV_NESTED = "__"
 
 Weight = Annotated[int, Field(ge=1, le=10000)]
 NonNegative = Annotated[int, Field(ge=0)]
@@ -169,13 +176,7 @@ class MindSettings(Section):
 class Settings(BaseSettings):
     """All of volutectl's configuration. Frozen: read once, then passed around."""
 
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX,
-        env_nested_delimiter=ENV_NESTED,
-        extra="forbid",
-        frozen=True,
-        case_sensitive=False,
-    )
+    model_config = SettingsConfigDict(extra="forbid", frozen=True)
 
     gate: GateSettings = Field(default_factory=GateSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
@@ -216,8 +217,27 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # The file's values arrive as init kwargs (see load_settings), so env wins.
-        return (env_settings, init_settings)
+        # Highest first. pydantic-settings asks the class, but which file and which
+        # environment to read belong to one load_settings() call: it puts its sources
+        # here for the length of the call. Settings(...) outside of one reads neither:
+        # just its arguments over the defaults. Never pydantic-settings' env_settings,
+        # which reads os.environ.
+        return (init_settings, *_LOADING.get())
+
+
+# The sources of the load_settings() call running in this thread (or task), if any.
+_LOADING: ContextVar[tuple[PydanticBaseSettingsSource, ...]] = ContextVar(
+    "volutectl_config_sources", default=()
+)
+
+
+@contextmanager
+def _loading(*sources: PydanticBaseSettingsSource) -> Iterator[None]:
+    token = _LOADING.set(sources)
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
 
 
 def parse_bandwidth(value: str) -> tuple[str, int]:
@@ -240,78 +260,20 @@ class LoadedSettings:
 
     settings: Settings
     path: Path | None  # the file read, if any
-    file_values: Mapping[str, Any]
-    env_values: Mapping[str, str]  # VOLUTE_ variables that name settings
+    origins: Origins
+
+    @property
+    def variables(self) -> tuple[str, ...]:
+        """The VOLUTE_<SECTION>... variables that were read, in the environment's order."""
+        return self.origins.variables
 
     def source_of(self, dotted: str) -> str:
         """'default', 'file PATH' or 'env VOLUTE_X__Y' for a dotted key (as `flatten` gives)."""
-        key = key_path(self.settings, dotted)
-        for name, raw in self.env_values.items():
-            if _env_sets(name, raw, key):
-                return f"env {name}"
-        if _lookup(self.file_values, key) is not None:
-            return f"file {self.path}"
-        return "default"
+        return self.origins.source_of(key_path(self.settings, dotted))
 
     def table_sources(self, dotted: str) -> list[str]:
         """Every source that contributed to a table such as `minds.NAME`, file first."""
-        key = key_path(self.settings, dotted)
-        found = [f"file {self.path}"] if _lookup(self.file_values, key) is not None else []
-        for name, raw in self.env_values.items():
-            parts = _env_parts(name)
-            if parts[: len(key)] == key or _env_sets(name, raw, key):
-                found.append(f"env {name}")
-        return found or ["default"]
-
-
-def key_path(settings: Settings, dotted: str) -> tuple[str, ...]:
-    """Split a dotted key into its parts, knowing that mind names may contain dots."""
-    parts: list[str] = []
-    node: Any = settings
-    rest = dotted
-    while rest:
-        if isinstance(node, BaseModel):
-            head, _, rest = rest.partition(".")
-            parts.append(head)
-            node = getattr(node, head, None)
-        elif isinstance(node, Mapping):
-            matches = [k for k in node if rest == k or rest.startswith(f"{k}.")]
-            head = max(matches, key=len) if matches else rest.partition(".")[0]
-            rest = rest[len(head) + 1 :]
-            parts.append(head)
-            node = node.get(head)
-        else:
-            parts.extend(rest.split("."))
-            break
-    return tuple(parts)
-
-
-def _env_parts(name: str) -> tuple[str, ...]:
-    # pydantic-settings (case_sensitive=False) lowercases the whole name, mind names too.
-    return tuple(name[len(ENV_PREFIX) :].lower().split(ENV_NESTED))
-
-
-def _env_sets(name: str, raw: str, key: tuple[str, ...]) -> bool:
-    """Whether the variable sets `key`: by name, or as a JSON table that contains it."""
-    parts = _env_parts(name)
-    if parts == key:
-        return True
-    if len(parts) >= len(key) or key[: len(parts)] != parts:
-        return False
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return True  # unparseable: it failed loading, and the error named it
-    return _lookup(value, key[len(parts) :]) is not None
-
-
-def _lookup(node: Any, key: tuple[str, ...]) -> object | None:
-    """The value at `key` in nested mappings, or None if absent (a present value is boxed)."""
-    for part in key:
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return (node,)
+        return self.origins.table_sources(key_path(self.settings, dotted))
 
 
 def env_var_for(dotted: str) -> str:
@@ -326,151 +288,34 @@ def config_path(explicit: str | os.PathLike[str] | None, environ: Mapping[str, s
     return DEFAULT_CONFIG_PATH
 
 
-def _settings_env(environ: Mapping[str, str]) -> dict[str, str]:
-    sections = {name.upper() for name in Settings.model_fields}
-    picked = {}
-    for name, value in environ.items():
-        upper = name.upper()
-        if not upper.startswith(ENV_PREFIX):
-            continue
-        head = upper[len(ENV_PREFIX) :].split(ENV_NESTED, 1)[0]
-        if head in sections:
-            picked[name] = value
-    return picked
-
-
-def read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as handle:
-            return tomllib.load(handle)
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(
-            f"{path}: not valid TOML: {error}",
-            hint="fix the syntax at that line; `volutectl config check --config PATH` rechecks it",
-        ) from None
-    except PermissionError:
-        raise ConfigError(
-            f"{path}: permission denied reading the config",
-            hint="run as a member of the volute group, or pass --config",
-        ) from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, not a config file") from None
-
-
 def load_settings(
     path: str | os.PathLike[str] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> LoadedSettings:
-    """Read the file and environment, validate, and say where each value came from."""
+    """Read the file and environment, validate, and say where each value came from.
+
+    `environ` defaults to os.environ, which is only read."""
     environ = os.environ if environ is None else environ
     chosen = config_path(path, environ)
     explicit = bool(path) or bool(environ.get("VOLUTE_CONFIG"))
-    file_values: dict[str, Any] = {}
-    used_path: Path | None = None
+    file: TomlFileSource | None = None
     if chosen.exists():
-        file_values = read_toml(chosen)
-        used_path = chosen
+        file = TomlFileSource(Settings, chosen)
     elif explicit:
         raise ConfigError(
             f"{chosen}: config file not found",
             hint="pass an existing file with --config, or unset VOLUTE_CONFIG",
         )
-    env_values = _settings_env(environ)
-    loaded_env = _EnvOverride(env_values)
+    env = EnvironSource(Settings, environ)
+    sources: list[PydanticBaseSettingsSource] = [env] if file is None else [env, file]
+    used_path = chosen if file is not None else None
+    origins = Origins(used_path, file.origins if file else {}, env.origins, tuple(env.variables))
     try:
-        with loaded_env:
-            settings = Settings(**file_values)
+        with _loading(*sources):
+            settings = Settings()
     except ValidationError as error:
-        raise _config_error(error, used_path, file_values, env_values) from None
-    except SettingsError as error:
-        raise _env_parse_error(error, env_values) from None
-    return LoadedSettings(settings, used_path, file_values, env_values)
-
-
-class _EnvOverride:
-    """pydantic-settings reads os.environ; make it read exactly `values` instead."""
-
-    def __init__(self, values: Mapping[str, str]) -> None:
-        self.values = dict(values)
-        self.saved: dict[str, str] = {}
-
-    def __enter__(self) -> None:
-        self.saved = dict(os.environ)
-        for name in list(os.environ):
-            if name.upper().startswith(ENV_PREFIX):
-                del os.environ[name]
-        os.environ.update(self.values)
-
-    def __exit__(self, *exc: object) -> None:
-        os.environ.clear()
-        os.environ.update(self.saved)
-
-
-def _config_error(
-    error: ValidationError,
-    path: Path | None,
-    file_values: Mapping[str, Any],
-    env_values: Mapping[str, str],
-) -> ConfigError:
-    # One entry per key: a union (the turn command) fails once per member type.
-    problems: dict[tuple[str, ...], list[str]] = {}
-    for item in error.errors():
-        key = _error_key(item["loc"])
-        message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
-        message = message.removeprefix("Value error, ")  # our own validators' ValueErrors
-        if message not in problems.setdefault(key, []):
-            problems[key].append(message)
-    lines = [
-        f"{'.'.join(key) or '(top level)'}: {' or '.join(messages)} "
-        f"({_where(key, path, file_values, env_values)})"
-        for key, messages in problems.items()
-    ]
-    first, rest = lines[0], lines[1:]
-    hint = "; ".join(rest) if rest else "see `volutectl config show` for every key and default"
-    return ConfigError(f"invalid config: {first}", hint=hint)
-
-
-def _error_key(loc: tuple[int | str, ...]) -> tuple[str, ...]:
-    parts = [str(part) for part in loc]
-    # pydantic adds the union member's type to the location ("list[str]", "str"); a
-    # mind's name (minds.NAME) is never such a tag, even if it is spelt "str".
-    keep = 2 if parts[:1] == ["minds"] else 1
-    return tuple(parts[:keep]) + tuple(
-        part for part in parts[keep:] if "[" not in part and part not in ("str", "int")
-    )
-
-
-def _where(
-    key: tuple[str, ...],
-    path: Path | None,
-    file_values: Mapping[str, Any],
-    env_values: Mapping[str, str],
-) -> str:
-    # A missing or unknown key exists in no source, so look at the tables around it too.
-    for size in range(len(key), 0, -1):
-        prefix = key[:size]
-        for name, raw in env_values.items():
-            if _env_sets(name, raw, prefix):
-                return f"from env {name}"
-        if path is not None and _lookup(file_values, prefix) is not None:
-            return f"in {path}"
-        for name in env_values:
-            if _env_parts(name)[:size] == prefix:
-                return f"from env {name}"
-    return f"in {path}" if path is not None else "in defaults"
-
-
-def _env_parse_error(error: SettingsError, env_values: Mapping[str, str]) -> ConfigError:
-    """pydantic-settings could not decode a variable (a list or table must be JSON)."""
-    match = re.search(r'field "([^"]+)"', str(error))
-    section = match.group(1) if match else ""
-    culprits = [name for name in env_values if _env_parts(name)[:1] == (section,)]
-    where = ", ".join(culprits) or f"a {ENV_PREFIX}{section.upper()}{ENV_NESTED}* variable"
-    return ConfigError(
-        f"invalid config: {section or 'environment'}: cannot parse {where}",
-        hint=f"lists and tables in the environment are JSON, e.g. "
-        f"{ENV_PREFIX}TESTS{ENV_NESTED}REPOSITORIES='[\"/srv/repo\"]'",
-    )
+        raise config_error(error, origins) from None
+    return LoadedSettings(settings, used_path, origins)
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -13,23 +13,10 @@ from typing import Any
 
 import click
 
-from volutectl.config import (
-    DEFAULT_CONFIG_PATH,
-    ENV_NESTED,
-    ENV_PREFIX,
-    LoadedSettings,
-    Settings,
-    flatten,
-)
+from volutectl.config import DEFAULT_CONFIG_PATH, LoadedSettings, Settings, flatten
 from volutectl.config import load_settings as _load_settings
-
-config_option = click.option(
-    "--config",
-    "config_path",
-    metavar="PATH",
-    default=None,
-    help="Config file to read (default: $VOLUTE_CONFIG, else /etc/volute/volutectl.toml).",
-)
+from volutectl.config_sources import ENV_NESTED, ENV_PREFIX
+from volutectl.options import config_option
 
 
 @click.group("config")
@@ -87,7 +74,7 @@ def unused_variables(loaded: LoadedSettings, environ: dict[str, str] | None = No
         for name in environ
         if name.upper().startswith(ENV_PREFIX)
         and ENV_NESTED in name
-        and name not in loaded.env_values
+        and name not in loaded.variables
     )
 
 

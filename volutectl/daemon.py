@@ -13,14 +13,14 @@ import signal
 
 import click
 
-from volutectl import activation, launcher
+from volutectl import activation, launcher, options
 from volutectl.config import load_settings
 from volutectl.gate import Gate
 from volutectl.journal import sd_notify
 
 
 @click.command("gate")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Config file.")
+@options.config_option
 def gate_command(config_path: str | None) -> None:
     """Run the turn gate in the foreground (the daemon behind volute-gate.service)."""
     # First of all, before the gate can fork a turn: take the socket systemd may have

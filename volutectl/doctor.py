@@ -13,7 +13,6 @@ failure; everything else is advice and exits 0.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import socket
@@ -25,6 +24,15 @@ from typing import Literal
 import click
 
 from volutectl.errors import EX_CONFIG, EX_OK, EX_UNAVAILABLE, VoluteError
+from volutectl.options import config_option
+from volutectl.probes import (
+    CGROUP_ROOT,
+    PSI_ENABLE,
+    cgroup_v2_root,
+    psi_disabled,
+    psi_status,
+    slice_cgroup,
+)
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -55,16 +63,8 @@ class Check:
 # -- cgroups -----------------------------------------------------------------------
 
 
-def unified_root(cgroup_root: Path) -> Path | None:
-    """The cgroup v2 hierarchy: the root itself (unified) or its `unified` (hybrid)."""
-    for candidate in (cgroup_root, cgroup_root / "unified"):
-        if (candidate / "cgroup.controllers").is_file():
-            return candidate
-    return None
-
-
-def check_cgroup_version(cgroup_root: Path = Path("/sys/fs/cgroup")) -> Check:
-    v2 = unified_root(cgroup_root)
+def check_cgroup_version(cgroup_root: Path = CGROUP_ROOT) -> Check:
+    v2 = cgroup_v2_root(cgroup_root)
     if v2 == cgroup_root:
         return Check("cgroup", "ok", f"cgroup v2, unified hierarchy at {cgroup_root}")
     change = "boot with systemd.unified_cgroup_hierarchy=1 on the kernel command line"
@@ -86,8 +86,8 @@ def read_words(path: Path) -> list[str]:
         return []
 
 
-def check_controllers(cgroup_root: Path = Path("/sys/fs/cgroup")) -> Check:
-    v2 = unified_root(cgroup_root)
+def check_controllers(cgroup_root: Path = CGROUP_ROOT) -> Check:
+    v2 = cgroup_v2_root(cgroup_root)
     if v2 is None:
         return Check("controllers", "warn", "no cgroup v2 hierarchy, so no v2 controllers")
     available = read_words(v2 / "cgroup.controllers")
@@ -138,8 +138,8 @@ def parse_scheduler(text: str) -> tuple[str, list[str]]:
     return current, [w.strip("[]") for w in words]
 
 
-def iocost_enabled(major: int, minor: int, cgroup_root: Path = Path("/sys/fs/cgroup")) -> bool:
-    qos = (unified_root(cgroup_root) or cgroup_root) / "io.cost.qos"
+def iocost_enabled(major: int, minor: int, cgroup_root: Path = CGROUP_ROOT) -> bool:
+    qos = (cgroup_v2_root(cgroup_root) or cgroup_root) / "io.cost.qos"
     try:
         lines = qos.read_text().splitlines()
     except OSError:
@@ -152,7 +152,7 @@ def check_io_scheduler(
     *,
     device: tuple[int, int] | None = None,
     sys_root: Path = Path("/sys"),
-    cgroup_root: Path = Path("/sys/fs/cgroup"),
+    cgroup_root: Path = CGROUP_ROOT,
     io_controller: bool = True,
 ) -> Check:
     if device is None:
@@ -213,12 +213,12 @@ def check_psi(proc_root: Path = Path("/proc")) -> Check:
             "use a kernel built with CONFIG_PSI=y",
         )
     except OSError as error:
-        if error.errno == errno.EOPNOTSUPP:
+        if psi_disabled(error):
             return Check(
                 "psi",
                 "warn",
                 f"{path} exists but PSI is disabled (psi=0), so no pressure holds",
-                "add psi=1 to the kernel command line and reboot",
+                PSI_ENABLE,
             )
         return Check("psi", "warn", f"{path}: {error.strerror}")
     except IndexError:
@@ -229,7 +229,7 @@ def check_psi(proc_root: Path = Path("/proc")) -> Check:
 def check_psi_triggers(status: dict[str, object], enabled: bool) -> Check:
     """Can the gate arm a PSI trigger, on the turns slice or system-wide?
 
-    `status` is volutectl.pressure.psi_status(); kept pure so tests can feed it."""
+    `status` is volutectl.probes.psi_status(); kept pure so tests can feed it."""
     slice_trigger = str(status.get("slice_trigger", "no"))
     system_trigger = str(status.get("system_trigger", "no"))
     state = "on" if enabled else "off (limits.io_pressure.enabled = false)"
@@ -385,13 +385,11 @@ def run_checks(config_path: str | None) -> list[Check]:
     checks.append(check_cgroup_version())
     checks.append(check_controllers())
     # On a hybrid or legacy hierarchy systemd maps IO*= onto blkio: the scheduler still decides.
-    cgroup_root = Path("/sys/fs/cgroup")
-    unified = unified_root(cgroup_root) == cgroup_root
+    cgroup_root = CGROUP_ROOT
+    unified = cgroup_v2_root(cgroup_root) == cgroup_root
     io_controller = not unified or "io" in read_words(cgroup_root / "cgroup.controllers")
     checks.append(check_io_scheduler(settings.gate.state_dir, io_controller=io_controller))
     checks.append(check_psi())
-    from volutectl.pressure import psi_status, slice_cgroup
-
     status = psi_status(slice_cgroup(settings.turns.slice))
     checks.append(check_psi_triggers(status, settings.limits.io_pressure.enabled))
     which = settings.gate.manager
@@ -418,13 +416,7 @@ def exit_code(checks: list[Check]) -> int:
 
 
 @click.command("doctor")
-@click.option(
-    "--config",
-    "config_path",
-    metavar="PATH",
-    default=None,
-    help="Config file to read (default: $VOLUTE_CONFIG, else /etc/volute/volutectl.toml).",
-)
+@config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead.")
 def doctor_command(config_path: str | None, as_json: bool) -> int:
     """Say which protections take effect on this host, and what to change.

@@ -34,7 +34,8 @@ from volutectl.handlers import Caller, GateState
 from volutectl.journal import Journal, sd_notify, watchdog_interval
 from volutectl.liveness import Liveness
 from volutectl.messages import DeliverAck, DeliverRequest, Reply, Request
-from volutectl.pressure import PressureWatch, slice_cgroup
+from volutectl.pressure import PressureWatch
+from volutectl.probes import slice_cgroup
 from volutectl.server import Client, Server
 from volutectl.slotwatch import SlotWatch
 from volutectl.states import HoldReason

@@ -240,12 +240,6 @@ class Child:
             self.release_fd = -1
 
 
-def exit_code(wait_status: int) -> int:
-    """A wait status as a shell reports it: the exit code, or 128 + N if signal N killed it."""
-    code = os.waitstatus_to_exitcode(wait_status)
-    return 128 - code if code < 0 else code
-
-
 def command_argv(command: Sequence[str] | str) -> list[str]:
     if isinstance(command, str):
         return ["/bin/sh", "-c", command]

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from volutectl import core, launcher, names
+from volutectl import core, launcher, names, processes
 from volutectl.config import Settings
 from volutectl.errors import VoluteError
 from volutectl.store import Store, TurnRow
@@ -176,9 +176,7 @@ class Liveness:
         it is our child, then find out whether the scope is done."""
         if turn.child is not None:
             with contextlib.suppress(ChildProcessError):
-                pid, status = os.waitpid(turn.child.pid, os.WNOHANG)
-                if pid == turn.child.pid:
-                    turn.exit_status = launcher.exit_code(status)
+                turn.exit_status = processes.poll(turn.child.pid)
             turn.child = None
         self.turns.close_pidfd(turn)
         self.check(turn)

@@ -260,7 +260,7 @@ def test_scope_name(worktree_name: str, pid: int) -> str:
     return f"{SCOPE_PREFIX}{escaped}{tail}"
 
 
-# -- what the gate reads: /proc/locks, mountinfo, .git files ----------------------------
+# -- what the gate reads: /proc/locks and mountinfo --------------------------------------
 
 
 def parse_proc_locks(text: str) -> frozenset[tuple[int, int, int]]:
@@ -308,11 +308,3 @@ def _unescape_mount(text: str) -> str:
     for code in ("040", "011", "012", "134"):
         text = text.replace("\\" + code, chr(int(code, 8)))
     return text
-
-
-def parse_gitdir_file(text: str) -> str | None:
-    """The path in a `.git` file (`gitdir: ../.git/worktrees/wt1`), or None."""
-    first = text.splitlines()[0] if text.strip() else ""
-    if not first.startswith("gitdir:"):
-        return None
-    return first[len("gitdir:") :].strip() or None

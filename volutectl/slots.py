@@ -26,7 +26,6 @@ import contextlib
 import fcntl
 import os
 import select
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -35,7 +34,7 @@ from pathlib import Path
 
 from inotify_simple import INotify, flags
 
-from volutectl import slotcore
+from volutectl import gitdirs, processes, slotcore
 from volutectl.errors import TemporaryError
 
 Notice = Callable[[str], None]
@@ -240,39 +239,24 @@ class Repository:
 
 
 def find_repository(path: str | os.PathLike[str]) -> Repository | None:
-    """The git repository `path` is in, or None when it is in none (or git is missing)."""
-    try:
-        result = subprocess.run(
-            ["git", "rev-parse", "--path-format=absolute", "--git-common-dir", "--show-toplevel"],
-            cwd=path,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    except OSError:
+    """The git repository `path` is in, or None when it is in none."""
+    checkout = gitdirs.find_checkout(path)
+    if checkout is None:
         return None
-    lines = result.stdout.splitlines()
-    if result.returncode != 0 or not lines:
-        return None
-    common_dir = Path(lines[0])
-    # A bare repository has no top level; its path stands in for the worktree.
-    worktree = Path(lines[1]) if len(lines) > 1 else common_dir
-    return Repository(common_dir, worktree, read_cap_setting(common_dir))
+    return Repository(checkout.common_dir, checkout.worktree, read_cap_setting(checkout.common_dir))
 
 
 def read_cap_setting(common_dir: Path) -> str | None:
     """volute.testSlots from the repository's own config file, which every worktree shares
-    (not from a worktree's config.worktree, nor the user's or system's config)."""
+    (not from a worktree's config.worktree, nor the user's or system's config).
+
+    git parses it (the format has quoting, subsections and case rules of its own)."""
     config = common_dir / "config"
+    argv = ["git", "config", "--file", str(config), "--get", slotcore.GIT_CONFIG_KEY]
     try:
-        result = subprocess.run(
-            ["git", "config", "--file", str(config), "--get", slotcore.GIT_CONFIG_KEY],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        result = processes.run(argv, redirect={2: os.devnull}, capture=True, search_path=True)
     except OSError:
         return None
-    if result.returncode != 0:
+    if result.exit_code != 0:
         return None
-    return result.stdout.strip() or None
+    return result.output.strip() or None

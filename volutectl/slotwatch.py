@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import sys
 import termios
@@ -49,16 +48,13 @@ from pathlib import Path
 from inotify_simple import INotify, flags
 
 from volutectl import slotcore
+from volutectl.gitdirs import resolve_common_dir
+from volutectl.proclocks import PROC_LOCKS, mount_device, read_locks
+from volutectl.slotregistry import MAX_REPOSITORIES, load_registry, save_registry
 
 Log = Callable[[str, str], None]
 
-PROC_LOCKS = Path("/proc/locks")
-MOUNTINFO = Path("/proc/self/mountinfo")
 SLOT_PREFIX = "slot-"
-# Registered repositories are remembered across restarts; a socket client must not be
-# able to make the gate watch (and persist) without bound.
-MAX_REPOSITORIES = 256
-REGISTRY_VERSION = 1
 
 DIR_MASK = flags.CREATE | flags.MOVED_TO | flags.DELETE_SELF | flags.MOVE_SELF | flags.ONLYDIR
 FILE_MASK = flags.CLOSE_WRITE | flags.CLOSE_NOWRITE | flags.DELETE_SELF | flags.MOVE_SELF
@@ -81,35 +77,6 @@ class RepositorySlots:
     slots: int
     held: int
     watching: bool  # False while the repository is missing or unreadable
-
-
-def resolve_common_dir(path: Path) -> Path | None:
-    """The git common dir for a checkout, a linked worktree, or a git dir; no git run.
-
-    `path/.git` is a directory (a main checkout) or a file naming the git dir (a linked
-    worktree or submodule). A git dir with a `commondir` file is a linked worktree's;
-    that file names the shared one."""
-    path = Path(os.path.abspath(path))
-    dotgit = path / ".git"
-    if dotgit.is_file():
-        try:
-            named = slotcore.parse_gitdir_file(dotgit.read_text(errors="replace"))
-        except OSError:
-            return None
-        if named is None:
-            return None
-        gitdir = (path / named).resolve()
-    elif dotgit.is_dir():
-        gitdir = dotgit.resolve()
-    elif (path / "HEAD").is_file():
-        gitdir = path.resolve()
-    else:
-        return None
-    commondir = gitdir / "commondir"
-    with contextlib.suppress(OSError):
-        if commondir.is_file():
-            return (gitdir / commondir.read_text().strip()).resolve()
-    return gitdir if (gitdir / "HEAD").is_file() else None
 
 
 # -- the watch ----------------------------------------------------------------------------
@@ -148,7 +115,7 @@ class SlotWatch:
         for path in repositories:
             self._add(Path(path), registered=False)
         forgotten = False
-        for path in self._load_registry():
+        for path in load_registry(self._registry, self._problem):
             if resolve_common_dir(path) is None:
                 # Gone for good, most likely (a deleted clone): forget it, so the
                 # registry does not grow with every repository ever tested. Its next
@@ -202,8 +169,9 @@ class SlotWatch:
         """The slots held now: as of the last probe, after taking in any pending event.
 
         Not a fresh probe: every reading of /proc/locks costs an RCU grace period (see
-        _read_locks), and the gate asks on every admission. Every change of a slot
-        raises an event, so the cache plus the pending events is current."""
+        volutectl.proclocks.read_locks), and the gate asks on every admission. Every
+        change of a slot raises an event, so the cache plus the pending events is
+        current."""
         if self._pending_events():
             self.on_ready()
         return sorted(self._held, key=lambda h: (str(h.repository), str(h.slot)))
@@ -400,7 +368,7 @@ class SlotWatch:
         with contextlib.suppress(OSError):
             parent = repo.watched_dir.stat()
             devices.add((os.major(parent.st_dev), os.minor(parent.st_dev)))
-        mount = _mount_device(path)
+        mount = mount_device(path)
         if mount is not None:
             devices.add(mount)
         old = repo.files.get(name)
@@ -422,7 +390,7 @@ class SlotWatch:
         if not any(repo.files for repo in self._repos.values()):
             return frozenset()
         try:
-            locks = slotcore.parse_proc_locks(_read_locks())
+            locks = slotcore.parse_proc_locks(read_locks())
         except OSError as error:
             self._problem(
                 PROC_LOCKS, f"cannot read {PROC_LOCKS} ({error.strerror}); slots look free"
@@ -452,65 +420,12 @@ class SlotWatch:
         if self._problems.pop(key, None) is not None:
             self._log("info", f"watching the test slots of {key} again")
 
-    # -- the registry --------------------------------------------------------------------------
-
-    def _load_registry(self) -> list[Path]:
-        try:
-            data = json.loads(self._registry.read_text())
-            paths = data["repositories"]
-            if not isinstance(paths, list):
-                raise TypeError("repositories is not a list")
-            return [Path(p) for p in paths if isinstance(p, str) and os.path.isabs(p)]
-        except FileNotFoundError:
-            return []
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            self._problem(self._registry, f"ignoring unreadable {self._registry}: {error}")
-            return []
-
     def _save_registry(self) -> None:
-        paths = sorted(str(key) for key, repo in self._repos.items() if repo.registered)
-        text = json.dumps({"version": REGISTRY_VERSION, "repositories": paths}, indent=1) + "\n"
-        temporary = self._registry.with_name(self._registry.name + ".tmp")
-        try:
-            self._registry.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, text.encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(temporary, self._registry)
-        except OSError as error:
-            self._problem(self._registry, f"cannot save {self._registry}: {error}")
-
-
-def _read_locks() -> str:
-    """/proc/locks, in as few read() calls as it takes.
-
-    Each read of /proc/locks starts by taking the kernel's file_rwsem for writing
-    (fs/locks.c, locks_start), which waits for an RCU grace period when the semaphore
-    was idle: about 0.03 ms back to back, 5-20 ms cold on a loaded 2-core VM. Lock
-    callers elsewhere are not blocked for that time, only this reader waits. So the
-    watch reads it once per batch of events, never on a timer and never per query."""
-    fd = os.open(PROC_LOCKS, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-    return b"".join(chunks).decode(errors="replace")
+        registered = [key for key, repo in self._repos.items() if repo.registered]
+        save_registry(self._registry, registered, self._problem)
 
 
 def _pending(fd: int) -> int:
     buffer = bytearray(4)
     fcntl.ioctl(fd, termios.FIONREAD, buffer)
     return int.from_bytes(buffer, sys.byteorder)
-
-
-def _mount_device(path: Path) -> Device | None:
-    try:
-        text = MOUNTINFO.read_text(errors="replace")
-    except OSError:
-        return None
-    return slotcore.parse_mount_device(text, os.path.realpath(path))

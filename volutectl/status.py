@@ -19,7 +19,7 @@ from volutectl.messages import (
     TurnStatus,
 )
 from volutectl.states import QueueState
-from volutectl.testrun import list_in_flight
+from volutectl.testscopes import list_in_flight
 
 if TYPE_CHECKING:
     from volutectl.handlers import GateState

@@ -15,7 +15,6 @@ import json
 import os
 import select
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -25,13 +24,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from volutectl import slotcore, slots
+from volutectl import processes, slotcore, slots
 from volutectl.config import load_settings
-from volutectl.errors import PermissionDeniedError, SystemdError, UnavailableError
+from volutectl.errors import PermissionDeniedError, SystemdError
 from volutectl.messages import RegisterRepoRequest
+from volutectl.options import config_option
+from volutectl.testscopes import connect_manager, list_in_flight, one_line, scope_properties
 
 if TYPE_CHECKING:
-    from volutectl.config import TestsSettings
+    from volutectl.config import Settings
     from volutectl.systemd import Manager
 
 HISTORY_TAIL_BYTES = 64 * 1024
@@ -59,6 +60,11 @@ class Outcome:
     execution_ms: int = 0
     duration_ms: int = 0
     notices: list[str] = field(default_factory=list)
+
+    def say(self, text: str) -> None:
+        """A notice on stderr, kept for --json too."""
+        self.notices.append(text)
+        notice(text)
 
     def as_json(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
@@ -90,13 +96,7 @@ class Outcome:
     is_flag=True,
     help="Print the result as JSON on stdout (the command's stdout goes to stderr).",
 )
-@click.option(
-    "--config",
-    "config_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="The config file (default $VOLUTE_CONFIG, /etc/volute/volutectl.toml).",
-)
+@config_option
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def test_command(
     slot_count: int | None,
@@ -123,30 +123,22 @@ def run_test(
     config_path: str | None,
     environ: Mapping[str, str],
 ) -> Outcome:
+    """The order of events is in the module docstring; the Outcome says what happened."""
     started = time.monotonic()
     outcome = Outcome()
-
-    def say(text: str) -> None:
-        outcome.notices.append(text)
-        notice(text)
-
     loaded = load_settings(config_path, environ)
-    tests = loaded.settings.tests
     nested = bool(environ.get(slotcore.NESTING_MARKER))
-    cwd = Path.cwd()
-    repository = None if nested else slots.find_repository(cwd)
+    repository = None if nested else slots.find_repository(Path.cwd())
     cap = slotcore.resolve_cap(
         slot_count,
         repository.cap_setting if repository else None,
-        tests.concurrent_runs,
+        loaded.settings.tests.concurrent_runs,
         loaded.source_of(slotcore.CONFIG_KEY),
     )
     outcome.cap, outcome.cap_source = (0, "nested") if nested else (cap.slots, cap.source)
     if check:
-        status = run_check(check, as_json)
-        outcome.check_exit_status = status
-        if status != 0:
-            outcome.exit_status = status
+        outcome.check_exit_status = outcome.exit_status = run_check(check, as_json)
+        if outcome.exit_status != 0:  # exit with the check's status, never queue
             outcome.duration_ms = elapsed_ms(started)
             return outcome
     if nested:
@@ -156,41 +148,38 @@ def run_test(
         outcome.nested = True
         launch = launch_command(command, dict(environ), None, None, None, as_json)
         outcome.exit_status, outcome.execution_ms = launch
-        outcome.duration_ms = elapsed_ms(started)
-        return outcome
-    worktree = str(repository.worktree if repository else cwd)
-    manager = connect_manager(say)
+    else:
+        run_capped(command, environ, loaded.settings, repository, cap, as_json, outcome)
+    outcome.duration_ms = elapsed_ms(started)
+    return outcome
+
+
+def run_capped(
+    command: list[str],
+    environ: Mapping[str, str],
+    settings: Settings,
+    repository: slots.Repository | None,
+    cap: slotcore.Cap,
+    as_json: bool,
+    outcome: Outcome,
+) -> None:
+    """Take a slot (waiting if all are held), then run the command in a scope."""
+    worktree = str(repository.worktree if repository else Path.cwd())
+    manager = connect_manager(outcome.say)
     if manager is not None:
         outcome.manager = "user" if manager.user else "system"
     try:
-        slot: slots.Slot | None = None
-        if cap.slots > 0 and repository is None:
-            say(f"volutectl test: {cwd} is not in a git repository; running without the cap")
-        elif cap.slots > 0 and repository is not None:
-            common_dir = repository.common_dir
-
-            def on_wait() -> None:
-                in_flight = list_in_flight(manager, tests.slice)
-                typical = slotcore.typical_duration_ms(
-                    read_history(common_dir), slotcore.join_command(command)
-                )
-                notice(slotcore.wait_line(cap.slots, in_flight, typical, str(common_dir)))
-                outcome.wait = slotcore.wait_info(cap.slots, cap.source, in_flight, typical)
-
-            register_with_gate(str(loaded.settings.gate.socket), common_dir)
-            wait_started = time.monotonic()
-            slot = slots.acquire_slot(common_dir, cap.slots, on_wait=on_wait, notice=say)
-            outcome.waited_ms = elapsed_ms(wait_started)
+        slot = take_slot(command, settings, repository, cap, manager, outcome)
         child_env = dict(environ)
         child_env[slotcore.NESTING_MARKER] = str(slot.path) if slot else "-"
         outcome.slot = str(slot.path) if slot else None
         scope = slotcore.test_scope_name(Path(worktree).name, os.getpid())
-        props = scope_properties(tests, worktree, command)
+        props = scope_properties(settings.tests, worktree, command)
         try:
             outcome.exit_status, outcome.execution_ms = launch_command(
                 command, child_env, slot, manager, (scope, props), as_json,
                 on_scope=lambda started_scope: setattr(outcome, "scope", started_scope),
-                say=say,
+                say=outcome.say,
             )  # fmt: skip
         finally:
             if slot is not None:
@@ -201,13 +190,39 @@ def run_test(
     finally:
         if manager is not None:
             manager.close()
-    outcome.duration_ms = elapsed_ms(started)
-    return outcome
 
 
-def one_line(text: str) -> str:
-    """A notice is one line; D-Bus error texts are not always."""
-    return text.strip().splitlines()[0] if text.strip() else text
+def take_slot(
+    command: list[str],
+    settings: Settings,
+    repository: slots.Repository | None,
+    cap: slotcore.Cap,
+    manager: Manager | None,
+    outcome: Outcome,
+) -> slots.Slot | None:
+    """One of the repository's slots, saying once why we wait; None to run uncapped."""
+    if cap.slots <= 0:
+        return None
+    if repository is None:
+        outcome.say(
+            f"volutectl test: {Path.cwd()} is not in a git repository; running without the cap"
+        )
+        return None
+    common_dir = repository.common_dir
+
+    def on_wait() -> None:
+        in_flight = list_in_flight(manager, settings.tests.slice)
+        typical = slotcore.typical_duration_ms(
+            read_history(common_dir), slotcore.join_command(command)
+        )
+        notice(slotcore.wait_line(cap.slots, in_flight, typical, str(common_dir)))
+        outcome.wait = slotcore.wait_info(cap.slots, cap.source, in_flight, typical)
+
+    register_with_gate(str(settings.gate.socket), common_dir)
+    wait_started = time.monotonic()
+    slot = slots.acquire_slot(common_dir, cap.slots, on_wait=on_wait, notice=outcome.say)
+    outcome.waited_ms = elapsed_ms(wait_started)
+    return slot
 
 
 def elapsed_ms(since: float) -> int:
@@ -215,12 +230,7 @@ def elapsed_ms(since: float) -> int:
 
 
 def run_check(check: str, as_json: bool) -> int:
-    result = subprocess.run(
-        ["/bin/sh", "-c", check], stdout=sys.stderr if as_json else None, check=False
-    )
-    if result.returncode < 0:
-        return 128 - result.returncode
-    return result.returncode
+    return processes.run(["/bin/sh", "-c", check], redirect={1: 2} if as_json else None).exit_code
 
 
 # -- the gate -----------------------------------------------------------------------------
@@ -248,60 +258,6 @@ def register_with_gate(socket_path: str, common_dir: Path) -> None:
         pass
     finally:
         connection.close()
-
-
-# -- systemd ------------------------------------------------------------------------------
-
-
-def connect_manager(say: Any) -> Manager | None:
-    """The system manager as root, the user's own manager otherwise; None if unreachable."""
-    try:
-        from volutectl.systemd import Manager
-
-        return Manager.connect(user=os.geteuid() != 0)
-    except (UnavailableError, PermissionDeniedError, ImportError) as error:
-        reason = one_line(getattr(error, "message", str(error)))
-        say(
-            f"volutectl test: no systemd manager reachable ({reason}); "
-            "running the command as a plain child, outside the tests slice"
-        )
-        return None
-
-
-def scope_properties(tests: TestsSettings, worktree: str, command: Sequence[str]) -> Any:
-    from volutectl.systemd import ScopeProperties
-
-    return ScopeProperties(
-        slice=tests.slice,
-        description=slotcore.scope_description(worktree, command),
-        cpu_weight=tests.cpu_weight,
-        io_weight=tests.io_weight,
-    )
-
-
-def list_in_flight(manager: Manager | None, slice_name: str) -> list[slotcore.InFlight]:
-    """The live test runs, from the scopes in the tests slice. Best effort: the wait line
-    decorates, it never decides."""
-    if manager is None:
-        return []
-    runs = []
-    try:
-        units = manager.list_units(slice_name)
-    except (SystemdError, PermissionDeniedError):
-        return []
-    now = time.time()
-    for unit in units:
-        if not unit.name.startswith(slotcore.SCOPE_PREFIX):
-            continue
-        parsed = slotcore.parse_scope_description(unit.description)
-        worktree, command = parsed if parsed else ("?", unit.description)
-        running: float | None = None
-        with contextlib.suppress(SystemdError, PermissionDeniedError, TypeError, ValueError):
-            usec = int(manager.unit_property(unit.name, "ActiveEnterTimestamp"))
-            if usec > 0:
-                running = max(0.0, now - usec / 1_000_000)
-        runs.append(slotcore.InFlight(unit.name, worktree, command, running))
-    return runs
 
 
 # -- the command itself -------------------------------------------------------------------
@@ -367,26 +323,20 @@ def spawn_held(
     The child must not exec before systemd has moved it into the scope: a fast command
     would exit first and fail the scope. Closing the gate without writing aborts it.
     The slot's descriptor is inherited, so the command holds the slot too."""
-    gate_read, gate_write = os.pipe()
+    gate_read, gate_write = os.pipe2(os.O_CLOEXEC)
     gate_fd = 8 if slot_fd == 9 else 9  # dash takes single-digit descriptors only
-    if gate_read == gate_fd:
-        moved = os.dup(gate_read)
-        os.close(gate_read)
-        gate_read = moved
-    actions: list[tuple[Any, ...]] = [(os.POSIX_SPAWN_DUP2, gate_read, gate_fd)]
+    redirect: dict[int, processes.Source] = {gate_fd: gate_read}
     if as_json:
-        actions.append((os.POSIX_SPAWN_DUP2, 2, 1))
-    argv = ["sh", "-c", GATE_SCRIPT.format(fd=gate_fd), "volutectl test", *command]
+        redirect[1] = 2
+    argv = ["/bin/sh", "-c", GATE_SCRIPT.format(fd=gate_fd), "volutectl test", *command]
     try:
-        if slot_fd is not None:
-            os.set_inheritable(slot_fd, True)
-        pid = os.posix_spawn("/bin/sh", argv, dict(env), file_actions=actions)
+        pid = processes.spawn(
+            argv, env=env, redirect=redirect, inherit=[] if slot_fd is None else [slot_fd]
+        )
     except BaseException:
         os.close(gate_write)
         raise
     finally:
-        if slot_fd is not None:
-            os.set_inheritable(slot_fd, False)
         os.close(gate_read)
     return pid, gate_write
 
@@ -399,9 +349,7 @@ def wait_for_child(pid: int, wake_read: int, manager: Manager | None, scope: str
         while True:
             ready, _, _ = select.select([pidfd, wake_read], [], [])
             if pidfd in ready:
-                _, status = os.waitpid(pid, 0)
-                code = os.waitstatus_to_exitcode(status)
-                return 128 - code if code < 0 else code
+                return processes.wait(pid)
             with contextlib.suppress(BlockingIOError):
                 received = os.read(wake_read, 64)
                 for signum in received:

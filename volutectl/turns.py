@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from volutectl import core, launcher, names
+from volutectl import core, launcher, names, processes
 from volutectl.config import Settings, parse_bandwidth
 from volutectl.errors import DataError, VoluteError
 from volutectl.faults import crash_point
@@ -283,7 +283,7 @@ class Turns:
         if child is not None:
             child.abandon()
             with contextlib.suppress(ChildProcessError):
-                os.waitpid(child.pid, 0)
+                processes.wait(child.pid)
             os.close(child.pidfd)
         self.journal.log(
             "error",

@@ -8,16 +8,16 @@ import json
 import pytest
 
 from tests import contract
-from tests.conftest import REPO, VENV_BIN
-from tests.machine import Machine
+from volute_testbed.machine import Machine
+from volute_testbed.paths import CHECKOUT, PYTHON
 
 pytestmark = pytest.mark.system
 
 
 def test_the_real_systemd_keeps_the_contract(machine: Machine) -> None:
     out = machine.run(
-        [str(VENV_BIN / "python"), str(REPO / "tests" / "contract.py")],
-        env={"PYTHONPATH": str(REPO)},
+        [str(PYTHON), str(CHECKOUT / "tests" / "contract.py")],
+        env={"PYTHONPATH": str(CHECKOUT)},
         timeout=120,
     ).stdout
     results = json.loads(out)

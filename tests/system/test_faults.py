@@ -14,10 +14,8 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, VENV_BIN
-from tests.machine import Machine
-from tests.system import chaos
-from tests.system.faults_fixture import (
+from volute_testbed import chaos
+from volute_testbed.faults import (
     assert_exactly_once,
     assert_no_live_turn_scopes,
     fast_restarts,
@@ -26,7 +24,7 @@ from tests.system.faults_fixture import (
     turns_by_outcome,
     wait_gate_up,
 )
-from tests.system.gate_fixture import (
+from volute_testbed.gate import (
     VOLUTECTL,
     Sampler,
     all_settled,
@@ -39,6 +37,8 @@ from tests.system.gate_fixture import (
     turn_log,
     wait_for,
 )
+from volute_testbed.machine import Machine
+from volute_testbed.paths import CHECKOUT, PYTHON
 
 pytestmark = pytest.mark.system
 
@@ -126,9 +126,7 @@ def test_a_scope_around_a_dead_process_is_stopped_and_its_turn_settled(
     )
     start_gate(machine, config)
     machine.run(["systemctl", "stop", "volute-gate.service"])
-    out = machine.run(
-        [str(VENV_BIN / "python"), "-c", WEDGE], env={"PYTHONPATH": str(REPO)}
-    ).stdout.split()
+    out = machine.run([PYTHON, "-c", WEDGE], env={"PYTHONPATH": str(CHECKOUT)}).stdout.split()
     stranded, unit = int(out[0]), out[2]
     # systemd itself shows the wedge: active, and no process in it.
     state = machine.run(["systemctl", "show", "-p", "ActiveState", "--value", unit]).stdout

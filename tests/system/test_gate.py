@@ -1,7 +1,7 @@
 """The turn gate against a real systemd: caps sampled from systemd itself, not the gate.
 
 Each test boots its own throwaway systemd, installs units/ from this checkout, and
-runs the real volute-gate.service. Turns run tests/system/gate_fixture.py's
+runs the real volute-gate.service. Turns run volute_testbed.gate's
 turn-probe, which logs what each turn received to /var/tmp/turns.log.
 """
 
@@ -12,9 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import VENV_BIN
-from tests.machine import Machine
-from tests.system.gate_fixture import (
+from volute_testbed.gate import (
     VOLUTECTL,
     Sampler,
     all_settled,
@@ -30,6 +28,8 @@ from tests.system.gate_fixture import (
     turn_log,
     wait_for,
 )
+from volute_testbed.machine import Machine
+from volute_testbed.paths import PYTHON
 
 pytestmark = pytest.mark.system
 
@@ -277,7 +277,7 @@ def test_bad_input_gets_a_clear_error_and_writes_nothing(machine: Machine) -> No
         "    s.sendall(line + b'\\n')\n"
         "    print(json.loads(s.makefile().readline())['code'])\n"
     )
-    codes = machine.run([str(VENV_BIN / "python"), "-c", raw]).stdout.split()
+    codes = machine.run([PYTHON, "-c", raw]).stdout.split()
     assert codes == ["65", "65", "65", "76"]
     assert machine.run(["systemctl", "is-active", "volute-gate"]).stdout.strip() == "active"
     # Really absent: the service and its socket stopped (the service alone would be

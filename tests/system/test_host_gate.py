@@ -3,7 +3,7 @@ limits.test_runs_count_as_turns a held slot takes a place of the turn budget.
 
 Each test boots its own systemd, runs the real volute-gate.service and real
 `volutectl test` runs in git worktrees. Counts come from systemd, sampled every ~2 ms
-by tests/system/scope_sampler.py in both slices, not from the gate's bookkeeping.
+by volute_testbed.scope_sampler in both slices, not from the gate's bookkeeping.
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO as CHECKOUT
-from tests.conftest import VENV_BIN
-from tests.machine import Machine
-from tests.system.gate_fixture import (
+from volute_testbed.gate import (
     VOLUTECTL,
     Sampler,
     all_settled,
@@ -33,6 +30,8 @@ from tests.system.gate_fixture import (
     status,
     wait_for,
 )
+from volute_testbed.machine import Machine
+from volute_testbed.paths import CHECKOUT, PYTHON
 
 pytestmark = pytest.mark.system
 
@@ -298,7 +297,7 @@ def test_the_watch_sees_a_real_run_in_a_container(machine: Machine) -> None:
     make_repository(machine)
     machine.write("/var/tmp/watch.py", WATCH_SCRIPT)
     watcher = machine.popen(
-        [str(VENV_BIN / "python"), "/var/tmp/watch.py", WORKTREE],
+        [PYTHON, "/var/tmp/watch.py", WORKTREE],
         stdout=subprocess.PIPE,
         env={"PYTHONPATH": str(CHECKOUT)},
     )

@@ -1,11 +1,12 @@
 """Pressure-aware admission on a real systemd, with real IO pressure from a slow disk.
 
-The slow disk is bench/replay_incident.py's: a throttled ext4 loop device (cgroup-v1
-blkio, 60 write IOPS, 2 MB/s) whose blkio cgroup this test process joins before the
-container boots, so the container's systemd, the gate and every turn inherit it. The
-mount is bound into the container at the same path. A "hog" turn writes to it with
-O_DSYNC; its stall shows in volute-turns.slice's io.pressure, the gate's PSI trigger
-fires, and deliveries that arrive then are held for io_pressure until it falls.
+The slow disk is bench/replay_incident.py's (volute_testbed.slowdisk): a throttled ext4
+loop device (cgroup-v1 blkio, 60 write IOPS, 2 MB/s) whose blkio cgroup this test
+process joins before the container boots, so the container's systemd, the gate and
+every turn inherit it. The mount is bound into the container at the same path. A "hog"
+turn writes to it with O_DSYNC; its stall shows in volute-turns.slice's io.pressure, the
+gate's PSI trigger fires, and deliveries that arrive then are held for io_pressure until
+it falls.
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.replay_incident import SlowDisk, slow_disk
-from tests.conftest import VENV_BIN, machine_binds, open_interpreter_path
-from tests.machine import CLEAN_PATH, Machine, boot
-from tests.system.gate_fixture import (
+from volute_testbed.gate import (
     deliver,
     gate_config,
     install_probe,
@@ -31,6 +29,8 @@ from tests.system.gate_fixture import (
     turn_log,
     wait_for,
 )
+from volute_testbed.machine import Machine, dev_machine
+from volute_testbed.slowdisk import SlowDisk, slow_disk
 
 pytestmark = pytest.mark.system
 
@@ -39,9 +39,7 @@ pytestmark = pytest.mark.system
 def slow() -> Iterator[tuple[Machine, SlowDisk]]:
     """The `machine` fixture's container, booted inside the slow disk's blkio cgroup."""
     with slow_disk(size_mib=256, name="pressure-test") as disk:
-        with boot(binds=[*machine_binds(), disk.mount], name="vt-pressure") as machine:
-            machine.env["PATH"] = f"{VENV_BIN}:{CLEAN_PATH}"
-            open_interpreter_path(machine)
+        with dev_machine(name="vt-pressure", binds=[disk.mount]) as machine:
             yield machine, disk
 
 

@@ -16,9 +16,7 @@ import time
 
 import pytest
 
-from tests.conftest import VENV_BIN
-from tests.machine import Machine
-from tests.system.gate_fixture import (
+from volute_testbed.gate import (
     VOLUTECTL,
     all_settled,
     deliver,
@@ -33,6 +31,8 @@ from tests.system.gate_fixture import (
     unit_property,
     wait_for,
 )
+from volute_testbed.machine import Machine
+from volute_testbed.paths import PYTHON
 
 pytestmark = pytest.mark.system
 
@@ -213,7 +213,7 @@ def test_a_retried_request_whose_delivery_already_ran_gets_its_id_and_outcome(
     }
 
     def send(message: dict[str, object]) -> list[dict[str, object]]:
-        out = machine.run([str(VENV_BIN / "python"), "-c", RAW_CLIENT, json.dumps(message)])
+        out = machine.run([PYTHON, "-c", RAW_CLIENT, json.dumps(message)])
         replies: list[dict[str, object]] = json.loads(out.stdout)
         return replies
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.machine import Machine
-from tests.system.gate_fixture import (
+from volute_testbed.gate import (
     VOLUTECTL,
     all_settled,
     deliver,
@@ -24,6 +23,7 @@ from tests.system.gate_fixture import (
     turn_log,
     wait_for,
 )
+from volute_testbed.machine import Machine
 
 pytestmark = pytest.mark.system
 

@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from tests.conftest import REPO
-from tests.machine import Machine
+from volute_testbed.machine import Machine
+from volute_testbed.paths import CHECKOUT, PYTHON
 
 pytestmark = pytest.mark.system
 
-PROBE = str(REPO / "tests/system/adapter_probe.py")
-PY = str(REPO / ".venv/bin/python")
-ENV = {"PYTHONPATH": str(REPO)}
+PROBE = str(CHECKOUT / "tests/system/adapter_probe.py")
+PY = PYTHON
+ENV = {"PYTHONPATH": str(CHECKOUT)}
 
 
 def probe(machine: Machine, *args: str) -> dict[str, object]:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from tests.machine import Machine
+from volute_testbed.machine import Machine
 
 pytestmark = pytest.mark.system
 

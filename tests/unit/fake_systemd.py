@@ -228,4 +228,3 @@ def _exited(pidfd: int) -> bool:
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     return bool(poller.poll(0))
-

@@ -5,13 +5,16 @@ These run the installed console script, as a user would.
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 
+from volutectl import options
 from volutectl.cli import COMMANDS
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"
@@ -93,3 +96,53 @@ def test_version() -> None:
     result = volutectl("--version")
     assert result.returncode == 0
     assert "volutectl" in result.stdout and "version" in result.stdout
+
+
+def _commands_with_config() -> dict[str, click.Command]:
+    """Every command and subcommand, by its full name, that takes --config."""
+    found: dict[str, click.Command] = {}
+
+    def walk(name: str, command: click.Command) -> None:
+        if any("--config" in getattr(p, "opts", []) for p in command.params):
+            found[name] = command
+        if isinstance(command, click.Group):
+            for sub_name, sub in command.commands.items():
+                walk(f"{name} {sub_name}", sub)
+
+    for name, (module, attribute, _) in COMMANDS.items():
+        walk(name, getattr(importlib.import_module(module), attribute))
+    return found
+
+
+def test_one_config_option_everywhere() -> None:
+    """--config is defined once (volutectl.options) and means the same in every command."""
+    found = _commands_with_config()
+    assert sorted(found) == [
+        "config check", "config show", "doctor", "gate", "queue", "status", "test",
+    ]  # fmt: skip
+
+    @click.command()
+    @options.config_option
+    def probe(config_path: str | None) -> None:
+        """Only carries the option."""
+
+    [reference] = probe.params
+    assert isinstance(reference, click.Option)
+    for name, command in found.items():
+        [param] = [p for p in command.params if "--config" in getattr(p, "opts", [])]
+        assert isinstance(param, click.Option), name
+        assert (param.name, param.help, param.metavar) == (
+            reference.name, reference.help, reference.metavar,
+        ), name  # fmt: skip
+        assert param.type == reference.type, name
+
+
+@pytest.mark.parametrize("args", [["gate"], ["test", "--slots", "0"], ["config", "check"]])
+def test_a_directory_as_config_is_a_config_error(tmp_path: Path, args: list[str]) -> None:
+    """78 from every command, naming the directory, not click's usage error (64)."""
+    command = [*args, "--config", str(tmp_path)]
+    if args[0] == "test":
+        command += ["--", "true"]
+    result = volutectl(*command)
+    assert result.returncode == 78, result.stderr
+    assert f"{tmp_path}: is a directory" in result.stderr

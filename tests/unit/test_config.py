@@ -11,8 +11,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 
@@ -271,6 +273,85 @@ def test_failed_load_leaves_os_environ_untouched(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(ConfigError):
         load_settings(environ={"VOLUTE_LIMITS__TURNS_PER_MIND": "x"})
     assert dict(os.environ) == before
+
+
+def test_loading_never_writes_os_environ(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Another thread reading os.environ while configs load sees it unchanged throughout.
+
+    (The loader used to clear os.environ's VOLUTE_ variables and put others in their
+    place for the length of each load, under every other thread of the process.)"""
+    monkeypatch.setenv("VOLUTE_LIMITS__TURNS_PER_MIND", "2")
+    monkeypatch.setenv("VOLUTE_UNRELATED", "kept")
+    before = dict(os.environ)
+    path = write(tmp_path, GOOD)
+    writes: list[tuple[object, ...]] = []  # os.environ writes through os.putenv/unsetenv
+    monkeypatch.setattr(os, "putenv", lambda *args: writes.append(("putenv", *args)))
+    monkeypatch.setattr(os, "unsetenv", lambda *args: writes.append(("unsetenv", *args)))
+    seen: list[dict[str, str]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.append(dict(os.environ))
+
+    reader = threading.Thread(target=watch)
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # let the reader in between any two bytecodes of a load
+    reader.start()
+    try:
+        for round_ in range(200):
+            environ = {"VOLUTE_LIMITS__TURNS_PER_MIND": str(3 + round_ % 5)}
+            loaded = load_settings(path, environ=environ)
+            assert loaded.settings.limits.turns_per_mind == 3 + round_ % 5
+            with pytest.raises(ConfigError):
+                load_settings(path, environ={"VOLUTE_LIMITS__TURNS_PER_MIND": "x"})
+            assert load_settings(path).settings.limits.turns_per_mind == 2  # os.environ's
+    finally:
+        stop.set()
+        reader.join()
+        sys.setswitchinterval(switch_interval)
+    assert writes == []
+    assert seen and all(snapshot == before for snapshot in seen)
+    assert dict(os.environ) == before
+
+
+def test_loading_only_reads_os_environ(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """With os.environ made read-only, loading from it and from a mapping still works."""
+    monkeypatch.setenv("VOLUTE_MINDS__ALICE__USER", "bob")
+    path = write(tmp_path, GOOD)
+    with pytest.MonkeyPatch.context() as patch:  # undone before pytest writes os.environ
+        patch.setattr(os, "environ", MappingProxyType(dict(os.environ)))
+        loaded = load_settings(path)
+        from_mapping = load_settings(path, environ={})
+    assert loaded.settings.minds["alice"].user == "bob"
+    assert loaded.source_of("minds.alice.user") == "env VOLUTE_MINDS__ALICE__USER"
+    assert from_mapping.settings.minds["alice"].user == "alice"
+
+
+def test_settings_outside_a_load_read_no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings(...) is its arguments over the defaults; only load_settings reads sources."""
+    monkeypatch.setenv("VOLUTE_LIMITS__TURNS_PER_MIND", "x")  # would not validate
+    assert config.Settings().limits.turns_per_mind == 1
+    assert config.Settings(limits={"turns_per_mind": 3}).limits.turns_per_mind == 3
+
+
+def test_a_deeper_variable_wins_over_a_section_variable_and_is_named(tmp_path: Path) -> None:
+    environ = {
+        "VOLUTE_LIMITS__TURNS_PER_MIND": "5",
+        "VOLUTE_LIMITS": '{"turns_per_mind": 4, "global_concurrent_turns": 3}',
+    }
+    loaded = load_settings(write(tmp_path, GOOD), environ=environ)
+    assert loaded.settings.limits.turns_per_mind == 5
+    assert loaded.source_of("limits.turns_per_mind") == "env VOLUTE_LIMITS__TURNS_PER_MIND"
+    assert loaded.settings.limits.global_concurrent_turns == 3
+    assert loaded.source_of("limits.global_concurrent_turns") == "env VOLUTE_LIMITS"
+
+
+def test_an_undecodable_variable_is_named_alone() -> None:
+    environ = {"VOLUTE_TESTS__CONCURRENT_RUNS": "1", "VOLUTE_TESTS__REPOSITORIES": "/srv/repo"}
+    with pytest.raises(ConfigError) as raised:
+        load_settings(environ=environ)
+    assert raised.value.message == "invalid config: tests: cannot parse VOLUTE_TESTS__REPOSITORIES"
 
 
 # --- volutectl config show ----------------------------------------------------------

@@ -322,8 +322,9 @@ def test_line_has_status_check_found_and_change() -> None:
     assert "change" not in Check("psi", "ok", "present").line()
 
 
-def volutectl(*args: str) -> subprocess.CompletedProcess[str]:
+def volutectl(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("VOLUTE_")}
+    env.update(extra)
     return subprocess.run(
         [str(VOLUTECTL), *args], capture_output=True, text=True, env=env, timeout=60
     )
@@ -350,6 +351,17 @@ def test_invalid_config_exits_78_and_still_reports_the_host(tmp_path: Path) -> N
     assert by_name["config"]["status"] == "fail"
     assert "gate.bogus" in by_name["config"]["found"]
     assert all(check["status"] in ("ok", "warn", "fail") for check in report["checks"])
+
+
+def test_invalid_config_variable_exits_78_too(tmp_path: Path) -> None:
+    """A bad VOLUTE_ variable is a config failure like a bad file, not an internal error
+    (doctor's fallback to the defaults used to read the same variable again)."""
+    good = write(tmp_path / "volutectl.toml", "[limits]\nturns_per_mind = 1\n")
+    result = volutectl("doctor", "--json", "--config", str(good), VOLUTE_LIMITS__TURNS_PER_MIND="x")
+    assert result.returncode == EX_CONFIG, result.stderr
+    by_name = {check["check"]: check for check in json.loads(result.stdout)["checks"]}
+    assert by_name["config"]["status"] == "fail"
+    assert "(from env VOLUTE_LIMITS__TURNS_PER_MIND)" in by_name["config"]["found"]
 
 
 def test_text_report_is_one_line_per_check(tmp_path: Path) -> None:

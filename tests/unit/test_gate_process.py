@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.system.gate_fixture import gate_config
 from tests.unit.fake_gate import remove_tree, short_socket_dir
 from tests.unit.gate_harness import ME
+from volute_testbed.gate import gate_config
 from volutectl import launcher, messages, protocol
 
+REPO = Path(__file__).resolve().parents[2]
 SIGPIPE_BIT = 1 << (signal.SIGPIPE - 1)
 SIGXFSZ_BIT = 1 << (signal.SIGXFSZ - 1)
 SIGTERM_BIT = 1 << (signal.SIGTERM - 1)

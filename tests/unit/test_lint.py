@@ -14,7 +14,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-RUFF_PATHS = [path for path in ("volutectl", "tests", "bench", "demo") if (REPO / path).is_dir()]
+RUFF_PATHS = [
+    path for path in ("volutectl", "tests", "testbed", "bench", "demo") if (REPO / path).is_dir()
+]
 
 
 def tool(name: str) -> Path:

@@ -11,10 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from volutectl import core, pressure
+from volutectl import core, pressurecore, probes
 from volutectl.config import IoPressureSettings, Settings, load_settings
 from volutectl.errors import ConfigError
-from volutectl.pressure import PressureWatch, Trigger
+from volutectl.pressure import PressureWatch
+from volutectl.pressurecore import Trigger
 from volutectl.states import HoldReason
 
 PSI = Path("/proc/pressure/io")
@@ -28,7 +29,7 @@ def settings(**overrides: object) -> IoPressureSettings:
 
 
 def test_trigger_line_is_what_the_kernel_parses() -> None:
-    assert pressure.trigger_line("some", 150000, 1000000) == "some 150000 1000000"
+    assert pressurecore.trigger_line("some", 150000, 1000000) == "some 150000 1000000"
     assert Trigger("full", 300000, 2000000).line() == "full 300000 2000000"
 
 
@@ -39,30 +40,30 @@ def test_trigger_line_is_what_the_kernel_parses() -> None:
 )  # fmt: skip
 def test_trigger_line_refuses_what_the_kernel_would(kind: str, threshold: int, window: int) -> None:
     with pytest.raises(ValueError):
-        pressure.trigger_line(kind, threshold, window)
+        pressurecore.trigger_line(kind, threshold, window)
 
 
 def test_coarse_trigger_rounds_the_window_up_and_keeps_the_ratio() -> None:
-    assert pressure.coarse_trigger(Trigger("some", 150000, 1000000)) == Trigger(
+    assert pressurecore.coarse_trigger(Trigger("some", 150000, 1000000)) == Trigger(
         "some", 300000, 2000000
     )
-    assert pressure.coarse_trigger(Trigger("some", 500000, 3000000)) == Trigger(
+    assert pressurecore.coarse_trigger(Trigger("some", 500000, 3000000)) == Trigger(
         "some", 666667, 4000000
     )
-    assert pressure.coarse_trigger(Trigger("some", 150000, 2000000)) is None
+    assert pressurecore.coarse_trigger(Trigger("some", 150000, 2000000)) is None
 
 
 @given(
     threshold=st.integers(1, 9_999_999),
-    window=st.integers(pressure.MIN_WINDOW_US, pressure.MAX_WINDOW_US),
+    window=st.integers(pressurecore.MIN_WINDOW_US, pressurecore.MAX_WINDOW_US),
 )
 def test_coarse_trigger_is_always_registrable(threshold: int, window: int) -> None:
     if threshold >= window:
         return
-    coarse = pressure.coarse_trigger(Trigger("some", threshold, window))
+    coarse = pressurecore.coarse_trigger(Trigger("some", threshold, window))
     trigger = coarse or Trigger("some", threshold, window)
-    assert trigger.window_us % pressure.UNPRIVILEGED_WINDOW_US == 0
-    pressure.trigger_line(trigger.kind, trigger.threshold_us, trigger.window_us)  # valid
+    assert trigger.window_us % pressurecore.UNPRIVILEGED_WINDOW_US == 0
+    pressurecore.trigger_line(trigger.kind, trigger.threshold_us, trigger.window_us)  # valid
     assert abs(trigger.fraction - threshold / window) < 1e-3 or trigger.threshold_us in (
         1,
         trigger.window_us - 1,
@@ -78,17 +79,17 @@ SAMPLE = (
 
 
 def test_parse_total_reads_some_and_full() -> None:
-    assert pressure.parse_total(SAMPLE) == 10686162
-    assert pressure.parse_total(SAMPLE, "full") == 5728245
+    assert pressurecore.parse_total(SAMPLE) == 10686162
+    assert pressurecore.parse_total(SAMPLE, "full") == 5728245
     with pytest.raises(ValueError):
-        pressure.parse_total("garbage\n")
+        pressurecore.parse_total("garbage\n")
 
 
 def test_stall_fraction() -> None:
-    assert pressure.stall_fraction(0, 500_000, 1.0) == pytest.approx(0.5)
-    assert pressure.stall_fraction(0, 5_000_000, 1.0) == 1.0  # clamped
-    assert pressure.stall_fraction(10, 5, 1.0) == 0.0  # a reset counter is no stall
-    assert pressure.stall_fraction(0, 10, 0.0) == 0.0
+    assert pressurecore.stall_fraction(0, 500_000, 1.0) == pytest.approx(0.5)
+    assert pressurecore.stall_fraction(0, 5_000_000, 1.0) == 1.0  # clamped
+    assert pressurecore.stall_fraction(10, 5, 1.0) == 0.0  # a reset counter is no stall
+    assert pressurecore.stall_fraction(0, 10, 0.0) == 0.0
 
 
 # -- hysteresis ---------------------------------------------------------------------------------
@@ -96,11 +97,11 @@ def test_stall_fraction() -> None:
 
 def test_next_state_has_hysteresis() -> None:
     s = settings(threshold_us=150_000, window_us=1_000_000, resume_below_percent=5.0)
-    assert pressure.next_state(False, 0.10, s) is False  # below the trigger's 15 %
-    assert pressure.next_state(False, 0.15, s) is True
-    assert pressure.next_state(True, 0.10, s) is True  # between: stays high
-    assert pressure.next_state(True, 0.05, s) is True
-    assert pressure.next_state(True, 0.049, s) is False  # below resume: released
+    assert pressurecore.next_state(False, 0.10, s) is False  # below the trigger's 15 %
+    assert pressurecore.next_state(False, 0.15, s) is True
+    assert pressurecore.next_state(True, 0.10, s) is True  # between: stays high
+    assert pressurecore.next_state(True, 0.05, s) is True
+    assert pressurecore.next_state(True, 0.049, s) is False  # below resume: released
 
 
 @given(
@@ -114,7 +115,7 @@ def test_next_state_never_flaps_inside_the_band(
     s = settings(threshold_us=threshold, window_us=1_000_000, resume_below_percent=resume)
     high = False
     for fraction in fractions:
-        new = pressure.next_state(high, fraction, s)
+        new = pressurecore.next_state(high, fraction, s)
         if resume / 100 <= fraction < threshold / 1_000_000:
             assert new == high  # inside the band nothing changes
         if fraction >= threshold / 1_000_000:
@@ -132,19 +133,19 @@ def test_pace_keeps_the_oldest_start_and_holds_the_rest_for_pressure() -> None:
     pending.append(core.Delivery(6, "m1", "s"))  # batched with 1
     admission = core.admit(pending, [], core.Limits(), now=0)
     assert len(admission.starts) == 5
-    paced = pressure.pace_admission(admission, 1)
+    paced = pressurecore.pace_admission(admission, 1)
     assert [s.delivery_ids for s in paced.starts] == [(1, 6)]
     assert [(h.delivery_id, h.reason) for h in paced.holds] == [
         (i, HoldReason.IO_PRESSURE) for i in (2, 3, 4, 5)
     ]
-    assert pressure.pace_admission(paced, 1) == paced
+    assert pressurecore.pace_admission(paced, 1) == paced
 
 
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 2)), max_size=30))
 def test_pace_loses_no_delivery(rows: list[tuple[int, int]]) -> None:
     pending = [core.Delivery(i, f"m{m}", f"s{s}") for i, (m, s) in enumerate(rows, 1)]
     admission = core.admit(pending, [], core.Limits(global_cap=3), now=0)
-    paced = pressure.pace_admission(admission, 1)
+    paced = pressurecore.pace_admission(admission, 1)
     before = {i for s in admission.starts for i in s.delivery_ids} | {
         h.delivery_id for h in admission.holds
     }
@@ -159,19 +160,19 @@ def test_pace_loses_no_delivery(rows: list[tuple[int, int]]) -> None:
 
 
 def test_slice_cgroup_follows_systemd_slice_nesting(tmp_path: Path) -> None:
-    assert pressure.slice_cgroup("volute-turns.slice", tmp_path) is None  # no v2 hierarchy
+    assert probes.slice_cgroup("volute-turns.slice", tmp_path) is None  # no v2 hierarchy
     (tmp_path / "unified").mkdir()
     (tmp_path / "unified/cgroup.controllers").write_text("")
-    assert pressure.slice_cgroup("volute-turns.slice", tmp_path) == (
+    assert probes.slice_cgroup("volute-turns.slice", tmp_path) == (
         tmp_path / "unified/volute.slice/volute-turns.slice"
     )
     (tmp_path / "cgroup.controllers").write_text("cpu io")
-    assert pressure.slice_cgroup("a-b-c.slice", tmp_path) == (
+    assert probes.slice_cgroup("a-b-c.slice", tmp_path) == (
         tmp_path / "a.slice/a-b.slice/a-b-c.slice"
     )
-    assert pressure.slice_cgroup("-.slice", tmp_path) == tmp_path
+    assert probes.slice_cgroup("-.slice", tmp_path) == tmp_path
     with pytest.raises(ValueError):
-        pressure.slice_cgroup("volute.scope", tmp_path)
+        probes.slice_cgroup("volute.scope", tmp_path)
 
 
 # -- config -------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import pytest
 from inotify_simple import INotify, flags
 
 from volutectl import slotcore, slots
-from volutectl.slotwatch import HeldSlot, SlotWatch, resolve_common_dir
+from volutectl.slotwatch import HeldSlot, SlotWatch
 from volutectl.testrun import register_with_gate
 
 F_OFD_GETLK = 36  # linux/fcntl.h; Python's fcntl module does not name it before 3.13
@@ -156,25 +156,6 @@ def test_parse_mount_device_takes_the_longest_then_the_topmost_mount() -> None:
     assert slotcore.parse_mount_device(mountinfo, "/srv/repo") == (254, 2)  # on top
     assert slotcore.parse_mount_device(mountinfo, "/mnt/with space/r") == (254, 3)
     assert slotcore.parse_mount_device("", "/x") is None
-
-
-# -- repositories ------------------------------------------------------------------------
-
-
-def test_resolve_common_dir_from_checkout_worktree_and_git_dir(repo: Path, tmp_path: Path) -> None:
-    common = (repo / ".git").resolve()
-    git("worktree", "add", "-q", str(tmp_path / "wt1"), cwd=repo)
-    assert resolve_common_dir(repo) == common
-    assert resolve_common_dir(repo / ".git") == common
-    assert resolve_common_dir(tmp_path / "wt1") == common
-    assert resolve_common_dir(common / "worktrees" / "wt1") == common
-    assert resolve_common_dir(tmp_path) is None
-    assert resolve_common_dir(tmp_path / "missing") is None
-    # The same answer as git's own, without running git:
-    found = slots.find_repository(tmp_path / "wt1")
-    assert found is not None and found.common_dir.resolve() == common
-    assert slotcore.parse_gitdir_file("gitdir: ../x/.git\n") == "../x/.git"
-    assert slotcore.parse_gitdir_file("nonsense") is None
 
 
 # -- the watch -----------------------------------------------------------------------------

@@ -226,7 +226,7 @@ def test_heartbeat_is_aligned_and_delivers() -> None:
 def test_sysusers_creates_the_group_and_the_default_turn_user(tmp_path: Path) -> None:
     (tmp_path / "etc").mkdir()
     result = subprocess.run(
-        [tool("systemd-sysusers"), f"--root={tmp_path}", str(PACKAGING / "volutectl.sysusers")],
+        [tool("systemd-sysusers"), f"--root={tmp_path}", str(DEBIAN / "volutectl.sysusers")],
         capture_output=True,
         text=True,
         timeout=60,
@@ -252,7 +252,7 @@ def test_tmpfiles_make_the_directories_the_unit_expects(tmp_path: Path) -> None:
             tool("systemd-tmpfiles"),
             f"--root={tmp_path}",
             "--create",
-            str(PACKAGING / "volutectl.tmpfiles"),
+            str(DEBIAN / "volutectl.tmpfiles"),
         ],
         capture_output=True,
         text=True,

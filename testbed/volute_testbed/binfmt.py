@@ -10,10 +10,13 @@ registered for the tier and removed again afterwards, also when the tier fails:
 
 The emulator is Debian trixie's `qemu-user` (10.0, statically linked), fetched with
 apt-get from a private package index and unpacked under the test cache
-(/var/cache/volute-test/qemu-user). Bookworm's qemu-user-static 7.2 is not enough:
-under it, trixie's systemd 257 cannot spawn systemd-executor (it spawns it with glibc's
-pidfd_spawn, a clone with CLONE_PIDFD), so every service fails with "Failed to spawn
-executor: Invalid argument", dbus included. Under 10.0 they start.
+(/var/cache/volute-test/qemu-user). The index is trixie main of the Debian archive the
+host's own apt is configured with (the source whose Release file says Origin: Debian,
+Label: Debian), or of the archive VOLUTE_DEBIAN_MIRROR names (see rootfs.py).
+Bookworm's qemu-user-static 7.2 is not enough: under it, trixie's systemd 257 cannot
+spawn systemd-executor (it spawns it with glibc's pidfd_spawn, a clone with
+CLONE_PIDFD), so every service fails with "Failed to spawn executor: Invalid argument",
+dbus included. Under 10.0 they start.
 
 The registration line is the package's own binfmt.d/qemu-aarch64.conf, with the
 interpreter's path moved into the cache and the name `volute-qemu-aarch64`. Its flags
@@ -23,7 +26,7 @@ takes precedence over a qemu-aarch64 handler the host may have (binfmt-support,
 systemd-binfmt), which is never touched and applies again once ours is removed.
 binfmt_misc is mounted if it is not, and unmounted only if this mounted it.
 
-    python -m tests.install.binfmt -- CMD...    # run CMD with the handler registered
+    python -m volute_testbed.binfmt -- CMD...    # run CMD with the handler registered
 """
 
 from __future__ import annotations
@@ -38,13 +41,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.install.rootfs import CACHE, MAX_AGE_SECONDS
+from volute_testbed.rootfs import CACHE, MAX_AGE_SECONDS, MIRROR_VARIABLE, debian_mirror
 
 BINFMT_MISC = Path("/proc/sys/fs/binfmt_misc")
 HANDLER = "volute-qemu-aarch64"
 QEMU_USER = CACHE / "qemu-user"
 QEMU_SUITE = "trixie"
-MIRROR = "http://deb.debian.org/debian"
 KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 CONF_IN_PACKAGE = "usr/share/qemu/binfmt.d/qemu-aarch64.conf"
 COMPLETE = ".volute-qemu-complete"
@@ -54,12 +56,35 @@ class BinfmtError(RuntimeError):
     pass
 
 
+def debian_archive() -> str:
+    """VOLUTE_DEBIAN_MIRROR, or the Debian archive among the host's apt sources."""
+    chosen = debian_mirror()
+    if chosen:
+        return chosen
+    listed = subprocess.run(
+        ["apt-get", "indextargets", "--format", "$(ORIGIN)\t$(LABEL)\t$(REPO_URI)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    for line in listed.splitlines():
+        origin, _, rest = line.partition("\t")
+        label, _, uri = rest.partition("\t")
+        if (origin, label) == ("Debian", "Debian") and uri:
+            return uri
+    raise BinfmtError(
+        "no Debian archive among the host's apt sources (or no index yet: apt-get update);"
+        f" set {MIRROR_VARIABLE} to one"
+    )
+
+
 def _apt_options(work: Path) -> list[str]:
     """apt-get options for a private index of trixie main alone, leaving the host's be."""
     parts = work / "sources.list.d"
     parts.mkdir(parents=True, exist_ok=True)
     sources = work / "sources.list"
-    sources.write_text(f"deb [signed-by={KEYRING}] {MIRROR} {QEMU_SUITE} main\n")
+    archive = debian_archive()
+    sources.write_text(f"deb [signed-by={KEYRING}] {archive} {QEMU_SUITE} main\n")
     for sub in ("lists/partial", "cache/archives/partial"):
         (work / sub).mkdir(parents=True, exist_ok=True)
     return [
@@ -197,7 +222,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("usage: python -m tests.install.binfmt -- CMD...", file=sys.stderr)
+        print("usage: python -m volute_testbed.binfmt -- CMD...", file=sys.stderr)
         return 64
     with qemu_aarch64():
         return subprocess.run(argv, check=False).returncode

@@ -4,7 +4,12 @@ The root is built once per (suite, arch, variant, packages, mirror) and reused f
 week; each test boots a throwaway overlay of it, so nothing a test does reaches the
 cache. Building takes about 40 s for amd64. Concurrent builders serialize on a flock.
 
-    python -m tests.install.rootfs          # build (or reuse) and print the path
+debootstrap fetches from its own default Debian mirror, and the root's apt then uses
+the sources.list debootstrap wrote. Set VOLUTE_DEBIAN_MIRROR to a Debian archive URL
+(a local mirror or a caching proxy) to use that instead: debootstrap gets it as its
+MIRROR argument, and the qemu-user download of binfmt.py uses it too.
+
+    python -m volute_testbed.rootfs          # build (or reuse) and print the path
 """
 
 from __future__ import annotations
@@ -17,12 +22,18 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CACHE = Path(os.environ.get("VOLUTE_TEST_CACHE", "/var/cache/volute-test"))
 MAX_AGE_SECONDS = 7 * 24 * 3600
 COMPLETE = ".volute-rootfs-complete"
+MIRROR_VARIABLE = "VOLUTE_DEBIAN_MIRROR"
+
+
+def debian_mirror() -> str | None:
+    """The Debian archive VOLUTE_DEBIAN_MIRROR names, or None for the tools' defaults."""
+    return os.environ.get(MIRROR_VARIABLE) or None
 
 
 def host_arch() -> str:
@@ -36,12 +47,14 @@ class RootSpec:
     arch: str = "amd64"
     variant: str = "minbase"
     include: tuple[str, ...] = ("systemd", "systemd-sysv", "dbus", "python3")
-    mirror: str = "http://deb.debian.org/debian"
+    # None: debootstrap's own default.
+    mirror: str | None = field(default_factory=debian_mirror)
 
     def argv(self, target: Path) -> list[str]:
         argv = ["debootstrap", f"--variant={self.variant}", f"--arch={self.arch}"]
         argv.append("--include=" + ",".join(self.include))
-        return [*argv, self.suite, str(target), self.mirror]
+        argv += [self.suite, str(target)]
+        return [*argv, self.mirror] if self.mirror else argv
 
     @property
     def key(self) -> str:

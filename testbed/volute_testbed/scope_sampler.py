@@ -1,5 +1,7 @@
 """Runs INSIDE the test container: samples the live turn scopes from systemd over D-Bus.
 
+    python -m volute_testbed.scope_sampler STOP_FILE OUT_FILE [INTERVAL]   (gate.Sampler)
+
 Independent of the gate (it speaks to systemd directly), so the caps it observes are
 systemd's truth, not the gate's bookkeeping. Every ~2 ms it lists the live
 volute-turn-*.scope units and records the count and the per-mind count; it stops when

@@ -6,8 +6,8 @@ from __future__ import annotations
 import collections
 import time
 
-from tests.machine import Machine
-from tests.system.gate_fixture import VOLUTECTL, live_turn_scopes, wait_for
+from volute_testbed.gate import VOLUTECTL, live_turn_scopes, wait_for
+from volute_testbed.machine import Machine
 
 # fault-probe SECONDS [FAIL_ONE_IN]: hold the turn, take the inbox, then exit 0, or 1
 # once in FAIL_ONE_IN turns (random). Logs "start M S T ids", "took M S T id" and

@@ -1,9 +1,9 @@
 """A kill storm: clients deliver while the gate's whole cgroup is SIGKILLed at random.
 
 Used by tests/system/test_faults.py (30 kills) and by bench/gate_kills.py (50, by hand).
-Inside a booted container with the gate installed (tests/system/gate_fixture.py):
+Inside a booted container with the gate installed (volute_testbed.gate):
 
-- N minds run fault-probe (tests/system/faults_fixture.py): each turn holds a while,
+- N minds run fault-probe (volute_testbed.faults): each turn holds a while,
   takes its inbox, and exits 1 once in `fail_one_in` turns, so failures are retried;
 - C clients deliver in closed loops (`volutectl deliver`, its default --timeout),
   logging each exit code and acknowledged id;
@@ -22,14 +22,13 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from tests.machine import Machine
-from tests.system.faults_fixture import (
+from volute_testbed.faults import (
     fast_restarts,
     gate_pid,
     install_fault_probe,
     successful_runs,
 )
-from tests.system.gate_fixture import (
+from volute_testbed.gate import (
     VOLUTECTL,
     Sampler,
     gate_config,
@@ -38,6 +37,7 @@ from tests.system.gate_fixture import (
     start_gate,
     turn_log,
 )
+from volute_testbed.machine import Machine
 
 CLIENT = """#!/bin/sh
 # chaos-client K N: deliver to mind m(i % N), session cK, until /var/tmp/chaos.stop exists.

@@ -1,20 +1,20 @@
-"""Helpers to run the real gate service (units/ from this checkout) in a test container."""
+"""The real gate service (units/ from this checkout) in a booted machine: install and start
+it, deliver, and read back what systemd, the store and the turn probe saw."""
 
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 import tomllib
 from pathlib import Path
 
-from tests.conftest import REPO, VENV_BIN
-from tests.machine import Machine
+from volute_testbed.machine import Machine
+from volute_testbed.paths import CHECKOUT, PYTHON, SCRIPTS
 
-UNITS = REPO / "units"
+UNITS = CHECKOUT / "units"
 DEFAULT_SOCKET = "/run/volute/gate.sock"  # volute-gate.socket's ListenStream=
-VOLUTECTL = str(VENV_BIN / "volutectl")
+VOLUTECTL = str(SCRIPTS / "volutectl")
 
 
 def install_units(machine: Machine) -> None:
@@ -30,7 +30,7 @@ def install_units(machine: Machine) -> None:
     # /var/tmp (a CI clone), which the heartbeat's ProtectHome=yes and the private /tmp
     # and /var/tmp of DynamicUser=yes hide; so they are bound back in, read-only. The
     # packaged volutectl is /usr/bin/volutectl and needs none of this.
-    binds = " ".join(f"-{path}" for path in sorted({str(REPO), str(Path(sys.prefix))}))
+    binds = " ".join(f"-{path}" for path in sorted({str(CHECKOUT), str(Path(sys.prefix))}))
     machine.write(
         "/etc/systemd/system/volute-heartbeat@.service.d/test-venv.conf",
         f"[Service]\nProtectHome=read-only\nBindReadOnlyPaths={binds}\n",
@@ -102,7 +102,7 @@ print(json.dumps(dict(db.execute("SELECT id, state FROM deliveries"))))
 
 def delivery_states(machine: Machine) -> dict[int, str]:
     """Every delivery in the store and its state (`queue list` stops at 200 rows)."""
-    out = machine.run([str(VENV_BIN / "python"), "-c", STATES_SQL]).stdout
+    out = machine.run([PYTHON, "-c", STATES_SQL]).stdout
     return {int(key): str(value) for key, value in json.loads(out).items()}
 
 
@@ -117,7 +117,7 @@ def deliver(machine: Machine, mind: str, message: str, *args: str, check: bool =
     return int(proc.stdout.strip()) if proc.returncode == 0 else -proc.returncode
 
 
-def live_turn_scopes(machine: Machine, slice_: str = "volute-turns.slice") -> list[str]:
+def live_turn_scopes(machine: Machine) -> list[str]:
     out = machine.run(
         [
             "systemctl",
@@ -142,15 +142,6 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05) -> None: 
 
 def journal(machine: Machine, unit: str = "volute-gate.service") -> str:
     return machine.run(["journalctl", "--no-pager", "-o", "cat", "-u", unit], check=False).stdout
-
-
-def mind_of(unit: str) -> str:
-    match = re.fullmatch(r"volute-turn-(.+)-[0-9]+\.scope", unit)
-    return match.group(1) if match else ""
-
-
-def host_path(machine: Machine, path: str) -> Path:
-    return machine.host_path(path)
 
 
 # A turn command for tests: logs what it got (from stdin and the inbox) to a shared log.
@@ -208,10 +199,8 @@ class Sampler:
         self.stop_file = f"/var/tmp/{name}.stop"
         self.out_file = f"/var/tmp/{name}.json"
         self.proc = machine.popen(
-            [str(VENV_BIN / "python"), str(REPO / "tests/system/scope_sampler.py"),
-             self.stop_file, self.out_file],
-            env={"PYTHONPATH": str(REPO)},
-        )  # fmt: skip
+            [PYTHON, "-m", "volute_testbed.scope_sampler", self.stop_file, self.out_file]
+        )
         self.result: dict[str, object] = {}
 
     def stop(self) -> dict[str, object]:

@@ -1,9 +1,10 @@
 """A throwaway systemd, booted with systemd-nspawn over an overlay of this machine's root.
 
-Used by the system tests, the benchmarks and the README demo. Every write the container
-makes lands in a tmpfs upper layer; nothing reaches the host's root. systemd is never
-started on the host's own root: `boot()` refuses any root that is not the overlay it
-just built.
+Used by the system tests (the `machine` fixture), the benchmarks and the README demo,
+through `dev_machine()`; the install tiers `boot()` a debootstrapped root instead.
+Every write the container makes lands in a tmpfs upper layer; nothing reaches the
+host's root. systemd is never started on the host's own root: `boot()` refuses any root
+that is not the overlay it just built.
 
 The checkout (and anything else listed in `binds`) is bind-mounted at the same path
 inside, so a virtualenv made on the host works unchanged in the container, and files
@@ -18,11 +19,14 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from volute_testbed.paths import CHECKOUT, SCRIPTS
 
 # Units that slow the boot or fail in a container; masked in the overlay only.
 MASKED_UNITS = (
@@ -312,3 +316,38 @@ def boot(
         _remove_cgroups(cgroups)
         with contextlib.suppress(OSError):
             base.rmdir()
+
+
+def machine_binds() -> list[Path]:
+    """The checkout, and the interpreter's environment when it lives elsewhere."""
+    binds = [CHECKOUT]
+    venv = Path(sys.prefix)
+    if not venv.is_relative_to(CHECKOUT):
+        binds.append(venv)
+    return binds
+
+
+def open_interpreter_path(machine: Machine) -> None:
+    """Let non-root users in the container run the venv (its python may live under /root).
+
+    Only the container's overlay copy of each directory changes, never the host's.
+    """
+    real = Path(os.path.realpath(sys.executable))
+    dirs = [str(parent) for parent in real.parents if str(parent) != "/"]
+    machine.run(["chmod", "a+x", *dirs])
+
+
+@contextlib.contextmanager
+def dev_machine(
+    *, name: str | None = None, binds: Sequence[str | os.PathLike[str]] = ()
+) -> Iterator[Machine]:
+    """A booted machine that runs this checkout's volutectl with the tests' interpreter.
+
+    The checkout and the interpreter's environment are bound in (plus `binds`), the
+    environment's scripts directory leads PATH, and non-root users may run the
+    interpreter.
+    """
+    with boot(binds=[*machine_binds(), *binds], name=name) as machine:
+        machine.env["PATH"] = f"{SCRIPTS}:{CLEAN_PATH}"
+        open_interpreter_path(machine)
+        yield machine

@@ -1,0 +1,118 @@
+"""A slow disk for IO-pressure runs: a throttled ext4 loop device, on cgroup-v1 blkio.
+
+A file-backed loop device with ext4 stands in for a Raspberry Pi's SD card, throttled by
+a cgroup-v1 blkio limit (60 write IOPS, 2 MB/s by default, on the loop device's
+major:minor only). The calling process moves itself into that blkio cgroup, so
+everything it starts inherits the limit: a machine booted then (systemd-nspawn), its
+systemd, the gate and every turn scope (the container's systemd does not manage the v1
+blkio hierarchy). Bind the mount into a machine at the same path.
+
+Used by bench/replay_incident.py and tests/system/test_pressure.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BLKIO = Path("/sys/fs/cgroup/blkio")
+WRITE_IOPS = 60
+WRITE_BPS = 2 * 1024 * 1024
+
+
+@dataclass
+class SlowDisk:
+    device: str  # /dev/loopN
+    majmin: str  # "7:N"
+    mount: Path  # the ext4 mount (bind it into containers at the same path)
+    cgroup: Path | None  # the blkio cgroup this process (and its children) is in
+
+
+def _run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, check=True, capture_output=True, text=True, **kwargs)
+
+
+@contextlib.contextmanager
+def slow_disk(
+    size_mib: int = 1024, iops: int = WRITE_IOPS, bps: int = WRITE_BPS, name: str = "replay"
+) -> Iterator[SlowDisk]:
+    """A throttled ext4 loop device; this process is in its blkio cgroup while inside.
+
+    Everything is undone on the way out, whatever happens: the process leaves the
+    cgroup, the cgroup is removed, the mount unmounted, the loop device detached and
+    its backing file deleted.
+    """
+    if os.geteuid() != 0:
+        raise SystemExit("the slow disk needs root (losetup, mount, blkio cgroups)")
+    work = Path(tempfile.mkdtemp(prefix=f"volute-{name}.", dir="/var/tmp"))
+    work.chmod(0o755)  # turns run as unprivileged users
+    image = work / "disk.img"
+    mount = work / "mnt"
+    device = ""
+    mounted = False
+    cgroup: Path | None = None
+    entered = False
+    try:
+        with image.open("wb") as handle:
+            handle.truncate(size_mib * 1024 * 1024)
+        device = _run(["losetup", "-f", "--show", str(image)]).stdout.strip()
+        _run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", device])
+        mount.mkdir()
+        _run(["mount", "-o", "noatime", device, str(mount)])
+        mounted = True
+        mount.chmod(0o1777)
+        st = os.stat(device)
+        majmin = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+        if not (BLKIO / "blkio.throttle.write_iops_device").exists():
+            raise SystemExit(f"no cgroup-v1 blkio throttle at {BLKIO}: cannot slow the disk")
+        cgroup = BLKIO / f"volute-{name}-{os.getpid()}"
+        cgroup.mkdir()
+        (cgroup / "blkio.throttle.write_iops_device").write_text(f"{majmin} {iops}\n")
+        (cgroup / "blkio.throttle.write_bps_device").write_text(f"{majmin} {bps}\n")
+        (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+        entered = True
+        yield SlowDisk(device, majmin, mount, cgroup)
+    finally:
+        if entered:
+            with contextlib.suppress(OSError):
+                (BLKIO / "cgroup.procs").write_text(str(os.getpid()))
+        if cgroup is not None:
+            _remove_cgroup(cgroup)
+        if mounted:
+            for _ in range(50):
+                if subprocess.run(["umount", str(mount)], capture_output=True).returncode == 0:
+                    break
+                time.sleep(0.2)
+            else:
+                subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+        if device:
+            subprocess.run(["losetup", "-d", device], capture_output=True)
+        with contextlib.suppress(OSError):
+            image.unlink()
+        with contextlib.suppress(OSError):
+            mount.rmdir()
+        with contextlib.suppress(OSError):
+            work.rmdir()
+
+
+def _remove_cgroup(cgroup: Path) -> None:
+    """Move stragglers to the root blkio cgroup, then remove ours."""
+    for _ in range(50):
+        with contextlib.suppress(OSError):
+            for pid in (cgroup / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):
+                    (BLKIO / "cgroup.procs").write_text(pid)
+        try:
+            cgroup.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.1)
