@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 from volutectl.units import ENDED_STATES, ScopeProperties, SystemdManager
 
+_GONE = (None, *ENDED_STATES)
+
 
 def _child() -> tuple[int, int]:
     """A process that waits until its pipe closes, then exits 0: (pid, write end)."""
@@ -60,11 +62,14 @@ def _reap(pid: int) -> None:
 
 
 def _ended_event(manager: SystemdManager, *names: str, timeout: float = 10.0) -> None:
-    """Wait on the manager's fd until it has reported each of `names` ended."""
+    """Wait on the manager's fd until it has reported each of `names` ended, and the
+    unit's own state agrees. A UnitEnded is news to check, not proof: systemd also
+    announces a scope's initial "inactive" while it creates the scope."""
     deadline = time.monotonic() + timeout
     waiting = set(names)
     while True:
-        waiting -= {event.name for event in manager.process_events()}
+        reported = {event.name for event in manager.process_events()} & waiting
+        waiting -= {name for name in reported if manager.active_state(name) in _GONE}
         if not waiting:
             return
         left = deadline - time.monotonic()
@@ -141,16 +146,32 @@ def stop_sends_sigterm_then_sigkill_after_the_stop_timeout(
 
 
 def kill_unit_signals_every_process_of_the_scope(manager: SystemdManager, slice_: str) -> None:
+    """The process the scope was started with, and the ones it started since."""
     name = f"volute-contract-kill-{os.getpid()}.scope"
-    pid, release = _child()
+    read_fd, write_fd = os.pipe()
+    go_read, go_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - once in its scope, a shell starts a grandchild
+        os.read(go_read, 1)
+        os.dup2(write_fd, 1)
+        os.execv("/bin/sh", ["sh", "-c", "sleep 60 & echo $!; wait"])
+    os.close(write_fd)
+    os.close(go_read)
     try:
         manager.start_scope(name, [pid], _props(slice_))
+        os.write(go_write, b"1")  # the grandchild starts inside the scope
+        grandchild = int(os.read(read_fd, 64).split()[0])
         manager.kill_unit(name, signal.SIGTERM)
         _, status = os.waitpid(pid, 0)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+        deadline = time.monotonic() + 5
+        while _alive(grandchild) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not _alive(grandchild), "the grandchild got no signal"
         _ended_event(manager, name)
     finally:
-        os.close(release)
+        os.close(read_fd)
+        os.close(go_write)
 
 
 def a_unit_that_is_not_loaded_is_an_answer_not_an_error(

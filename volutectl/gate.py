@@ -104,7 +104,7 @@ class Gate:
             from volutectl.systemd import Manager
 
             manager = Manager.connect(user=settings.gate.manager == "user")
-        self._opened.append(manager)
+            self._opened.append(manager)  # one we were given is its giver's to close
         manager.watch_units()
         turns = Turns(
             settings,

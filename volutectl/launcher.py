@@ -74,6 +74,10 @@ def raise_nofile_limit() -> tuple[int, int]:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+# Above any descriptor the gate opens (os.closerange uses close_range(2): no cost per fd).
+_MAX_FD = 1 << 30
+
+
 def _reset_inherited_state() -> None:
     """In a turn's child: what exec would pass on from the gate goes back to the defaults.
 
@@ -300,7 +304,10 @@ def fork_turn(
     else:  # pragma: no cover - the child; its effects are tested end to end
         try:
             _reset_inherited_state()
-            os.close(write_fd)
+            # Nothing of the gate's but the release pipe: not its listening socket, its
+            # clients, its database or its bus, not even until exec closes them.
+            os.closerange(3, read_fd)
+            os.closerange(read_fd + 1, _MAX_FD)  # the pipe's write end among them
             os.setsid()
             stdin_fd = os.open(stdin_path, os.O_RDONLY)
             os.dup2(stdin_fd, 0)

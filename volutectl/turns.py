@@ -221,6 +221,14 @@ class Turns:
         except (VoluteError, OSError, KeyError) as error:
             self._start_failed(start, turn_id, unit, taken, child, error)
             return
+        except BaseException:
+            # The gate is going down mid-start: the child must not wait for it. Its pipe
+            # closes, and it exits having run nothing, as it would if the gate died.
+            if child is not None:
+                child.abandon()
+                with contextlib.suppress(ChildProcessError):
+                    processes.wait(child.pid)
+            raise
         self.store.mark_released(turn_id, child.pid)
         crash_point("release_recorded")
         turn = Turn(turn_id, start.mind, start.session, unit, turn_dir, account, now, True,
@@ -320,9 +328,15 @@ class Turns:
         }
 
     def tell_dead(
-        self, rows: Iterable[Row], failed: Mapping[int, core.AfterFailure], error: str
+        self,
+        rows: Iterable[Row],
+        failed: Mapping[int, core.AfterFailure],
+        error: str,
+        *,
+        notify: bool = True,
     ) -> None:
-        """Once the failure is committed: log the rows that went dead, tell their waiters."""
+        """Once the failure is committed: log the rows that went dead, and tell their
+        waiters (unless they are told of the turn that carried them instead)."""
         for row in rows:
             after = failed.get(row.id)
             if after is not None and after.state is QueueState.DEAD:
@@ -330,7 +344,8 @@ class Turns:
                     "warning", row, f"is dead after {after.attempts} attempts: {error}",
                     event="dead",
                 )  # fmt: skip
-                self.notify(row.id, DeliveryDead(row.id, error))
+                if notify:
+                    self.notify(row.id, DeliveryDead(row.id, error))
 
     # -- settling -------------------------------------------------------------------------
 
@@ -379,7 +394,9 @@ class Turns:
             durable=False,  # the gate calls store.sync() before it sleeps
         )
         crash_point("settled")
-        self.tell_dead(carried, failed, error)
+        # A waiter hears of the turn that carried its delivery (its outcome, its exit
+        # code), also when that turn's failure was the delivery's last attempt.
+        self.tell_dead(carried, failed, error, notify=False)
         self._turns.pop(turn.id, None)
         self.close_pidfd(turn)
         turn.turn_dir.remove()

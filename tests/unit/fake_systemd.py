@@ -13,9 +13,10 @@ assertions run against this fake (unit tier) and the real adapter (system tier):
   sends a signal to every process of the scope;
 - a unit that is not loaded answers None, not an error.
 
-What it leaves out: cgroups and their controllers, weights, Slice= nesting, and
-RuntimeMaxSec= (the gate's own deadline stops a turn first). A test may make any method
-fail as a D-Bus call cut short does (`failing`), or drop the bus.
+What it leaves out: cgroups and their controllers, weights, Slice= nesting,
+RuntimeMaxSec= (the gate's own deadline stops a turn first), and descendants that
+outlive the processes a scope was started with (the scope ends when those have
+exited). A test may make any method fail as a D-Bus call cut short does (`failing`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from volutectl.errors import SystemdError
+from volutectl.names import parse_turn_scope_name
 from volutectl.units import (
     LIVE_STATES,
     ScopeProperties,
@@ -65,6 +67,7 @@ class FakeManager:
         self.signals: list[tuple[str, int]] = []
         self.watching = False
         self.most_live = 0  # the most scopes that held a process at once, for cap checks
+        self.most_per_mind: dict[str, int] = {}  # the same, per mind of a turn scope
         # Methods that fail as a D-Bus call cut short does (EINTR, a timeout): a test
         # adds a name here, and every call of that method raises until it is removed.
         self.failing: set[str] = set()
@@ -101,7 +104,18 @@ class FakeManager:
             scope.pidfds.append(pidfd)
             self.epoll.register(pidfd, select.EPOLLIN)
         self.scopes[name] = scope
-        self.most_live = max(self.most_live, self._holding())
+        self._count()
+
+    def _count(self) -> None:
+        holding = [s.name for s in self.scopes.values() if s.state in LIVE_STATES and s.pidfds]
+        self.most_live = max(self.most_live, len(holding))
+        per_mind: dict[str, int] = {}
+        for name in holding:
+            parsed = parse_turn_scope_name(name)
+            if parsed is not None:
+                per_mind[parsed[0]] = per_mind.get(parsed[0], 0) + 1
+        for mind, count in per_mind.items():
+            self.most_per_mind[mind] = max(self.most_per_mind.get(mind, 0), count)
 
     def start_unit(self, name: str, timeout: float = 30.0) -> None:
         self._call("start_unit")
@@ -189,11 +203,10 @@ class FakeManager:
 
     # -- the model ------------------------------------------------------------------------
 
-    def _holding(self) -> int:
-        return sum(1 for s in self.scopes.values() if s.state in LIVE_STATES and s.pidfds)
-
     def _signal(self, scope: FakeScope, signal: int) -> None:
-        for pid in list(scope.pids):
+        """Signal every process of the scope: those it was started with, and what they
+        started (found through /proc, as systemd finds them in the cgroup)."""
+        for pid in _tree(scope.pids):
             try:
                 os.kill(pid, signal)
             except ProcessLookupError:
@@ -222,6 +235,24 @@ class FakeManager:
                 pass
             os.close(pidfd)
         scope.pidfds = []
+
+
+def _tree(pids: Sequence[int]) -> list[int]:
+    found, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{task}/children") as handle:
+                    todo += [int(child) for child in handle.read().split()]
+            except OSError:
+                continue
+    return found
 
 
 def _exited(pidfd: int) -> bool:

@@ -41,11 +41,20 @@ class RecordingJournal(Journal):
 
 
 def gate_settings(
-    state: Path, socket_path: Path, *, minds: dict[str, str] | None = None, **gate: Any
+    state: Path,
+    socket_path: Path,
+    *,
+    minds: dict[str, str] | None = None,
+    limits: dict[str, Any] | None = None,
+    turns: dict[str, Any] | None = None,
+    **gate: Any,
 ) -> Settings:
-    """Settings for a gate under `state`; minds map name -> shell command, run as us."""
+    """Settings for a gate under `state`; minds map name -> shell command, run as us;
+    `limits` and `turns` are those sections, the other keywords the [gate] section."""
     commands = minds if minds is not None else {"mimsy": "true"}
     return Settings(
+        limits=limits or {},  # type: ignore[arg-type]
+        turns=turns or {},  # type: ignore[arg-type]
         gate={  # type: ignore[arg-type]
             "socket": socket_path,
             "socket_group": ME,
@@ -119,15 +128,16 @@ class Peer:
 
 
 class Harness:
-    def __init__(self, tmp_path: Path, **options: Any) -> None:
+    def __init__(self, tmp_path: Path, *, start: bool = True, **options: Any) -> None:
         self.socket_dir = short_socket_dir()
         self.socket_path = self.socket_dir / "gate.sock"
         self.settings = gate_settings(tmp_path, self.socket_path, **options)
         self.journal = RecordingJournal()
         self.manager = FakeManager()
-        self.gate = Gate(self.settings, manager=self.manager, journal=self.journal)
         self.peers: list[Peer] = []
         self.steps = 0
+        if start:
+            self.restart()
 
     def step(self, timeout: float | None) -> None:
         self.steps += 1
@@ -139,7 +149,10 @@ class Harness:
         while not until():
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out after {timeout} s waiting for {until}")
-            self.step(tick)
+            # As the real loop: the gate's own timeout (which also arms its backoff
+            # wake-up), cut to `tick` so that `until` is asked often.
+            wait = self.gate.timeout()
+            self.step(tick if wait is None else min(wait, tick))
 
     def run_for(self, seconds: float) -> None:
         """Step as the real loop does (sleeping until the gate's own deadline), for a while."""
@@ -161,6 +174,27 @@ class Harness:
         assert self.gate.state.store.row(reply["id"]) is not None
         return int(reply["id"])
 
+    def crash(self) -> None:
+        """What the gate's death leaves: its descriptors closed, nothing tidied (the
+        socket file, turn directories and systemd's scopes stay). systemd (the fake)
+        lives on, and so do the turns' processes."""
+        gate = self.gate
+        for client in list(gate.server.clients.values()):
+            client.sock.close()
+        gate.server.listener.close()
+        for turn in gate.state.turns.all():
+            if turn.pidfd >= 0:
+                os.close(turn.pidfd)
+            if turn.child is not None:
+                turn.child.abandon()  # a released child ignores it; an unreleased one exits
+        gate.state.slots.close()
+        gate.state.store.close()
+        gate.selector.close()
+
+    def restart(self) -> None:
+        """A (new) gate on the state directory, socket and systemd of this harness."""
+        self.gate = Gate(self.settings, manager=self.manager, journal=self.journal)
+
     def close(self) -> None:
         for peer in self.peers:
             peer.close()
@@ -171,4 +205,17 @@ class Harness:
                 os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
+        reap_children()
         remove_tree(self.socket_dir)
+
+
+def reap_children() -> None:
+    """Reap the children that have ended (turns of a crashed gate, whose new gate adopts
+    them by PID and cannot wait for them)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return

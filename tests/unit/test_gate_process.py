@@ -230,12 +230,13 @@ def test_a_forked_child_resets_signals_and_limits_before_it_waits_for_release(
     try:
         # Forked and not released: it blocks on its pipe with nothing of the gate's, and
         # ignores only the signals that stop the gate's unit.
+        stops = sum(1 << (s - 1) for s in launcher.STOP_SIGNALS)
         deadline = time.monotonic() + 5
-        while signal_masks(child.pid)["SigCgt"] & OURS:
+        # It blocks every signal across the fork, then resets: wait until it has.
+        while signal_masks(child.pid)["SigCgt"] & OURS or signal_masks(child.pid)["SigBlk"]:
             assert time.monotonic() < deadline, signal_masks(child.pid)
             time.sleep(0.005)
         masks = signal_masks(child.pid)
-        stops = sum(1 << (s - 1) for s in launcher.STOP_SIGNALS)
         assert (masks["SigBlk"], masks["SigIgn"], masks["SigCgt"] & OURS) == (0, stops, 0), masks
         assert soft_nofile(child.pid) == 256
         # So a SIGTERM to the gate's whole cgroup (a restart of its unit) neither kills it

@@ -1,0 +1,338 @@
+"""The real gate, in-process and without root, turn by turn: admission and its caps,
+fold-in, interrupts, retries and dead letters, time limits, scopes around dead
+processes, and a crash at each step of a turn's start.
+
+The gate is volutectl.gate.Gate on real sockets and a real SQLite file, its turns real
+processes (a shell probe that logs what each turn received and how it exited); systemd
+is tests/unit/fake_systemd.py, held to systemd's promises by tests/contract.py. The
+system tier proves the same against real systemd; this tier reaches the moments that
+are hard to time there, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.gate_harness import Harness
+from volutectl import faults, names
+from volutectl.states import QueueState
+from volutectl.store import NewDelivery, Store
+from volutectl.units import ScopeProperties
+
+# probe HOLD [EXIT]: log the turn and its deliveries, take the inbox while holding, then
+# exit EXIT (0). Deliveries folded in are logged as "took".
+PROBE = r"""#!/bin/sh
+log=LOG
+hold=${1:-0.1}
+rc=${2:-0}
+ids=$(sed -n 's/.*"id": *\([0-9][0-9]*\).*/\1/p' | tr '\n' ' ')
+echo "start $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $ids" >> $log
+take() {
+  for f in "$VOLUTE_INBOX"/*.json; do
+    [ -e "$f" ] || continue
+    id=$(basename "$f" .json)
+    rm -f "$f" && echo "took $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $id" >> $log
+  done
+}
+trap 'take; echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID 130" >> $log; exit 130' INT
+end=$(( $(date +%s%3N) + $(echo "$hold" | awk '{printf "%d", $1 * 1000}') ))
+while [ "$(date +%s%3N)" -lt "$end" ]; do take; sleep 0.01; done
+take
+echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $rc" >> $log
+exit $rc
+"""
+
+
+class Turns:
+    """The probe's log, read back."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def lines(self) -> list[list[str]]:
+        if not self.path.exists():
+            return []
+        return [line.split() for line in self.path.read_text().splitlines() if line]
+
+    def runs(self) -> collections.Counter[int]:
+        """How many turns that exited 0 each delivery id reached."""
+        got: dict[str, list[int]] = collections.defaultdict(list)
+        codes: dict[str, str] = {}
+        for fields in self.lines():
+            if fields[0] == "start":
+                got[fields[3]] += [int(x) for x in fields[4:]]
+            elif fields[0] == "took":
+                got[fields[3]].append(int(fields[4]))
+            elif fields[0] == "end":
+                codes[fields[3]] = fields[4]
+        return collections.Counter(i for turn, ids in got.items() if codes.get(turn) == "0"
+                                   for i in ids)  # fmt: skip
+
+    def started(self) -> int:
+        return sum(1 for fields in self.lines() if fields[0] == "start")
+
+
+@pytest.fixture
+def probe(tmp_path: Path) -> tuple[str, Turns]:
+    log = tmp_path / "turns.log"
+    script = tmp_path / "probe"
+    script.write_text(PROBE.replace("LOG", str(log)))
+    script.chmod(0o755)
+    return str(script), Turns(log)
+
+
+def gate(tmp_path: Path, minds: dict[str, str], **options: Any) -> Harness:
+    return Harness(tmp_path, minds=minds, **options)
+
+
+@pytest.fixture
+def harnesses() -> Iterator[list[Harness]]:
+    made: list[Harness] = []
+    yield made
+    for harness in made:
+        harness.close()
+    faults.arm(None)
+
+
+def deliver(harness: Harness, mind: str, session: str = "main", **fields: Any) -> int:
+    reply = harness.connect().request(
+        {"op": "deliver", "mind": mind, "session": session, "message": "m", **fields}
+    )
+    assert reply.get("ok") is True, reply
+    return int(reply["id"])
+
+
+def settled(harness: Harness) -> bool:
+    store = harness.gate.state.store
+    return not store.list_rows([QueueState.PENDING, QueueState.RUNNING])
+
+
+def rows(harness: Harness, state: QueueState) -> list[Any]:
+    return harness.gate.state.store.list_rows([state])
+
+
+# -- admission -------------------------------------------------------------------------
+
+
+def test_a_fan_out_holds_the_global_cap_and_one_turn_per_mind(
+    tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness]
+) -> None:
+    command, log = probe
+    minds = {f"m{i}": f"{command} 0.15" for i in range(6)}
+    harness = gate(tmp_path, minds, limits={"global_concurrent_turns": 2})
+    harnesses.append(harness)
+    acked = [deliver(harness, mind, session) for session in ("a", "b") for mind in minds]
+    harness.pump(lambda: settled(harness), timeout=30)
+    assert harness.manager.most_live == 2  # never more, from the fake systemd's own count
+    assert max(harness.manager.most_per_mind.values()) == 1
+    assert sorted(log.runs()) == sorted(acked) and set(log.runs().values()) == {1}
+    done = rows(harness, QueueState.DONE)
+    assert all(row.attempts == 0 for row in done)
+    reasons = {m for m in harness.journal.messages("info") if "held: " in m}
+    assert any("global_cap" in m for m in reasons) and any("mind_busy" in m for m in reasons)
+
+
+def test_a_session_gets_its_deliveries_in_order_one_batch_per_turn(
+    tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness]
+) -> None:
+    command, log = probe
+    harness = gate(tmp_path, {"m": f"{command} 0.3"})
+    harnesses.append(harness)
+    first = deliver(harness, "m", "other")
+    harness.pump(lambda: log.started() == 1)
+    batch = [deliver(harness, "m", "chat") for _ in range(3)]  # held behind "other"
+    harness.pump(lambda: settled(harness), timeout=30)
+    starts = [fields for fields in log.lines() if fields[0] == "start"]
+    assert [[int(x) for x in fields[4:]] for fields in starts] == [[first], batch]
+
+
+# -- fold-in and interrupts --------------------------------------------------------------
+
+
+def test_a_delivery_to_a_running_session_folds_into_its_inbox(
+    tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness]
+) -> None:
+    command, log = probe
+    harness = gate(tmp_path, {"reader": f"{command} 0.6", "deaf": "sleep 0.4"})
+    harnesses.append(harness)
+    first = deliver(harness, "reader", "s")
+    harness.pump(lambda: log.started() == 1)
+    second = deliver(harness, "reader", "s")
+    harness.pump(lambda: settled(harness), timeout=30)
+    assert log.started() == 1  # no second process
+    assert log.runs() == {first: 1, second: 1}
+    # A turn that never takes its inbox: the folded delivery goes to the next turn,
+    # with no attempt counted.
+    a = deliver(harness, "deaf", "s")
+    harness.pump(lambda: any(n.startswith("volute-turn-deaf") for n in harness.manager.scopes))
+    b = deliver(harness, "deaf", "s")
+    harness.pump(lambda: settled(harness), timeout=30)
+    deaf_scopes = [n for n in harness.manager.scopes if n.startswith("volute-turn-deaf")]
+    assert len(deaf_scopes) == 2
+    assert all(row.attempts == 0 for row in rows(harness, QueueState.DONE))
+    assert {a, b} <= {row.id for row in rows(harness, QueueState.DONE)}
+
+
+def test_an_interrupt_signals_the_turn_and_counts_as_carried(
+    tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness]
+) -> None:
+    command, log = probe
+    harness = gate(tmp_path, {"m": f"{command} 5"})
+    harnesses.append(harness)
+    first = deliver(harness, "m", "s")
+    harness.pump(lambda: log.started() == 1)
+    second = deliver(harness, "m", "s", interrupt=True)
+    harness.pump(lambda: settled(harness), timeout=30)
+    [(unit, signum)] = harness.manager.signals
+    assert unit.startswith("volute-turn-m-") and signum == signal.SIGINT
+    assert [f[4] for f in log.lines() if f[0] == "end"] == ["130"]
+    done = rows(harness, QueueState.DONE)
+    assert {row.id for row in done} == {first, second} and all(r.attempts == 0 for r in done)
+    assert any("interrupted, exited 130" in m for m in harness.journal.messages())
+
+
+# -- failures --------------------------------------------------------------------------------
+
+
+def test_a_failing_turn_is_retried_then_dead_and_its_waiter_told(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = gate(
+        tmp_path, {"m": "exit 3"}, max_attempts=2, backoff_initial_seconds=0.05,
+        backoff_max_seconds=0.05,
+    )  # fmt: skip
+    harnesses.append(harness)
+    waiter = harness.connect()
+    ack = waiter.request({"op": "deliver", "mind": "m", "message": "x", "wait": True})
+    first_turn = waiter.reply(timeout=10)
+    assert (first_turn["event"], first_turn["outcome"], first_turn["exit_code"]) == (
+        "turn_ended", "failed", 3,
+    )  # fmt: skip
+    harness.pump(lambda: bool(rows(harness, QueueState.DEAD)), timeout=10)
+    [dead] = rows(harness, QueueState.DEAD)
+    assert (dead.id, dead.attempts, dead.last_error) == (ack["id"], 2, "turn 2 exited 3")
+    # Retried by hand: pending again, attempts reset, and it fails its way back.
+    peer = harness.connect()
+    assert peer.request({"op": "retry", "ids": [dead.id, 999]})["changed"] == [dead.id]
+    harness.pump(lambda: bool(rows(harness, QueueState.DEAD)), timeout=10)
+    waiter = harness.connect()
+    waiter.request({"op": "deliver", "mind": "m", "message": "y", "wait": True})
+    harness.pump(lambda: len(rows(harness, QueueState.DEAD)) == 2, timeout=10)
+    assert peer.request({"op": "drop", "ids": [dead.id]})["changed"] == [dead.id]
+
+
+def test_a_turn_past_its_time_limit_is_stopped_and_reported_as_timeout(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = gate(
+        tmp_path,
+        {"polite": "trap 'exit 143' TERM; sleep 30 & wait", "stubborn": "trap '' TERM; sleep 30"},
+        turns={"max_runtime_seconds": 0.3, "timeout_grace_seconds": 0.3},
+        max_attempts=1,
+    )
+    harnesses.append(harness)
+    polite, stubborn = harness.connect(), harness.connect()
+    polite.request({"op": "deliver", "mind": "polite", "message": "x", "wait": True})
+    stubborn.request({"op": "deliver", "mind": "stubborn", "message": "x", "wait": True})
+    started = time.monotonic()
+    ended = [polite.reply(timeout=10), stubborn.reply(timeout=10)]
+    assert time.monotonic() - started < 5  # 0.3 s, then 0.3 s of grace: not 30 s
+    assert [(e["outcome"], e["exit_code"]) for e in ended] == [("timeout", 124)] * 2
+    assert [e["exit_status"] for e in ended] == [143, 137]  # SIGKILL: 128 + 9
+    harness.pump(lambda: len(rows(harness, QueueState.DEAD)) == 2)
+    assert all("ran past its time limit" in str(r.last_error) for r in rows(harness, "dead"))  # type: ignore[arg-type]
+
+
+# -- systemd's word ----------------------------------------------------------------------
+
+
+def zombie() -> int:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os._exit(0)
+    time.sleep(0.05)
+    return pid
+
+
+def test_scopes_around_dead_processes_are_stopped_and_settled_at_start(
+    tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness]
+) -> None:
+    command, log = probe
+    harness = Harness(tmp_path, start=False, minds={"m": command, "other": command},
+                      limits={"global_concurrent_turns": 1})  # fmt: skip
+    harnesses.append(harness)
+    # What a gate SIGKILLed with its cgroup between fork and scope leaves: a committed
+    # turn, and a scope started around its dead child; plus one nobody knows.
+    store = Store(harness.settings.gate.state_dir / "queue.sqlite3")
+    [stranded] = store.add_deliveries([NewDelivery("m", "main", b"x")])
+    turn, _ = store.start_turn("m", "main", lambda t: names.turn_scope_name("m", t),
+                               [int(stranded)], time.time())  # fmt: skip
+    store.close()
+    unit = names.turn_scope_name("m", turn)
+    slice_ = harness.settings.turns.slice
+    for name in (unit, "volute-turn-other-9999.scope"):
+        pid = zombie()
+        harness.manager.start_scope(name, [pid], ScopeProperties(slice=slice_))
+        os.waitpid(pid, 0)
+    assert harness.manager.active_state(unit) == "active"
+    assert harness.manager.unit_processes(unit) == []
+    harness.restart()
+    other = deliver(harness, "other")  # the orphan must not hold the cap of 1
+    harness.pump(lambda: settled(harness), timeout=10)
+    assert log.runs() == {int(stranded): 1, other: 1}  # type: ignore[dict-item]
+    assert all(row.attempts == 0 for row in rows(harness, QueueState.DONE))
+    assert harness.manager.list_units(slice_, ["volute-turn-*"]) == []
+    stopped = [m for m in harness.journal.messages("warning") if "holds no process" in m]
+    assert len(stopped) == 2
+
+
+# -- a crash at each step --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("point", faults.POINTS)
+def test_a_crash_at_each_step_loses_nothing_and_runs_nothing_twice(
+    tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness], point: str
+) -> None:
+    command, log = probe
+    harness = gate(tmp_path, {"m": f"{command} 0.3"})
+    harnesses.append(harness)
+    rid = "ab" * 16
+    faults.arm(point)
+    client = harness.connect()
+    client.send(
+        b'{"v":1,"op":"deliver","mind":"m","session":"s","message":"one","request_id":"'
+        + rid.encode() + b'"}\n'
+    )  # fmt: skip
+    acked: list[int] = []
+    if point in ("fold_committed", "inbox_written"):
+        faults.arm(None)
+        acked.append(int(client.reply()["id"]))
+        harness.pump(lambda: log.started() == 1)
+        faults.arm(point)
+        client = harness.connect()
+        client.send(b'{"v":1,"op":"deliver","mind":"m","session":"s","message":"two"}\n')
+    with pytest.raises(faults.SimulatedCrash):
+        harness.pump(lambda: False, timeout=10)
+    if client.has_line():
+        acked.append(int(client.reply()["id"]))
+    harness.crash()
+    harness.restart()
+    if point == "request_committed":  # no ack came: the client sends the same request again
+        assert not acked
+        reply = harness.connect().request(
+            {"op": "deliver", "mind": "m", "session": "s", "message": "one", "request_id": rid}
+        )
+        acked.append(int(reply["id"]))
+        assert sum(harness.gate.state.store.counts().values()) == 1  # not a second row
+    harness.pump(lambda: settled(harness) and not harness.gate.state.turns.all(), timeout=15)
+    assert log.runs() == dict.fromkeys(acked, 1)
+    assert all(row.attempts == 0 for row in rows(harness, QueueState.DONE))
+    assert harness.manager.list_units(harness.settings.turns.slice, ["volute-turn-*"]) == []
