@@ -54,7 +54,13 @@ def run(
 
 
 def clean_environment() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.upper().startswith("VOLUTE_")}
+    """Ours, without VOLUTE_ settings, and without coverage's hook (which would load
+    modules into the child that deliver itself never imports)."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.upper().startswith(("VOLUTE_", "COVERAGE_", "COV_CORE_"))
+    }
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10) -> None:
