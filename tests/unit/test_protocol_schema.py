@@ -10,7 +10,8 @@ the two together:
 - instances of every class, made at random, validate once on the wire, and requests
   come back from the gate's own decoder unchanged;
 - a request the schema rejects (wrong types, missing fields) is refused by the gate's
-  decoder too, naming the field, and the other way round, bar one documented leniency.
+  decoder too, naming the field, and the other way round, bar one documented leniency;
+- every exchange in docs/protocol.md's examples is valid and is what the gate answers.
 """
 
 from __future__ import annotations
@@ -317,3 +318,92 @@ def test_what_the_schema_rejects_the_gate_refuses_naming_the_field(name: str) ->
             continue
         disagreements.add((name, field, json.dumps(value)))
     assert disagreements == {item for item in LENIENT if item[0] == name}
+
+
+# -- docs/protocol.md's examples ---------------------------------------------------------
+
+
+def blocks(info: str) -> list[list[str]]:
+    """The lines of each ```<info> block of docs/protocol.md (indented ones too)."""
+    text = schema.DOC_FILE.read_text()
+    found = re.findall(rf"^[ \t]*```{info}\n(.*?)^[ \t]*```", text, flags=re.S | re.M)
+    return [[line.strip() for line in block.splitlines() if line.strip()] for block in found]
+
+
+def is_reply(line: str) -> bool:
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and "ok" in obj and "op" not in obj
+
+
+def reply_class(read: Request, reply: dict[str, Any]) -> type[Reply]:
+    """The class a reply to `read` must be: by its ok, its event, or the request's op."""
+    if reply["ok"] is False:
+        return messages.ErrorReply
+    if "event" in reply:
+        assert isinstance(read, messages.DeliverRequest) and read.wait, reply
+        return messages.EVENTS[reply["event"]]
+    return REPLY_OF[read.OP]
+
+
+# Exchanges (```jsonl, valid JSON), and lines the gate refuses as it reads them (```text).
+EXCHANGES = [("jsonl", block) for block in blocks("jsonl")] + [
+    ("text", block) for block in blocks("text")
+]
+
+
+def example_id(info: str, index: int, block: list[str]) -> str:
+    first = json.loads(block[0]).get("op", "?") if info == "jsonl" else block[0][:12]
+    return f"{info}{index}-{first}"
+
+
+def test_the_doc_shows_every_op_every_reply_and_every_event() -> None:
+    lines = [line for info, block in EXCHANGES if info == "jsonl" for line in block]
+    ops = {json.loads(line).get("op") for line in lines if not is_reply(line)}
+    assert ops >= {op.value for op in Op}
+    replies = [json.loads(line) for line in lines if is_reply(line)]
+    shown = {name for name in REPLY_CLASSES for obj in replies if schema.is_valid(name, obj)}
+    assert shown == set(REPLY_CLASSES)
+
+
+@pytest.mark.parametrize(
+    ("info", "block"),
+    [pytest.param(*item, id=example_id(*item[:1], n, item[1])) for n, item in enumerate(EXCHANGES)],
+)
+def test_each_example_is_valid_and_is_what_the_gate_answers(info: str, block: list[str]) -> None:
+    """A request line is followed by its replies. Requests and replies in ```jsonl blocks
+    validate and show no field their schema lacks; a request the gate's decoder refuses is
+    rejected by the schema too (```jsonl) and shown with that very refusal."""
+    read: Request | VoluteError | None = None
+    answered = True
+    for line in block:
+        if not is_reply(line):
+            assert answered, f"a request with no reply shown before {line}"
+            read = gate_reads_line(line.encode())
+            if info == "jsonl":
+                assert schema.is_valid("Request", json.loads(line)) == isinstance(read, Request)
+            else:
+                assert isinstance(read, VoluteError), f"{line}: the gate takes it"
+            answered = False
+            continue
+        reply = json.loads(line)
+        assert read is not None, f"a reply before any request: {line}"
+        if isinstance(read, VoluteError):  # refused on arrival: with that very refusal
+            assert reply["ok"] is False
+            assert (reply["code"], reply["error"]) == (read.exit_code, read.message)
+            cls: type[Reply] = messages.ErrorReply
+        else:
+            cls = reply_class(read, reply)
+        assert schema.problems(cls.__name__, reply) == [], line
+        assert set(reply) <= set(schema.definitions()[cls.__name__]["properties"]), line
+        answered = True
+    assert answered, "the last request has no reply shown"
+
+
+def test_each_schema_quoted_in_the_doc_is_the_schema_files() -> None:
+    quoted = [json.loads("\n".join(block)) for block in blocks("json")]
+    assert quoted, "the doc quotes no schema"
+    for definition in quoted:
+        assert definition in schema.definitions().values(), definition.get("description")
