@@ -33,7 +33,7 @@ from volutectl.errors import VoluteError
 from volutectl.handlers import Caller, GateState
 from volutectl.journal import Journal, sd_notify, watchdog_interval
 from volutectl.liveness import Liveness
-from volutectl.messages import DeliverAck, DeliverRequest, Reply, Request
+from volutectl.messages import DeliverAck, DeliverRequest, ErrorReply, Reply, Request
 from volutectl.pressure import PressureWatch
 from volutectl.probes import slice_cgroup
 from volutectl.server import Client, Server
@@ -241,7 +241,7 @@ class Gate:
 
     def step(self, timeout: float | None) -> None:
         """One pass of the loop: wait, take in what arrived, then admit."""
-        incoming: list[tuple[Client, Request]] = []
+        incoming: list[tuple[Client, Request | ErrorReply]] = []
         for key, mask in self.selector.select(timeout):
             kind, data = key.data
             if kind == "accept":
@@ -272,42 +272,74 @@ class Gate:
         # the next pass tries again (what was not synced is still in the WAL).
         self._guarded("syncing the queue", self.state.store.sync)
 
-    def _serve(self, incoming: list[tuple[Client, Request]]) -> None:
-        deliveries: list[tuple[Client, DeliverRequest]] = []
-        for client, request in incoming:
-            if client.closed:
-                continue  # dropped since: e.g. it stopped reading its earlier replies
-            if isinstance(request, DeliverRequest):
-                deliveries.append((client, request))
-                continue
-            try:
-                reply = handlers.handle(self.state, request, Caller(client.peer_uid()))
-            except Exception as error:  # noqa: BLE001 - a bug: it ends this client only
-                self.server.client_failed(client, f"handling a {request.OP} request", error)
-                continue
-            self.server.reply(client, reply)
-        deliveries = [(client, request) for client, request in deliveries if not client.closed]
-        if deliveries:
-            self._deliver(deliveries)
+    def _serve(self, incoming: list[tuple[Client, Request | ErrorReply]]) -> None:
+        """Answer every request that came in this pass, each client's in its order.
 
-    def _deliver(self, deliveries: list[tuple[Client, DeliverRequest]]) -> None:
-        try:
-            replies = handlers.accept_deliveries(self.state, [r for _, r in deliveries])
-        except Exception as error:  # noqa: BLE001 - nothing was stored: end these clients
-            for client, _ in deliveries:
-                self.server.client_failed(client, "storing deliveries", error)
-            return
-        for (client, request), reply in zip(deliveries, replies, strict=True):
-            if request.wait and isinstance(reply, DeliverAck):
-                self.server.wait_for(client, reply.id)
-                self.server.reply(client, reply)
-                if request.request_id is not None:
-                    # A retried request's delivery may have run already: tell it now.
-                    finished = handlers.finished_event(self.state, reply.id)
-                    if finished is not None:
-                        self.server.notify(reply.id, finished)
+        Deliveries that came together share one durable commit. Another request after
+        them waits for that commit first, so that it sees what came before it."""
+        replies: list[Reply | None] = [None] * len(incoming)
+        batch: list[int] = []  # indexes of deliveries not yet committed
+        for index, (client, request) in enumerate(incoming):
+            if isinstance(request, ErrorReply):
+                replies[index] = request
+            elif client.closed:
+                continue
+            elif isinstance(request, DeliverRequest):
+                batch.append(index)
             else:
-                self.server.reply(client, reply)
+                self._commit(incoming, batch, replies)
+                replies[index] = self._handle(client, request)
+        self._commit(incoming, batch, replies)
+        for (client, request), reply in zip(incoming, replies, strict=True):
+            if reply is None or client.closed:
+                continue
+            if isinstance(request, DeliverRequest) and request.wait:
+                if isinstance(reply, DeliverAck):
+                    self._wait(client, request, reply)
+                    continue
+            self.server.reply(client, reply)
+
+    def _commit(
+        self,
+        incoming: list[tuple[Client, Request | ErrorReply]],
+        batch: list[int],
+        replies: list[Reply | None],
+    ) -> None:
+        """Commit the pending deliveries (one commit for all), their replies in place."""
+        if not batch:
+            return
+        requests = [incoming[index][1] for index in batch]
+        acks = self._deliver(
+            [incoming[index][0] for index in batch],
+            [request for request in requests if isinstance(request, DeliverRequest)],
+        )
+        for index, ack in zip(batch, acks, strict=True):
+            replies[index] = ack
+        batch.clear()
+
+    def _handle(self, client: Client, request: Request) -> Reply | None:
+        try:
+            return handlers.handle(self.state, request, Caller(client.peer_uid()))
+        except Exception as error:  # noqa: BLE001 - a bug: it ends this client only
+            self.server.client_failed(client, f"handling a {request.OP} request", error)
+            return None
+
+    def _deliver(self, clients: list[Client], batch: list[DeliverRequest]) -> list[Reply | None]:
+        try:
+            return list(handlers.accept_deliveries(self.state, batch))
+        except Exception as error:  # noqa: BLE001 - nothing was stored: end these clients
+            for client in clients:
+                self.server.client_failed(client, "storing deliveries", error)
+            return [None] * len(batch)
+
+    def _wait(self, client: Client, request: DeliverRequest, ack: DeliverAck) -> None:
+        self.server.wait_for(client, ack.id)
+        self.server.reply(client, ack)
+        if request.request_id is not None:
+            # A retried request's delivery may have run already: tell the waiter now.
+            finished = handlers.finished_event(self.state, ack.id)
+            if finished is not None:
+                self.server.notify(ack.id, finished)
 
     # -- admission ---------------------------------------------------------------------------
 

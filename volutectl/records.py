@@ -174,6 +174,10 @@ def _decode(kind: str, value: object, where: str) -> object:
         try:
             return _ENUMS[kind](value)
         except ValueError:
+            if isinstance(value, str):
+                # A newer gate's state, reason or outcome: kept as text, so that adding
+                # one is not an incompatible change for older clients.
+                return value
             raise WireError(f"{where}: {value!r} is not a {kind}") from None
     if kind in _RECORDS:
         return _RECORDS[kind].from_wire(value, where)

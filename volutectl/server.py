@@ -48,8 +48,9 @@ class Client:
     fd: int  # the key in Server.clients and Server.idle; sock.fileno() is -1 once closed
     buffer: bytearray = field(default_factory=bytearray)  # a request line still partial
     outbox: bytearray = field(default_factory=bytearray)
-    events: int = selectors.EVENT_READ
+    events: int = selectors.EVENT_READ  # what the selector watches it for; 0: not at all
     closed: bool = False
+    eof: bool = False  # it shut its writing side: no more requests, but it may wait
     waiting: set[int] = field(default_factory=set)  # delivery ids it waits for
     # Monotonic time of the last complete line, of the accept, or of a wait's end: the
     # client is dropped gate.client_idle_seconds later, unless it is waiting.
@@ -230,14 +231,19 @@ class Server:
             client = next(iter(self.idle.values()))
             if now < client.idle_since + limit:
                 return
-            refusal = TemporaryError(f"no complete request in {limit:g} s: closing the connection")
-            self.reply(client, ErrorReply.of(refusal))
+            if client.buffer:  # a request that never ended: say why it is cut off
+                refusal = TemporaryError(
+                    f"no complete request in {limit:g} s: closing the connection"
+                )
+                self.reply(client, ErrorReply.of(refusal))
             self.drop(client)  # which takes it out of self.idle
 
     # -- reading --------------------------------------------------------------------------
 
-    def on_client(self, client: Client, mask: int) -> list[tuple[Client, Request]]:
-        """Serve one client's readiness; whatever fails ends that client, not the loop."""
+    def on_client(self, client: Client, mask: int) -> list[tuple[Client, Request | ErrorReply]]:
+        """Serve one client's readiness: its requests, in the order they came, each
+        decoded or already refused (the gate replies to all of them in that order).
+        Whatever fails ends that client, not the loop."""
         try:
             if mask & selectors.EVENT_WRITE:
                 self._flush(client)
@@ -247,7 +253,7 @@ class Server:
             self.client_failed(client, "reading a request", error)
         return []
 
-    def _read(self, client: Client) -> list[tuple[Client, Request]]:
+    def _read(self, client: Client) -> list[tuple[Client, Request | ErrorReply]]:
         try:
             chunk = client.sock.recv(1 << 20)
         except BlockingIOError:
@@ -255,7 +261,7 @@ class Server:
         except OSError:
             chunk = b""
         if not chunk:
-            self.drop(client)
+            self._end_of_requests(client)
             return []
         if b"\n" not in chunk:
             client.buffer += chunk  # a bytearray: a line that trickles in is not recopied
@@ -266,7 +272,7 @@ class Server:
         lines[0] = bytes(client.buffer) + lines[0]
         client.buffer = bytearray(lines.pop())
         self._mark_active(client)  # a complete line: the idle clock starts again
-        requests = []
+        requests: list[tuple[Client, Request | ErrorReply]] = []
         for line in lines:
             if len(line) > protocol.MAX_LINE:
                 self._refuse_oversized(client)
@@ -274,7 +280,7 @@ class Server:
                 try:
                     requests.append((client, messages.decode_request(protocol.decode(line))))
                 except VoluteError as error:
-                    self.reply(client, ErrorReply.of(error))
+                    requests.append((client, ErrorReply.of(error)))
             if client.closed:
                 return []
         if len(client.buffer) > protocol.MAX_LINE:
@@ -283,11 +289,22 @@ class Server:
 
     def _refuse_oversized(self, client: Client) -> None:
         limit = self.settings.gate.max_message_bytes
-        self.reply(
-            client,
-            ErrorReply.of(DataError(f"request too large: the message limit is {limit} bytes")),
+        refusal = DataError(
+            f"request too large: a line holds at most {protocol.MAX_LINE} bytes",
+            hint=f"a message holds at most {limit} bytes (gate.max_message_bytes)",
         )
+        self.reply(client, ErrorReply.of(refusal))
         self.drop(client)
+
+    def _end_of_requests(self, client: Client) -> None:
+        """It shut its side: drop it, unless it waits for an outcome it should still get
+        (or has replies still to read): then stop reading, and close once it has them."""
+        client.eof = True
+        if not client.waiting and not client.outbox:
+            self.drop(client)
+            return
+        self.idle.pop(client.fd, None)
+        self._watch(client)
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -314,10 +331,24 @@ class Server:
         except OSError:
             self.drop(client)
             return
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if client.outbox else 0)
-        if events != client.events:
-            client.events = events
+        if client.eof and not client.outbox and not client.waiting:
+            self.drop(client)  # it asked for nothing more, and has everything
+            return
+        self._watch(client)
+
+    def _watch(self, client: Client) -> None:
+        """Watch it for reading (until its EOF) and, while replies wait, for writing."""
+        events = 0 if client.eof else selectors.EVENT_READ
+        events |= selectors.EVENT_WRITE if client.outbox else 0
+        if events == client.events:
+            return
+        if client.events == 0:
+            self.selector.register(client.sock, events, ("client", client))
+        elif events == 0:
+            self.selector.unregister(client.sock)
+        else:
             self.selector.modify(client.sock, events, ("client", client))
+        client.events = events
 
     # -- waiting for an outcome ----------------------------------------------------------------
 
@@ -331,6 +362,8 @@ class Server:
         for client in self.waiters.pop(delivery_id, []):
             client.waiting.discard(delivery_id)
             self.reply(client, event)
+            if client.eof and not client.waiting and not client.outbox:
+                self.drop(client)
 
     # -- failures and closing ----------------------------------------------------------------
 

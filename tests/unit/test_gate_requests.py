@@ -191,9 +191,10 @@ def test_an_oversized_line_is_refused_and_its_connection_closed(harness: Harness
             break
     harness.pump(lambda: peer.has_line() or peer.eof)
     reply = peer.reply()
-    assert (reply["code"], reply["error"]) == (
+    assert (reply["code"], reply["error"], reply["hint"]) == (
         EX_DATAERR,
-        "request too large: the message limit is 1000 bytes",
+        f"request too large: a line holds at most {protocol.MAX_LINE} bytes",
+        "a message holds at most 1000 bytes (gate.max_message_bytes)",
     )
     harness.pump(peer.closed_by_gate)
     harness.deliver_ok()
