@@ -401,10 +401,14 @@ def run_checks(config_path: str | None) -> list[Check]:
 
 def _manager_problem(user: bool) -> str | None:
     try:
-        from volutectl.systemd import manager_reachable
+        from volutectl.systemd import Manager
     except ImportError as error:  # pystemd missing: the manager is out of reach too
         return f"cannot load the systemd adapter: {error}"
-    return manager_reachable(user=user)
+    try:
+        Manager.connect(user=user).close()
+    except VoluteError as error:  # unreachable, refused, or failing: each says why
+        return error.message
+    return None
 
 
 def exit_code(checks: list[Check]) -> int:

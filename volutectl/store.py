@@ -14,110 +14,30 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from volutectl.core import AfterFailure, Delivery
-from volutectl.errors import DataError, PermissionDeniedError, UnavailableError
+from volutectl.core import AfterFailure
+from volutectl.errors import PermissionDeniedError, UnavailableError
+from volutectl.rows import (
+    ROW_COLUMNS,
+    TURN_COLUMNS,
+    NewDelivery,
+    RequestIdReused,
+    Row,
+    TurnRow,
+    row_of,
+    turn_of,
+)
 from volutectl.schema import Transaction, migrate, schema_version
 from volutectl.states import HoldReason, Outcome, QueueState, TurnState
+
+# The row types are volutectl/rows.py's; they are re-exported for the store's callers.
+__all__ = ["NewDelivery", "RequestIdReused", "Row", "Store", "TurnRow"]
 
 PENDING, RUNNING, DONE, DEAD, DROPPED = (
     QueueState.PENDING, QueueState.RUNNING, QueueState.DONE, QueueState.DEAD,
     QueueState.DROPPED,
 )  # fmt: skip
-
-
-class RequestIdReused(DataError):
-    """A request id the store holds, sent again with another mind, session, message or
-    interrupt flag: never a retry, so it is refused (65) rather than merged."""
-
-    def __init__(self, request_id: str, delivery_id: int) -> None:
-        super().__init__(
-            f"request id {request_id} was already used for delivery {delivery_id}, "
-            "with other content",
-            hint="a client makes a new random request id for each new message",
-        )
-        self.request_id = request_id
-        self.delivery_id = delivery_id
-
-
-@dataclass(frozen=True)
-class NewDelivery:
-    """A delivery to add. `request_id`, made by the client, makes a retry harmless."""
-
-    mind: str
-    session: str
-    message: bytes
-    interrupt: bool = False
-    request_id: str | None = None
-
-
-@dataclass(frozen=True)
-class Row:
-    id: int
-    mind: str
-    session: str
-    message: bytes
-    interrupt: bool
-    state: QueueState
-    attempts: int
-    not_before: float | None
-    created_at: float
-    held_since: float | None
-    hold_reason: HoldReason | None
-    held_ms: int
-    turn_id: int | None
-    folded: bool
-    last_error: str | None
-
-    def as_delivery(self) -> Delivery:
-        return Delivery(self.id, self.mind, self.session, self.interrupt, self.not_before)
-
-
-@dataclass(frozen=True)
-class TurnRow:
-    id: int
-    mind: str
-    session: str
-    unit: str
-    state: TurnState
-    released: bool
-    started_at: float
-    ended_at: float | None
-    outcome: Outcome | None
-    exit_status: int | None
-    detail: str | None
-    pid: int | None = None  # the turn's main process (its wrapper), once released
-    interrupted: bool = False  # the gate sent it SIGINT for an --interrupt delivery
-    deadline: float | None = None  # when its max runtime runs out (None: no limit)
-    timed_out_at: float | None = None  # when the gate stopped it for running past that
-
-
-_ROW_COLUMNS = (
-    "id, mind, session, message, interrupt, state, attempts, not_before, created_at, "
-    "held_since, hold_reason, held_ms, turn_id, folded, last_error"
-)
-_TURN_COLUMNS = (
-    "id, mind, session, unit, state, released, started_at, ended_at, outcome, exit_status, "
-    "detail, pid, interrupted, deadline, timed_out_at"
-)
-
-
-def _row(v: Sequence[Any]) -> Row:
-    return Row(
-        int(v[0]), str(v[1]), str(v[2]), bytes(v[3]), bool(v[4]), QueueState(v[5]), int(v[6]),
-        v[7], float(v[8]), v[9], HoldReason(v[10]) if v[10] else None, int(v[11]), v[12],
-        bool(v[13]), v[14],
-    )  # fmt: skip
-
-
-def _turn(v: Sequence[Any]) -> TurnRow:
-    return TurnRow(
-        int(v[0]), str(v[1]), str(v[2]), str(v[3]), TurnState(v[4]), bool(v[5]), float(v[6]),
-        v[7], Outcome(v[8]) if v[8] else None, v[9], v[10], v[11], bool(v[12]), v[13], v[14],
-    )  # fmt: skip
 
 
 def _marks(values: Sequence[object]) -> str:
@@ -217,21 +137,21 @@ class Store:
     def pending(self, *, with_message: bool = False) -> list[Row]:
         """Pending rows in id order. Without `with_message`, Row.message is empty: admission
         runs on every pass and must not read a deep queue's message bodies each time."""
-        columns = _ROW_COLUMNS if with_message else _ROW_COLUMNS.replace("message", "x''", 1)
+        columns = ROW_COLUMNS if with_message else ROW_COLUMNS.replace("message", "x''", 1)
         cursor = self.db.execute(
             f"SELECT {columns} FROM deliveries WHERE state = ? ORDER BY id", (PENDING,)
         )
-        return [_row(values) for values in cursor]
+        return [row_of(values) for values in cursor]
 
     def rows(self, ids: Iterable[int]) -> list[Row]:
         id_list = list(ids)
         if not id_list:
             return []
         cursor = self.db.execute(
-            f"SELECT {_ROW_COLUMNS} FROM deliveries WHERE id IN ({_marks(id_list)}) ORDER BY id",
+            f"SELECT {ROW_COLUMNS} FROM deliveries WHERE id IN ({_marks(id_list)}) ORDER BY id",
             id_list,
         )
-        return [_row(values) for values in cursor]
+        return [row_of(values) for values in cursor]
 
     def row(self, delivery_id: int) -> Row | None:
         found = self.rows([delivery_id])
@@ -239,18 +159,18 @@ class Store:
 
     def list_rows(self, states: Sequence[QueueState], limit: int = 200) -> list[Row]:
         cursor = self.db.execute(
-            f"SELECT {_ROW_COLUMNS} FROM deliveries WHERE state IN ({_marks(states)}) "
+            f"SELECT {ROW_COLUMNS} FROM deliveries WHERE state IN ({_marks(states)}) "
             "ORDER BY id LIMIT ?",
             (*states, limit),
         )
-        return [_row(values) for values in cursor]
+        return [row_of(values) for values in cursor]
 
     def rows_of_turn(self, turn_id: int) -> list[Row]:
         cursor = self.db.execute(
-            f"SELECT {_ROW_COLUMNS} FROM deliveries WHERE turn_id = ? AND state = ? ORDER BY id",
+            f"SELECT {ROW_COLUMNS} FROM deliveries WHERE turn_id = ? AND state = ? ORDER BY id",
             (turn_id, RUNNING),
         )
-        return [_row(values) for values in cursor]
+        return [row_of(values) for values in cursor]
 
     def mark_held(self, holds: Iterable[tuple[int, HoldReason]], now: float) -> list[int]:
         """Record holds that just began; returns the ids whose hold is new (to log once).
@@ -480,12 +400,12 @@ class Store:
 
     def open_turns(self) -> list[TurnRow]:
         cursor = self.db.execute(
-            f"SELECT {_TURN_COLUMNS} FROM turns WHERE state != ? ORDER BY id", (TurnState.ENDED,)
+            f"SELECT {TURN_COLUMNS} FROM turns WHERE state != ? ORDER BY id", (TurnState.ENDED,)
         )
-        return [_turn(values) for values in cursor]
+        return [turn_of(values) for values in cursor]
 
     def turn(self, turn_id: int) -> TurnRow | None:
         values = self.db.execute(
-            f"SELECT {_TURN_COLUMNS} FROM turns WHERE id = ?", (turn_id,)
+            f"SELECT {TURN_COLUMNS} FROM turns WHERE id = ?", (turn_id,)
         ).fetchone()
-        return _turn(values) if values else None
+        return turn_of(values) if values else None

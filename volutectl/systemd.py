@@ -37,7 +37,7 @@ from typing import Any
 
 from pystemd.dbuslib import DBus, apply_signature, path_decode
 
-from volutectl.errors import PermissionDeniedError, SystemdError, UnavailableError
+from volutectl.errors import SystemdError, UnavailableError
 from volutectl.units import (
     ENDED_STATES,
     LIVE_STATES,
@@ -45,6 +45,8 @@ from volutectl.units import (
     SocketUnit,
     UnitEnded,
     UnitInfo,
+    dbus_error,
+    no_such_unit,
 )
 
 # The data types live in volutectl/units.py (the gate's port); they are re-exported here
@@ -57,7 +59,6 @@ __all__ = [
     "SocketUnit",
     "UnitEnded",
     "UnitInfo",
-    "manager_reachable",
     "unit_name_from_path",
 ]
 
@@ -118,30 +119,6 @@ def _property_array(properties: Iterable[tuple[str, Any]]) -> list[tuple[int, An
 def unit_name_from_path(path: bytes | str) -> str:
     raw = path.encode() if isinstance(path, str) else path
     return _text(path_decode(raw, UNIT_PATH_PREFIX))
-
-
-_GONE_ERRORS = ("NoSuchUnit", "UnknownObject")
-
-
-def _no_such_unit(error: BaseException) -> bool:
-    """systemd's answer "no such unit (object) is loaded": an answer, not a failed call.
-
-    pystemd 0.15 maps org.freedesktop.systemd1.NoSuchUnit and
-    org.freedesktop.DBus.Error.UnknownObject to classes of their own (whose text then
-    omits the D-Bus name); older releases keep the name in the text."""
-    kind = type(error).__name__
-    return any(f"DBus{name}Error" == kind or name in str(error) for name in _GONE_ERRORS)
-
-
-def _dbus_error(error: BaseException, what: str) -> Exception:
-    """Map a pystemd/D-Bus error to ours, keeping D-Bus's own error name in the text."""
-    text = str(error)
-    if "AccessDenied" in text or "InteractiveAuthorizationRequired" in text or "EPERM" in text:
-        return PermissionDeniedError(
-            f"{what}: systemd refused: {text}",
-            hint="run as root, or grant org.freedesktop.systemd1.manage-units with polkit",
-        )
-    return SystemdError(f"{what}: {text}")
 
 
 class Manager:
@@ -207,7 +184,7 @@ class Manager:
                 DESTINATION, MANAGER_PATH, MANAGER_INTERFACE, method, args
             ).body
         except Exception as error:
-            raise _dbus_error(error, what) from None
+            raise dbus_error(error, what) from None
 
     def _get(self, path: bytes, interface: bytes, prop: str, signature: bytes) -> Any:
         return self._bus.get_property(DESTINATION, path, interface, prop.encode(), signature)
@@ -352,11 +329,11 @@ class Manager:
             try:
                 unit_slice = _text(self._get(path, _scope_or_unit(name), "Slice", b"s"))
             except Exception as error:
-                if _no_such_unit(error):
+                if no_such_unit(error):
                     continue  # the unit vanished between the two calls
                 # Any other failure says nothing about the unit: dropping it would
                 # undercount the slice, so the whole listing fails instead.
-                raise _dbus_error(error, f"reading the slice of {name}") from None
+                raise dbus_error(error, f"reading the slice of {name}") from None
             if unit_slice == slice:
                 units.append(UnitInfo(name, description, active, sub, _text(path)))
         return units
@@ -373,7 +350,7 @@ class Manager:
         try:
             value = self._get(path, interface, prop, signature)
         except Exception as error:
-            raise _dbus_error(error, f"reading {prop} of {name}") from None
+            raise dbus_error(error, f"reading {prop} of {name}") from None
         return _text(value) if isinstance(value, bytes) else value
 
     def socket_unit(self, name: str) -> SocketUnit:
@@ -386,7 +363,7 @@ class Manager:
                 self._get(path, SOCKET_INTERFACE, "Listen", b"a(ss)") if load == "loaded" else []
             )
         except Exception as error:
-            raise _dbus_error(error, f"reading {name}") from None
+            raise dbus_error(error, f"reading {name}") from None
         pairs = tuple((_text(kind), _text(address)) for kind, address in listen)
         return SocketUnit(name, load, active, pairs)
 
@@ -407,9 +384,9 @@ class Manager:
             ).body
             return _text(self._get(bytes(path), UNIT_INTERFACE, "ActiveState", b"s"))
         except Exception as error:
-            if _no_such_unit(error):
+            if no_such_unit(error):
                 return None
-            raise _dbus_error(error, f"reading the state of {name}") from None
+            raise dbus_error(error, f"reading the state of {name}") from None
 
     def unit_processes(self, name: str) -> list[int] | None:
         """PIDs in the unit's cgroup (and below), as systemd reads them; None if the unit
@@ -424,9 +401,9 @@ class Manager:
                 apply_signature(b"s", [name.encode()]),
             ).body
         except Exception as error:
-            if _no_such_unit(error):
+            if no_such_unit(error):
                 return None
-            raise _dbus_error(error, f"listing the processes of {name}") from None
+            raise dbus_error(error, f"listing the processes of {name}") from None
         return [int(row[1]) for row in rows]
 
     def _unit_path(self, name: str) -> bytes:
@@ -466,12 +443,3 @@ def _scope_or_unit(name: str) -> bytes:
     if name.endswith(".slice"):
         return b"org.freedesktop.systemd1.Slice"
     return UNIT_INTERFACE
-
-
-def manager_reachable(user: bool = False) -> str | None:
-    """None if the manager answers, else why not (for `doctor`)."""
-    try:
-        Manager.connect(user=user).close()
-    except (UnavailableError, PermissionDeniedError, SystemdError) as error:
-        return error.message
-    return None

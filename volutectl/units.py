@@ -16,6 +16,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from volutectl.errors import PermissionDeniedError, SystemdError
+
 # States in which a unit still has (or may have) processes: it counts as live.
 LIVE_STATES = ("active", "activating", "deactivating", "reloading")
 ENDED_STATES = ("inactive", "failed")
@@ -93,6 +95,30 @@ class UnitEnded:
 
     name: str
     active_state: str
+
+
+_GONE_ERRORS = ("NoSuchUnit", "UnknownObject")
+
+
+def no_such_unit(error: BaseException) -> bool:
+    """systemd's answer "no such unit (object) is loaded": an answer, not a failed call.
+
+    pystemd 0.15 maps org.freedesktop.systemd1.NoSuchUnit and
+    org.freedesktop.DBus.Error.UnknownObject to classes of their own (whose text then
+    omits the D-Bus name); older releases keep the name in the text."""
+    kind = type(error).__name__
+    return any(f"DBus{name}Error" == kind or name in str(error) for name in _GONE_ERRORS)
+
+
+def dbus_error(error: BaseException, what: str) -> Exception:
+    """Map a pystemd/D-Bus error to ours, keeping D-Bus's own error name in the text."""
+    text = str(error)
+    if "AccessDenied" in text or "InteractiveAuthorizationRequired" in text or "EPERM" in text:
+        return PermissionDeniedError(
+            f"{what}: systemd refused: {text}",
+            hint="run as root, or grant org.freedesktop.systemd1.manage-units with polkit",
+        )
+    return SystemdError(f"{what}: {text}")
 
 
 class SystemdManager(Protocol):
