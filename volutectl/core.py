@@ -11,10 +11,20 @@ attempt. A hold is not a state: a held row simply stays pending, its attempts un
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from volutectl.states import HoldReason, Outcome, QueueState
+
+
+class EveryMind:
+    """A pause of every mind, minds added to the config later included."""
+
+    def __contains__(self, mind: object) -> bool:
+        return True
+
+
+EVERY_MIND = EveryMind()
 
 
 @dataclass(frozen=True)
@@ -85,10 +95,13 @@ def admit(
     other_busy: int = 0,
     pressure: bool = False,
     other_busy_reason: HoldReason = HoldReason.GLOBAL_CAP,
+    paused: Container[str] = frozenset(),
 ) -> Admission:
     """Decide, in id order, what starts, what folds into a live turn, and what waits.
 
-    - Deliveries to a (mind, session) that has a live turn fold into it.
+    - Deliveries to a (mind, session) that has a live turn fold into it, even if the
+      mind is paused: a pause holds new turns only.
+    - A paused mind (`paused`, e.g. EVERY_MIND) starts no new turn.
     - A new turn starts only if the mind is under its limit, the global count (live
       turns plus `other_busy`, e.g. foreign scopes or test runs that share the budget)
       is under the cap, and, under pressure, nothing else runs at all.
@@ -125,6 +138,9 @@ def admit(
             continue
         if key in live_session:
             folds.setdefault(live_session[key], []).append(delivery)
+            continue
+        if delivery.mind in paused:
+            holds.append(Hold(delivery.id, HoldReason.PAUSED))
             continue
         if per_mind.get(delivery.mind, 0) >= limits.for_mind(delivery.mind):
             holds.append(Hold(delivery.id, HoldReason.MIND_BUSY))

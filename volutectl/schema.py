@@ -75,6 +75,11 @@ ALTER TABLE turns ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE turns ADD COLUMN deadline REAL;
 ALTER TABLE turns ADD COLUMN timed_out_at REAL;
 """,
+    # 2 -> 3 (operating): paused minds, durable across restarts; mind '*' is every mind,
+    # minds added to the config later included.
+    2: """
+CREATE TABLE paused (mind TEXT PRIMARY KEY, since REAL NOT NULL);
+""",
 }
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
 

@@ -56,6 +56,7 @@ class HoldReason(StrEnum):
     BEHIND_BACKOFF = "behind_backoff"  # an earlier row of this session is backing off
     IO_PRESSURE = "io_pressure"  # PSI says the storage is stalled
     TEST_RUN = "test_run"  # test runs fill the shared budget
+    PAUSED = "paused"  # `volutectl pause`: no new turn until resumed
 
 
 # What `volutectl queue list` shows when no state is asked for.

@@ -542,3 +542,20 @@ def test_timed_out_from_the_gates_record_or_the_turns_end(
     timed_out: bool,
 ) -> None:
     assert core.timed_out(deadline, stopped_at=stopped_at, ended_at=ended_at, now=now) is timed_out
+
+
+def test_a_paused_mind_starts_nothing_but_its_running_session_still_folds() -> None:
+    pending = [
+        Delivery(1, "a", "chat"),  # a's running session: folds
+        Delivery(2, "a", "dm"),  # a new turn of a: held, paused
+        Delivery(3, "b", "main"),  # b is not paused
+    ]
+    decision = core.admit(
+        pending, [core.LiveTurn(7, "a", "chat")], Limits(turns_per_mind=2), now=0.0,
+        paused={"a"},
+    )  # fmt: skip
+    assert decision.folds == [core.Fold(7, (1,), False)]
+    assert decision.holds == [Hold(2, HoldReason.PAUSED)]
+    assert decision.starts == [core.Start("b", "main", (3,))]
+    everyone = core.admit(pending, [], Limits(), now=0.0, paused=core.EVERY_MIND)
+    assert everyone.starts == [] and {h.reason for h in everyone.holds} == {HoldReason.PAUSED}
