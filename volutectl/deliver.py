@@ -153,8 +153,9 @@ def _report(delivery_id: int, event: Event) -> int:
             )
         return event.exit_code
     if isinstance(event, DeliveryDead):
-        print(f"volutectl: delivery {delivery_id} is dead: {event.error}", file=sys.stderr)
-        return 1
+        how = f" after turn {event.turn_id} {event.outcome}" if event.turn_id else ""
+        print(f"volutectl: delivery {delivery_id} is dead{how}: {event.error}", file=sys.stderr)
+        return event.exit_code
     print(f"volutectl: delivery {delivery_id} was dropped", file=sys.stderr)
     return 1
 

@@ -195,7 +195,7 @@ class Gate:
 
     def timeout(self) -> float | None:
         """How long select() may sleep: only until a real deadline, else forever."""
-        if self.state.manager.has_pending_events():
+        if self.state.manager.has_pending_events() or self.server.backlog:
             return 0.0
         now, mono = time.time(), time.monotonic()
         waits = []
@@ -259,6 +259,7 @@ class Gate:
                     self.state.dirty = True
             elif kind == "stop":
                 self.stopping = True
+        incoming += self.server.backlogged()
         if incoming:
             self._serve(incoming)
         for event in self.state.manager.process_events():

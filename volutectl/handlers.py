@@ -217,13 +217,14 @@ def finished_event(state: GateState, delivery_id: int) -> Reply | None:
     row = state.store.row(delivery_id)
     if row is None or row.state in (QueueState.PENDING, QueueState.RUNNING):
         return None
-    if row.state is QueueState.DEAD:
-        return DeliveryDead(row.id, row.last_error or "dead")
     if row.state is QueueState.DROPPED:
         return DeliveryDropped(row.id)
     turn = state.store.turn(row.turn_id) if row.turn_id is not None else None
-    outcome = turn.outcome if turn is not None and turn.outcome else Outcome.OK
+    outcome = turn.outcome if turn is not None else None
     exit_status = turn.exit_status if turn is not None else None
-    return TurnEnded(
-        row.id, row.turn_id or 0, outcome, exit_status, core.wait_exit_code(exit_status, outcome)
-    )
+    code = core.wait_exit_code(exit_status, outcome or Outcome.FAILED)
+    if row.state is QueueState.DEAD:
+        ran = turn is not None and outcome is not Outcome.START_FAILED
+        return DeliveryDead(row.id, row.last_error or "dead", code if ran else 1,
+                            row.turn_id if ran else None, outcome if ran else None)  # fmt: skip
+    return TurnEnded(row.id, row.turn_id or 0, outcome or Outcome.OK, exit_status, code)

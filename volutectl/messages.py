@@ -376,11 +376,13 @@ class StatusReply(Reply):
     status: Status
 
 
-# Events: what a `wait` client is told when its delivery settles.
+# Events: what a waiting client is told once its delivery settles (done, dead or
+# dropped); a failed turn whose delivery will be tried again tells it nothing yet.
 
 
 class TurnEnded(Reply):
-    """The turn that carried delivery `id` ended; `exit_code` is what `--wait` exits with."""
+    """Delivery `id` is done: the turn that carried it ended (ok, or interrupted as asked);
+    `exit_code` is what `--wait` exits with."""
 
     WIRE = {"ok": True, "event": "turn_ended"}
     id: int
@@ -391,10 +393,14 @@ class TurnEnded(Reply):
 
 
 class DeliveryDead(Reply):
+    """Delivery `id` ran out of attempts; `exit_code` is its last turn's, for `--wait`."""
+
     WIRE = {"ok": True, "event": "dead"}
     id: int
     error: str
     exit_code: int = 1
+    turn_id: int | None = None  # the turn of its last attempt (None: none started)
+    outcome: Outcome | None = None
 
 
 class DeliveryDropped(Reply):

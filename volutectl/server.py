@@ -39,6 +39,8 @@ MAX_OUTBOX = 1 << 20
 # After accept() failed for want of descriptors or memory, the listener rests until a
 # client leaves or this long has passed (the descriptors may be held by turns instead).
 ACCEPT_RETRY_SECONDS = 1.0
+# Lines of one client taken in one pass of the loop; the rest wait for the next pass.
+MAX_LINES_PER_PASS = 1024
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -80,6 +82,7 @@ class Server:
         # order is that order, so the next idle deadline is the first entry's, in O(1).
         self.idle: dict[int, Client] = {}
         self.waiters: dict[int, list[Client]] = {}
+        self.backlog: dict[int, Client] = {}  # clients with complete lines not yet taken
         self.accept_retry: float | None = None  # monotonic, after accept() lacked fds
         self.accept_problem: str | None = None  # why accepting paused, as last logged
         self.stopping = False
@@ -247,7 +250,9 @@ class Server:
         try:
             if mask & selectors.EVENT_WRITE:
                 self._flush(client)
-            if mask & selectors.EVENT_READ and not client.closed:
+            # A client with lines still waiting in its backlog is not read further
+            # until they are taken: its buffer stays within one read.
+            if mask & selectors.EVENT_READ and not client.closed and client.fd not in self.backlog:
                 return self._read(client)
         except Exception as error:  # noqa: BLE001 - see client_failed
             self.client_failed(client, "reading a request", error)
@@ -263,17 +268,27 @@ class Server:
         if not chunk:
             self._end_of_requests(client)
             return []
+        client.buffer += chunk  # a bytearray: a line that trickles in is not recopied
         if b"\n" not in chunk:
-            client.buffer += chunk  # a bytearray: a line that trickles in is not recopied
             if len(client.buffer) > protocol.MAX_LINE:
                 self._refuse_oversized(client)
             return []
-        lines = chunk.split(b"\n")  # once: a chunk of a million lines is not quadratic
-        lines[0] = bytes(client.buffer) + lines[0]
-        client.buffer = bytearray(lines.pop())
+        return self._lines(client)
+
+    def _lines(self, client: Client) -> list[tuple[Client, Request | ErrorReply]]:
+        """The complete lines in the client's buffer, at most MAX_LINES_PER_PASS of them:
+        a client that sends a flood of lines gets them answered over several passes,
+        while the others are served (and its unread replies may end it first). The rest
+        waits in `backlog`, which the gate serves without waiting for the socket."""
+        parts = bytes(client.buffer).split(b"\n", MAX_LINES_PER_PASS)  # one pass: linear
+        client.buffer = bytearray(parts.pop())
+        if b"\n" in client.buffer:
+            self.backlog[client.fd] = client
+        else:
+            self.backlog.pop(client.fd, None)
         self._mark_active(client)  # a complete line: the idle clock starts again
         requests: list[tuple[Client, Request | ErrorReply]] = []
-        for line in lines:
+        for line in parts:
             if len(line) > protocol.MAX_LINE:
                 self._refuse_oversized(client)
             elif not client.closed:
@@ -283,8 +298,18 @@ class Server:
                     requests.append((client, ErrorReply.of(error)))
             if client.closed:
                 return []
-        if len(client.buffer) > protocol.MAX_LINE:
+        if client.fd not in self.backlog and len(client.buffer) > protocol.MAX_LINE:
             self._refuse_oversized(client)
+        return requests
+
+    def backlogged(self) -> list[tuple[Client, Request | ErrorReply]]:
+        """The next lines of clients that sent more than one pass takes."""
+        requests: list[tuple[Client, Request | ErrorReply]] = []
+        for client in list(self.backlog.values()):
+            try:
+                requests += self._lines(client)
+            except Exception as error:  # noqa: BLE001 - see client_failed
+                self.client_failed(client, "reading a request", error)
         return requests
 
     def _refuse_oversized(self, client: Client) -> None:
@@ -399,6 +424,7 @@ class Server:
             return
         client.closed = True
         self.idle.pop(client.fd, None)
+        self.backlog.pop(client.fd, None)
         if self.clients.get(client.fd) is client:
             del self.clients[client.fd]
             with contextlib.suppress(KeyError, ValueError):

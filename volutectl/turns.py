@@ -394,9 +394,7 @@ class Turns:
             durable=False,  # the gate calls store.sync() before it sleeps
         )
         crash_point("settled")
-        # A waiter hears of the turn that carried its delivery (its outcome, its exit
-        # code), also when that turn's failure was the delivery's last attempt.
-        self.tell_dead(carried, failed, error, notify=False)
+        self.tell_dead(carried, failed, error, notify=False)  # _tell_settled tells them
         self._turns.pop(turn.id, None)
         self.close_pidfd(turn)
         turn.turn_dir.remove()
@@ -408,10 +406,25 @@ class Turns:
             exit_status=outcome.exit_status,
             event="end",
         )
-        if outcome.kind is not Outcome.NEVER_RAN:
-            code = core.wait_exit_code(outcome.exit_status, outcome.kind)
-            for row in carried:
-                self.notify(
-                    row.id, TurnEnded(row.id, turn.id, outcome.kind, outcome.exit_status, code)
-                )
+        self._tell_settled(turn, outcome, carried, failed, error)
         self.wake()
+
+    def _tell_settled(
+        self,
+        turn: Turn,
+        outcome: core.TurnOutcome,
+        carried: list[Row],
+        failed: Mapping[int, core.AfterFailure],
+        error: str,
+    ) -> None:
+        """Tell waiting clients of the deliveries this turn settled: done, or dead after
+        their last attempt. One that will be tried again stays waited for."""
+        code = core.wait_exit_code(outcome.exit_status, outcome.kind)
+        for row in carried:
+            if outcome.kind.carried:
+                event: Reply = TurnEnded(row.id, turn.id, outcome.kind, outcome.exit_status, code)
+            elif failed.get(row.id) is not None and failed[row.id].state is QueueState.DEAD:
+                event = DeliveryDead(row.id, error, code, turn.id, outcome.kind)
+            else:
+                continue
+            self.notify(row.id, event)

@@ -212,11 +212,12 @@ def test_a_failing_turn_is_retried_then_dead_and_its_waiter_told(
     harnesses.append(harness)
     waiter = harness.connect()
     ack = waiter.request({"op": "deliver", "mind": "m", "message": "x", "wait": True})
-    first_turn = waiter.reply(timeout=10)
-    assert (first_turn["event"], first_turn["outcome"], first_turn["exit_code"]) == (
-        "turn_ended", "failed", 3,
-    )  # fmt: skip
-    harness.pump(lambda: bool(rows(harness, QueueState.DEAD)), timeout=10)
+    # The waiter is told once the delivery settles: after its second, last attempt.
+    settled_event = waiter.reply(timeout=10)
+    assert settled_event == {
+        "v": 1, "ok": True, "event": "dead", "id": ack["id"], "error": "turn 2 exited 3",
+        "exit_code": 3, "turn_id": 2, "outcome": "failed",
+    }  # fmt: skip
     [dead] = rows(harness, QueueState.DEAD)
     assert (dead.id, dead.attempts, dead.last_error) == (ack["id"], 2, "turn 2 exited 3")
     # Retried by hand: pending again, attempts reset, and it fails its way back.
@@ -245,8 +246,12 @@ def test_a_turn_past_its_time_limit_is_stopped_and_reported_as_timeout(
     started = time.monotonic()
     ended = [polite.reply(timeout=10), stubborn.reply(timeout=10)]
     assert time.monotonic() - started < 5  # 0.3 s, then 0.3 s of grace: not 30 s
-    assert [(e["outcome"], e["exit_code"]) for e in ended] == [("timeout", 124)] * 2
-    assert [e["exit_status"] for e in ended] == [143, 137]  # SIGKILL: 128 + 9
+    # Their one attempt timed out: dead, and a waiter exits 124, as timeout(1) does.
+    assert [(e["event"], e["outcome"], e["exit_code"]) for e in ended] == [
+        ("dead", "timeout", 124)
+    ] * 2
+    assert ["exit status 143" in e["error"] for e in ended] == [True, False]
+    assert "exit status 137" in ended[1]["error"]  # SIGKILL: 128 + 9
     harness.pump(lambda: len(rows(harness, QueueState.DEAD)) == 2)
     assert all("ran past its time limit" in str(r.last_error) for r in rows(harness, "dead"))  # type: ignore[arg-type]
 
