@@ -114,7 +114,8 @@ def test_a_raw_socket_client_in_the_volute_group_speaks_the_documented_protocol(
         assert (reply["code"], reply["error"][: len(start)]) == (code, start), reply
     assert valid("DeliveryDead", dead) == {
         "v": 1, "ok": True, "event": "dead", "id": valid("DeliverAck", dead_ack)["id"],
-        "error": f"turn {dead['id']} exited 3", "exit_code": 1,
+        "error": f"turn {dead['turn_id']} exited 3", "exit_code": 3,
+        "turn_id": dead["turn_id"], "outcome": "failed",
     }  # fmt: skip
     assert valid("StatusReply", status[0])["status"]["dead"] == 1
     rows = valid("QueueReply", queue[0])["rows"]
