@@ -96,12 +96,16 @@ def admit(
     pressure: bool = False,
     other_busy_reason: HoldReason = HoldReason.GLOBAL_CAP,
     paused: Container[str] = frozenset(),
+    max_starts: int | None = None,
 ) -> Admission:
     """Decide, in id order, what starts, what folds into a live turn, and what waits.
 
     - Deliveries to a (mind, session) that has a live turn fold into it, even if the
       mind is paused: a pause holds new turns only.
     - A paused mind (`paused`, e.g. EVERY_MIND) starts no new turn.
+    - At most `max_starts` turns start (the pressure gate's pacing: PSI reacts late, so
+      a burst is let out one turn at a time); what would start beyond that is held for
+      `io_pressure`.
     - A new turn starts only if the mind is under its limit, the global count (live
       turns plus `other_busy`, e.g. foreign scopes or test runs that share the budget)
       is under the cap, and, under pressure, nothing else runs at all.
@@ -151,6 +155,9 @@ def admit(
             holds.append(Hold(delivery.id, reason))
             continue
         if pressure and busy >= 1:
+            holds.append(Hold(delivery.id, HoldReason.IO_PRESSURE))
+            continue
+        if max_starts is not None and len(start_order) >= max_starts:
             holds.append(Hold(delivery.id, HoldReason.IO_PRESSURE))
             continue
         started[key] = [delivery.id]

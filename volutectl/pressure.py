@@ -35,8 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from volutectl import core
-from volutectl.pressurecore import Trigger, next_state, pace_admission, parse_total, stall_fraction
+from volutectl.pressurecore import Trigger, next_state, parse_total, stall_fraction
 from volutectl.probes import SYSTEM_PRESSURE, PsiUnavailable, register_trigger
 
 if TYPE_CHECKING:
@@ -203,12 +202,11 @@ class PressureWatch:
         self._enter("settling", now)
         return True
 
-    def pace(self, admission: core.Admission, now: float) -> core.Admission:
-        """At most one start per pass; a kept start puts the watch in `settling`."""
-        paced = pace_admission(admission, 1)
-        if paced.starts:
-            self.note_started(now)
-        return paced
+    def may_start(self) -> int:
+        """How many turns admission may start in one pass: one, since PSI reacts late (a
+        burst would all be running before the first stall shows); after it,
+        `note_started` holds further starts until that turn's stall is measured."""
+        return 1
 
     def _enter(self, reason: str, now: float) -> None:
         self._high = True

@@ -1,5 +1,5 @@
 """The pure part of pressure-aware admission: PSI trigger lines, the stalled share of an
-interval, the hysteresis, and pacing a burst.
+interval, and the hysteresis. (Pacing a burst is core.admit's `max_starts`.)
 
 A PSI trigger `some THRESHOLD WINDOW` fires when tasks stalled on IO for THRESHOLD µs
 within WINDOW µs. PSI never reports that pressure fell, so a hold ends when the stalled
@@ -14,9 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-from volutectl import core
-from volutectl.states import HoldReason
 
 if TYPE_CHECKING:
     from volutectl.config import IoPressureSettings
@@ -86,20 +83,3 @@ def next_state(high: bool, fraction: float, settings: IoPressureSettings) -> boo
     if high:
         return fraction * 100 >= settings.resume_below_percent
     return fraction >= settings.threshold_us / settings.window_us
-
-
-def pace_admission(admission: core.Admission, may_start: int = 1) -> core.Admission:
-    """Keep the first `may_start` starts (id order); hold the rest for io_pressure.
-
-    A held start's deliveries stay pending with no attempt counted, and go out first
-    once the next start is allowed, so FIFO order is kept."""
-    if len(admission.starts) <= may_start:
-        return admission
-    kept, deferred = admission.starts[:may_start], admission.starts[may_start:]
-    holds = list(admission.holds)
-    holds += [
-        core.Hold(delivery_id, HoldReason.IO_PRESSURE)
-        for start in deferred
-        for delivery_id in start.delivery_ids
-    ]
-    return core.Admission(starts=list(kept), folds=list(admission.folds), holds=holds)

@@ -128,24 +128,23 @@ def test_next_state_never_flaps_inside_the_band(
 # -- pacing ------------------------------------------------------------------------------------
 
 
-def test_pace_keeps_the_oldest_start_and_holds_the_rest_for_pressure() -> None:
+def test_pacing_keeps_the_oldest_start_and_holds_the_rest_for_pressure() -> None:
     pending = [core.Delivery(i, f"m{i}", "s") for i in range(1, 6)]
     pending.append(core.Delivery(6, "m1", "s"))  # batched with 1
     admission = core.admit(pending, [], core.Limits(), now=0)
     assert len(admission.starts) == 5
-    paced = pressurecore.pace_admission(admission, 1)
+    paced = core.admit(pending, [], core.Limits(), now=0, max_starts=1)
     assert [s.delivery_ids for s in paced.starts] == [(1, 6)]
     assert [(h.delivery_id, h.reason) for h in paced.holds] == [
         (i, HoldReason.IO_PRESSURE) for i in (2, 3, 4, 5)
     ]
-    assert pressurecore.pace_admission(paced, 1) == paced
 
 
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 2)), max_size=30))
-def test_pace_loses_no_delivery(rows: list[tuple[int, int]]) -> None:
+def test_pacing_loses_no_delivery(rows: list[tuple[int, int]]) -> None:
     pending = [core.Delivery(i, f"m{m}", f"s{s}") for i, (m, s) in enumerate(rows, 1)]
     admission = core.admit(pending, [], core.Limits(global_cap=3), now=0)
-    paced = pressurecore.pace_admission(admission, 1)
+    paced = core.admit(pending, [], core.Limits(global_cap=3), now=0, max_starts=1)
     before = {i for s in admission.starts for i in s.delivery_ids} | {
         h.delivery_id for h in admission.holds
     }
@@ -287,8 +286,9 @@ def test_watch_hysteresis_and_settling_with_real_psi_readings() -> None:
         assert any("admitting turns again" in m for _, m in logged)
         # A start while low: hold further starts until its stall is measured.
         pending = [core.Delivery(i, f"m{i}", "s") for i in (1, 2, 3)]
-        paced = watch.pace(core.admit(pending, [], core.Limits(), now=0), 20_000.0)
+        paced = core.admit(pending, [], core.Limits(), now=0, max_starts=watch.may_start())
         assert [s.delivery_ids for s in paced.starts] == [(1,)]
+        watch.note_started(20_000.0)
         assert watch.high and watch.reason == "settling"
         again = core.admit(
             pending[1:], [core.LiveTurn(1, "m1", "s")], core.Limits(), now=0, pressure=watch.high
