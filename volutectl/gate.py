@@ -31,6 +31,7 @@ from volutectl import core, handlers
 from volutectl.config import Settings
 from volutectl.errors import VoluteError
 from volutectl.handlers import Caller, GateState
+from volutectl.indexedstore import IndexedStore
 from volutectl.journal import Journal, sd_notify, watchdog_interval
 from volutectl.liveness import Liveness
 from volutectl.messages import DeliverAck, DeliverRequest, ErrorReply, Reply, Request
@@ -39,7 +40,6 @@ from volutectl.probes import slice_cgroup
 from volutectl.server import Client, Server
 from volutectl.slotwatch import SlotWatch
 from volutectl.states import HoldReason
-from volutectl.store import Store
 from volutectl.turns import Turn, Turns
 from volutectl.units import SystemdManager
 
@@ -98,7 +98,7 @@ class Gate:
 
     def _build_state(self, manager: SystemdManager | None) -> GateState:
         settings, journal = self.settings, self.journal
-        store = Store(settings.gate.state_dir / "queue.sqlite3")
+        store = IndexedStore(settings.gate.state_dir / "queue.sqlite3")
         self._opened.append(store)
         if manager is None:
             from volutectl.systemd import Manager
@@ -199,7 +199,7 @@ class Gate:
             return 0.0
         now, mono = time.time(), time.monotonic()
         waits = []
-        # Backoffs still to end; a row whose backoff already ended is not a deadline.
+        # The next backoff to end; one that ended unseen by a pass is due now.
         self.backoff_wake = self.state.store.next_backoff_deadline(after=now)
         if self.backoff_wake is not None:
             waits.append(self.backoff_wake - now)
@@ -381,6 +381,8 @@ class Gate:
             self.admit_failing = False
 
     def _admit(self) -> None:
+        """One admission pass over the store's index of pending rows (O(what changed):
+        volutectl/queueindex.py), then carry out what it decided."""
         state = self.state
         live, state.foreign_live = state.liveness.count_live()
         # With limits.test_runs_count_as_turns, each held test slot takes one unit of the
@@ -388,22 +390,22 @@ class Gate:
         test_runs = 0
         if self.settings.limits.test_runs_count_as_turns:
             test_runs = len(state.slots.held())
-        rows = {row.id: row for row in state.store.pending()}
         now = time.time()
-        decision = core.admit(
-            [row.as_delivery() for row in rows.values()],
+        pressure = state.pressure
+        decision, changes = state.store.index.admit(
             live,
             state.limits,
             now=now,
             other_busy=state.foreign_live + test_runs,
             other_busy_reason=HoldReason.TEST_RUN if test_runs else HoldReason.GLOBAL_CAP,
-            pressure=state.pressure is not None and state.pressure.high,
-        )
-        if state.pressure is not None:
+            pressure=pressure is not None and pressure.high,
             # PSI is reactive: start at most one turn per pass, and let it settle.
-            decision = state.pressure.pace(decision, time.monotonic())
+            max_starts=pressure.may_start() if pressure is not None else None,
+        )
         for fold in decision.folds:
             state.turns.fold(fold, now)
         for start in decision.starts:
             state.turns.start(start, now)
-        state.turns.record_holds(decision.holds, rows, now)
+        if pressure is not None and decision.starts:
+            pressure.note_started(time.monotonic())
+        state.turns.record_holds(changes, now)

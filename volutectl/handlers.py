@@ -22,6 +22,7 @@ from volutectl import core, status, validate
 from volutectl.config import Settings
 from volutectl.errors import TemporaryError, VoluteError
 from volutectl.faults import crash_point
+from volutectl.indexedstore import IndexedStore
 from volutectl.journal import Journal
 from volutectl.liveness import Liveness
 from volutectl.messages import (
@@ -48,7 +49,7 @@ from volutectl.messages import (
 from volutectl.pressure import PressureWatch
 from volutectl.slotwatch import SlotWatch
 from volutectl.states import DEFAULT_LISTED, Outcome, QueueState
-from volutectl.store import NewDelivery, Store
+from volutectl.store import NewDelivery
 from volutectl.turns import Turns
 from volutectl.units import SystemdManager
 
@@ -58,7 +59,7 @@ class GateState:
     """What the handlers act on: the gate's parts, none of its sockets."""
 
     settings: Settings
-    store: Store
+    store: IndexedStore
     manager: SystemdManager
     turns: Turns
     liveness: Liveness

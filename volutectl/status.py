@@ -37,16 +37,12 @@ def build(state: GateState) -> Status:
         for turn in state.turns.all()
         if turn.id in live_ids
     )
-    pending = state.store.pending()
+    index = state.store.index  # counts kept in step with every commit: no scan
     running: dict[str, list[str]] = {name: [] for name in state.settings.minds}
-    waiting: dict[str, int] = dict.fromkeys(state.settings.minds, 0)
+    waiting = {name: index.pending_of(name) for name in {*state.settings.minds, *index.minds}}
     for turn in turns:
         running.setdefault(turn.mind, []).append(turn.session)
-    holds: dict[str, int] = {}
-    for row in pending:
-        waiting[row.mind] = waiting.get(row.mind, 0) + 1
-        if row.hold_reason:
-            holds[row.hold_reason] = holds.get(row.hold_reason, 0) + 1
+    holds = {str(reason): count for reason, count in index.counts.items()}
     minds = {
         name: MindStatus(tuple(running.get(name, [])), waiting.get(name, 0))
         for name in sorted(set(running) | set(waiting))
@@ -59,7 +55,7 @@ def build(state: GateState) -> Status:
         turns=turns,
         foreign_scopes=foreign,
         minds=minds,
-        queue_depth=len(pending),
+        queue_depth=len(index),
         holds=holds,
         oldest_held_s=round(now - oldest, 3) if oldest is not None else None,
         dead=state.store.counts().get(QueueState.DEAD, 0),

@@ -106,6 +106,7 @@ class Store:
         """
         now = time.time() if now is None else now
         results: list[int | RequestIdReused] = []
+        inserted: list[tuple[int, NewDelivery]] = []
         with self._tx():
             for item in items:
                 found = self._by_request_id(item) if item.request_id is not None else None
@@ -119,8 +120,14 @@ class Store:
                     (item.mind, item.session, item.message, int(item.interrupt), now,
                      item.request_id),
                 )  # fmt: skip
-                results.append(int(cursor.lastrowid or 0))
+                delivery_id = int(cursor.lastrowid or 0)
+                results.append(delivery_id)
+                inserted.append((delivery_id, item))
+        self._inserted(inserted)
         return results
+
+    def _inserted(self, rows: list[tuple[int, NewDelivery]]) -> None:
+        """After the commit of new rows: a hook for volutectl/indexedstore.py."""
 
     def _by_request_id(self, item: NewDelivery) -> int | RequestIdReused | None:
         found = self.db.execute(
@@ -172,7 +179,7 @@ class Store:
         )
         return [row_of(values) for values in cursor]
 
-    def mark_held(self, holds: Iterable[tuple[int, HoldReason]], now: float) -> list[int]:
+    def mark_held(self, holds: Iterable[tuple[int, HoldReason | None]], now: float) -> list[int]:
         """Record holds that just began; returns the ids whose hold is new (to log once).
 
         Not synced: a hold is bookkeeping for logs and `status`, and losing its start time
@@ -184,6 +191,13 @@ class Store:
         new = []
         with self._tx(durable=False):
             for delivery_id, reason in holds:
+                if reason is None:  # no longer held (it is backing off itself)
+                    self.db.execute(
+                        "UPDATE deliveries SET held_since = NULL, hold_reason = NULL "
+                        "WHERE id = ? AND state = ?",
+                        (delivery_id, PENDING),
+                    )
+                    continue
                 cursor = self.db.execute(
                     "UPDATE deliveries SET held_since = ?, hold_reason = ? "
                     "WHERE id = ? AND state = ? AND held_since IS NULL",

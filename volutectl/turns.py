@@ -22,10 +22,11 @@ from volutectl import core, launcher, names, processes
 from volutectl.config import Settings, parse_bandwidth
 from volutectl.errors import DataError, VoluteError
 from volutectl.faults import crash_point
+from volutectl.indexedstore import IndexedStore
 from volutectl.journal import Journal
 from volutectl.messages import DeliveryDead, Reply, TurnEnded
-from volutectl.states import HoldReason, Outcome, QueueState
-from volutectl.store import Row, Store
+from volutectl.states import Outcome, QueueState
+from volutectl.store import Row
 from volutectl.units import ScopeProperties, SystemdManager
 
 # systemd's RuntimeMaxSec= backstop fires this long after the gate's own deadline (plus
@@ -65,7 +66,7 @@ class Turns:
     def __init__(
         self,
         settings: Settings,
-        store: Store,
+        store: IndexedStore,
         manager: SystemdManager,
         journal: Journal,
         *,
@@ -111,7 +112,7 @@ class Turns:
 
     # -- logging ----------------------------------------------------------------------------
 
-    def log_row(self, level: str, row: Row, text: str, **fields: Any) -> None:
+    def log_row(self, level: str, row: Row | core.Delivery, text: str, **fields: Any) -> None:
         """Log about one delivery, with the journal fields that find it again."""
         self.journal.log(
             level,
@@ -149,20 +150,17 @@ class Turns:
 
     # -- admission's decisions -----------------------------------------------------------------
 
-    def record_holds(self, holds: list[core.Hold], rows: Mapping[int, Row], now: float) -> None:
-        # Only holds that began or changed reason: the rest are already recorded.
-        changed: list[tuple[int, HoldReason]] = [
-            (h.delivery_id, h.reason)
-            for h in holds
-            if rows[h.delivery_id].held_since is None or rows[h.delivery_id].hold_reason != h.reason
-        ]
-        if not changed:
+    def record_holds(self, changes: list[core.Hold | tuple[int, None]], now: float) -> None:
+        """Write the hold reasons admission changed (only those), and log new holds."""
+        if not changes:
             return
-        new = set(self.store.mark_held(changed, now))
-        for hold in holds:
-            if hold.delivery_id in new:
-                row = rows[hold.delivery_id]
-                self.log_row("info", row, f"held: {hold.reason}", reason=hold.reason, event="hold")
+        holds = [(c.delivery_id, c.reason) if isinstance(c, core.Hold) else c for c in changes]
+        new = set(self.store.mark_held(holds, now))
+        rows = self.store.index.rows
+        for delivery_id, reason in holds:
+            if delivery_id in new and delivery_id in rows:
+                row = rows[delivery_id]
+                self.log_row("info", row, f"held: {reason}", reason=reason, event="hold")
 
     def fold(self, fold: core.Fold, now: float) -> None:
         """Hand deliveries to a live turn of their session, through its inbox."""

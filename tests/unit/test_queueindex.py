@@ -1,0 +1,165 @@
+"""The incremental index decides exactly what core.admit decides over the same rows.
+
+Random histories: deliveries arrive (some backing off after a failure, some returned to
+the queue with their old ids), turns start and fold as decided, turns end, time passes,
+minds are paused and resumed, pressure and other work come and go. After every step
+both admissions run over the same state, and must agree on the starts, the folds, and
+the hold reason of every pending row (what the store records for it).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from volutectl import core
+from volutectl.core import Delivery, Limits, LiveTurn
+from volutectl.queueindex import PendingIndex
+from volutectl.states import HoldReason
+
+MINDS = ["a", "b", "c", "d"]
+SESSIONS = ["x", "y", "z"]
+
+
+@dataclass
+class World:
+    """The store's pending rows and systemd's live turns, as the gate would see them."""
+
+    index: PendingIndex = field(default_factory=PendingIndex)
+    pending: dict[int, Delivery] = field(default_factory=dict)
+    live: dict[int, LiveTurn] = field(default_factory=dict)
+    next_id: int = 1
+    next_turn: int = 1
+    now: float = 1000.0
+    paused: set[str] = field(default_factory=set)
+    all_paused: bool = False
+    pressure: bool = False
+    other_busy: int = 0
+    other_reason: HoldReason = HoldReason.GLOBAL_CAP
+    max_starts: int | None = None
+    limits: Limits = field(default_factory=lambda: Limits(global_cap=2))
+    taken: list[Delivery] = field(default_factory=list)  # rows that left for a turn
+
+    def add(self, row: Delivery) -> None:
+        self.pending[row.id] = row
+        self.index.add(row)
+
+    def remove(self, ids: list[int]) -> None:
+        for i in ids:
+            self.taken.append(self.pending.pop(i))
+        self.index.remove(ids)
+
+    def step(self) -> None:
+        """One admission pass both ways; they must agree; then carry out its decisions."""
+        paused = core.EVERY_MIND if self.all_paused else frozenset(self.paused)
+        arguments = dict(
+            now=self.now, other_busy=self.other_busy, pressure=self.pressure,
+            other_busy_reason=self.other_reason, max_starts=self.max_starts,
+        )  # fmt: skip
+        live = list(self.live.values())
+        full = core.admit(self.pending.values(), live, self.limits, paused=paused, **arguments)  # type: ignore[arg-type]
+        fast, _ = self.index.admit(
+            live,
+            self.limits,
+            paused=self.paused,
+            all_paused=self.all_paused,
+            **arguments,  # type: ignore[arg-type]
+        )
+        assert fast.starts == full.starts
+        assert fast.folds == full.folds
+        taken = {i for s in full.starts for i in s.delivery_ids}
+        taken |= {i for f in full.folds for i in f.delivery_ids}
+        reasons = {hold.delivery_id: hold.reason for hold in full.holds}
+        for row_id in self.pending:
+            if row_id not in taken:
+                assert self.index.recorded[row_id] == reasons.get(row_id), (row_id, self)
+        counts: dict[HoldReason, int] = {}
+        for reason in reasons.values():
+            counts[reason] = counts.get(reason, 0) + 1
+        assert dict(self.index.counts) == counts
+        for start in full.starts:
+            turn = LiveTurn(self.next_turn, start.mind, start.session)
+            self.live[turn.turn_id] = turn
+            self.next_turn += 1
+            self.remove(list(start.delivery_ids))
+        for fold in full.folds:
+            self.remove(list(fold.delivery_ids))
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["deliver", "deliver", "deliver", "fail", "return", "end", "tick", "pause",
+             "resume", "pause_all", "pressure", "other", "drop", "limits"]
+        ),
+        st.integers(0, 10_000),
+    ),
+    min_size=1,
+    max_size=120,
+)  # fmt: skip
+
+
+def apply(world: World, op: str, seed: int) -> None:
+    rng = random.Random(seed)
+    if op == "deliver":
+        row = Delivery(world.next_id, rng.choice(MINDS), rng.choice(SESSIONS), rng.random() < 0.2)
+        world.next_id += 1
+        world.add(row)
+    elif op in ("fail", "return") and world.taken:
+        # A turn failed (back with a backoff) or never ran (back as it was), old id kept.
+        row = world.taken.pop(rng.randrange(len(world.taken)))
+        backoff = world.now + rng.choice([1.0, 5.0, 30.0]) if op == "fail" else None
+        world.add(Delivery(row.id, row.mind, row.session, row.interrupt, backoff))
+    elif op == "end" and world.live:
+        del world.live[rng.choice(sorted(world.live))]
+    elif op == "tick":
+        world.now += rng.choice([0.5, 2.0, 10.0, 40.0])
+        if rng.random() < 0.5:
+            # The gate asks when to wake next before its pass: a backoff that ended
+            # meanwhile must still be seen by that pass, and is due now.
+            wake = world.index.next_backoff(after=world.now)
+            assert wake is None or wake >= world.now
+    elif op == "pause":
+        world.paused.add(rng.choice(MINDS))
+    elif op == "resume":
+        world.paused.discard(rng.choice(MINDS))
+        world.all_paused = False if rng.random() < 0.5 else world.all_paused
+    elif op == "pause_all":
+        world.all_paused = not world.all_paused
+    elif op == "pressure":
+        world.pressure = not world.pressure
+        world.max_starts = rng.choice([None, None, 0, 1])
+    elif op == "other":
+        world.other_busy = rng.randrange(3)
+        world.other_reason = rng.choice([HoldReason.GLOBAL_CAP, HoldReason.TEST_RUN])
+    elif op == "drop" and world.pending:
+        world.index.remove([world.pending.pop(rng.choice(sorted(world.pending))).id])
+    elif op == "limits":
+        world.limits = Limits(
+            global_cap=rng.choice([None, 1, 2, 3]),
+            turns_per_mind=rng.choice([1, 2]),
+            per_mind={"a": rng.choice([1, 3])},
+        )
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops)
+def test_the_index_decides_what_full_admission_decides(history: list[tuple[str, int]]) -> None:
+    world = World()
+    for op, seed in history:
+        apply(world, op, seed)
+        world.step()
+
+
+def test_a_deep_queue_held_by_the_cap_costs_no_writes_per_delivery() -> None:
+    world = World(limits=Limits(global_cap=1))
+    for i in range(1, 2001):
+        world.add(Delivery(i, f"m{i % 100}", "s"))
+    world.step()  # the first pass records every hold
+    assert len(world.live) == 1 and world.index.counts[HoldReason.GLOBAL_CAP] > 1900
+    world.add(Delivery(5000, "m7", "s"))
+    _, changes = world.index.admit(list(world.live.values()), world.limits, now=world.now)
+    assert [(c.delivery_id, c.reason) for c in changes] == [(5000, HoldReason.GLOBAL_CAP)]  # type: ignore[union-attr]

@@ -1,0 +1,102 @@
+"""The store, with its pending rows indexed in memory and the index kept in step.
+
+volutectl/queueindex.py decides admission from an index of the pending deliveries; this
+keeps that index true. It is built once from the database when the store opens, then
+every method that moves a row into or out of `pending` updates it after its commit (a
+commit that fails changes nothing, in the database or here). The gate uses this store;
+the index also answers what would otherwise be a scan of the queue on every pass: the
+next backoff to wake for, pending counts per mind, held counts per reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from volutectl.core import AfterFailure, Delivery
+from volutectl.queueindex import PendingIndex
+from volutectl.rows import NewDelivery, Row
+from volutectl.states import HoldReason, Outcome, QueueState
+from volutectl.store import Store
+
+
+class IndexedStore(Store):
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.index = self.load_index()
+
+    def load_index(self) -> PendingIndex:
+        """The index of what the database holds as pending, with each row's recorded hold."""
+        index = PendingIndex()
+        for row in self.pending():
+            index.add(row.as_delivery(), row.hold_reason)
+        return index
+
+    def _pend(self, ids: Iterable[int]) -> None:
+        """Rows that the last commit made pending: into the index, as they now are."""
+        for row in self.rows(ids):
+            if row.state is QueueState.PENDING:
+                self.index.add(row.as_delivery(), row.hold_reason)
+
+    def _inserted(self, rows: list[tuple[int, NewDelivery]]) -> None:
+        for delivery_id, item in rows:
+            self.index.add(Delivery(delivery_id, item.mind, item.session, item.interrupt))
+
+    def start_turn(self, *args: object, **kwargs: object) -> tuple[int, list[Row]]:
+        turn_id, taken = super().start_turn(*args, **kwargs)  # type: ignore[arg-type]
+        self.index.remove([row.id for row in taken])
+        return turn_id, taken
+
+    def fold_into(
+        self, turn_id: int, delivery_ids: Sequence[int], now: float, *, interrupt: bool = False
+    ) -> list[Row]:
+        rows = super().fold_into(turn_id, delivery_ids, now, interrupt=interrupt)
+        self.index.remove([row.id for row in rows])
+        return rows
+
+    def settle_turn(
+        self,
+        turn_id: int,
+        *,
+        outcome: Outcome,
+        exit_status: int | None,
+        detail: str,
+        done: Sequence[int],
+        returned: Sequence[int],
+        failed: Mapping[int, AfterFailure],
+        error: str,
+        now: float,
+        durable: bool = True,
+    ) -> None:
+        super().settle_turn(
+            turn_id, outcome=outcome, exit_status=exit_status, detail=detail, done=done,
+            returned=returned, failed=failed, error=error, now=now, durable=durable,
+        )  # fmt: skip
+        self._pend([*returned, *failed])
+
+    def fail_rows(self, failed: Mapping[int, AfterFailure], error: str, now: float) -> None:
+        super().fail_rows(failed, error, now)
+        self._pend(failed)
+
+    def retry(self, delivery_ids: Sequence[int]) -> list[int]:
+        changed = super().retry(delivery_ids)
+        self._pend(changed)
+        return changed
+
+    def drop(self, delivery_ids: Sequence[int], now: float) -> list[int]:
+        changed = super().drop(delivery_ids, now)
+        self.index.remove(changed)
+        return changed
+
+    def mark_held(self, holds: Iterable[tuple[int, HoldReason | None]], now: float) -> list[int]:
+        """Record the holds the index decided (it counts them already). If the commit
+        fails, the index is rebuilt from the database, so that it never believes a hold
+        the store does not hold."""
+        try:
+            return super().mark_held(holds, now)
+        except Exception:
+            self.index = self.load_index()
+            raise
+
+    def next_backoff_deadline(self, after: float | None = None) -> float | None:
+        return self.index.next_backoff(float("-inf") if after is None else after)
