@@ -27,7 +27,7 @@ class EveryMind:
 EVERY_MIND = EveryMind()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a deep queue holds one per pending row
 class Delivery:
     """A pending row, as admission sees it."""
 

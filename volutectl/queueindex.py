@@ -102,6 +102,25 @@ class PendingIndex:
             self.dirty_sessions.add((delivery.mind, delivery.session))
         self.dirty_minds.add(delivery.mind)
 
+    def load(self, rows: Iterable[tuple[Delivery, HoldReason | None]]) -> None:
+        """Fill a new index with rows in id order, each with the hold reason the store
+        records for it: no bookkeeping per row; the first pass looks at every session."""
+        for delivery, recorded in rows:
+            self.rows[delivery.id] = delivery
+            self._record(delivery.id, recorded)
+            mind = self.minds.setdefault(delivery.mind, MindQueues())
+            queue = mind.sessions.setdefault(delivery.session, SessionQueue())
+            if queue.ids and queue.ids[-1] >= delivery.id:
+                raise ValueError("PendingIndex.load takes rows in id order")
+            queue.ids.append(delivery.id)
+            queue.rows.append(delivery)
+            if delivery.not_before is not None:
+                self.backoffs.append((delivery.not_before, delivery.id))
+        heapq.heapify(self.backoffs)
+        for name, mind in self.minds.items():
+            self.dirty_minds.add(name)
+            self.dirty_sessions.update((name, session) for session in mind.sessions)
+
     def remove(self, ids: Iterable[int]) -> None:
         """Rows that left pending: taken by a turn, dropped."""
         for delivery_id in ids:
