@@ -20,6 +20,7 @@ sd_notify) is volutectl/daemon.py.
 from __future__ import annotations
 
 import contextlib
+import gc
 import selectors
 import socket
 import sqlite3
@@ -90,6 +91,9 @@ class Gate:
             self.selector.register(self.state.manager.fileno(), selectors.EVENT_READ, ("bus", None))
             self.selector.register(self.state.slots.fileno(), selectors.EVENT_READ, ("slots", None))
             self._open_pressure()
+            # What start loaded (a deep queue's index, the imports) lives as long as the
+            # gate: keep the cyclic collector from scanning it again and again.
+            gc.freeze()
         except BaseException:
             for part in reversed(self._opened):
                 with contextlib.suppress(Exception):
