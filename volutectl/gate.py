@@ -218,6 +218,9 @@ class Gate:
             deadlines.append(pressure.deadline() or 0.0)
         if self.admit_retry is not None:
             deadlines.append(self.admit_retry)
+        checkpoint = self.state.store.checkpoint_deadline()
+        if checkpoint is not None:
+            deadlines.append(checkpoint)
         turn_deadline = self.state.liveness.next_deadline()
         if turn_deadline is not None:
             deadlines.append(time.monotonic() + turn_deadline - time.time())
@@ -236,6 +239,10 @@ class Gate:
         if self.admit_retry is not None and mono >= self.admit_retry:
             self.admit_retry = None
             self.state.dirty = True
+        checkpoint = self.state.store.checkpoint_deadline()
+        if checkpoint is not None and mono >= checkpoint:
+            # Off the handoff path: the gate has been quiet for a second.
+            self._guarded("a checkpoint of the queue", self.state.store.checkpoint)
         due = self.state.liveness.next_deadline()
         if due is not None and time.time() >= due:
             self._guarded("a turn's deadline", self.state.liveness.on_deadline, time.time())

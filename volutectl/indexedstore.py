@@ -11,21 +11,54 @@ next backoff to wake for, pending counts per mind, held counts per reason.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+import time
 from pathlib import Path
 
 from volutectl.core import AfterFailure, Delivery
 from volutectl.queueindex import PendingIndex
 from volutectl.rows import NewDelivery, Row
+from volutectl.schema import Transaction
 from volutectl.states import HoldReason, Outcome, QueueState
 from volutectl.store import Store
 
 HOLD_REASONS = frozenset(HoldReason)
 
 
+CHECKPOINT_QUIET_SECONDS = 1.0  # checkpoint once the gate has committed nothing this long
+CHECKPOINT_MAX_COMMITS = 2000  # ... or after this many commits (a WAL of ~100 MiB at most)
+
+
 class IndexedStore(Store):
+    """The gate's store. Also: SQLite's own checkpoints (every 1,000 WAL pages, inside
+    whichever commit crosses the line, a handoff's included) are turned off; the gate
+    checkpoints when it has been quiet for a second (checkpoint_deadline)."""
+
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self.index = self.load_index()
+        self.db.execute("PRAGMA wal_autocheckpoint=0")
+        self._commits = 0
+        self._last_commit = 0.0
+
+    def _tx(self, *, durable: bool = True) -> Transaction:
+        return Transaction(
+            self.db, durable=durable, on_durable_commit=self._synced, on_commit=self._committed
+        )
+
+    def _committed(self) -> None:
+        self._commits += 1
+        self._last_commit = time.monotonic()
+        if self._commits >= CHECKPOINT_MAX_COMMITS:
+            self.checkpoint()  # never quiet: bound the WAL anyway
+
+    def checkpoint_deadline(self) -> float | None:
+        """When (monotonic) to checkpoint: a quiet second after the last commit."""
+        return self._last_commit + CHECKPOINT_QUIET_SECONDS if self._commits else None
+
+    def checkpoint(self) -> None:
+        """Copy the WAL's pages into the database (PASSIVE: it waits for no reader)."""
+        self._commits = 0
+        self.db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
 
     def load_index(self) -> PendingIndex:
         """The index of what the database holds as pending, with each row's recorded hold.

@@ -203,6 +203,11 @@ class PendingIndex:
         self._notice_paused(frozenset(paused), all_paused)
         for mind in self.dirty_minds:
             self._refresh(mind, now)
+        if len(self.startable) > 2 * len(self.minds) + 64:
+            # Stale entries leave only from the top: while the cap holds, each delivery
+            # adds one. Rebuilt from the heads, the heap stays O(minds).
+            self.startable = [(q.heads[0][0], m) for m, q in self.minds.items() if q.heads]
+            heapq.heapify(self.startable)
         per_mind = Counter(self.live)
         folds = self._folds()
         starts, busy, running = self._starts(

@@ -138,10 +138,12 @@ class Transaction:
         *,
         durable: bool = True,
         on_durable_commit: Callable[[], None] | None = None,
+        on_commit: Callable[[], None] | None = None,
     ) -> None:
         self.db = db
         self.durable = durable
         self.on_durable_commit = on_durable_commit
+        self.on_commit = on_commit
 
     def __enter__(self) -> None:
         if not self.durable:
@@ -160,6 +162,8 @@ class Transaction:
                     with contextlib.suppress(sqlite3.Error):
                         self._rollback()
                     raise
+                if self.on_commit is not None:
+                    self.on_commit()
                 if self.durable and self.on_durable_commit is not None:
                     self.on_durable_commit()
             else:

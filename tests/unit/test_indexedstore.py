@@ -103,3 +103,25 @@ def test_a_failed_hold_write_rebuilds_the_index_from_the_database(tmp_path: Path
     store.db.execute("PRAGMA query_only = 0")
     assert store.index.recorded[int(row)] is None  # the database never got it
     store.close()
+
+
+def test_sqlite_checkpoints_only_when_the_gate_asks(tmp_path: Path) -> None:
+    # SQLite's own checkpoint (every 1,000 WAL pages) would run inside whichever commit
+    # crosses the line, a handoff's too. The gate's store leaves the pages in the WAL
+    # until checkpoint(), which the gate calls after a quiet second.
+    path = tmp_path / "queue.sqlite3"
+    store = IndexedStore(path)
+    assert store.checkpoint_deadline() is None
+    size = path.stat().st_size
+    for i in range(1200):  # each commit writes >1 page: past SQLite's 1,000
+        store.add_deliveries([NewDelivery("m", f"s{i}", b"x" * 200)], now=NOW)
+    assert path.stat().st_size == size  # nothing was copied into the database yet
+    deadline = store.checkpoint_deadline()
+    assert deadline is not None
+    store.checkpoint()
+    assert path.stat().st_size > size + 1200 * 200
+    assert store.checkpoint_deadline() is None
+    other = sqlite3.connect(path)
+    assert other.execute("SELECT COUNT(*) FROM deliveries").fetchone() == (1200,)
+    other.close()
+    store.close()

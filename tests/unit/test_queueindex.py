@@ -194,3 +194,11 @@ def test_loading_rows_out_of_id_order_is_refused() -> None:
         assert "id order" in str(error)
     else:
         raise AssertionError("rows out of order were loaded")
+
+
+def test_the_heap_of_startable_heads_stays_bounded_while_the_cap_holds() -> None:
+    world = World(limits=Limits(global_cap=1))
+    for i in range(1, 5001):
+        world.add(Delivery(i, f"m{i % 10}", "s"))
+        world.step()
+    assert len(world.index.startable) <= 2 * len(world.index.minds) + 64
