@@ -10,8 +10,8 @@ next backoff to wake for, pending counts per mind, held counts per reason.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from volutectl.core import AfterFailure, Delivery
