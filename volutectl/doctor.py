@@ -28,7 +28,9 @@ from volutectl.options import config_option
 from volutectl.probes import (
     CGROUP_ROOT,
     PSI_ENABLE,
+    block_device_dir,
     cgroup_v2_root,
+    existing_ancestor,
     psi_disabled,
     psi_status,
     slice_cgroup,
@@ -112,23 +114,6 @@ def check_controllers(cgroup_root: Path = CGROUP_ROOT) -> Check:
 
 
 # -- the IO scheduler of the state directory's disk ----------------------------------
-
-
-def existing_ancestor(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def block_device_dir(major: int, minor: int, sys_root: Path = Path("/sys")) -> Path | None:
-    """The sysfs directory of the whole disk behind a device number (a partition's parent)."""
-    link = sys_root / "dev" / "block" / f"{major}:{minor}"
-    if not link.exists():
-        return None
-    device = link.resolve()
-    if (device / "partition").exists():
-        device = device.parent
-    return device
 
 
 def parse_scheduler(text: str) -> tuple[str, list[str]]:
