@@ -43,6 +43,8 @@ from volutectl.errors import DataError, VoluteError
 # `systemctl status volute-turns.slice` shows a readable command line.
 WRAPPER = str(Path(__file__).with_name("turn-wrapper.sh"))
 RELEASE = b"1"
+# The PATH a turn's command is looked up in, unless the mind's environment sets one.
+TURN_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 # RLIMIT_NOFILE as the gate found it, before raise_nofile_limit(): what turns get back.
 _inherited_nofile: tuple[int, int] | None = None
@@ -261,7 +263,7 @@ def turn_environment(
     extra: Mapping[str, str],
 ) -> dict[str, str]:
     env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "PATH": TURN_PATH,
         "HOME": account.home,
         "USER": account.name,
         "LOGNAME": account.name,
