@@ -53,6 +53,8 @@ def format_status(status: Status) -> str:
         lines.append(
             "holds: " + ", ".join(f"{n} {reason}" for reason, n in sorted(status.holds.items()))
         )
+    for mind, problems in sorted(status.preflight.items()):
+        lines.append(f"preflight: mind {mind} cannot start turns: {'; '.join(problems)}")
     if status.foreign_scopes:
         lines.append(f"other scopes in the slice: {status.foreign_scopes}")
     for turn in status.turns:

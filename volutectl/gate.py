@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from volutectl import core, handlers
+from volutectl import core, handlers, preflight
 from volutectl.config import Settings
 from volutectl.errors import VoluteError
 from volutectl.handlers import Caller, GateState
@@ -90,6 +90,7 @@ class Gate:
             self.selector.register(self.state.manager.fileno(), selectors.EVENT_READ, ("bus", None))
             self.selector.register(self.state.slots.fileno(), selectors.EVENT_READ, ("slots", None))
             self._open_pressure()
+            preflight.log_failing(settings, self.journal.log)  # status shows it too
         except BaseException:
             for part in reversed(self._opened):
                 with contextlib.suppress(Exception):

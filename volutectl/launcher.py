@@ -314,14 +314,14 @@ def fork_turn(
             stdin_fd = os.open(stdin_path, os.O_RDONLY)
             os.dup2(stdin_fd, 0)
             os.close(stdin_fd)
-            try:
-                os.chdir(cwd)
-            except OSError:
-                os.chdir("/")
             if os.geteuid() == 0 and account.uid != 0:
                 os.setgroups(list(account.groups))
                 os.setgid(account.gid)
                 os.setuid(account.uid)
+            # As the user, so that it enters only what the user may; never elsewhere. The
+            # gate checked it before the fork (preflight.turn_directory): this fails only
+            # if it changed since, and then the child exits unreleased, having run nothing.
+            os.chdir(cwd)
             if os.read(read_fd, 1) != RELEASE:
                 os._exit(0)
             _ready_to_exec()

@@ -370,6 +370,8 @@ class Status(Record):
     test_runs: tuple[RepositoryStatus, ...]
     io_pressure: PressureStatus
     test_runs_count_as_turns: bool
+    # Minds whose turns cannot start (volutectl/preflight.py): mind -> what is wrong.
+    preflight: dict[str, tuple[str, ...]] = {}
 
 
 class StatusReply(Reply):
