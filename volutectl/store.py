@@ -11,6 +11,8 @@ shape (schema, migrations, the transaction helper) is in volutectl/schema.py.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -51,7 +53,13 @@ class Store:
         self.path = path
         self._unsynced = False
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            # The messages are private. Under systemd the unit's StateDirectory= (and the
+            # package's tmpfiles) make the directory 0700; a gate run by hand makes its
+            # own directory 0700 and the database 0600 (SQLite gives -wal and -shm the
+            # database's mode). What exists already is left as it is.
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
             self.db = sqlite3.connect(str(path), isolation_level=None, timeout=10)
         except PermissionError:
             raise PermissionDeniedError(f"{path}: cannot create the queue database") from None
