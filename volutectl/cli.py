@@ -16,6 +16,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import NoReturn
 
+    from click.shell_completion import CompletionItem
+
 # name -> (module, attribute, one-line help) of a click command, imported when it runs.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "deliver": ("volutectl.client", "deliver_command", "Queue a message for a mind's turn."),
@@ -90,6 +92,19 @@ def _run_click(args: list[str]) -> None:
             module = importlib.import_module(entry[0])
             command: click.Command = getattr(module, entry[1])
             return command
+
+        def shell_complete(self, ctx: click.Context, incomplete: str) -> list[CompletionItem]:
+            # Command names from the table: click's own would import every command.
+            from click.shell_completion import CompletionItem
+
+            names = [
+                CompletionItem(name, help=entry[2])
+                for name, entry in sorted(COMMANDS.items())
+                if name.startswith(incomplete)
+            ]
+            if incomplete.startswith("-") and "--debug".startswith(incomplete):
+                names.append(CompletionItem("--debug", help="a traceback on errors"))
+            return names + click.Command.shell_complete(self, ctx, incomplete)
 
         def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
             rows = [(name, entry[2]) for name, entry in sorted(COMMANDS.items())]

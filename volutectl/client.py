@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import click
 
+from volutectl.completion import DeliverCommand, complete_deliver, complete_states
 from volutectl.deliver import call, deliver_main
 from volutectl.errors import EX_DATAERR, EX_USAGE, VoluteError
 from volutectl.messages import (
@@ -25,9 +26,11 @@ from volutectl.states import QueueState
 
 
 @click.command(
-    "deliver", context_settings={"ignore_unknown_options": True, "help_option_names": []}
+    "deliver",
+    cls=DeliverCommand,
+    context_settings={"ignore_unknown_options": True, "help_option_names": []},
 )
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, shell_complete=complete_deliver)
 def deliver_command(args: tuple[str, ...]) -> int:
     """Queue a message for a mind's turn (see: volutectl deliver --help)."""
     return deliver_main(list(args))
@@ -109,7 +112,13 @@ def queue_command(ctx: click.Context, socket: str | None, config_path: str | Non
 
 
 @queue_command.command("list")
-@click.option("--state", "states", multiple=True, help="pending, running, dead, done, dropped")
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    help="pending, running, dead, done, dropped",
+    shell_complete=complete_states,
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def queue_list(ctx: click.Context, states: tuple[str, ...] = (), as_json: bool = False) -> None:
