@@ -72,3 +72,24 @@ def test_status_flags_the_mind_until_it_is_fixed(harness: Harness, tmp_path: Pat
     )
     (tmp_path / "gone").mkdir()
     assert peer.request({"op": "status"})["status"]["preflight"] == {}  # asked anew
+
+
+def test_a_gate_killed_and_started_again_names_the_mind_again(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """A crash (SIGKILL: nothing tidied) between a failed start and the fix: the new gate
+    says it at its own start, status still flags the mind, the failed attempt is still
+    counted, and the delivery runs once the directory is there."""
+    problem = f"working directory {tmp_path}/gone does not exist"
+    delivery = harness.deliver_ok(mind="lost")
+    harness.pump(lambda: row_of(harness, delivery).attempts == 1)
+    harness.crash()
+    harness.journal.entries.clear()
+    harness.restart()
+    assert harness.journal.messages("warning") == [f"mind lost fails preflight: {problem}"]
+    assert harness.connect().request({"op": "status"})["status"]["preflight"] == {"lost": [problem]}
+    assert row_of(harness, delivery).attempts == 1
+    assert row_of(harness, delivery).last_error == problem
+    (tmp_path / "gone").mkdir()
+    harness.pump(lambda: row_of(harness, delivery).state == "done")
+    assert (tmp_path / "pwd").read_text().strip() == f"{tmp_path}/gone"
