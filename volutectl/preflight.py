@@ -20,6 +20,7 @@ import os
 import re
 import shlex
 import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,8 +252,26 @@ def check_minds(settings: Settings, lookup: Lookup = find_account) -> list[MindR
 
 
 def failing(settings: Settings, lookup: Lookup = find_account) -> dict[str, tuple[str, ...]]:
-    """Each mind that fails preflight, with its problems (what status shows)."""
+    """Each mind that fails preflight, with its problems."""
     return {r.mind: r.problems for r in check_minds(settings, lookup) if r.problems}
+
+
+# What status shows is asked at most this often. It runs on the gate's loop, and 33 minds
+# cost ~7 ms on a 2-core amd64 VM (more on a Pi): `watch volutectl status` must not make
+# every delivery wait for it. A fix still shows within this long.
+RECHECK_SECONDS = 2.0
+_clock = time.monotonic
+_last: tuple[Settings, float, dict[str, tuple[str, ...]]] | None = None
+
+
+def failing_recently(settings: Settings) -> dict[str, tuple[str, ...]]:
+    """failing(settings), asked again when the last answer for these settings is older
+    than RECHECK_SECONDS (what status shows)."""
+    global _last  # noqa: PLW0603 - one gate per process; keyed on its settings object
+    now = _clock()
+    if _last is None or _last[0] is not settings or not 0 <= now - _last[1] < RECHECK_SECONDS:
+        _last = (settings, now, failing(settings))
+    return _last[2]
 
 
 # -- the host: a turn cap on flash storage -----------------------------------------------

@@ -68,7 +68,7 @@ def build(state: GateState) -> Status:
         test_runs=_test_runs(state),
         io_pressure=_pressure(state),
         test_runs_count_as_turns=state.settings.limits.test_runs_count_as_turns,
-        preflight=preflight.failing(state.settings),  # asked anew: a fix shows at once
+        preflight=preflight.failing_recently(state.settings),  # a fix shows within 2 s
     )
 
 

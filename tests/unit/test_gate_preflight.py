@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.gate_harness import ME, Harness
+from volutectl import preflight
 from volutectl.client import format_status
 from volutectl.config import MindSettings
 from volutectl.messages import StatusReply
@@ -61,7 +62,11 @@ def test_a_missing_working_directory_fails_the_start_and_never_becomes_root(
     assert (tmp_path / "pwd").read_text().strip() == f"{tmp_path}/gone"
 
 
-def test_status_flags_the_mind_until_it_is_fixed(harness: Harness, tmp_path: Path) -> None:
+def test_status_flags_the_mind_until_it_is_fixed(
+    harness: Harness, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(preflight, "_clock", lambda: clock[0])
     peer = harness.connect()
     reply = peer.request({"op": "status"})
     problem = f"working directory {tmp_path}/gone does not exist"
@@ -71,6 +76,10 @@ def test_status_flags_the_mind_until_it_is_fixed(harness: Harness, tmp_path: Pat
         f"preflight: mind lost cannot start turns: {problem}" in format_status(status).splitlines()
     )
     (tmp_path / "gone").mkdir()
+    # Asked at most every RECHECK_SECONDS: it runs on the gate's loop.
+    clock[0] += preflight.RECHECK_SECONDS - 0.1
+    assert peer.request({"op": "status"})["status"]["preflight"] == {"lost": [problem]}
+    clock[0] += 0.1
     assert peer.request({"op": "status"})["status"]["preflight"] == {}  # asked anew
 
 
