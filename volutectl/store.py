@@ -58,6 +58,9 @@ class Store:
         except (sqlite3.Error, OSError) as error:
             raise UnavailableError(f"{path}: cannot open the queue database: {error}") from None
         try:
+            # Before anything else: a new database takes this at its first table (an
+            # existing one only through a VACUUM: schema.enable_incremental_vacuum).
+            self.db.execute("PRAGMA auto_vacuum=INCREMENTAL")
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
             self.migrate()
