@@ -161,12 +161,20 @@ class Store:
         return found[0] if found else None
 
     def list_rows(self, states: Sequence[QueueState], limit: int = 200) -> list[Row]:
+        """The newest `limit` rows in `states`, newest first."""
         cursor = self.db.execute(
             f"SELECT {ROW_COLUMNS} FROM deliveries WHERE state IN ({_marks(states)}) "
-            "ORDER BY id LIMIT ?",
+            "ORDER BY id DESC LIMIT ?",
             (*states, limit),
         )
         return [row_of(values) for values in cursor]
+
+    def count_rows(self, states: Sequence[QueueState]) -> int:
+        return int(
+            self.db.execute(
+                f"SELECT COUNT(*) FROM deliveries WHERE state IN ({_marks(states)})", states
+            ).fetchone()[0]
+        )
 
     def rows_of_turn(self, turn_id: int) -> list[Row]:
         cursor = self.db.execute(

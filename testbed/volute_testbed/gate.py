@@ -229,7 +229,9 @@ def all_settled(machine: Machine) -> bool:
 
 
 def queue_rows(machine: Machine, *states: str) -> list[dict[str, object]]:
-    args = [VOLUTECTL, "queue", "list", "--json"]
+    """The rows in `states` (default: pending, running, dead), newest first: all of them,
+    up to the gate's most (10,000), not the 50 `queue list` shows by default."""
+    args = [VOLUTECTL, "queue", "list", "--json", "--limit", "10000"]
     for state in states:
         args += ["--state", state]
     rows: list[dict[str, object]] = json.loads(machine.run(args).stdout)
