@@ -121,7 +121,9 @@ def measure_handoffs(
     path = directory / "handoff.sqlite3"
     shutil.copyfile(source, path)
     store = Store(path)
-    times: dict[str, list[float]] = {"alone": [], "after a batch": [], "batch": []}
+    times: dict[str, list[float]] = {
+        "alone": [], "after a batch": [], "batch": [], "its delete": [], "its vacuum": []
+    }  # fmt: skip
     try:
         cutoff = NOW - keep_days * DAY
         [first] = store.add_deliveries([NewDelivery("mind0", "chat", b"m")], now=NOW)
@@ -133,9 +135,12 @@ def measure_handoffs(
             began = time.perf_counter()
             if with_batch:
                 batch = delete_batch(store.db, cutoff)
+                deleted = time.perf_counter()
                 reclaim(store.db)
                 assert batch.deliveries == retention.BATCH_ROWS, batch  # a full batch
                 times["batch"].append(time.perf_counter() - began)
+                times["its delete"].append(deleted - began)
+                times["its vacuum"].append(time.perf_counter() - deleted)
             turn_id, delivery_id = handoff(store, turn_id, delivery_id, NOW + sample)
             times["after a batch" if with_batch else "alone"].append(time.perf_counter() - began)
     finally:
