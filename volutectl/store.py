@@ -66,6 +66,9 @@ class Store:
         except (sqlite3.Error, OSError) as error:
             raise UnavailableError(f"{path}: cannot open the queue database: {error}") from None
         try:
+            # Before anything else: a new database takes this at its first table (an
+            # existing one only through a VACUUM: schema.enable_incremental_vacuum).
+            self.db.execute("PRAGMA auto_vacuum=INCREMENTAL")
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
             self.migrate()
@@ -166,12 +169,20 @@ class Store:
         return found[0] if found else None
 
     def list_rows(self, states: Sequence[QueueState], limit: int = 200) -> list[Row]:
+        """The newest `limit` rows in `states`, newest first."""
         cursor = self.db.execute(
             f"SELECT {ROW_COLUMNS} FROM deliveries WHERE state IN ({_marks(states)}) "
-            "ORDER BY id LIMIT ?",
+            "ORDER BY id DESC LIMIT ?",
             (*states, limit),
         )
         return [row_of(values) for values in cursor]
+
+    def count_rows(self, states: Sequence[QueueState]) -> int:
+        return int(
+            self.db.execute(
+                f"SELECT COUNT(*) FROM deliveries WHERE state IN ({_marks(states)})", states
+            ).fetchone()[0]
+        )
 
     def rows_of_turn(self, turn_id: int) -> list[Row]:
         cursor = self.db.execute(

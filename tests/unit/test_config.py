@@ -180,6 +180,8 @@ BAD_FILES = {
         "",
     ),
     "weight out of range": ("[turns]\ncpu_weight = 0\n", "turns.cpu_weight", ""),
+    "zero retention": ("[gate]\nretention_days = 0\n", "gate.retention_days", "greater than 0"),
+    "retention as text": ('[gate]\nretention_days = "7d"\n', "gate.retention_days", "number"),
     "bad mind name": (
         '[minds."bad name"]\ncommand = "x"\n',
         "minds",
