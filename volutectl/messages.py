@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 
 REQUEST_ID_LENGTH = 32  # 128 random bits, lowercase hex
+QUEUE_LIMIT = 50  # rows a queue request lists unless it asks for another number
+QUEUE_LIMIT_MAX = 10_000  # about 2.5 MB of reply
 
 
 class Op(StrEnum):
@@ -95,6 +97,15 @@ def queue_states(obj: dict[str, Any]) -> tuple[QueueState, ...]:
             shown = repr(state[:40]) if isinstance(state, str) else kind_of(state)
             raise DataError(f"states[{index}]: {shown} is not one of {', '.join(known)}")
     return tuple(QueueState(state) for state in states)
+
+
+def queue_limit(obj: dict[str, Any]) -> int:
+    value = obj.get("limit", QUEUE_LIMIT)
+    if type(value) is not int:
+        raise DataError(f"limit: must be an integer, not {kind_of(value)}")
+    if not 1 <= value <= QUEUE_LIMIT_MAX:
+        raise DataError(f"limit: {value} is not between 1 and {QUEUE_LIMIT_MAX}")
+    return value
 
 
 def request_id(obj: dict[str, Any]) -> str | None:
@@ -185,15 +196,17 @@ class PingRequest(Request):
 
 
 class QueueRequest(Request):
-    """List deliveries in `states` (none given: pending, running and dead)."""
+    """List the newest `limit` deliveries in `states` (none given: pending, running and
+    dead), newest first."""
 
     OP = Op.QUEUE
     WIRE = {"op": Op.QUEUE.value}
     states: tuple[QueueState, ...] = ()
+    limit: int = QUEUE_LIMIT
 
     @classmethod
     def decode(cls, obj: dict[str, Any]) -> Self:
-        return cls(queue_states(obj))
+        return cls(queue_states(obj), queue_limit(obj))
 
 
 class RetryRequest(Request):
@@ -319,6 +332,7 @@ class QueueRow(Record):
 
 class QueueReply(Reply):
     rows: tuple[QueueRow, ...]
+    not_shown: int = 0  # rows in those states beyond the limit (0 from a gate before it)
 
 
 class TurnStatus(Record):
@@ -370,6 +384,8 @@ class Status(Record):
     test_runs: tuple[RepositoryStatus, ...]
     io_pressure: PressureStatus
     test_runs_count_as_turns: bool
+    # Minds whose turns cannot start (volutectl/preflight.py): mind -> what is wrong.
+    preflight: dict[str, tuple[str, ...]] = {}
 
 
 class StatusReply(Reply):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from volutectl import preflight
 from volutectl.errors import VoluteError
 from volutectl.messages import (
     MindStatus,
@@ -63,6 +64,7 @@ def build(state: GateState) -> Status:
         test_runs=_test_runs(state),
         io_pressure=_pressure(state),
         test_runs_count_as_turns=state.settings.limits.test_runs_count_as_turns,
+        preflight=preflight.failing_recently(state.settings),  # a fix shows within 2 s
     )
 
 

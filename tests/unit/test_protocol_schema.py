@@ -176,6 +176,8 @@ def test_patterns_and_bounds_are_the_decoders() -> None:
     assert properties["request_id"]["pattern"] == f"^[0-9a-f]{{{messages.REQUEST_ID_LENGTH}}}$"
     ids = schema.definitions()["DeliveryIds"]["items"]
     assert (ids["minimum"], ids["maximum"]) == (1, protocol.INT_MAX)
+    limit = schema.definitions()["QueueRequest"]["properties"]["limit"]
+    assert (limit["minimum"], limit["maximum"]) == (1, messages.QUEUE_LIMIT_MAX)
 
 
 # -- real messages validate --------------------------------------------------------------
@@ -187,6 +189,7 @@ REQUEST_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "request_id": st.none() | st.binary(min_size=16, max_size=16).map(bytes.hex),
     "ids": st.lists(st.integers(1, protocol.INT_MAX), max_size=4).map(tuple),
     "path": TEXT.filter(lambda text: "\0" not in text).map(lambda text: "/" + text),
+    "limit": st.integers(1, messages.QUEUE_LIMIT_MAX),
 }
 
 
