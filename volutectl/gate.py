@@ -210,8 +210,8 @@ class Gate:
 
     def timeout(self) -> float | None:
         """How long select() may sleep: only until a real deadline, else forever."""
-        if self.state.manager.has_pending_events() or self.server.backlog:
-            return 0.0
+        if self.state.manager.has_pending_events() or self.server.backlog or self.state.dirty:
+            return 0.0  # a pass is owed (a new gate's first one included): no sleep
         now, mono = time.time(), time.monotonic()
         waits = []
         # The next backoff to end; one that ended unseen by a pass is due now.
