@@ -85,6 +85,29 @@ def names(mind: str, session: str) -> None:
         check_mind(mind)
         check_session(session)
     except NameError_ as error:
-        # It quotes the name: keep a hostile one from making the reply as long as itself.
-        shown = str(error) if len(str(error)) <= 300 else f"{str(error)[:300]}..."
-        raise DataError(shown) from None
+        raise DataError(_shorter(str(error))) from None
+
+
+def mind_names(obj: dict[str, Any]) -> tuple[str, ...] | None:
+    """The minds a pause or resume names, as given; absent or null: every mind. An empty
+    array is refused: a program whose list of minds came out empty must not pause all."""
+    raw = obj.get("minds")
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise DataError(f"minds: must be an array of mind names, not {kind_of(raw)}")
+    if not raw:
+        raise DataError("minds: empty: name at least one mind, or leave minds out for every mind")
+    for index, name in enumerate(raw):
+        if not isinstance(name, str):
+            raise DataError(f"minds[{index}]: a mind name is a string, not {kind_of(name)}")
+        try:
+            check_mind(name)
+        except NameError_ as error:
+            raise DataError(f"minds[{index}]: {_shorter(str(error))}") from None
+    return tuple(raw)
+
+
+def _shorter(text: str) -> str:
+    # A refusal quotes the name: keep a hostile one from making the reply as long as itself.
+    return text if len(text) <= 300 else f"{text[:300]}..."

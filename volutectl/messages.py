@@ -25,7 +25,7 @@ from enum import StrEnum
 from volutectl import fields
 from volutectl.errors import EX_PROTOCOL, EX_USAGE, DataError, VoluteError
 from volutectl.fields import REQUEST_ID_LENGTH as REQUEST_ID_LENGTH
-from volutectl.fields import delivery_ids, flag, queue_states, request_id, text
+from volutectl.fields import delivery_ids, flag, mind_names, queue_states, request_id, text
 from volutectl.records import Record, WireError, kind_of, register_enum
 from volutectl.states import HoldReason, Outcome, QueueState
 
@@ -44,6 +44,9 @@ class Op(StrEnum):
     DROP = "drop"
     REGISTER_REPO = "register_repo"
     PING = "ping"
+    PAUSE = "pause"
+    RESUME = "resume"
+    WAIT = "wait"
 
 
 for _enum in (QueueState, HoldReason, Outcome, Op):
@@ -167,11 +170,55 @@ class RegisterRepoRequest(Request):
         return cls(path)
 
 
+class PauseRequest(Request):
+    """Hold new turns of `minds` (null: every mind, minds configured later included) until
+    they are resumed; their running turns go on, and deliveries are still queued."""
+
+    OP = Op.PAUSE
+    WIRE = {"op": Op.PAUSE.value}
+    minds: tuple[str, ...] | None = None
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls(mind_names(obj))
+
+
+class ResumeRequest(Request):
+    """Lift the pauses of `minds` (null: every pause); their held deliveries go through."""
+
+    OP = Op.RESUME
+    WIRE = {"op": Op.RESUME.value}
+    minds: tuple[str, ...] | None = None
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls(mind_names(obj))
+
+
+# At most this many deliveries in one wait: each is a waiter the gate keeps in memory.
+MAX_WAIT_IDS = 1000
+
+
+class WaitRequest(Request):
+    """Stay until deliveries `ids` settle: WaitReply, then one Event for each."""
+
+    OP = Op.WAIT
+    WIRE = {"op": Op.WAIT.value}
+    ids: tuple[int, ...]
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        ids = delivery_ids(obj)
+        if len(ids) > MAX_WAIT_IDS:
+            raise DataError(f"ids: at most {MAX_WAIT_IDS} deliveries in one wait, not {len(ids)}")
+        return cls(ids)
+
+
 REQUESTS: dict[Op, type[Request]] = {
     cls.OP: cls
     for cls in (
         DeliverRequest, StatusRequest, PingRequest, QueueRequest, RetryRequest, DropRequest,
-        RegisterRepoRequest,
+        RegisterRepoRequest, PauseRequest, ResumeRequest, WaitRequest,
     )
 }  # fmt: skip
 
@@ -249,6 +296,26 @@ class QueueReply(Reply):
     rows: tuple[QueueRow, ...]
 
 
+class PausedMind(Record):
+    mind: str  # "*": every mind, minds configured later included
+    since: float  # seconds since the epoch
+
+
+class PauseReply(Reply):
+    """After a pause or resume: the minds it paused or resumed ("*": every mind), and
+    every pause now."""
+
+    changed: tuple[str, ...]
+    paused: tuple[PausedMind, ...]
+
+
+class WaitReply(Reply):
+    """The deliveries a wait stays for, each once. One Event for each follows, at once
+    for one that has already settled."""
+
+    ids: tuple[int, ...]
+
+
 class TurnStatus(Record):
     turn_id: int
     mind: str
@@ -260,6 +327,13 @@ class TurnStatus(Record):
 class MindStatus(Record):
     running_sessions: tuple[str, ...]
     pending: int
+    paused_since: float | None = None  # seconds since the epoch: its pause, or every mind's
+    attempts: int = 0  # the most failed attempts of one of its pending deliveries
+    next_retry_s: float | None = None  # until the earliest backoff of its deliveries ends
+    last_turn_id: int | None = None  # its latest turn that ended
+    last_turn_s: float | None = None  # since that turn ended
+    last_outcome: Outcome | None = None
+    dead: int = 0
 
 
 class TestRunStatus(Record):
@@ -298,6 +372,7 @@ class Status(Record):
     test_runs: tuple[RepositoryStatus, ...]
     io_pressure: PressureStatus
     test_runs_count_as_turns: bool
+    paused: tuple[PausedMind, ...] = ()
 
 
 class StatusReply(Reply):
