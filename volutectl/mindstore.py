@@ -65,17 +65,22 @@ class MindStore:
                     changed.append(mind)
             return changed
 
-    def last_turns(self) -> dict[str, LastTurn]:
-        """Each mind's latest ended turn. SQLite takes a bare column's value from the row
-        that gives MAX() its value."""
-        cursor = self.db.execute(
-            "SELECT mind, id, outcome, MAX(ended_at) FROM turns "
-            "WHERE ended_at IS NOT NULL GROUP BY mind"
-        )
-        return {
-            str(mind): LastTurn(int(turn_id), Outcome(outcome) if outcome else None, float(ended))
-            for mind, turn_id, outcome, ended in cursor
-        }
+    def last_turns(self, minds: Iterable[str]) -> dict[str, LastTurn]:
+        """The latest ended turn of each of `minds` that has one: one lookup each in the
+        index turns(mind, ended_at) (schema 4), however many turns the store holds."""
+        found = {}
+        for mind in minds:
+            latest = self.db.execute(
+                "SELECT id, outcome, ended_at FROM turns WHERE mind = ? AND ended_at IS NOT NULL "
+                "ORDER BY ended_at DESC LIMIT 1",
+                (mind,),
+            ).fetchone()
+            if latest is not None:
+                turn_id, outcome, ended = latest
+                found[mind] = LastTurn(
+                    int(turn_id), Outcome(outcome) if outcome else None, float(ended)
+                )
+        return found
 
     def dead_counts(self) -> dict[str, int]:
         cursor = self.db.execute(

@@ -91,9 +91,9 @@ def _minds(
         if row.not_before is not None and row.not_before > now:
             retry_at[row.mind] = min(retry_at.get(row.mind, row.not_before), row.not_before)
     dead = state.store.minds.dead_counts()
-    last = state.store.minds.last_turns()
     every = pauses.get(EVERY_MIND)
     named = set(state.settings.minds) | set(running) | set(waiting) | set(dead)
+    last = state.store.minds.last_turns(named | set(pauses) - {EVERY_MIND})
     minds = {}
     for name in sorted(named | set(pauses) - {EVERY_MIND}):
         since = [t for t in (pauses.get(name), every) if t is not None]

@@ -243,3 +243,33 @@ def test_the_status_line_names_every_hold_reason_the_cap_and_what_is_paused() ->
         turns=1, cap=None, test_runs=1, holds=[], backing_off=0, dead=0, paused=core.EVERY_MIND
     )
     assert line == "1 turn (no cap) + 1 test run, 0 held, 0 backing off, 0 dead, all paused"
+
+
+def test_status_gives_each_mind_its_last_turn_attempts_and_next_retry(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = Harness(
+        tmp_path,
+        minds={"ok": "true", "flaky": "exit 4", "idle": "true"},
+        max_attempts=2,
+        backoff_initial_seconds=60,
+    )
+    harnesses.append(harness)
+    flaky = deliver(harness, "flaky")
+    first, second = deliver(harness, "ok", "a"), deliver(harness, "ok", "b")
+    store = harness.gate.state.store
+    harness.pump(lambda: rows(harness, flaky)[0].attempts == 1)
+    harness.pump(lambda: all(r.state is QueueState.DONE for r in rows(harness, first, second)))
+    minds = request(harness, op="status")["status"]["minds"]
+    last = max(row.turn_id or 0 for row in rows(harness, first, second))
+    assert (minds["ok"]["last_turn_id"], minds["ok"]["last_outcome"]) == (last, "ok")
+    assert 0 <= minds["ok"]["last_turn_s"] < 10
+    assert (minds["flaky"]["last_outcome"], minds["flaky"]["attempts"]) == ("failed", 1)
+    assert 50 < minds["flaky"]["next_retry_s"] <= 60  # its backoff, counted down
+    assert (minds["flaky"]["pending"], minds["flaky"]["dead"]) == (1, 0)
+    assert minds["idle"] == {
+        "running_sessions": [], "pending": 0, "paused_since": None, "attempts": 0,
+        "next_retry_s": None, "last_turn_id": None, "last_turn_s": None,
+        "last_outcome": None, "dead": 0,
+    }  # fmt: skip
+    assert set(store.minds.last_turns(["ok", "flaky", "idle", "ghost"])) == {"ok", "flaky"}
