@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import pytest
 from tests.unit.gate_harness import Harness, gate_settings
 from tests.unit.test_gate_loop import PROBE, Turns
 from volutectl import core
-from volutectl.errors import EX_DATAERR, EX_NOUSER
+from volutectl.errors import EX_DATAERR, EX_NOUSER, EX_TEMPFAIL
 from volutectl.states import HoldReason, QueueState
 from volutectl.status import status_line
 
@@ -273,3 +274,24 @@ def test_status_gives_each_mind_its_last_turn_attempts_and_next_retry(
         "last_outcome": None, "dead": 0,
     }  # fmt: skip
     assert set(store.minds.last_turns(["ok", "flaky", "idle", "ghost"])) == {"ok", "flaky"}
+
+
+def test_a_pause_the_disk_cannot_store_is_75_and_pauses_nothing(
+    tmp_path: Path, harnesses: list[Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    harness = Harness(tmp_path, minds={"m": "true"})
+    harnesses.append(harness)
+    minds = harness.gate.state.store.minds
+
+    def full(*args: object) -> list[str]:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(minds, "pause", full)
+    reply = request(harness, op="pause", minds=["m"])
+    assert (reply["ok"], reply["code"]) == (False, EX_TEMPFAIL)
+    assert "disk is full" in reply["error"]
+    assert harness.gate.state.paused == frozenset() and minds.pauses() == {}
+    monkeypatch.undo()  # space again: the same gate pauses, and holds m's turns
+    assert request(harness, op="pause", minds=["m"])["changed"] == ["m"]
+    held = deliver(harness, "m")
+    harness.pump(lambda: held_for(harness, held))
