@@ -5,6 +5,7 @@ these ops is tests/unit/test_gate_pause.py and test_gate_wait.py."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -63,7 +64,10 @@ def test_pause_with_no_name_pauses_every_mind_and_says_if_a_pause_of_all_was_the
         again = volutectl("pause", "--socket", str(gate.path))
     assert gate.requests[0]["op"] == "pause" and gate.requests[0].get("minds") is None
     assert first.stdout == "paused every mind\n"
-    assert again.stdout == "every mind was already paused (1m05s ago)\n"
+    # 65 s, and however long the command took to start on a loaded machine
+    assert re.fullmatch(
+        r"every mind was already paused \(1m(0[5-9]|[1-5]\d)s ago\)\n", again.stdout
+    )
 
 
 def test_resume_says_what_it_resumed_and_what_was_not_paused(socket_dir: Path) -> None:
