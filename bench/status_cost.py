@@ -3,10 +3,10 @@
 - `dead_counts`: the STATUS= line's one store query, run on every admission pass;
 - `status_line`: formatting that line (sent only when it changes);
 - `last_turns`: `volutectl status`'s per-mind last-turn lookup, the one status query that
-  grows with the history (schema 4 indexes turns(mind, ended_at) for it);
+  grows with the history (schema 5 indexes turns(mind, ended_at) for it);
 - `pending`: the admission pass's own read of the pending rows, for scale.
 
-Baseline: the last-turn query as it was before schema 4, one GROUP BY over every turn.
+Baseline: the last-turn query as it was before schema 5, one GROUP BY over every turn.
 The database is built in a temporary directory with N ended turns and N done deliveries
 over 30 minds, plus 200 dead and 30 pending. Run: .venv/bin/python bench/status_cost.py
 """
@@ -26,7 +26,7 @@ from volutectl.status import status_line
 from volutectl.store import Store
 
 MINDS = [f"m{i}" for i in range(30)]
-# The query before schema 4, run last, once the index is dropped.
+# The query before schema 5, run last, once the index is dropped.
 BEFORE = (
     "SELECT mind, id, outcome, MAX(ended_at) FROM turns WHERE ended_at IS NOT NULL GROUP BY mind"
 )
@@ -86,7 +86,7 @@ def main() -> None:
             print(f"  {label:<45} {median_ms(call, args.runs):8.3f} ms")
         store.db.execute("DROP INDEX turns_mind_ended")
         before = median_ms(lambda: store.db.execute(BEFORE).fetchall(), args.runs)
-        print(f"  {'baseline: the GROUP BY before schema 4':<45} {before:8.3f} ms")
+        print(f"  {'baseline: the GROUP BY before schema 5':<45} {before:8.3f} ms")
         store.close()
 
 

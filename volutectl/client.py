@@ -10,11 +10,14 @@ from __future__ import annotations
 import click
 
 from volutectl import waiting
+from volutectl.completion import DeliverCommand, complete_deliver, complete_states
 from volutectl.deliver import call, deliver_main, socket_path
 from volutectl.durations import format_duration
 from volutectl.errors import EX_DATAERR, EX_USAGE, UsageError, VoluteError
 from volutectl.messages import (
     MAX_WAIT_IDS,
+    QUEUE_LIMIT,
+    QUEUE_LIMIT_MAX,
     ChangedReply,
     DropRequest,
     PausedMind,
@@ -33,9 +36,11 @@ from volutectl.statusview import format_status
 
 
 @click.command(
-    "deliver", context_settings={"ignore_unknown_options": True, "help_option_names": []}
+    "deliver",
+    cls=DeliverCommand,
+    context_settings={"ignore_unknown_options": True, "help_option_names": []},
 )
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, shell_complete=complete_deliver)
 def deliver_command(args: tuple[str, ...]) -> int:
     """Queue a message for a mind's turn (see: volutectl deliver --help)."""
     return deliver_main(list(args))
@@ -141,18 +146,41 @@ def queue_command(ctx: click.Context, socket: str | None, config_path: str | Non
 
 
 @queue_command.command("list")
-@click.option("--state", "states", multiple=True, help="pending, running, dead, done, dropped")
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    help="pending, running, dead, done, dropped",
+    shell_complete=complete_states,
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(1, QUEUE_LIMIT_MAX),
+    default=QUEUE_LIMIT,
+    show_default=True,
+    help="Show the newest N rows.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def queue_list(ctx: click.Context, states: tuple[str, ...] = (), as_json: bool = False) -> None:
-    """List rows (default: pending, running and dead)."""
+def queue_list(
+    ctx: click.Context,
+    states: tuple[str, ...] = (),
+    limit: int = QUEUE_LIMIT,
+    as_json: bool = False,
+) -> None:
+    """List rows, newest first (default: pending, running and dead)."""
     socket, config_path = ctx.obj
     wanted = tuple(QueueState(state) for state in _states(states))
-    rows = call(QueueRequest(wanted), QueueReply, socket, config_path).rows
+    reply = call(QueueRequest(wanted, limit), QueueReply, socket, config_path)
+    rows = reply.rows
+    # On stderr with --json, so that stdout stays one JSON array.
+    more = f"{reply.not_shown} older rows not shown (--limit)" if reply.not_shown else None
     if as_json:
         import json
 
         click.echo(json.dumps([row.to_wire() for row in rows], indent=2))
+        if more:
+            click.echo(more, err=True)
         return
     if not rows:
         click.echo("the queue is empty")
@@ -163,6 +191,8 @@ def queue_list(ctx: click.Context, states: tuple[str, ...] = (), as_json: bool =
             f"{row.id:>6} {row.state:<8} {row.mind}/{row.session} "
             f"attempts={row.attempts} {row.bytes}B{extra}{error}"
         )
+    if more:
+        click.echo(more)
 
 
 def _states(states: tuple[str, ...]) -> tuple[str, ...]:

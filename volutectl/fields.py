@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from typing import Any
 
 REQUEST_ID_LENGTH = 32  # 128 random bits, lowercase hex
+QUEUE_LIMIT = 50  # rows a queue request lists unless it asks for another number
+QUEUE_LIMIT_MAX = 10_000  # about 2.5 MB of reply
 
 
 def text(obj: dict[str, Any], field: str, default: str | None = None) -> str:
@@ -63,6 +65,15 @@ def queue_states(obj: dict[str, Any]) -> tuple[QueueState, ...]:
             shown = repr(state[:40]) if isinstance(state, str) else kind_of(state)
             raise DataError(f"states[{index}]: {shown} is not one of {', '.join(known)}")
     return tuple(QueueState(state) for state in states)
+
+
+def queue_limit(obj: dict[str, Any]) -> int:
+    value = obj.get("limit", QUEUE_LIMIT)
+    if type(value) is not int:
+        raise DataError(f"limit: must be an integer, not {kind_of(value)}")
+    if not 1 <= value <= QUEUE_LIMIT_MAX:
+        raise DataError(f"limit: {value} is not between 1 and {QUEUE_LIMIT_MAX}")
+    return value
 
 
 def request_id(obj: dict[str, Any]) -> str | None:

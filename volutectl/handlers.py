@@ -90,13 +90,15 @@ def status_handler(state: GateState, request: Request, caller: Caller) -> Reply:
 
 def queue_handler(state: GateState, request: Request, caller: Caller) -> Reply:
     assert isinstance(request, QueueRequest)
-    rows = state.store.list_rows(request.states or DEFAULT_LISTED)
+    states = request.states or DEFAULT_LISTED
+    rows = state.store.list_rows(states, request.limit)
     return QueueReply(
         tuple(
             QueueRow(row.id, row.mind, row.session, row.state, row.attempts, row.hold_reason,
                      row.held_ms, row.turn_id, row.created_at, row.last_error, len(row.message))
             for row in rows
-        )
+        ),
+        max(0, state.store.count_rows(states) - len(rows)),
     )  # fmt: skip
 
 

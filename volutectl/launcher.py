@@ -43,6 +43,8 @@ from volutectl.errors import DataError, VoluteError
 # `systemctl status volute-turns.slice` shows a readable command line.
 WRAPPER = str(Path(__file__).with_name("turn-wrapper.sh"))
 RELEASE = b"1"
+# The PATH a turn's command is looked up in, unless the mind's environment sets one.
+TURN_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 # RLIMIT_NOFILE as the gate found it, before raise_nofile_limit(): what turns get back.
 _inherited_nofile: tuple[int, int] | None = None
@@ -261,7 +263,7 @@ def turn_environment(
     extra: Mapping[str, str],
 ) -> dict[str, str]:
     env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "PATH": TURN_PATH,
         "HOME": account.home,
         "USER": account.name,
         "LOGNAME": account.name,
@@ -312,14 +314,14 @@ def fork_turn(
             stdin_fd = os.open(stdin_path, os.O_RDONLY)
             os.dup2(stdin_fd, 0)
             os.close(stdin_fd)
-            try:
-                os.chdir(cwd)
-            except OSError:
-                os.chdir("/")
             if os.geteuid() == 0 and account.uid != 0:
                 os.setgroups(list(account.groups))
                 os.setgid(account.gid)
                 os.setuid(account.uid)
+            # As the user, so that it enters only what the user may; never elsewhere. The
+            # gate checked it before the fork (preflight.turn_directory): this fails only
+            # if it changed since, and then the child exits unreleased, having run nothing.
+            os.chdir(cwd)
             if os.read(read_fd, 1) != RELEASE:
                 os._exit(0)
             _ready_to_exec()

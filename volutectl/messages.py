@@ -24,6 +24,8 @@ from enum import StrEnum
 
 from volutectl import fields
 from volutectl.errors import EX_PROTOCOL, EX_USAGE, DataError, VoluteError
+from volutectl.fields import QUEUE_LIMIT as QUEUE_LIMIT
+from volutectl.fields import QUEUE_LIMIT_MAX as QUEUE_LIMIT_MAX
 from volutectl.fields import REQUEST_ID_LENGTH as REQUEST_ID_LENGTH
 from volutectl.fields import delivery_ids, flag, mind_names, queue_states, request_id, text
 from volutectl.records import Record, WireError, kind_of, register_enum
@@ -116,15 +118,17 @@ class PingRequest(Request):
 
 
 class QueueRequest(Request):
-    """List deliveries in `states` (none given: pending, running and dead)."""
+    """List the newest `limit` deliveries in `states` (none given: pending, running and
+    dead), newest first."""
 
     OP = Op.QUEUE
     WIRE = {"op": Op.QUEUE.value}
     states: tuple[QueueState, ...] = ()
+    limit: int = QUEUE_LIMIT
 
     @classmethod
     def decode(cls, obj: dict[str, Any]) -> Self:
-        return cls(queue_states(obj))
+        return cls(queue_states(obj), fields.queue_limit(obj))
 
 
 class RetryRequest(Request):
@@ -294,6 +298,7 @@ class QueueRow(Record):
 
 class QueueReply(Reply):
     rows: tuple[QueueRow, ...]
+    not_shown: int = 0  # rows in those states beyond the limit (0 from a gate before it)
 
 
 class PausedMind(Record):
@@ -372,6 +377,8 @@ class Status(Record):
     test_runs: tuple[RepositoryStatus, ...]
     io_pressure: PressureStatus
     test_runs_count_as_turns: bool
+    # Minds whose turns cannot start (volutectl/preflight.py): mind -> what is wrong.
+    preflight: dict[str, tuple[str, ...]] = {}
     paused: tuple[PausedMind, ...] = ()
 
 

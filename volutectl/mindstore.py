@@ -67,7 +67,7 @@ class MindStore:
 
     def last_turns(self, minds: Iterable[str]) -> dict[str, LastTurn]:
         """The latest ended turn of each of `minds` that has one: one lookup each in the
-        index turns(mind, ended_at) (schema 4), however many turns the store holds."""
+        index turns(mind, ended_at) (schema 5), however many turns the store holds."""
         found = {}
         for mind in minds:
             latest = self.db.execute(

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from volutectl import core
+from volutectl import core, preflight
 from volutectl.errors import VoluteError
 from volutectl.journal import sd_notify
 from volutectl.messages import (
@@ -66,6 +66,7 @@ def build(state: GateState) -> Status:
         test_runs=_test_runs(state),
         io_pressure=_pressure(state),
         test_runs_count_as_turns=state.settings.limits.test_runs_count_as_turns,
+        preflight=preflight.failing_recently(state.settings),  # a fix shows within 2 s
         paused=tuple(PausedMind(mind, since) for mind, since in pauses.items()),
     )
 

@@ -101,6 +101,8 @@ def _totals(status: Status, now: float) -> list[str]:
     )  # fmt: skip
     if status.paused:
         lines.append(_pauses(status.paused, now))
+    for mind, problems in sorted(status.preflight.items()):
+        lines.append(f"preflight: mind {mind} cannot start turns: {'; '.join(problems)}")
     pressure = status.io_pressure
     if pressure.enabled:
         state = f"HIGH ({pressure.reason}): holding new turns" if pressure.high else "ok"

@@ -11,6 +11,8 @@ shape (schema, migrations, the transaction helper) is in volutectl/schema.py.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -55,13 +57,22 @@ class Store:
         self.path = path
         self._unsynced = False
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            # The messages are private. Under systemd the unit's StateDirectory= (and the
+            # package's tmpfiles) make the directory 0700; a gate run by hand makes its
+            # own directory 0700 and the database 0600 (SQLite gives -wal and -shm the
+            # database's mode). What exists already is left as it is.
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
             self.db = sqlite3.connect(str(path), isolation_level=None, timeout=10)
         except PermissionError:
             raise PermissionDeniedError(f"{path}: cannot create the queue database") from None
         except (sqlite3.Error, OSError) as error:
             raise UnavailableError(f"{path}: cannot open the queue database: {error}") from None
         try:
+            # Before anything else: a new database takes this at its first table (an
+            # existing one only through a VACUUM: schema.enable_incremental_vacuum).
+            self.db.execute("PRAGMA auto_vacuum=INCREMENTAL")
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
             self.migrate()
@@ -169,12 +180,20 @@ class Store:
         return found[0] if found else None
 
     def list_rows(self, states: Sequence[QueueState], limit: int = 200) -> list[Row]:
+        """The newest `limit` rows in `states`, newest first."""
         cursor = self.db.execute(
             f"SELECT {ROW_COLUMNS} FROM deliveries WHERE state IN ({_marks(states)}) "
-            "ORDER BY id LIMIT ?",
+            "ORDER BY id DESC LIMIT ?",
             (*states, limit),
         )
         return [row_of(values) for values in cursor]
+
+    def count_rows(self, states: Sequence[QueueState]) -> int:
+        return int(
+            self.db.execute(
+                f"SELECT COUNT(*) FROM deliveries WHERE state IN ({_marks(states)})", states
+            ).fetchone()[0]
+        )
 
     def rows_of_turn(self, turn_id: int) -> list[Row]:
         cursor = self.db.execute(

@@ -184,6 +184,8 @@ def test_patterns_and_bounds_are_the_decoders() -> None:
     for op in ("PauseRequest", "ResumeRequest"):
         [names_array, _] = schema.definitions()[op]["properties"]["minds"]["anyOf"]
         assert names_array["items"]["pattern"] == f"^{names.MIND_PATTERN.pattern}$"
+    limit = schema.definitions()["QueueRequest"]["properties"]["limit"]
+    assert (limit["minimum"], limit["maximum"]) == (1, messages.QUEUE_LIMIT_MAX)
 
 
 # -- real messages validate --------------------------------------------------------------
@@ -199,6 +201,7 @@ REQUEST_FIELDS: dict[str, st.SearchStrategy[Any]] = {
         tuple
     ),
     "path": TEXT.filter(lambda text: "\0" not in text).map(lambda text: "/" + text),
+    "limit": st.integers(1, messages.QUEUE_LIMIT_MAX),
 }
 
 

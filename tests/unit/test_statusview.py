@@ -126,3 +126,13 @@ def test_numbers_are_right_aligned_and_text_left() -> None:
     end = header.index("PENDING") + len("PENDING")
     assert first[:end].endswith("  1") and second[:end].endswith("123")
     assert first.startswith("a     ") and second.startswith("bbbb  ")
+
+
+def test_a_mind_failing_preflight_is_flagged_in_the_totals_idle_or_not() -> None:
+    failing = {"idle2": ("user nobody2 does not exist",), "pip": ("a", "b")}
+    lines = format_status(status(preflight=failing), now=NOW).splitlines()
+    assert "preflight: mind idle2 cannot start turns: user nobody2 does not exist" in lines
+    assert "preflight: mind pip cannot start turns: a; b" in lines
+    assert not any(
+        line.startswith("preflight:") for line in format_status(status(), now=NOW).splitlines()
+    )
