@@ -10,7 +10,12 @@ from __future__ import annotations
 import click
 
 from volutectl import waiting
-from volutectl.completion import DeliverCommand, complete_deliver, complete_states
+from volutectl.completion import (
+    DeliverCommand,
+    complete_deliver,
+    complete_minds,
+    complete_states,
+)
 from volutectl.deliver import call, deliver_main, socket_path
 from volutectl.durations import format_duration
 from volutectl.errors import EX_DATAERR, EX_USAGE, UsageError, VoluteError
@@ -77,7 +82,7 @@ def _since(mind: str, paused: tuple[PausedMind, ...]) -> str:
 
 
 @click.command("pause")
-@click.argument("minds", nargs=-1)
+@click.argument("minds", nargs=-1, shell_complete=complete_minds)
 @click.option("--socket", help="Gate socket.")
 @config_option
 def pause_command(minds: tuple[str, ...], socket: str | None, config_path: str | None) -> None:
@@ -94,7 +99,7 @@ def pause_command(minds: tuple[str, ...], socket: str | None, config_path: str |
 
 
 @click.command("resume")
-@click.argument("minds", nargs=-1)
+@click.argument("minds", nargs=-1, shell_complete=complete_minds)
 @click.option("--socket", help="Gate socket.")
 @config_option
 def resume_command(minds: tuple[str, ...], socket: str | None, config_path: str | None) -> None:
