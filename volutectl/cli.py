@@ -22,8 +22,11 @@ if TYPE_CHECKING:
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "deliver": ("volutectl.client", "deliver_command", "Queue a message for a mind's turn."),
     "gate": ("volutectl.daemon", "gate_command", "Run the turn gate daemon (foreground)."),
-    "status": ("volutectl.client", "status_command", "Show active turns, holds and the queue."),
+    "status": ("volutectl.client", "status_command", "Show each mind's turns, queue and pause."),
     "queue": ("volutectl.client", "queue_command", "List, retry or drop queued deliveries."),
+    "pause": ("volutectl.client", "pause_command", "Hold new turns of minds (none: all)."),
+    "resume": ("volutectl.client", "resume_command", "Resume paused minds (none: all)."),
+    "wait": ("volutectl.client", "wait_command", "Wait until deliveries settle."),
     "config": ("volutectl.config_cli", "config_command", "Show or check the configuration."),
     "test": ("volutectl.testrun", "test_command", "Run a test command under the test-run cap."),
     "doctor": ("volutectl.doctor", "doctor_command", "Say which protections work on this host."),

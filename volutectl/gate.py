@@ -29,14 +29,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from volutectl import core, handlers, preflight
+from volutectl import core, handlers, preflight, status
 from volutectl.config import Settings
 from volutectl.errors import VoluteError
 from volutectl.handlers import Caller, GateState
 from volutectl.indexedstore import IndexedStore
 from volutectl.journal import Journal, sd_notify, watchdog_interval
 from volutectl.liveness import Liveness
-from volutectl.messages import DeliverAck, DeliverRequest, ErrorReply, Reply, Request
+from volutectl.messages import (
+    DeliverAck,
+    DeliverRequest,
+    ErrorReply,
+    Reply,
+    Request,
+    WaitReply,
+)
 from volutectl.pressure import PressureWatch
 from volutectl.probes import slice_cgroup
 from volutectl.retention import Retention
@@ -83,10 +90,12 @@ class Gate:
         self.backoff_wake: float | None = None
         self.admit_retry: float | None = None  # monotonic: admission failed, try again then
         self.admit_failing = False
+        self.notifier = status.StatusNotifier()  # STATUS= for systemd, when it changes
         self.started = False  # this pass started a turn
         self._opened: list[Any] = [self.selector]
         try:
             self.state = self._build_state(manager)
+            handlers.load_pauses(self.state)  # a pause outlives the gate that took it
             self.server = Server(settings, self.selector, self.journal, inherited=listener)
             self._opened.append(self.server)
             self.state.liveness.recover()
@@ -326,8 +335,12 @@ class Gate:
                 continue
             if isinstance(request, DeliverRequest) and request.wait:
                 if isinstance(reply, DeliverAck):
-                    self._wait(client, request, reply)
+                    # A retried request's delivery may have run already: look, then.
+                    self._wait(client, (reply.id,), reply, request.request_id is not None)
                     continue
+            if isinstance(reply, WaitReply):
+                self._wait(client, reply.ids, reply, True)
+                continue
             self.server.reply(client, reply)
 
     def _commit(
@@ -363,14 +376,16 @@ class Gate:
                 self.server.client_failed(client, "storing deliveries", error)
             return [None] * len(batch)
 
-    def _wait(self, client: Client, request: DeliverRequest, ack: DeliverAck) -> None:
-        self.server.wait_for(client, ack.id)
-        self.server.reply(client, ack)
-        if request.request_id is not None:
-            # A retried request's delivery may have run already: tell the waiter now.
-            finished = handlers.finished_event(self.state, ack.id)
+    def _wait(self, client: Client, ids: tuple[int, ...], reply: Reply, look: bool) -> None:
+        """Keep the client for the events of `ids`, after `reply`; with `look`, tell it
+        at once of those that have already settled."""
+        for delivery_id in ids:
+            self.server.wait_for(client, delivery_id)
+        self.server.reply(client, reply)
+        for delivery_id in ids if look else ():
+            finished = handlers.finished_event(self.state, delivery_id)
             if finished is not None:
-                self.server.notify(ack.id, finished)
+                self.server.notify(delivery_id, finished)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -405,6 +420,7 @@ class Gate:
                 )
             self.admit_failing = True
             self.admit_retry = time.monotonic() + ADMIT_RETRY_SECONDS
+            self.notifier.update(f"admission failing, no turn starts: {text}")
             return
         if self.admit_failing:
             self.journal.log("info", "admission works again")
@@ -429,6 +445,8 @@ class Gate:
             other_busy=state.foreign_live + test_runs,
             other_busy_reason=HoldReason.TEST_RUN if test_runs else HoldReason.GLOBAL_CAP,
             pressure=pressure is not None and pressure.high,
+            paused=() if isinstance(state.paused, core.EveryMind) else state.paused,
+            all_paused=isinstance(state.paused, core.EveryMind),
             # PSI is reactive: start at most one turn per pass, and let it settle.
             max_starts=pressure.may_start() if pressure is not None else None,
         )
@@ -440,3 +458,4 @@ class Gate:
         if pressure is not None and decision.starts:
             pressure.note_started(time.monotonic())
         state.turns.record_holds(changes, now)
+        self.notifier.update(status.gate_line(state, now, test_runs))

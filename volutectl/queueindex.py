@@ -175,6 +175,16 @@ class PendingIndex:
             return after
         return None
 
+    def backing_off(self, now: float) -> list[Delivery]:
+        """The rows still backing off at `now` (each once), from the backoff heap: as
+        many as failed, not as many as wait."""
+        rows = {}
+        for not_before, delivery_id in self.backoffs:
+            row = self.rows.get(delivery_id)
+            if row is not None and row.not_before == not_before and not_before > now:
+                rows[delivery_id] = row
+        return list(rows.values())
+
     # -- a pass --------------------------------------------------------------------------
 
     def admit(

@@ -99,6 +99,12 @@ UPDATE deliveries SET finished_at = created_at
     WHERE state IN ('done', 'dropped') AND finished_at IS NULL;
 UPDATE turns SET ended_at = started_at WHERE state = 'ended' AND ended_at IS NULL;
 """,
+    # 4 -> 5 (status): each mind's latest ended turn, which `volutectl status` shows, by
+    # one index lookup per mind rather than a scan of every turn ever run (60 ms on x86
+    # at 100,000 turns, in the gate's loop).
+    4: """
+CREATE INDEX turns_mind_ended ON turns(mind, ended_at);
+""",
 }
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from volutectl.core import AfterFailure
 from volutectl.errors import PermissionDeniedError, UnavailableError
+from volutectl.mindstore import MindStore
 from volutectl.rows import (
     ROW_COLUMNS,
     TURN_COLUMNS,
@@ -40,6 +41,9 @@ PENDING, RUNNING, DONE, DEAD, DROPPED = (
     QueueState.PENDING, QueueState.RUNNING, QueueState.DONE, QueueState.DEAD,
     QueueState.DROPPED,
 )  # fmt: skip
+
+
+_CHUNK = 500  # ids per statement
 
 
 def _marks(values: Sequence[object]) -> str:
@@ -74,6 +78,7 @@ class Store:
             self.migrate()
         except sqlite3.OperationalError as error:
             raise UnavailableError(f"{path}: cannot use the queue database: {error}") from None
+        self.minds = MindStore(self.db, self._tx)  # pauses, and each mind's last turn
 
     def schema_version(self) -> int:
         return schema_version(self.db)
@@ -161,15 +166,21 @@ class Store:
         )
         return [row_of(values) for values in cursor]
 
-    def rows(self, ids: Iterable[int]) -> list[Row]:
-        id_list = list(ids)
-        if not id_list:
-            return []
-        cursor = self.db.execute(
-            f"SELECT {ROW_COLUMNS} FROM deliveries WHERE id IN ({_marks(id_list)}) ORDER BY id",
-            id_list,
-        )
-        return [row_of(values) for values in cursor]
+    def rows(self, ids: Iterable[int], *, with_message: bool = True) -> list[Row]:
+        """The rows of `ids` that exist, in id order (Row.message empty without
+        `with_message`). Asked in chunks: a batch after a long pause can hold more ids
+        than one statement may have parameters (999 before SQLite 3.32, 32766 after)."""
+        id_list = sorted(set(ids))
+        columns = ROW_COLUMNS if with_message else ROW_COLUMNS.replace("message", "x''", 1)
+        found = []
+        for start in range(0, len(id_list), _CHUNK):
+            chunk = id_list[start : start + _CHUNK]
+            cursor = self.db.execute(
+                f"SELECT {columns} FROM deliveries WHERE id IN ({_marks(chunk)}) ORDER BY id",
+                chunk,
+            )
+            found += [row_of(values) for values in cursor]
+        return found
 
     def row(self, delivery_id: int) -> Row | None:
         found = self.rows([delivery_id])
@@ -280,6 +291,16 @@ class Store:
             (PENDING, float("-inf") if after is None else after),
         ).fetchone()[0]
         return float(value) if value is not None else None
+
+    def attempts_by_mind(self) -> dict[str, int]:
+        """Per mind, the most attempts any of its pending rows has made (rows that
+        never failed are left out)."""
+        cursor = self.db.execute(
+            "SELECT mind, MAX(attempts) FROM deliveries WHERE state = ? AND attempts > 0 "
+            "GROUP BY mind",
+            (PENDING,),
+        )
+        return {str(mind): int(attempts) for mind, attempts in cursor}
 
     def counts(self) -> dict[QueueState, int]:
         cursor = self.db.execute("SELECT state, COUNT(*) FROM deliveries GROUP BY state")

@@ -102,6 +102,14 @@ def test_deliver_completes_the_configs_minds_then_its_options(config: Path) -> N
     assert complete("volutectl deliver mimsy --socket ") == [""]  # type file: the shell's
 
 
+def test_pause_and_resume_complete_the_configs_minds(config: Path) -> None:
+    for command in ("pause", "resume"):
+        line = f"volutectl {command} "
+        assert complete(line, VOLUTE_CONFIG=str(config)) == ["mimsy", "pip", "whorl.v2"]
+        assert complete(f"{line}mimsy w", VOLUTE_CONFIG=str(config)) == ["whorl.v2"]
+        assert complete(f"{line}--config {config} p") == ["pip"]
+
+
 def test_an_unreadable_or_missing_config_completes_no_mind(tmp_path: Path) -> None:
     assert complete("volutectl deliver ", VOLUTE_CONFIG=str(tmp_path / "absent.toml")) == []
     broken = tmp_path / "broken.toml"

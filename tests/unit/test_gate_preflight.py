@@ -12,9 +12,9 @@ import pytest
 
 from tests.unit.gate_harness import ME, Harness
 from volutectl import preflight
-from volutectl.client import format_status
 from volutectl.config import MindSettings
 from volutectl.messages import StatusReply
+from volutectl.statusview import format_status
 from volutectl.store import Row
 
 

@@ -198,7 +198,7 @@ def test_a_schema_3_database_is_upgraded_with_every_row_kept_and_then_made_incre
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 4
+        assert store.schema_version() == SCHEMA_VERSION == 5
         assert not is_incremental(store.db)  # the migration itself never VACUUMs
         assert table_rows(path) == before
         outcome = enable_incremental_vacuum(store.db, path)
@@ -290,6 +290,47 @@ def test_a_sigkill_during_the_vacuum_leaves_every_row_and_the_next_start_finishe
         assert vacuum_attempts(store.db) == 1  # counted before it began
         assert enable_incremental_vacuum(store.db, path).done
         assert is_incremental(store.db) and vacuum_attempts(store.db) == 0
+    finally:
+        store.close()
+    assert table_rows(path) == before
+
+
+# -- schema 5: status's index on each mind's ended turns ---------------------------------
+
+
+def test_a_schema_4_database_gets_the_last_turn_index_and_status_uses_it(
+    tmp_path: Path,
+) -> None:
+    """Retention's schema (4) and then status's index (5), in that order: a database the
+    retention release left is upgraded in place, its rows kept, and each mind's last
+    turn is then one lookup in turns(mind, ended_at), not retention's turns_ended or a
+    scan of every turn."""
+    path = v3_database(tmp_path / "queue.sqlite3")
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("BEGIN")
+    for statement in statements(MIGRATIONS[3]):
+        db.execute(statement)
+    db.execute("PRAGMA user_version = 4")
+    db.execute("COMMIT")
+    db.close()
+    assert "index turns_mind_ended" not in schema(path)
+    before = table_rows(path)
+    store = Store(path)
+    try:
+        assert store.schema_version() == SCHEMA_VERSION == 5
+        assert "index turns_mind_ended" in schema(path)
+        assert "index turns_ended" in schema(path)  # retention's, kept
+        plan = " ".join(
+            str(row[-1])
+            for row in store.db.execute(
+                "EXPLAIN QUERY PLAN SELECT id, outcome, ended_at FROM turns WHERE mind = ? "
+                "AND ended_at IS NOT NULL ORDER BY ended_at DESC LIMIT 1",
+                ("mimsy",),
+            )
+        )
+        assert "USING INDEX turns_mind_ended" in plan, plan
+        last = store.minds.last_turns(["mimsy"])["mimsy"]
+        assert last.ended_at == 1_700_000_001.0 + OLD_DONE - 1
     finally:
         store.close()
     assert table_rows(path) == before
