@@ -22,7 +22,7 @@ from volutectl import core, launcher, names, processes
 from volutectl.config import Settings, parse_bandwidth
 from volutectl.errors import DataError, VoluteError
 from volutectl.faults import crash_point
-from volutectl.journal import Journal
+from volutectl.journal import Event, Journal
 from volutectl.messages import DeliveryDead, Reply, TurnEnded
 from volutectl.states import HoldReason, Outcome, QueueState
 from volutectl.store import Row, Store
@@ -144,7 +144,7 @@ class Turns:
                     f"was held {held_ms} ms ({row.hold_reason}); {how}",
                     reason=row.hold_reason,
                     held_ms=held_ms,
-                    event="hold_end",
+                    event=Event.HOLD_END,
                 )
 
     # -- admission's decisions -----------------------------------------------------------------
@@ -162,7 +162,9 @@ class Turns:
         for hold in holds:
             if hold.delivery_id in new:
                 row = rows[hold.delivery_id]
-                self.log_row("info", row, f"held: {hold.reason}", reason=hold.reason, event="hold")
+                self.log_row(
+                    "info", row, f"held: {hold.reason}", reason=hold.reason, event=Event.HOLD
+                )
 
     def fold(self, fold: core.Fold, now: float) -> None:
         """Hand deliveries to a live turn of their session, through its inbox."""
@@ -237,7 +239,7 @@ class Turns:
         self.watch_fd(child.pidfd, turn)
         ids = " ".join(str(row.id) for row in taken)
         self.log_turn("info", turn, f"started with deliveries {ids}", delivery_ids=ids,
-                      event="start")  # fmt: skip
+                      event=Event.START)  # fmt: skip
 
     def _prepare(
         self, start: core.Start, turn_id: int, taken: list[Row], account: launcher.Account
@@ -299,6 +301,9 @@ class Turns:
             mind=start.mind,
             session=start.session,
             unit=unit,
+            turn_id=turn_id,
+            outcome=Outcome.START_FAILED,
+            event=Event.END,
         )
         self.store.end_turn(turn_id, Outcome.START_FAILED, None, message, time.time())
         self.fail(taken, message)
@@ -342,7 +347,7 @@ class Turns:
             if after is not None and after.state is QueueState.DEAD:
                 self.log_row(
                     "warning", row, f"is dead after {after.attempts} attempts: {error}",
-                    event="dead",
+                    event=Event.DEAD,
                 )  # fmt: skip
                 if notify:
                     self.notify(row.id, DeliveryDead(row.id, error))
@@ -404,7 +409,7 @@ class Turns:
             f"ended: {outcome.detail}",
             outcome=outcome.kind,
             exit_status=outcome.exit_status,
-            event="end",
+            event=Event.END,
         )
         self._tell_settled(turn, outcome, carried, failed, error)
         self.wake()

@@ -1,0 +1,168 @@
+"""volutectl/journal.py: the fields of the gate's entries.
+
+The fields are pure (`entry_fields`); libsystemd frames them, which the system tier
+proves against a real journald (tests/system/test_logs.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.gate_harness import Harness
+from volutectl import journal
+from volutectl.journal import MESSAGE_IDS, Event, Journal, entry_fields
+from volutectl.states import QueueState
+
+
+def as_dict(items: list[bytes]) -> dict[str, str]:
+    pairs = [item.decode().split("=", 1) for item in items]
+    assert len({name for name, _ in pairs}) == len(pairs), "a field twice"
+    return dict(pairs)
+
+
+# -- the fields of one entry -----------------------------------------------------------------
+
+
+def test_an_entry_carries_message_priority_identifier_and_volute_fields() -> None:
+    fields = entry_fields(
+        "volute-gate", "warning", "turn 4 of m/s ended", {"turn_id": 4, "mind": "m", "x": None}
+    )
+    assert as_dict(fields) == {
+        "MESSAGE": "turn 4 of m/s ended",
+        "PRIORITY": "4",
+        "SYSLOG_IDENTIFIER": "volute-gate",
+        "VOLUTE_TURN_ID": "4",
+        "VOLUTE_MIND": "m",
+    }
+
+
+def test_a_multi_line_message_stays_one_field_with_its_newlines() -> None:
+    text = "first line\nMESSAGE_ID=forged\n\nVOLUTE_MIND=other"
+    fields = entry_fields("volute-gate", "error", text, {"error": "a\nb"})
+    # Whole: no line of it can become a field of its own (libsystemd frames it by length).
+    assert fields[0] == b"MESSAGE=" + text.encode()
+    assert as_dict(fields)["VOLUTE_ERROR"] == "a\nb"
+    assert "MESSAGE_ID" not in as_dict(fields)
+
+
+def test_journal_log_sends_one_entry_per_call_multi_line_or_not() -> None:
+    sent: list[tuple[bytes, ...]] = []
+    log = Journal("volute-gate")
+    log.sender = lambda *items: sent.append(items)
+    log.log("info", "one\ntwo\nthree", event=Event.START, turn_id=7)
+    assert len(sent) == 1
+    assert as_dict(list(sent[0]))["MESSAGE"] == "one\ntwo\nthree"
+    assert as_dict(list(sent[0]))["MESSAGE_ID"] == MESSAGE_IDS[Event.START]
+
+
+@pytest.mark.parametrize("event", list(Event))
+def test_the_five_events_an_operator_queries_carry_their_message_id(event: Event) -> None:
+    fields = as_dict(entry_fields("volute-gate", "info", "x", {"event": event}))
+    assert fields["VOLUTE_EVENT"] == event.value
+    wanted = {Event.HOLD, Event.START, Event.END, Event.TIMEOUT, Event.DEAD}
+    assert ("MESSAGE_ID" in fields) == (event in wanted)
+    if event in wanted:
+        assert fields["MESSAGE_ID"] == MESSAGE_IDS[event]
+        # A plain string names the same event (fields read back from elsewhere).
+        assert as_dict(entry_fields("g", "info", "x", {"event": event.value})) == fields | {
+            "SYSLOG_IDENTIFIER": "g"
+        }
+
+
+def test_message_ids_are_distinct_128_bit_ids() -> None:
+    ids = list(MESSAGE_IDS.values())
+    assert len(set(ids)) == len(ids) == 5
+    assert all(re.fullmatch(r"[0-9a-f]{32}", value) for value in ids)
+
+
+def test_a_nul_cannot_cut_a_value_and_a_bad_key_cannot_name_a_field() -> None:
+    fields = as_dict(entry_fields("g", "info", "a\0b", {"path": "x\0y"}))
+    assert fields["MESSAGE"] == "a\ufffdb" and fields["VOLUTE_PATH"] == "x\ufffdy"
+    with pytest.raises(ValueError, match="cannot name a journal field"):
+        entry_fields("g", "info", "m", {"not-a-name": 1})
+
+
+def test_text_that_is_not_utf8_encodable_is_escaped_not_refused() -> None:
+    fields = entry_fields("g", "info", "bad \udcff byte", {})
+    assert fields[0] == b"MESSAGE=bad \\udcff byte"
+
+
+# -- is our stderr the journal? -----------------------------------------------------------------
+
+
+def test_stderr_is_the_journal_only_when_journal_stream_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    found = os.fstat(2)
+    monkeypatch.setenv("JOURNAL_STREAM", f"{found.st_dev}:{found.st_ino}")
+    assert journal.stderr_is_journal()
+    for value in (f"{found.st_dev}:{found.st_ino + 1}", "junk", ":", ""):
+        monkeypatch.setenv("JOURNAL_STREAM", value)
+        assert not journal.stderr_is_journal()
+    # Inherited from a service, with stderr since pointed elsewhere: entries then go
+    # where stderr goes, like the rest of our output.
+    assert Journal("volute-gate").sender is None
+
+
+# -- the gate's entries -------------------------------------------------------------------
+
+
+@pytest.fixture
+def harnesses() -> Iterator[list[Harness]]:
+    made: list[Harness] = []
+    yield made
+    for harness in made:
+        harness.close()
+
+
+def gate(tmp_path: Path, harnesses: list[Harness], **options: Any) -> Harness:
+    harness = Harness(tmp_path, **options)
+    harnesses.append(harness)
+    return harness
+
+
+def settled(harness: Harness) -> bool:
+    store = harness.gate.state.store
+    return not store.list_rows([QueueState.PENDING, QueueState.RUNNING])
+
+
+def test_the_gates_hold_start_end_timeout_and_dead_entries_carry_message_ids(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = gate(tmp_path, harnesses,
+                   minds={"slow": "sleep 30", "quick": "true"},
+                   limits={"global_concurrent_turns": 1},
+                   turns={"max_runtime_seconds": 0.3, "timeout_grace_seconds": 0.1},
+                   max_attempts=1)  # fmt: skip
+    harness.deliver_ok(mind="slow")
+    harness.pump(lambda: bool(harness.manager.scopes))
+    harness.deliver_ok(mind="quick")  # held behind the cap
+    harness.pump(lambda: settled(harness), timeout=15)
+    ids: dict[str, set[str]] = {}
+    for level, message, fields in harness.journal.entries:
+        sent = as_dict(entry_fields("volute-gate", level, message, fields))
+        if "MESSAGE_ID" in sent:
+            ids.setdefault(sent["VOLUTE_EVENT"], set()).add(sent["MESSAGE_ID"])
+    assert ids == {event.value: {MESSAGE_IDS[event]} for event in MESSAGE_IDS}
+    ends = [f for _, _, f in harness.journal.entries if f.get("event") == Event.END]
+    assert {(f["mind"], f["session"], f["outcome"]) for f in ends} == {
+        ("slow", "main", "timeout"),
+        ("quick", "main", "ok"),
+    }
+
+
+def test_a_turn_that_fails_to_start_has_an_end_entry_with_its_turn_id(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = gate(tmp_path, harnesses, minds={"m": "true"}, max_attempts=1)
+    harness.manager.failing.add("start_scope")
+    harness.deliver_ok(mind="m")
+    harness.pump(lambda: settled(harness))
+    [end] = [f for _, _, f in harness.journal.entries if f.get("event") == Event.END]
+    assert (end["turn_id"], end["outcome"], end["mind"]) == (1, "start_failed", "m")
