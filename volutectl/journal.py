@@ -1,10 +1,14 @@
-"""The gate's journal: its structured entries, and sd_notify.
+"""The gate's journal: its structured entries, each turn's output stream, and sd_notify.
 
 - Entries go through libsystemd's sd_journal_sendv, as pystemd exposes it (reached
   through volutectl/systemd.py, the one module that imports pystemd). libsystemd frames
   every field, a multi-line MESSAGE too, and hands an oversized entry over in a memfd.
   This module only builds the fields (`entry_fields`, pure). Off systemd (tests, a
   terminal) entries go to stderr instead. docs/journal.md lists every field.
+- A turn's stdout and stderr are one stream to journald (`TurnStream`), opened by the
+  turn's own process once it is in its scope: journald takes the stream's unit from its
+  peer's cgroup. The stream's header is a few lines of text that sd_journal_stream_fd
+  writes too; pystemd does not expose that call.
 - sd_notify is one datagram, spoken directly.
 """
 
@@ -15,11 +19,16 @@ import re
 import socket
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
+STDOUT_SOCKET = "/run/systemd/journal/stdout"
 PRIORITY = {"error": 3, "warning": 4, "notice": 5, "info": 6, "debug": 7}
+# A turn's output: info; and no "<N>" prefix parsing, so that no line a turn prints (a
+# message it echoes, say) can raise itself to an emergency that journald walls to ttys.
+TURN_PRIORITY = 6
 _FIELD_NAME = re.compile(r"[A-Z0-9][A-Z0-9_]{0,63}")
 
 Sender = Callable[..., None]
@@ -90,14 +99,17 @@ def stderr_is_journal() -> bool:
 
 
 class Journal:
-    """Where the gate logs: to the journal when its own stderr is the journal (a
-    service), else to its stderr (a terminal, a test)."""
+    """Where the gate logs, and where its turns' output goes: both to the journal when
+    the gate's own stderr is the journal (a service), else both to its stderr (a
+    terminal, a test). `stdout_socket` is journald's stream socket, or None."""
 
     def __init__(self, identifier: str = "volutectl") -> None:
         self.identifier = identifier
+        self.stdout_socket: str | None = None
         self.sender: Sender | None = None
         if not stderr_is_journal():
             return
+        self.stdout_socket = STDOUT_SOCKET
         if os.path.exists(JOURNAL_SOCKET):
             try:
                 from volutectl.systemd import journal_sender
@@ -113,6 +125,41 @@ class Journal:
         extra = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
         print(f"<{PRIORITY.get(level, 6)}>{message}" + (f" [{extra}]" if extra else ""),
               file=sys.stderr, flush=True)  # fmt: skip
+
+    def turn_stream(self, mind: str, unit: str) -> TurnStream | None:
+        if self.stdout_socket is None:
+            return None
+        return TurnStream(self.stdout_socket, f"volute-{mind}", unit)
+
+
+@dataclass(frozen=True)
+class TurnStream:
+    """A turn's stdout and stderr as one journal stream.
+
+    `unit` (the turn's scope) goes in the header's unit field: journald takes
+    _SYSTEMD_UNIT from the peer's cgroup, and falls back to this field only once the
+    peer has exited, so that the last lines of a short turn keep their unit."""
+
+    path: str
+    identifier: str
+    unit: str
+
+    def header(self) -> bytes:
+        # identifier, unit, priority, level prefix, forward to syslog, kmsg, console
+        # (0: as journald is configured).
+        return f"{self.identifier}\n{self.unit}\n{TURN_PRIORITY}\n0\n0\n0\n0\n".encode()
+
+    def connect(self) -> int:
+        """A connected stream's fd, header sent; OSError if journald cannot take it."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.path)
+            sock.shutdown(socket.SHUT_RD)
+            sock.sendall(self.header())
+        except OSError:
+            sock.close()
+            raise
+        return sock.detach()
 
 
 def sd_notify(state: str) -> bool:

@@ -2,8 +2,9 @@
 
 A turn's child is forked by the gate, drops to the mind's user, and then blocks on a
 pipe. The gate has systemd put it into its scope (and waits until the scope holds it);
-only then does it write the release byte, and the child execs. If the gate dies before
-that, the pipe closes and the child exits without running anything.
+only then does it write the release byte, and the child opens its journal stream (its
+stdout and stderr, now journald sees it in its scope) and execs. If the gate dies
+before that, the pipe closes and the child exits without running anything.
 
 The scope's main process is /bin/sh running a few builtins around the command: it
 marks that the command started, runs it, and writes its exit status into the turn
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from volutectl.errors import DataError, VoluteError
+from volutectl.journal import TurnStream
 
 # The scope's main process: /bin/sh running turn-wrapper.sh (beside this module) with
 # the command as its arguments. A file rather than `sh -c SCRIPT` so that
@@ -96,6 +98,25 @@ def _reset_inherited_state() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     if _inherited_nofile is not None:
         resource.setrlimit(resource.RLIMIT_NOFILE, _inherited_nofile)
+
+
+def _log_to(stream: TurnStream) -> None:
+    """In a turn's child, released into its scope: stdout and stderr become the turn's
+    own journal stream. Without one they stay the gate's, so that nothing a turn prints
+    is lost: no journald at all (a hand-run gate on a terminal shows it), or journald
+    refusing the stream (it is then in the gate's own log, after a line that says so)."""
+    try:
+        fd = stream.connect()
+    except OSError as error:
+        if not isinstance(error, FileNotFoundError):
+            note = f"volutectl: {stream.unit}: journald refused the turn's output stream "
+            note += f"({error.strerror or error}); its output follows in the gate's own\n"
+            os.write(2, note.encode())
+        return
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    if fd > 2:
+        os.close(fd)
 
 
 def _ready_to_exec() -> None:
@@ -283,8 +304,12 @@ def fork_turn(
     account: Account,
     turn_dir: TurnDir,
     cwd: str,
+    stream: TurnStream | None = None,
 ) -> Child:
-    """Fork the turn's child, already running as `account`, blocked until released."""
+    """Fork the turn's child, already running as `account`, blocked until released.
+
+    Once released (in its scope), it opens `stream` for its stdout and stderr: journald
+    attributes a stream to the cgroup of the process that connected it."""
     read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
     wrapper = ["/bin/sh", WRAPPER, *argv]
     environment = dict(env)
@@ -322,6 +347,8 @@ def fork_turn(
                 os.setuid(account.uid)
             if os.read(read_fd, 1) != RELEASE:
                 os._exit(0)
+            if stream is not None:
+                _log_to(stream)
             _ready_to_exec()
             os.execve("/bin/sh", wrapper, environment)
         finally:

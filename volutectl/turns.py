@@ -214,7 +214,8 @@ class Turns:
         try:
             account = self.account_of(start.mind)
             turn_dir, argv, env, cwd = self._prepare(start, turn_id, taken, account)
-            child = launcher.fork_turn(argv, env, account, turn_dir, cwd)
+            stream = self.journal.turn_stream(start.mind, unit)
+            child = launcher.fork_turn(argv, env, account, turn_dir, cwd, stream)
             crash_point("forked")
             self.manager.start_scope(unit, [child.pid], self._scope_props(start, turn_id))
             crash_point("scope_started")

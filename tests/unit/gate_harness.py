@@ -31,6 +31,7 @@ class RecordingJournal(Journal):
     def __init__(self) -> None:
         super().__init__("volute-gate-test")
         self.sender = None  # never the real journal
+        self.stdout_socket = None  # turns keep the test's stdout and stderr
         self.entries: list[tuple[str, str, dict[str, Any]]] = []
 
     def log(self, level: str, message: str, **fields: Any) -> None:
