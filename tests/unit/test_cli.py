@@ -118,7 +118,7 @@ def test_one_config_option_everywhere() -> None:
     """--config is defined once (volutectl.options) and means the same in every command."""
     found = _commands_with_config()
     assert sorted(found) == [
-        "config check", "config show", "doctor", "gate", "queue", "status", "test",
+        "config check", "config show", "doctor", "gate", "logs", "queue", "status", "test",
     ]  # fmt: skip
 
     @click.command()
