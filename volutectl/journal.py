@@ -6,9 +6,9 @@
   This module only builds the fields (`entry_fields`, pure). Off systemd (tests, a
   terminal) entries go to stderr instead. docs/journal.md lists every field.
 - A turn's stdout and stderr are one stream to journald (`TurnStream`), opened by the
-  turn's own process once it is in its scope: journald takes the stream's unit from its
-  peer's cgroup. The stream's header is a few lines of text that sd_journal_stream_fd
-  writes too; pystemd does not expose that call.
+  turn's own process once it is in its scope (volutectl/launcher.py says why there, and
+  as root). The stream's header is the few lines of text that sd_journal_stream_fd and
+  systemd's own services write; pystemd does not expose that call.
 - sd_notify is one datagram, spoken directly.
 """
 
@@ -137,8 +137,8 @@ class TurnStream:
     """A turn's stdout and stderr as one journal stream.
 
     `unit` (the turn's scope) goes in the header's unit field: journald takes
-    _SYSTEMD_UNIT from the peer's cgroup, and falls back to this field only once the
-    peer has exited, so that the last lines of a short turn keep their unit."""
+    _SYSTEMD_UNIT from the writer's cgroup, and from this field when it reads a line
+    after the writer has exited (it accepts the field from a root peer only)."""
 
     path: str
     identifier: str
