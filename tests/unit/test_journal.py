@@ -9,6 +9,7 @@ the output goes when there is no journald or it refuses.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import socket
@@ -320,3 +321,34 @@ def test_a_turn_that_fails_to_start_has_an_end_entry_with_its_turn_id(
     harness.pump(lambda: settled(harness))
     [end] = [f for _, _, f in harness.journal.entries if f.get("event") == Event.END]
     assert (end["turn_id"], end["outcome"], end["mind"]) == (1, "start_failed", "m")
+
+
+# -- docs/journal.md lists every field ---------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def logged_fields() -> set[str]:
+    """VOLUTE_* fields the code can send: the keywords of every journal.log, log_turn and
+    log_row call in volutectl/ (log_turn and log_row pass theirs on to journal.log)."""
+    found: set[str] = set()
+    for path in (REPO / "volutectl").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("log", "log_turn", "log_row")
+            ):
+                found.update(f"VOLUTE_{k.arg.upper()}" for k in node.keywords if k.arg)
+    return found
+
+
+def test_docs_journal_lists_every_field_event_and_message_id() -> None:
+    doc = (REPO / "docs" / "journal.md").read_text()
+    fields = logged_fields()
+    assert {"VOLUTE_EVENT", "VOLUTE_TURN_ID", "VOLUTE_OUTCOME"} <= fields  # the scan works
+    assert [f for f in sorted(fields) if f"`{f}`" not in doc] == []
+    assert [e.value for e in Event if f"`{e.value}`" not in doc] == []
+    for event, message_id in MESSAGE_IDS.items():
+        [row] = [line for line in doc.splitlines() if f"`{message_id}`" in line]
+        assert row.startswith(f"| {event.value} "), (event, row)
