@@ -126,6 +126,25 @@ def test_a_turns_stream_outlives_a_sigkill_of_the_gate(machine: Machine) -> None
     assert "m/main turn 1: after-the-kill" in shown
 
 
+def test_a_turns_stream_outlives_a_restart_of_journald(machine: Machine) -> None:
+    # journald keeps its streams' fds in its fd store across a restart: the turn goes on
+    # writing to the same stream, under its own unit, and is not killed by a broken pipe.
+    command = "echo before; while [ ! -e /run/volute/go ]; do sleep 0.05; done; echo after"
+    start_gate(machine, f"[minds.m]\ncommand = '{command}'\n")
+    deliver(machine, "m", "x")
+    scope = "volute-turn-m-1.scope"
+    wait_for(lambda: messages(machine, "-u", scope, "_TRANSPORT=stdout") == ["before"])
+    old = machine.run(["systemctl", "show", "-P", "MainPID", "systemd-journald"]).stdout
+    machine.run(["systemctl", "restart", "systemd-journald"])
+    assert machine.run(["systemctl", "show", "-P", "MainPID", "systemd-journald"]).stdout != old
+    machine.run(["touch", "/run/volute/go"])
+    wait_for(lambda: all_settled(machine), timeout=30)
+    wait_for(lambda: len(messages(machine, "-u", scope, "_TRANSPORT=stdout")) == 2, timeout=10)
+    assert messages(machine, "-u", scope, "_TRANSPORT=stdout") == ["before", "after"]
+    [ended] = entries(machine, f"MESSAGE_ID={MESSAGE_IDS[Event.END]}", "VOLUTE_MIND=m")
+    assert (ended["VOLUTE_OUTCOME"], ended["VOLUTE_EXIT_STATUS"]) == ("ok", "0")
+
+
 TIMEOUT_CONFIG = """
 [limits]
 global_concurrent_turns = 1
