@@ -16,12 +16,17 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import NoReturn
 
+    from click.shell_completion import CompletionItem
+
 # name -> (module, attribute, one-line help) of a click command, imported when it runs.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "deliver": ("volutectl.client", "deliver_command", "Queue a message for a mind's turn."),
     "gate": ("volutectl.daemon", "gate_command", "Run the turn gate daemon (foreground)."),
-    "status": ("volutectl.client", "status_command", "Show active turns, holds and the queue."),
+    "status": ("volutectl.client", "status_command", "Show each mind's turns, queue and pause."),
     "queue": ("volutectl.client", "queue_command", "List, retry or drop queued deliveries."),
+    "pause": ("volutectl.client", "pause_command", "Hold new turns of minds (none: all)."),
+    "resume": ("volutectl.client", "resume_command", "Resume paused minds (none: all)."),
+    "wait": ("volutectl.client", "wait_command", "Wait until deliveries settle."),
     "config": ("volutectl.config_cli", "config_command", "Show or check the configuration."),
     "test": ("volutectl.testrun", "test_command", "Run a test command under the test-run cap."),
     "doctor": ("volutectl.doctor", "doctor_command", "Say which protections work on this host."),
@@ -29,8 +34,17 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def _debug_requested(argv: list[str]) -> bool:
-    return "--debug" in argv or os.environ.get("VOLUTE_DEBUG", "") not in ("", "0")
+def split_debug(argv: list[str]) -> tuple[bool, list[str]]:
+    """Take --debug from the options before the command name; the rest is untouched.
+
+    After the command name a --debug belongs to the command: `volutectl test -- pytest
+    --debug` passes it to pytest. Also on with VOLUTE_DEBUG=1."""
+    # volutectl's own options (--debug, --help, --version) take no values: the first
+    # word that is no option is the command's name.
+    command = next((i for i, arg in enumerate(argv) if arg == "--" or arg[:1] != "-"), len(argv))
+    leading = argv[:command]
+    debug = "--debug" in leading or os.environ.get("VOLUTE_DEBUG", "") not in ("", "0")
+    return debug, [arg for arg in leading if arg != "--debug"] + argv[command:]
 
 
 def _fail(error: BaseException, debug: bool) -> NoReturn:
@@ -50,9 +64,7 @@ def _fail(error: BaseException, debug: bool) -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    debug = _debug_requested(args)
-    args = [a for a in args if a != "--debug"]
+    debug, args = split_debug(list(sys.argv[1:] if argv is None else argv))
     try:
         if args[:1] == ["deliver"]:
             # The hot path: no click, no pydantic; see volutectl.deliver.
@@ -85,6 +97,19 @@ def _run_click(args: list[str]) -> None:
             command: click.Command = getattr(module, entry[1])
             return command
 
+        def shell_complete(self, ctx: click.Context, incomplete: str) -> list[CompletionItem]:
+            # Command names from the table: click's own would import every command.
+            from click.shell_completion import CompletionItem
+
+            names = [
+                CompletionItem(name, help=entry[2])
+                for name, entry in sorted(COMMANDS.items())
+                if name.startswith(incomplete)
+            ]
+            if incomplete.startswith("-") and "--debug".startswith(incomplete):
+                names.append(CompletionItem("--debug", help="a traceback on errors"))
+            return names + click.Command.shell_complete(self, ctx, incomplete)
+
         def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
             rows = [(name, entry[2]) for name, entry in sorted(COMMANDS.items())]
             with formatter.section("Commands"):
@@ -93,7 +118,7 @@ def _run_click(args: list[str]) -> None:
     @click.group(
         cls=LazyGroup,
         context_settings={"help_option_names": ["-h", "--help"]},
-        epilog="Add --debug anywhere for a traceback on errors.",
+        epilog="Add --debug before the command name for a traceback on errors.",
     )
     @click.version_option(package_name="volutectl")
     def app() -> None:

@@ -1,4 +1,5 @@
-"""Client commands that talk to the gate: status, queue, and deliver's click face.
+"""Client commands that talk to the gate: status, queue, pause, resume, wait, and
+deliver's click face.
 
 The real `deliver` lives in volutectl.deliver, which the CLI calls directly without
 loading click; the click command here only exists for `volutectl --help`.
@@ -8,91 +9,134 @@ from __future__ import annotations
 
 import click
 
-from volutectl.deliver import call, deliver_main
-from volutectl.errors import EX_DATAERR, EX_USAGE, VoluteError
+from volutectl import waiting
+from volutectl.completion import (
+    DeliverCommand,
+    complete_deliver,
+    complete_minds,
+    complete_states,
+)
+from volutectl.deliver import call, deliver_main, socket_path
+from volutectl.durations import format_duration
+from volutectl.errors import EX_DATAERR, EX_USAGE, UsageError, VoluteError
 from volutectl.messages import (
+    MAX_WAIT_IDS,
+    QUEUE_LIMIT,
+    QUEUE_LIMIT_MAX,
     ChangedReply,
     DropRequest,
+    PausedMind,
+    PauseReply,
+    PauseRequest,
     QueueReply,
     QueueRequest,
+    ResumeRequest,
     RetryRequest,
-    Status,
     StatusReply,
     StatusRequest,
 )
 from volutectl.options import config_option
 from volutectl.states import QueueState
+from volutectl.statusview import format_status
 
 
 @click.command(
-    "deliver", context_settings={"ignore_unknown_options": True, "help_option_names": []}
+    "deliver",
+    cls=DeliverCommand,
+    context_settings={"ignore_unknown_options": True, "help_option_names": []},
 )
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, shell_complete=complete_deliver)
 def deliver_command(args: tuple[str, ...]) -> int:
     """Queue a message for a mind's turn (see: volutectl deliver --help)."""
     return deliver_main(list(args))
 
 
-def _format_age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 120:
-        return f"{seconds:.1f}s"
-    return f"{seconds / 60:.1f}m"
-
-
-def format_status(status: Status) -> str:
-    cap = status.global_cap if status.global_cap is not None else "unlimited"
-    lines = [
-        f"active turns: {status.active_turns} of {cap} "
-        f"(per mind: {status.turns_per_mind}; slice {status.slice})",
-        f"queue: {status.queue_depth} pending, "
-        f"oldest hold {_format_age(status.oldest_held_s)}, {status.dead} dead",
-    ]
-    if status.holds:
-        lines.append(
-            "holds: " + ", ".join(f"{n} {reason}" for reason, n in sorted(status.holds.items()))
-        )
-    if status.foreign_scopes:
-        lines.append(f"other scopes in the slice: {status.foreign_scopes}")
-    for turn in status.turns:
-        lines.append(
-            f"  turn {turn.turn_id}: {turn.mind}/{turn.session} "
-            f"running {_format_age(turn.running_s)}  ({turn.unit})"
-        )
-    pressure = status.io_pressure
-    if pressure.enabled:
-        state = f"HIGH ({pressure.reason}): holding new turns" if pressure.high else "ok"
-        lines.append(f"io pressure: {state}; {pressure.trigger}")
-    for repo in status.test_runs:
-        held = repo.slots_held if repo.slots_held is not None else "?"
-        slots = repo.slots if repo.slots is not None else "?"
-        counted = " (count as turns)" if status.test_runs_count_as_turns else ""
-        lines.append(f"test slots: {held} of {slots} held in {repo.repository}{counted}")
-        for run in repo.runs:
-            lines.append(
-                f"  test run: {run.worktree} `{run.command}` "
-                f"running {_format_age(run.running_s)}  ({run.unit})"
-            )
-    for mind, info in sorted(status.minds.items()):
-        sessions = ",".join(info.running_sessions) or "-"
-        lines.append(f"  mind {mind}: running {sessions}; {info.pending} pending")
-    return "\n".join(lines)
-
-
 @click.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--all", "every_mind", is_flag=True, help="A row for every mind, idle ones too.")
 @click.option("--socket", help="Gate socket.")
 @config_option
-def status_command(as_json: bool, socket: str | None, config_path: str | None) -> None:
-    """Show active turns against the cap, holds, and the queue."""
+def status_command(
+    as_json: bool, every_mind: bool, socket: str | None, config_path: str | None
+) -> None:
+    """Show each mind's turns, queue and pause, then the totals against the cap."""
     status = call(StatusRequest(), StatusReply, socket, config_path).status
     if as_json:
         import json
 
         click.echo(json.dumps(status.to_wire(), indent=2, sort_keys=True))
     else:
-        click.echo(format_status(status))
+        click.echo(format_status(status, every_mind=every_mind))
+
+
+def _since(mind: str, paused: tuple[PausedMind, ...]) -> str:
+    """How long `mind` ("*": every mind) has been paused, by its own pause or all's."""
+    import time
+
+    found = [pause for pause in paused if pause.mind in (mind, "*")]
+    if not found:
+        return ""
+    pause = min(found, key=lambda p: p.since)
+    whose = ", with every mind" if pause.mind == "*" and mind != "*" else ""
+    return f" ({format_duration(time.time() - pause.since)} ago{whose})"
+
+
+@click.command("pause")
+@click.argument("minds", nargs=-1, shell_complete=complete_minds)
+@click.option("--socket", help="Gate socket.")
+@config_option
+def pause_command(minds: tuple[str, ...], socket: str | None, config_path: str | None) -> None:
+    """Hold new turns of MINDS (none: every mind, minds added later too) until resumed.
+
+    Their running turns go on, and deliveries to them are still queued."""
+    reply = call(PauseRequest(minds or None), PauseReply, socket, config_path)
+    for mind in minds or ("*",):
+        name = "every mind" if mind == "*" else mind
+        if mind in reply.changed:
+            click.echo(f"paused {name}")
+        else:
+            click.echo(f"{name} was already paused{_since(mind, reply.paused)}")
+
+
+@click.command("resume")
+@click.argument("minds", nargs=-1, shell_complete=complete_minds)
+@click.option("--socket", help="Gate socket.")
+@config_option
+def resume_command(minds: tuple[str, ...], socket: str | None, config_path: str | None) -> None:
+    """Resume MINDS (none: every pause): their held deliveries go through the gate."""
+    reply = call(ResumeRequest(minds or None), PauseReply, socket, config_path)
+    if not minds:
+        names = ["every mind" if mind == "*" else mind for mind in reply.changed]
+        click.echo(f"resumed {', '.join(names)}" if names else "nothing was paused")
+    for mind in minds:
+        click.echo(f"resumed {mind}" if mind in reply.changed else f"{mind} was not paused")
+
+
+@click.command("wait")
+@click.argument("ids", nargs=-1, type=click.IntRange(min=1), required=True)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds the gate may take to answer, and to answer again after a restart; "
+    "the wait for the turns themselves has no limit.",
+)
+@click.option("--socket", help="Gate socket.")
+@config_option
+def wait_command(
+    ids: tuple[int, ...], timeout: float, socket: str | None, config_path: str | None
+) -> int:
+    """Wait until the deliveries IDS settle, through gate restarts.
+
+    Exits 0 if a turn that exited 0 did each one; else with the code of the first, in
+    the order given, that was not: its last turn's exit status (124 for a time limit),
+    or 1 if it was dropped or never started. An id the gate does not know is 65."""
+    if len(ids) > MAX_WAIT_IDS:
+        raise UsageError(f"at most {MAX_WAIT_IDS} deliveries in one wait, not {len(ids)}")
+    path = socket_path(socket, config_path)
+    events = waiting.settle(path, ids, timeout, on_event=waiting.report)
+    return waiting.exit_code(ids, events)
 
 
 @click.group("queue", invoke_without_command=True)
@@ -107,18 +151,41 @@ def queue_command(ctx: click.Context, socket: str | None, config_path: str | Non
 
 
 @queue_command.command("list")
-@click.option("--state", "states", multiple=True, help="pending, running, dead, done, dropped")
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    help="pending, running, dead, done, dropped",
+    shell_complete=complete_states,
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(1, QUEUE_LIMIT_MAX),
+    default=QUEUE_LIMIT,
+    show_default=True,
+    help="Show the newest N rows.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def queue_list(ctx: click.Context, states: tuple[str, ...] = (), as_json: bool = False) -> None:
-    """List rows (default: pending, running and dead)."""
+def queue_list(
+    ctx: click.Context,
+    states: tuple[str, ...] = (),
+    limit: int = QUEUE_LIMIT,
+    as_json: bool = False,
+) -> None:
+    """List rows, newest first (default: pending, running and dead)."""
     socket, config_path = ctx.obj
     wanted = tuple(QueueState(state) for state in _states(states))
-    rows = call(QueueRequest(wanted), QueueReply, socket, config_path).rows
+    reply = call(QueueRequest(wanted, limit), QueueReply, socket, config_path)
+    rows = reply.rows
+    # On stderr with --json, so that stdout stays one JSON array.
+    more = f"{reply.not_shown} older rows not shown (--limit)" if reply.not_shown else None
     if as_json:
         import json
 
         click.echo(json.dumps([row.to_wire() for row in rows], indent=2))
+        if more:
+            click.echo(more, err=True)
         return
     if not rows:
         click.echo("the queue is empty")
@@ -129,6 +196,8 @@ def queue_list(ctx: click.Context, states: tuple[str, ...] = (), as_json: bool =
             f"{row.id:>6} {row.state:<8} {row.mind}/{row.session} "
             f"attempts={row.attempts} {row.bytes}B{extra}{error}"
         )
+    if more:
+        click.echo(more)
 
 
 def _states(states: tuple[str, ...]) -> tuple[str, ...]:

@@ -77,6 +77,9 @@ class GateSettings(Section):
     # A connection whose request has not become a complete line in this long is closed
     # (one that waits for its turn with `deliver --wait` is not idle).
     client_idle_seconds: Annotated[float, Field(gt=0)] = 60.0
+    # Done and dropped deliveries (message included) and ended turns are deleted this
+    # long after they finished; dead deliveries stay until retried or dropped.
+    retention_days: Annotated[float, Field(gt=0)] = 7.0
 
 
 class IoPressureSettings(Section):

@@ -13,9 +13,11 @@ from typing import Any
 
 import click
 
+from volutectl import preflight
 from volutectl.config import DEFAULT_CONFIG_PATH, LoadedSettings, Settings, flatten
 from volutectl.config import load_settings as _load_settings
 from volutectl.config_sources import ENV_NESTED, ENV_PREFIX
+from volutectl.errors import ConfigError
 from volutectl.options import config_option
 
 
@@ -55,15 +57,39 @@ def show_command(config_path: str | None, as_json: bool) -> None:
 @config_command.command("check")
 @config_option
 def check_command(config_path: str | None) -> None:
-    """Validate the configuration; exit 78 naming the bad key and its file or variable."""
+    """Validate the configuration, and check that every mind's turns can start here.
+
+    Exits 78 naming the bad key and its file or variable, or the minds that fail
+    preflight: a user that does not exist, a command that is missing or not executable
+    by that user, a working directory that is missing or closed to it.
+    """
     loaded = _load_settings(config_path)
+    settings = loaded.settings
     click.echo(f"ok: {loaded.path if loaded.path is not None else _file_line(loaded)}")
-    for mind in loaded.settings.minds:
+    reports = {report.mind: report for report in preflight.check_minds(settings)}
+    for mind in settings.minds:
         sources = ", ".join(loaded.table_sources(f"minds.{mind}"))
-        limit = loaded.settings.mind_limit(mind)
+        limit = settings.mind_limit(mind)
         click.echo(f"  mind {mind}: from {sources} (at most {limit} turn(s) at once)")
+        for problem in reports[mind].problems:
+            click.echo(f"    fail: {problem}")
+        for note in reports[mind].notes:
+            click.echo(f"    note: {note}")
     for name in unused_variables(loaded):
         click.echo(f"volutectl: warning: {name} names no config section; it is ignored", err=True)
+    status, found, change = preflight.check_cap(settings)
+    if status != "ok":
+        click.echo(f"volutectl: warning: {found}\n  hint: {change}", err=True)
+    failing = [mind for mind in settings.minds if reports[mind].problems]
+    if failing:
+        if len(failing) == 1:
+            which = f"mind {failing[0]} fails preflight: its turns"
+        else:
+            which = f"minds {', '.join(failing)} fail preflight: their turns"
+        raise ConfigError(
+            f"{which} cannot start on this host",
+            hint="fix what each fail line says; until then every turn fails and goes dead",
+        )
 
 
 def unused_variables(loaded: LoadedSettings, environ: dict[str, str] | None = None) -> list[str]:

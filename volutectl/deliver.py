@@ -15,18 +15,10 @@ import os
 import sys
 import time
 
-from volutectl import messages, protocol
+from volutectl import messages, protocol, waiting
 from volutectl.errors import EX_DATAERR, EX_TEMPFAIL, UnavailableError, UsageError, VoluteError
-from volutectl.messages import (
-    DeliverAck,
-    DeliverRequest,
-    DeliveryDead,
-    Event,
-    Request,
-    TurnEnded,
-)
+from volutectl.messages import DeliverAck, DeliverRequest, Request
 from volutectl.names import NameError_, check_mind, check_session
-from volutectl.states import Outcome
 
 # Not `import typing`: this module is on deliver's hot path (~6 ms).
 TYPE_CHECKING = False
@@ -95,7 +87,8 @@ def _deliver_parser() -> argparse.ArgumentParser:
         "--timeout",
         type=float,
         default=30.0,
-        help="seconds to wait for the ack, retrying while the gate restarts (default: 30)",
+        help="seconds the gate may take to acknowledge, retrying while it restarts; with "
+        "--wait, also to answer again after a restart (default: 30)",
     )
     return parser
 
@@ -111,15 +104,19 @@ def deliver_main(argv: list[str]) -> int:
     request_ = DeliverRequest(
         args.mind, message, args.session, args.interrupt, args.wait, os.urandom(16).hex()
     )
-    connection, ack = acknowledged(socket_path(args.socket, args.config), request_, args.timeout)
+    path = socket_path(args.socket, args.config)
+    connection, ack = acknowledged(path, request_, args.timeout)
     try:
         print(ack.id, flush=True)
-        if not args.wait:
-            return 0
-        event = messages.decode_event(connection.receive(timeout=None))
-    finally:
+    except BaseException:
         connection.close()
-    return _report(ack.id, event)
+        raise
+    if not args.wait:
+        connection.close()
+        return 0
+    # The event comes on this connection; after a gate restart, on a new one (`wait`).
+    events = waiting.settle(path, (ack.id,), args.timeout, connection, waiting.report)
+    return waiting.exit_code((ack.id,), events)
 
 
 def _message(given: str | None) -> str:
@@ -141,23 +138,6 @@ def _message(given: str | None) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise VoluteError("the message on stdin is not UTF-8 text", exit_code=EX_DATAERR) from None
-
-
-def _report(delivery_id: int, event: Event) -> int:
-    """Say how the delivery ended (on stderr, unless it went well); the exit code."""
-    if isinstance(event, TurnEnded):
-        if event.outcome is not Outcome.OK:
-            print(
-                f"volutectl: turn {event.turn_id} {event.outcome}: exit status {event.exit_status}",
-                file=sys.stderr,
-            )
-        return event.exit_code
-    if isinstance(event, DeliveryDead):
-        how = f" after turn {event.turn_id} {event.outcome}" if event.turn_id else ""
-        print(f"volutectl: delivery {delivery_id} is dead{how}: {event.error}", file=sys.stderr)
-        return event.exit_code
-    print(f"volutectl: delivery {delivery_id} was dropped", file=sys.stderr)
-    return 1
 
 
 def acknowledged(

@@ -3,12 +3,13 @@
 A unit file or config key that sets a weight proves nothing by itself: IOWeight= is a
 no-op under mq-deadline (the SD card scheduler on a Raspberry Pi), MemoryHigh= is a
 no-op with the memory controller off (a stock Pi), and pressure holds need PSI. Each
-check here reads the kernel's own answer and says what to change.
+check here reads the kernel's own answer and says what to change. It also runs the
+minds' preflight (volutectl/preflight.py), and says whether the caller may use the socket.
 
 The probes are small functions over paths (a /sys, /proc or cgroup root, a device
 number), so tests point them at fake trees. Only the manager and socket checks reach
-out. A broken config (exit 78) or an unreachable systemd manager (exit 69) is a
-failure; everything else is advice and exits 0.
+out. A broken config or a mind that fails preflight (exit 78), or an unreachable
+systemd manager (exit 69) is a failure; everything else is advice and exits 0.
 """
 
 from __future__ import annotations
@@ -23,12 +24,17 @@ from typing import Literal
 
 import click
 
+from volutectl import preflight
+from volutectl.access import calling_user, socket_access
+from volutectl.config import Settings, load_settings
 from volutectl.errors import EX_CONFIG, EX_OK, EX_UNAVAILABLE, VoluteError
 from volutectl.options import config_option
 from volutectl.probes import (
     CGROUP_ROOT,
     PSI_ENABLE,
+    block_device_dir,
     cgroup_v2_root,
+    existing_ancestor,
     psi_disabled,
     psi_status,
     slice_cgroup,
@@ -112,23 +118,6 @@ def check_controllers(cgroup_root: Path = CGROUP_ROOT) -> Check:
 
 
 # -- the IO scheduler of the state directory's disk ----------------------------------
-
-
-def existing_ancestor(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def block_device_dir(major: int, minor: int, sys_root: Path = Path("/sys")) -> Path | None:
-    """The sysfs directory of the whole disk behind a device number (a partition's parent)."""
-    link = sys_root / "dev" / "block" / f"{major}:{minor}"
-    if not link.exists():
-        return None
-    device = link.resolve()
-    if (device / "partition").exists():
-        device = device.parent
-    return device
 
 
 def parse_scheduler(text: str) -> tuple[str, list[str]]:
@@ -369,8 +358,6 @@ def _socket_unit_check(configured: Path, user: bool) -> Check:
 
 
 def run_checks(config_path: str | None) -> list[Check]:
-    from volutectl.config import Settings, load_settings
-
     checks: list[Check] = []
     try:
         loaded = load_settings(config_path)
@@ -396,7 +383,30 @@ def run_checks(config_path: str | None) -> list[Check]:
     checks.append(check_manager(lambda: _manager_problem(which == "user"), which))
     checks.append(check_socket(settings.gate.socket))
     checks.append(_socket_unit_check(settings.gate.socket, which == "user"))
+    checks.append(check_socket_access(settings))
+    checks.append(Check("turn-cap", *preflight.check_cap(settings)))
+    checks.extend(check_mind(report) for report in preflight.check_minds(settings))
     return checks
+
+
+def check_socket_access(settings: Settings) -> Check:
+    """May the calling user connect to the gate's socket (root, or in its group)?"""
+    path, group = str(settings.gate.socket), settings.gate.socket_group
+    return Check("socket-access", *socket_access(path, group, *calling_user()))
+
+
+def check_mind(report: preflight.MindReport) -> Check:
+    """One mind: its user, its command and its working directory, as its turns need them."""
+    notes = "".join(f"; {note}" for note in report.notes)
+    if not report.problems:
+        found = f"runs as {report.user}: user, command and working directory pass{notes}"
+        return Check(f"mind {report.mind}", "ok", found)
+    change = (
+        "fix it (a config change needs a restart of the gate); "
+        "until then every turn of this mind fails"
+    )
+    found = "; ".join(report.problems) + notes
+    return Check(f"mind {report.mind}", "fail", found, change, EX_CONFIG)
 
 
 def _manager_problem(user: bool) -> str | None:
@@ -425,8 +435,8 @@ def exit_code(checks: list[Check]) -> int:
 def doctor_command(config_path: str | None, as_json: bool) -> int:
     """Say which protections take effect on this host, and what to change.
 
-    Exits 78 if the config is invalid, 69 if the systemd manager is out of reach,
-    else 0 (warnings included).
+    Exits 78 if the config is invalid or a mind fails preflight, 69 if the systemd
+    manager is out of reach, else 0 (warnings included).
     """
     checks = run_checks(config_path)
     code = exit_code(checks)

@@ -11,7 +11,8 @@ that is one comparison against None. A test arms one point:
 - in-process, with `arm(NAME)`: reaching NAME raises SimulatedCrash, which no code of
   the gate catches; the test then drops that Gate object and opens a new one.
 
-The points, in the order a turn meets them, are listed in POINTS.
+The points, in the order a turn meets them, are listed in POINTS; those of the queue's
+upkeep (retention, the VACUUM of schema 4) in STORAGE_POINTS.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ POINTS = (
     "inbox_written",  # the inbox file written (offered)
     "settled",  # a turn's outcome committed; its directory not yet removed
 )
+# The queue's upkeep, outside any turn (volutectl/retention.py, volutectl/schema.py).
+STORAGE_POINTS = (
+    "retention_deleted",  # a retention batch's rows deleted, not yet committed
+    "vacuuming",  # inside the VACUUM that makes the database incremental
+)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -48,8 +54,9 @@ _in_process = False
 def arm(point: str | None) -> None:
     """Arm one point in-process (None disarms): reaching it raises SimulatedCrash."""
     global _armed, _in_process
-    if point is not None and point not in POINTS:
-        raise ValueError(f"unknown crash point {point!r}; known: {', '.join(POINTS)}")
+    known = POINTS + STORAGE_POINTS
+    if point is not None and point not in known:
+        raise ValueError(f"unknown crash point {point!r}; known: {', '.join(known)}")
     _armed, _in_process = point, point is not None
 
 

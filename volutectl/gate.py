@@ -4,12 +4,13 @@ It waits in one select() on: the listening socket and its clients (volutectl/ser
 the D-Bus connection (scope-ended signals), a pidfd per turn's main process, the
 test-slot watch, the PSI trigger when enabled, and a stop fd. A timeout is used only for
 real deadlines: a failed delivery's backoff, a turn's time limit, a question to systemd
-to ask again, an idle client, and the watchdog.
+to ask again, an idle client, the watchdog, and retention's next batch.
 
 Each pass (`step`): take in requests (deliveries share one durable commit, then are
 acknowledged: volutectl/handlers.py), learn which turns ended (volutectl/liveness.py),
 then run admission (core.admit) against the scopes that hold a place, and carry out its
-decisions (volutectl/turns.py).
+decisions (volutectl/turns.py). Retention's batch (volutectl/retention.py) comes last,
+and only in a pass that started no turn.
 
 `Gate.open(settings)` builds every part, or fails having opened nothing that stays;
 `run(stop_fd)` serves until told to stop. Tests build it with a fake systemd
@@ -27,15 +28,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from volutectl import core, handlers
+from volutectl import core, handlers, preflight, status
 from volutectl.config import Settings
 from volutectl.errors import VoluteError
 from volutectl.handlers import Caller, GateState
 from volutectl.journal import Journal, sd_notify, watchdog_interval
 from volutectl.liveness import Liveness
-from volutectl.messages import DeliverAck, DeliverRequest, ErrorReply, Reply, Request
+from volutectl.messages import (
+    DeliverAck,
+    DeliverRequest,
+    ErrorReply,
+    Reply,
+    Request,
+    WaitReply,
+)
 from volutectl.pressure import PressureWatch
 from volutectl.probes import slice_cgroup
+from volutectl.retention import Retention
 from volutectl.server import Client, Server
 from volutectl.slotwatch import SlotWatch
 from volutectl.states import HoldReason
@@ -80,16 +89,22 @@ class Gate:
         self.backoff_wake: float | None = None
         self.admit_retry: float | None = None  # monotonic: admission failed, try again then
         self.admit_failing = False
+        self.notifier = status.StatusNotifier()  # STATUS= for systemd, when it changes
+        self.started = False  # this pass started a turn
         self._opened: list[Any] = [self.selector]
         try:
             self.state = self._build_state(manager)
+            handlers.load_pauses(self.state)  # a pause outlives the gate that took it
             self.server = Server(settings, self.selector, self.journal, inherited=listener)
             self._opened.append(self.server)
             self.state.liveness.recover()
             self.state.store.sync()
+            self.retention = Retention(self.state.store, settings.gate.retention_days, self.journal)
+            self.retention.prepare(progress=self._starting)
             self.selector.register(self.state.manager.fileno(), selectors.EVENT_READ, ("bus", None))
             self.selector.register(self.state.slots.fileno(), selectors.EVENT_READ, ("slots", None))
             self._open_pressure()
+            preflight.log_failing(settings, self.journal.log)  # status shows it too
         except BaseException:
             for part in reversed(self._opened):
                 with contextlib.suppress(Exception):
@@ -155,6 +170,11 @@ class Gate:
                 self.state.pressure.fileno(), selectors.EVENT_READ, ("pressure", None)
             )
 
+    def _starting(self) -> None:
+        """Still busy starting (retention's first pass over an old database)."""
+        sd_notify("EXTEND_TIMEOUT_USEC=30000000\nSTATUS=deleting expired rows, then "
+                  "reclaiming the queue's free pages (once)")  # fmt: skip
+
     def mark_dirty(self) -> None:
         self.state.dirty = True
 
@@ -214,6 +234,8 @@ class Gate:
             deadlines.append(pressure.deadline() or 0.0)
         if self.admit_retry is not None:
             deadlines.append(self.admit_retry)
+        if self.retention.deadline() is not None:
+            deadlines.append(self.retention.deadline() or 0.0)
         turn_deadline = self.state.liveness.next_deadline()
         if turn_deadline is not None:
             deadlines.append(time.monotonic() + turn_deadline - time.time())
@@ -242,7 +264,9 @@ class Gate:
     def step(self, timeout: float | None) -> None:
         """One pass of the loop: wait, take in what arrived, then admit."""
         incoming: list[tuple[Client, Request | ErrorReply]] = []
-        for key, mask in self.selector.select(timeout):
+        ready = self.selector.select(timeout)
+        self.started = False
+        for key, mask in ready:
             kind, data = key.data
             if kind == "accept":
                 self.server.accept()
@@ -262,7 +286,8 @@ class Gate:
         incoming += self.server.backlogged()
         if incoming:
             self._serve(incoming)
-        for event in self.state.manager.process_events():
+        events = self.state.manager.process_events()
+        for event in events:
             news = f"systemd's news of {event.name}"
             self._guarded(news, self.state.liveness.unit_ended, event.name)
         self._on_deadlines()
@@ -272,6 +297,9 @@ class Gate:
         # A turn's settlement is durable before the gate sleeps; if the disk refuses,
         # the next pass tries again (what was not synced is still in the WAL).
         self._guarded("syncing the queue", self.state.store.sync)
+        idle = not (ready or incoming or events)  # woke for deadlines alone
+        mono = time.monotonic()
+        self._guarded("retention", self.retention.on_pass, mono, idle, self.started)
 
     def _serve(self, incoming: list[tuple[Client, Request | ErrorReply]]) -> None:
         """Answer every request that came in this pass, each client's in its order.
@@ -296,8 +324,12 @@ class Gate:
                 continue
             if isinstance(request, DeliverRequest) and request.wait:
                 if isinstance(reply, DeliverAck):
-                    self._wait(client, request, reply)
+                    # A retried request's delivery may have run already: look, then.
+                    self._wait(client, (reply.id,), reply, request.request_id is not None)
                     continue
+            if isinstance(reply, WaitReply):
+                self._wait(client, reply.ids, reply, True)
+                continue
             self.server.reply(client, reply)
 
     def _commit(
@@ -333,14 +365,16 @@ class Gate:
                 self.server.client_failed(client, "storing deliveries", error)
             return [None] * len(batch)
 
-    def _wait(self, client: Client, request: DeliverRequest, ack: DeliverAck) -> None:
-        self.server.wait_for(client, ack.id)
-        self.server.reply(client, ack)
-        if request.request_id is not None:
-            # A retried request's delivery may have run already: tell the waiter now.
-            finished = handlers.finished_event(self.state, ack.id)
+    def _wait(self, client: Client, ids: tuple[int, ...], reply: Reply, look: bool) -> None:
+        """Keep the client for the events of `ids`, after `reply`; with `look`, tell it
+        at once of those that have already settled."""
+        for delivery_id in ids:
+            self.server.wait_for(client, delivery_id)
+        self.server.reply(client, reply)
+        for delivery_id in ids if look else ():
+            finished = handlers.finished_event(self.state, delivery_id)
             if finished is not None:
-                self.server.notify(ack.id, finished)
+                self.server.notify(delivery_id, finished)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -375,6 +409,7 @@ class Gate:
                 )
             self.admit_failing = True
             self.admit_retry = time.monotonic() + ADMIT_RETRY_SECONDS
+            self.notifier.update(f"admission failing, no turn starts: {text}")
             return
         if self.admit_failing:
             self.journal.log("info", "admission works again")
@@ -398,6 +433,7 @@ class Gate:
             other_busy=state.foreign_live + test_runs,
             other_busy_reason=HoldReason.TEST_RUN if test_runs else HoldReason.GLOBAL_CAP,
             pressure=state.pressure is not None and state.pressure.high,
+            paused=state.paused,
         )
         if state.pressure is not None:
             # PSI is reactive: start at most one turn per pass, and let it settle.
@@ -405,5 +441,7 @@ class Gate:
         for fold in decision.folds:
             state.turns.fold(fold, now)
         for start in decision.starts:
+            self.started = True
             state.turns.start(start, now)
         state.turns.record_holds(decision.holds, rows, now)
+        self.notifier.update(status.gate_line(state, decision.holds, rows.values(), now, test_runs))

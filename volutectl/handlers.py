@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from volutectl import core, status, validate
 from volutectl.config import Settings
-from volutectl.errors import TemporaryError, VoluteError
+from volutectl.errors import DataError, TemporaryError, VoluteError
 from volutectl.faults import crash_point
 from volutectl.journal import Journal
 from volutectl.liveness import Liveness
@@ -33,6 +33,9 @@ from volutectl.messages import (
     DropRequest,
     ErrorReply,
     Op,
+    PausedMind,
+    PauseReply,
+    PauseRequest,
     Pong,
     QueueReply,
     QueueRequest,
@@ -41,10 +44,14 @@ from volutectl.messages import (
     RegisterRepoRequest,
     Reply,
     Request,
+    ResumeRequest,
     RetryRequest,
     StatusReply,
     TurnEnded,
+    WaitReply,
+    WaitRequest,
 )
+from volutectl.mindstore import EVERY_MIND
 from volutectl.pressure import PressureWatch
 from volutectl.slotwatch import SlotWatch
 from volutectl.states import DEFAULT_LISTED, Outcome, QueueState
@@ -68,6 +75,7 @@ class GateState:
     limits: core.Limits
     notify: Callable[[int, Reply], None]  # tell a delivery's waiters how it ended
     dirty: bool = True  # admission should run
+    paused: frozenset[str] | core.EveryMind = frozenset()  # the store's pauses
     foreign_live: int = 0  # other scopes holding a place in the turns slice, last counted
 
 
@@ -82,13 +90,15 @@ def status_handler(state: GateState, request: Request, caller: Caller) -> Reply:
 
 def queue_handler(state: GateState, request: Request, caller: Caller) -> Reply:
     assert isinstance(request, QueueRequest)
-    rows = state.store.list_rows(request.states or DEFAULT_LISTED)
+    states = request.states or DEFAULT_LISTED
+    rows = state.store.list_rows(states, request.limit)
     return QueueReply(
         tuple(
             QueueRow(row.id, row.mind, row.session, row.state, row.attempts, row.hold_reason,
                      row.held_ms, row.turn_id, row.created_at, row.last_error, len(row.message))
             for row in rows
-        )
+        ),
+        max(0, state.store.count_rows(states) - len(rows)),
     )  # fmt: skip
 
 
@@ -125,6 +135,87 @@ def ping_handler(state: GateState, request: Request, caller: Caller) -> Reply:
     return Pong()
 
 
+def load_pauses(state: GateState) -> dict[str, float]:
+    """Read the pauses from the store into `state.paused`; mind -> since."""
+    pauses = state.store.minds.pauses()
+    state.paused = core.EVERY_MIND if EVERY_MIND in pauses else frozenset(pauses)
+    return pauses
+
+
+def _pause_reply(changed: list[str], pauses: Mapping[str, float]) -> PauseReply:
+    return PauseReply(tuple(changed), tuple(PausedMind(m, since) for m, since in pauses.items()))
+
+
+def pause_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+    """Pause the minds named (none: every mind). One paused already is no error: it is
+    left out of `changed`, and so is one that every mind's pause covers."""
+    assert isinstance(request, PauseRequest)
+    if request.minds is None:
+        wanted = [EVERY_MIND]
+    else:
+        wanted = [
+            validate.configured_mind(state.settings, mind) for mind in dict.fromkeys(request.minds)
+        ]
+        if isinstance(state.paused, core.EveryMind):
+            wanted = []  # each is paused already
+    changed = state.store.minds.pause(wanted, time.time())
+    for mind in changed:
+        what = "every mind" if mind == EVERY_MIND else mind
+        state.journal.log("info", f"paused {what}: new turns are held until resumed", mind=mind)
+    state.dirty = True  # its held deliveries now wait with reason `paused`
+    return _pause_reply(changed, load_pauses(state))
+
+
+def resume_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+    """Lift the pauses named (none: every pause): the wake flush. Each held delivery goes
+    through admission as any other, one batch per session."""
+    assert isinstance(request, ResumeRequest)
+    pauses = state.store.minds.pauses()
+    if request.minds is None:
+        changed = state.store.minds.resume(None)
+    else:
+        names = list(dict.fromkeys(request.minds))
+        for mind in names:
+            if mind not in pauses:  # a paused mind since removed from the config may go
+                validate.configured_mind(state.settings, mind)
+        if EVERY_MIND in pauses:
+            raise DataError(
+                f"every mind is paused (volutectl pause with no name), so {names[0]} cannot "
+                "be resumed alone",
+                hint="resume every mind with `volutectl resume`, then pause by name the "
+                "ones to keep paused",
+            )
+        changed = state.store.minds.resume(names)
+    before = state.paused
+    after = load_pauses(state)
+    going = sum(
+        1 for row in state.store.pending() if row.mind in before and row.mind not in state.paused
+    )
+    for mind in changed:
+        what = "every mind" if mind == EVERY_MIND else mind
+        state.journal.log("info", f"resumed {what}: {going} held deliveries go through the gate",
+                          mind=mind)  # fmt: skip
+    state.dirty = True
+    return _pause_reply(changed, after)
+
+
+def wait_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+    """Each delivery must exist (the gate then keeps the client for their events); an id
+    that never did, or whose row retention removed, is refused with 65 naming it."""
+    assert isinstance(request, WaitRequest)
+    ids = tuple(dict.fromkeys(request.ids))
+    found = {row.id for row in state.store.rows(ids, with_message=False)}
+    missing = [delivery_id for delivery_id in ids if delivery_id not in found]
+    if missing:
+        shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+        raise DataError(
+            f"ids: no delivery {shown}",
+            hint="none was queued with that id, or it ended long enough ago that retention "
+            "removed it",
+        )
+    return WaitReply(ids)
+
+
 Handler = Callable[[GateState, Request, Caller], Reply]
 HANDLERS: dict[Op, Handler] = {
     Op.STATUS: status_handler,
@@ -133,6 +224,9 @@ HANDLERS: dict[Op, Handler] = {
     Op.DROP: drop_handler,
     Op.REGISTER_REPO: register_repo_handler,
     Op.PING: ping_handler,
+    Op.PAUSE: pause_handler,
+    Op.RESUME: resume_handler,
+    Op.WAIT: wait_handler,
 }
 
 
@@ -214,7 +308,8 @@ def _refusal(state: GateState, count: int, error: Exception) -> ErrorReply:
 def finished_event(state: GateState, delivery_id: int) -> Reply | None:
     """What a waiting client would have been told, for a delivery that already ended (a
     retried `--wait` request whose delivery ran before the retry arrived)."""
-    row = state.store.row(delivery_id)
+    found = state.store.rows([delivery_id], with_message=False)
+    row = found[0] if found else None
     if row is None or row.state in (QueueState.PENDING, QueueState.RUNNING):
         return None
     if row.state is QueueState.DROPPED:

@@ -52,6 +52,8 @@ from volutectl.journal import TurnStream
 # `systemctl status volute-turns.slice` shows a readable command line.
 WRAPPER = str(Path(__file__).with_name("turn-wrapper.sh"))
 RELEASE = b"1"
+# The PATH a turn's command is looked up in, unless the mind's environment sets one.
+TURN_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 # RLIMIT_NOFILE as the gate found it, before raise_nofile_limit(): what turns get back.
 _inherited_nofile: tuple[int, int] | None = None
@@ -124,6 +126,32 @@ def _log_to(stream: TurnStream) -> None:
     os.dup2(fd, 2)
     if fd > 2:
         os.close(fd)
+
+
+def _enter_as(cwd: str, account: Account) -> None:
+    """Enter the turn's working directory as the mind's user, so that it enters only
+    what that user may, never elsewhere; only the effective ids change, and go back, so
+    that the turn's stream is still opened as root."""
+    if os.geteuid() != 0 or account.uid == 0:
+        os.chdir(cwd)
+        return
+    gid = os.getegid()
+    os.setgroups(list(account.groups))
+    os.setegid(account.gid)
+    os.seteuid(account.uid)
+    try:
+        os.chdir(cwd)
+    finally:
+        os.seteuid(0)
+        os.setegid(gid)
+
+
+def _become(account: Account) -> None:
+    """Drop to the mind's user for good, before exec."""
+    if os.geteuid() == 0 and account.uid != 0:
+        os.setgroups(list(account.groups))
+        os.setgid(account.gid)
+        os.setuid(account.uid)
 
 
 def _ready_to_exec() -> None:
@@ -289,7 +317,7 @@ def turn_environment(
     extra: Mapping[str, str],
 ) -> dict[str, str]:
     env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "PATH": TURN_PATH,
         "HOME": account.home,
         "USER": account.name,
         "LOGNAME": account.name,
@@ -342,18 +370,14 @@ def fork_turn(
             stdin_fd = os.open(stdin_path, os.O_RDONLY)
             os.dup2(stdin_fd, 0)
             os.close(stdin_fd)
-            try:
-                os.chdir(cwd)
-            except OSError:
-                os.chdir("/")
+            # The gate checked the working directory before the fork (preflight): entering
+            # it fails only if it changed since, and the child then exits unreleased.
+            _enter_as(cwd, account)
             if os.read(read_fd, 1) != RELEASE:
                 os._exit(0)
             if stream is not None:
-                _log_to(stream)
-            if os.geteuid() == 0 and account.uid != 0:
-                os.setgroups(list(account.groups))
-                os.setgid(account.gid)
-                os.setuid(account.uid)
+                _log_to(stream)  # as root: see the module's docstring
+            _become(account)
             _ready_to_exec()
             os.execve("/bin/sh", wrapper, environment)
         finally:

@@ -9,8 +9,9 @@ is volutectl/protocol.py.
 Light on purpose: `volutectl deliver` imports it on its hot path, so a message is a
 volutectl.records.Record (a frozen record that needs neither `typing` nor `dataclasses`).
 
-- Requests check their fields on the way in (`decode_request`), each refusal a
-  DataError (65) that names the field: types, ranges, names, flags that are booleans.
+- Requests check their fields on the way in (`decode_request`, with volutectl/fields.py),
+  each refusal a DataError (65) that names the field: types, ranges, names, flags that
+  are booleans.
   What needs the gate's settings (is the mind configured, is the message too long) is
   checked by the gate's handler, volutectl/validate.py.
 - Replies are decoded by the client from their declared field types; a reply that does
@@ -21,8 +22,12 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from volutectl import fields
 from volutectl.errors import EX_PROTOCOL, EX_USAGE, DataError, VoluteError
-from volutectl.names import NameError_, check_mind, check_session
+from volutectl.fields import QUEUE_LIMIT as QUEUE_LIMIT
+from volutectl.fields import QUEUE_LIMIT_MAX as QUEUE_LIMIT_MAX
+from volutectl.fields import REQUEST_ID_LENGTH as REQUEST_ID_LENGTH
+from volutectl.fields import delivery_ids, flag, mind_names, queue_states, request_id, text
 from volutectl.records import Record, WireError, kind_of, register_enum
 from volutectl.states import HoldReason, Outcome, QueueState
 
@@ -33,9 +38,6 @@ if TYPE_CHECKING:
     R = TypeVar("R", bound="Reply")
 
 
-REQUEST_ID_LENGTH = 32  # 128 random bits, lowercase hex
-
-
 class Op(StrEnum):
     DELIVER = "deliver"
     STATUS = "status"
@@ -44,72 +46,13 @@ class Op(StrEnum):
     DROP = "drop"
     REGISTER_REPO = "register_repo"
     PING = "ping"
+    PAUSE = "pause"
+    RESUME = "resume"
+    WAIT = "wait"
 
 
 for _enum in (QueueState, HoldReason, Outcome, Op):
     register_enum(_enum)
-
-
-# -- request fields: each refusal names its field ----------------------------------------
-
-
-def text(obj: dict[str, Any], field: str, default: str | None = None) -> str:
-    value = obj.get(field, default)
-    if value is None:
-        raise DataError(f"{field}: missing")
-    if not isinstance(value, str):
-        raise DataError(f"{field}: must be a string, not {kind_of(value)}")
-    return value
-
-
-def flag(obj: dict[str, Any], field: str) -> bool:
-    """An optional true/false field. Nothing else is coerced: 1, "yes" and null are refused."""
-    value = obj.get(field, False)
-    if type(value) is not bool:
-        raise DataError(f"{field}: must be true or false, not {kind_of(value)}")
-    return value is True
-
-
-def delivery_ids(obj: dict[str, Any]) -> tuple[int, ...]:
-    raw = obj.get("ids")
-    if not isinstance(raw, list):
-        raise DataError(f"ids: must be an array of delivery ids, not {kind_of(raw)}")
-    for index, value in enumerate(raw):
-        if type(value) is not int:
-            raise DataError(f"ids[{index}]: a delivery id is an integer, not {kind_of(value)}")
-        if value < 1:
-            raise DataError(f"ids[{index}]: delivery ids start at 1, not {value}")
-    return tuple(raw)
-
-
-def queue_states(obj: dict[str, Any]) -> tuple[QueueState, ...]:
-    """The states to list; absent, null or [] mean the default (states.DEFAULT_LISTED)."""
-    states = obj.get("states")
-    if states is None or states == []:
-        return ()
-    if not isinstance(states, list):
-        raise DataError(f"states: must be an array of state names, not {kind_of(states)}")
-    known = [state.value for state in QueueState]
-    for index, state in enumerate(states):
-        if not isinstance(state, str) or state not in known:
-            shown = repr(state[:40]) if isinstance(state, str) else kind_of(state)
-            raise DataError(f"states[{index}]: {shown} is not one of {', '.join(known)}")
-    return tuple(QueueState(state) for state in states)
-
-
-def request_id(obj: dict[str, Any]) -> str | None:
-    """A deliver request's client-made id (128 random bits, hex), or None if it has none.
-    Clients older than request ids send none; their requests are never merged."""
-    value = obj.get("request_id")
-    if value is None:
-        return None
-    if (
-        not isinstance(value, str)
-        or len(value) != REQUEST_ID_LENGTH
-        or any(ch not in "0123456789abcdef" for ch in value)
-    ):
-        raise DataError(f"request_id: must be {REQUEST_ID_LENGTH} lowercase hex digits (128 bits)")
-    return value
 
 
 def op_of(obj: dict[str, Any]) -> Op:
@@ -126,16 +69,6 @@ def op_of(obj: dict[str, Any]) -> Op:
             hint=f"this gate knows: {', '.join(op.value for op in Op)}",
             exit_code=EX_USAGE,
         ) from None
-
-
-def _names(mind: str, session: str) -> None:
-    try:
-        check_mind(mind)
-        check_session(session)
-    except NameError_ as error:
-        # It quotes the name: keep a hostile one from making the reply as long as itself.
-        shown = str(error) if len(str(error)) <= 300 else f"{str(error)[:300]}..."
-        raise DataError(shown) from None
 
 
 # -- requests -----------------------------------------------------------------------------
@@ -170,7 +103,7 @@ class DeliverRequest(Request):
         request = cls(
             mind, message, session, flag(obj, "interrupt"), flag(obj, "wait"), request_id(obj)
         )
-        _names(mind, session)
+        fields.names(mind, session)
         return request
 
 
@@ -185,15 +118,17 @@ class PingRequest(Request):
 
 
 class QueueRequest(Request):
-    """List deliveries in `states` (none given: pending, running and dead)."""
+    """List the newest `limit` deliveries in `states` (none given: pending, running and
+    dead), newest first."""
 
     OP = Op.QUEUE
     WIRE = {"op": Op.QUEUE.value}
     states: tuple[QueueState, ...] = ()
+    limit: int = QUEUE_LIMIT
 
     @classmethod
     def decode(cls, obj: dict[str, Any]) -> Self:
-        return cls(queue_states(obj))
+        return cls(queue_states(obj), fields.queue_limit(obj))
 
 
 class RetryRequest(Request):
@@ -239,11 +174,55 @@ class RegisterRepoRequest(Request):
         return cls(path)
 
 
+class PauseRequest(Request):
+    """Hold new turns of `minds` (null: every mind, minds configured later included) until
+    they are resumed; their running turns go on, and deliveries are still queued."""
+
+    OP = Op.PAUSE
+    WIRE = {"op": Op.PAUSE.value}
+    minds: tuple[str, ...] | None = None
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls(mind_names(obj))
+
+
+class ResumeRequest(Request):
+    """Lift the pauses of `minds` (null: every pause); their held deliveries go through."""
+
+    OP = Op.RESUME
+    WIRE = {"op": Op.RESUME.value}
+    minds: tuple[str, ...] | None = None
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls(mind_names(obj))
+
+
+# At most this many deliveries in one wait: each is a waiter the gate keeps in memory.
+MAX_WAIT_IDS = 1000
+
+
+class WaitRequest(Request):
+    """Stay until deliveries `ids` settle: WaitReply, then one Event for each."""
+
+    OP = Op.WAIT
+    WIRE = {"op": Op.WAIT.value}
+    ids: tuple[int, ...]
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        ids = delivery_ids(obj)
+        if len(ids) > MAX_WAIT_IDS:
+            raise DataError(f"ids: at most {MAX_WAIT_IDS} deliveries in one wait, not {len(ids)}")
+        return cls(ids)
+
+
 REQUESTS: dict[Op, type[Request]] = {
     cls.OP: cls
     for cls in (
         DeliverRequest, StatusRequest, PingRequest, QueueRequest, RetryRequest, DropRequest,
-        RegisterRepoRequest,
+        RegisterRepoRequest, PauseRequest, ResumeRequest, WaitRequest,
     )
 }  # fmt: skip
 
@@ -319,6 +298,27 @@ class QueueRow(Record):
 
 class QueueReply(Reply):
     rows: tuple[QueueRow, ...]
+    not_shown: int = 0  # rows in those states beyond the limit (0 from a gate before it)
+
+
+class PausedMind(Record):
+    mind: str  # "*": every mind, minds configured later included
+    since: float  # seconds since the epoch
+
+
+class PauseReply(Reply):
+    """After a pause or resume: the minds it paused or resumed ("*": every mind), and
+    every pause now."""
+
+    changed: tuple[str, ...]
+    paused: tuple[PausedMind, ...]
+
+
+class WaitReply(Reply):
+    """The deliveries a wait stays for, each once. One Event for each follows, at once
+    for one that has already settled."""
+
+    ids: tuple[int, ...]
 
 
 class TurnStatus(Record):
@@ -332,6 +332,13 @@ class TurnStatus(Record):
 class MindStatus(Record):
     running_sessions: tuple[str, ...]
     pending: int
+    paused_since: float | None = None  # seconds since the epoch: its pause, or every mind's
+    attempts: int = 0  # the most failed attempts of one of its pending deliveries
+    next_retry_s: float | None = None  # until the earliest backoff of its deliveries ends
+    last_turn_id: int | None = None  # its latest turn that ended
+    last_turn_s: float | None = None  # since that turn ended
+    last_outcome: Outcome | None = None
+    dead: int = 0
 
 
 class TestRunStatus(Record):
@@ -370,6 +377,9 @@ class Status(Record):
     test_runs: tuple[RepositoryStatus, ...]
     io_pressure: PressureStatus
     test_runs_count_as_turns: bool
+    # Minds whose turns cannot start (volutectl/preflight.py): mind -> what is wrong.
+    preflight: dict[str, tuple[str, ...]] = {}
+    paused: tuple[PausedMind, ...] = ()
 
 
 class StatusReply(Reply):

@@ -1,6 +1,6 @@
 """What this host's kernel offers volutectl, asked of its files: the cgroup v2 hierarchy,
-the cgroup directory of a slice, and pressure stall information (PSI): readable, and
-whether a trigger can be registered on it.
+the cgroup directory of a slice, the disk behind a path, and pressure stall information
+(PSI): readable, and whether a trigger can be registered on it.
 
 The gate uses these to place its pressure watch, and `volutectl doctor` to report what
 works here. Each takes its root as a parameter, so tests point it at a fake tree.
@@ -53,6 +53,26 @@ def slice_cgroup(slice_name: str, cgroup_root: Path = CGROUP_ROOT) -> Path | Non
     for end in range(1, len(parts) + 1):
         path = path / ("-".join(parts[:end]) + ".slice")
     return path
+
+
+# -- block devices -----------------------------------------------------------------------
+
+
+def existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def block_device_dir(major: int, minor: int, sys_root: Path = Path("/sys")) -> Path | None:
+    """The sysfs directory of the whole disk behind a device number (a partition's parent)."""
+    link = sys_root / "dev" / "block" / f"{major}:{minor}"
+    if not link.exists():
+        return None
+    device = link.resolve()
+    if (device / "partition").exists():
+        device = device.parent
+    return device
 
 
 # -- PSI triggers ------------------------------------------------------------------------

@@ -9,11 +9,15 @@ a new database and an upgraded one cannot drift apart.
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from volutectl.errors import UnavailableError
+from volutectl.faults import crash_point
 
 # Schema 1: volutectl 0.1.0, written before the database carried a version. Every
 # database, new or old, is built by running this and then each migration in turn, so a
@@ -79,6 +83,27 @@ ALTER TABLE turns ADD COLUMN timed_out_at REAL;
     # minds added to the config later included.
     2: """
 CREATE TABLE paused (mind TEXT PRIMARY KEY, since REAL NOT NULL);
+""",
+    # 3 -> 4 (retention): done and dropped rows and ended turns are deleted
+    # gate.retention_days after they finished (volutectl/retention.py). Partial indexes
+    # hold only those rows: finding the oldest reads nothing else, and a row pays one
+    # index entry when it finishes, not one per change of state on the handoff path.
+    # A finished row without its time (none is known) is dated by its creation.
+    # The free pages that deletion leaves are given back by incremental vacuum, which
+    # an existing file takes up only through a VACUUM, outside any transaction: that is
+    # enable_incremental_vacuum, not a step here.
+    3: """
+CREATE INDEX deliveries_finished ON deliveries(finished_at) WHERE state IN ('done', 'dropped');
+CREATE INDEX turns_ended ON turns(ended_at) WHERE state = 'ended';
+UPDATE deliveries SET finished_at = created_at
+    WHERE state IN ('done', 'dropped') AND finished_at IS NULL;
+UPDATE turns SET ended_at = started_at WHERE state = 'ended' AND ended_at IS NULL;
+""",
+    # 4 -> 5 (status): each mind's latest ended turn, which `volutectl status` shows, by
+    # one index lookup per mind rather than a scan of every turn ever run (60 ms on x86
+    # at 100,000 turns, in the gate's loop).
+    4: """
+CREATE INDEX turns_mind_ended ON turns(mind, ended_at);
 """,
 }
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
@@ -173,3 +198,141 @@ class Transaction:
         # second ROLLBACK would fail, and its error would hide the one that matters.
         if self.db.in_transaction:
             self.db.execute("ROLLBACK")
+
+
+# -- incremental vacuum (schema 4) -------------------------------------------------------
+#
+# Retention deletes rows; `PRAGMA incremental_vacuum` then gives their pages back to the
+# file system. A new database is incremental from its first table (Store's open sets
+# it first); an existing one takes it up only through a VACUUM, which rewrites the file
+# and cannot run inside a transaction. What one VACUUM needs, measured on 100,000
+# deliveries (docs/benchmarks.md, "Retention"): a copy of the live pages in SQLite's
+# temporary directory and as much again in the WAL beside the database, at once. So:
+# - it runs at the gate's start, after the expired rows are deleted, so that it copies
+#   only what is kept; and only if both directories have that space free;
+# - it is atomic: a gate killed during it leaves the database as it was, and the next
+#   start tries again. Each try is counted first; after VACUUM_ATTEMPTS that never
+#   finished (a start timeout, the OOM killer), the gate stops trying and says how to
+#   do it by hand. Meanwhile the gate works the same; only the file does not shrink.
+
+INCREMENTAL = 2  # PRAGMA auto_vacuum's value for it
+VACUUM_ATTEMPTS = 3
+VACUUM_SLACK_BYTES = 16 << 20  # free space kept beyond the measured need
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Vacuum:
+    """What enable_incremental_vacuum did, as a line for the journal."""
+
+    done: bool
+    level: str
+    message: str
+
+
+def is_incremental(db: sqlite3.Connection) -> bool:
+    return int(db.execute("PRAGMA auto_vacuum").fetchone()[0]) == INCREMENTAL
+
+
+def vacuum_attempts(db: sqlite3.Connection) -> int:
+    found = db.execute("SELECT value FROM meta WHERE key = 'vacuum_attempts'").fetchone()
+    return int(found[0]) if found else 0
+
+
+def live_bytes(db: sqlite3.Connection) -> int:
+    """The pages in use: what a VACUUM copies."""
+    pages = db.execute("PRAGMA page_count").fetchone()[0]
+    free = db.execute("PRAGMA freelist_count").fetchone()[0]
+    return int(pages - free) * int(db.execute("PRAGMA page_size").fetchone()[0])
+
+
+def sqlite_temp_dir() -> Path:
+    """Where SQLite's unix VFS puts temporary files: the first directory we may write."""
+    for candidate in (os.environ.get("SQLITE_TMPDIR"), os.environ.get("TMPDIR"),
+                      "/var/tmp", "/usr/tmp", "/tmp", "."):  # fmt: skip
+        if candidate and os.path.isdir(candidate) and os.access(candidate, os.W_OK | os.X_OK):
+            return Path(candidate)
+    return Path(".")
+
+
+def vacuum_space_missing(db: sqlite3.Connection, path: Path) -> str | None:
+    """Why a VACUUM of `db` would not fit now (which directory, how much), or None."""
+    need = live_bytes(db) + VACUUM_SLACK_BYTES
+    temp, home = sqlite_temp_dir(), path.parent
+    if os.stat(temp).st_dev == os.stat(home).st_dev:
+        checks = [(home, 2 * need, f"{home} (and {temp}, on the same file system)")]
+    else:
+        checks = [(temp, need, f"{temp} (SQLite's temporary files)"), (home, need, str(home))]
+    for place, needed, where in checks:
+        stat = os.statvfs(place)
+        free = stat.f_bavail * stat.f_frsize
+        if free < needed:
+            return f"it needs {needed / MiB:.0f} MiB free in {where}, which has {free / MiB:.0f}"
+    return None
+
+
+def enable_incremental_vacuum(
+    db: sqlite3.Connection, path: Path, progress: Callable[[], None] = lambda: None
+) -> Vacuum:
+    """VACUUM the database into auto_vacuum=INCREMENTAL, if that is safe to try now.
+
+    `progress` is called about once a second during the VACUUM."""
+    if is_incremental(db):
+        return Vacuum(True, "debug", f"{path}: gives back free pages already")
+    manual = (
+        f"stop volute-gate.service, run sqlite3 {path} 'PRAGMA auto_vacuum = INCREMENTAL; "
+        "VACUUM', start it again"
+    )
+    attempts = vacuum_attempts(db)
+    if attempts >= VACUUM_ATTEMPTS:
+        return Vacuum(False, "warning", f"{path} does not shrink: converting it was "
+                      f"tried {attempts} times, never to the end; by hand: {manual}")  # fmt: skip
+    missing = vacuum_space_missing(db, path)
+    if missing is not None:
+        return Vacuum(False, "warning", f"{path} does not shrink yet: converting it to "
+                      f"incremental vacuum is left for a later start, as {missing}")  # fmt: skip
+    with Transaction(db):
+        db.execute(
+            "INSERT INTO meta (key, value) VALUES ('vacuum_attempts', 1) "
+            "ON CONFLICT(key) DO UPDATE SET value = value + 1"
+        )
+    before, started = _file_bytes(path), time.monotonic()
+    try:
+        _vacuum(db, progress)
+    except sqlite3.Error as error:
+        return Vacuum(False, "error", f"{path}: converting it to incremental vacuum "
+                      f"failed (tried again at the next start): {error}")  # fmt: skip
+    with Transaction(db):
+        db.execute("DELETE FROM meta WHERE key = 'vacuum_attempts'")
+    # The VACUUM went through the WAL, which keeps its size until truncated.
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return Vacuum(True, "info", f"{path} now gives back free pages: converted from "
+                  f"{before / MiB:.1f} MiB to {_file_bytes(path) / MiB:.1f} MiB in "
+                  f"{time.monotonic() - started:.1f} s")  # fmt: skip
+
+
+def _vacuum(db: sqlite3.Connection, progress: Callable[[], None]) -> None:
+    last = time.monotonic()
+
+    def on_progress() -> int:
+        nonlocal last
+        crash_point("vacuuming")
+        if time.monotonic() - last >= 1.0:
+            progress()
+            last = time.monotonic()
+        return 0
+
+    db.execute(f"PRAGMA auto_vacuum = {INCREMENTAL}")
+    db.set_progress_handler(on_progress, 10_000)
+    try:
+        db.execute("VACUUM")
+    finally:
+        db.set_progress_handler(None, 0)
+
+
+def _file_bytes(path: Path) -> int:
+    total = 0
+    for suffix in ("", "-wal"):
+        with contextlib.suppress(OSError):
+            total += os.stat(f"{path}{suffix}").st_size
+    return total

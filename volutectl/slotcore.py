@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from volutectl.durations import format_duration
 from volutectl.errors import ConfigError
 from volutectl.names import UNIT_NAME_MAX, escape_unit_part
 
@@ -119,18 +120,6 @@ def _quote(arg: str) -> str:
     return "'" + arg.replace("'", "'\"'\"'") + "'"
 
 
-def format_seconds(seconds: float) -> str:
-    """45s, 3m05s, 1h02m: short enough for one line."""
-    whole = max(0, int(round(seconds)))
-    if whole < 60:
-        return f"{whole}s"
-    minutes, secs = divmod(whole, 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
-
-
 def short_command(command: str, limit: int = 40) -> str:
     return command if len(command) <= limit else command[: limit - 1] + "…"
 
@@ -149,11 +138,11 @@ def wait_line(
         for run in in_flight:
             age = ""
             if run.running_seconds is not None:
-                age = f" for {format_seconds(run.running_seconds)}"
+                age = f" for {format_duration(run.running_seconds)}"
             described.append(f"{run.worktree} `{short_command(run.command)}`{age}")
         parts.append("in flight: " + ", ".join(described))
     if typical_ms is not None:
-        parts.append(f"a run typically takes {format_seconds(typical_ms / 1000)}")
+        parts.append(f"a run typically takes {format_duration(typical_ms / 1000)}")
     return "; ".join(parts)
 
 

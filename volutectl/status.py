@@ -1,4 +1,5 @@
-"""`volutectl status`'s answer, built by the gate: what runs, what waits and why.
+"""`volutectl status`'s answer, built by the gate: what runs, what waits and why; and
+the one line the gate gives systemd (sd_notify STATUS=, `systemctl status`).
 
 Live turns are counted as admission counts them (scopes that hold a process); if
 systemd does not answer, the status says what the gate last knew rather than failing.
@@ -7,17 +8,23 @@ systemd does not answer, the status says what the gate last knew rather than fai
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from volutectl import core, preflight
 from volutectl.errors import VoluteError
+from volutectl.journal import sd_notify
 from volutectl.messages import (
     MindStatus,
+    PausedMind,
     PressureStatus,
     RepositoryStatus,
     Status,
     TestRunStatus,
     TurnStatus,
 )
+from volutectl.mindstore import EVERY_MIND
+from volutectl.rows import Row
 from volutectl.states import QueueState
 from volutectl.testscopes import list_in_flight
 
@@ -38,19 +45,11 @@ def build(state: GateState) -> Status:
         if turn.id in live_ids
     )
     pending = state.store.pending()
-    running: dict[str, list[str]] = {name: [] for name in state.settings.minds}
-    waiting: dict[str, int] = dict.fromkeys(state.settings.minds, 0)
-    for turn in turns:
-        running.setdefault(turn.mind, []).append(turn.session)
     holds: dict[str, int] = {}
     for row in pending:
-        waiting[row.mind] = waiting.get(row.mind, 0) + 1
         if row.hold_reason:
             holds[row.hold_reason] = holds.get(row.hold_reason, 0) + 1
-    minds = {
-        name: MindStatus(tuple(running.get(name, [])), waiting.get(name, 0))
-        for name in sorted(set(running) | set(waiting))
-    }
+    pauses = state.store.minds.pauses()
     oldest = state.store.oldest_hold()
     return Status(
         active_turns=len(turns) + foreign,
@@ -58,7 +57,7 @@ def build(state: GateState) -> Status:
         turns_per_mind=state.limits.turns_per_mind,
         turns=turns,
         foreign_scopes=foreign,
-        minds=minds,
+        minds=_minds(state, turns, pending, pauses, now),
         queue_depth=len(pending),
         holds=holds,
         oldest_held_s=round(now - oldest, 3) if oldest is not None else None,
@@ -67,7 +66,51 @@ def build(state: GateState) -> Status:
         test_runs=_test_runs(state),
         io_pressure=_pressure(state),
         test_runs_count_as_turns=state.settings.limits.test_runs_count_as_turns,
+        preflight=preflight.failing_recently(state.settings),  # a fix shows within 2 s
+        paused=tuple(PausedMind(mind, since) for mind, since in pauses.items()),
     )
+
+
+def _minds(
+    state: GateState,
+    turns: Iterable[TurnStatus],
+    pending: Iterable[Row],
+    pauses: Mapping[str, float],
+    now: float,
+) -> dict[str, MindStatus]:
+    """Every configured mind, and any other that runs, waits, is paused or has dead
+    deliveries (one removed from the config since)."""
+    running: dict[str, list[str]] = {}
+    for turn in turns:
+        running.setdefault(turn.mind, []).append(turn.session)
+    waiting: dict[str, int] = {}
+    attempts: dict[str, int] = {}
+    retry_at: dict[str, float] = {}
+    for row in pending:
+        waiting[row.mind] = waiting.get(row.mind, 0) + 1
+        attempts[row.mind] = max(attempts.get(row.mind, 0), row.attempts)
+        if row.not_before is not None and row.not_before > now:
+            retry_at[row.mind] = min(retry_at.get(row.mind, row.not_before), row.not_before)
+    dead = state.store.minds.dead_counts()
+    every = pauses.get(EVERY_MIND)
+    named = set(state.settings.minds) | set(running) | set(waiting) | set(dead)
+    last = state.store.minds.last_turns(named | set(pauses) - {EVERY_MIND})
+    minds = {}
+    for name in sorted(named | set(pauses) - {EVERY_MIND}):
+        since = [t for t in (pauses.get(name), every) if t is not None]
+        ended = last.get(name)
+        minds[name] = MindStatus(
+            running_sessions=tuple(running.get(name, [])),
+            pending=waiting.get(name, 0),
+            paused_since=min(since) if since else None,
+            attempts=attempts.get(name, 0),
+            next_retry_s=round(retry_at[name] - now, 3) if name in retry_at else None,
+            last_turn_id=ended.turn_id if ended else None,
+            last_turn_s=round(now - ended.ended_at, 3) if ended else None,
+            last_outcome=ended.outcome if ended else None,
+            dead=dead.get(name, 0),
+        )
+    return minds
 
 
 def _test_runs(state: GateState) -> tuple[RepositoryStatus, ...]:
@@ -97,3 +140,69 @@ def _pressure(state: GateState) -> PressureStatus:
     return PressureStatus(
         enabled=True, high=watch.high, reason=watch.reason, trigger=watch.describe()
     )
+
+
+def gate_line(
+    state: GateState, holds: Iterable[core.Hold], pending: Iterable[Row], now: float, tests: int
+) -> str:
+    """The status line after an admission pass over `pending`, which held `holds`."""
+    return status_line(
+        turns=len(state.turns.all()) + state.foreign_live,
+        cap=state.limits.global_cap,
+        test_runs=tests,
+        holds=holds,
+        backing_off=sum(
+            1 for row in pending if row.not_before is not None and row.not_before > now
+        ),
+        dead=sum(state.store.minds.dead_counts().values()),
+        paused=state.paused,
+    )
+
+
+def status_line(
+    *,
+    turns: int,
+    cap: int | None,
+    test_runs: int,
+    holds: Iterable[core.Hold],
+    backing_off: int,
+    dead: int,
+    paused: frozenset[str] | core.EveryMind,
+) -> str:
+    """The gate's state in one line for systemd's STATUS=, e.g.
+    `2/2 turns, 5 held (global_cap), 0 backing off, 0 dead, 1 paused`."""
+    line = f"{turns}/{cap} turns" if cap is not None else f"{turns} turn{_s(turns)} (no cap)"
+    if test_runs:
+        line += f" + {test_runs} test run{_s(test_runs)}"
+    reasons: dict[str, int] = {}
+    for hold in holds:
+        reasons[hold.reason] = reasons.get(hold.reason, 0) + 1
+    held = sum(reasons.values())
+    if len(reasons) == 1:  # 5 held (global_cap)
+        line += f", {held} held ({next(iter(reasons))})"
+    elif reasons:  # 5 held (3 global_cap, 2 paused)
+        shown = ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items()))
+        line += f", {held} held ({shown})"
+    else:
+        line += ", 0 held"
+    line += f", {backing_off} backing off, {dead} dead"
+    if isinstance(paused, core.EveryMind):
+        return f"{line}, all paused"
+    return f"{line}, {len(paused)} paused"
+
+
+def _s(count: int) -> str:
+    return "" if count == 1 else "s"
+
+
+class StatusNotifier:
+    """Sends the gate's status line to systemd when it changes, not on every pass."""
+
+    def __init__(self, send: Callable[[str], object] = sd_notify) -> None:
+        self.send = send
+        self.last: str | None = None
+
+    def update(self, line: str) -> None:
+        if line != self.last:
+            self.last = line
+            self.send(f"STATUS={line}")

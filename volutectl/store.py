@@ -11,6 +11,8 @@ shape (schema, migrations, the transaction helper) is in volutectl/schema.py.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from volutectl.core import AfterFailure
 from volutectl.errors import PermissionDeniedError, UnavailableError
+from volutectl.mindstore import MindStore
 from volutectl.rows import (
     ROW_COLUMNS,
     TURN_COLUMNS,
@@ -40,6 +43,9 @@ PENDING, RUNNING, DONE, DEAD, DROPPED = (
 )  # fmt: skip
 
 
+_CHUNK = 500  # ids per statement
+
+
 def _marks(values: Sequence[object]) -> str:
     return ",".join("?" * len(values))
 
@@ -51,18 +57,28 @@ class Store:
         self.path = path
         self._unsynced = False
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            # The messages are private. Under systemd the unit's StateDirectory= (and the
+            # package's tmpfiles) make the directory 0700; a gate run by hand makes its
+            # own directory 0700 and the database 0600 (SQLite gives -wal and -shm the
+            # database's mode). What exists already is left as it is.
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
             self.db = sqlite3.connect(str(path), isolation_level=None, timeout=10)
         except PermissionError:
             raise PermissionDeniedError(f"{path}: cannot create the queue database") from None
         except (sqlite3.Error, OSError) as error:
             raise UnavailableError(f"{path}: cannot open the queue database: {error}") from None
         try:
+            # Before anything else: a new database takes this at its first table (an
+            # existing one only through a VACUUM: schema.enable_incremental_vacuum).
+            self.db.execute("PRAGMA auto_vacuum=INCREMENTAL")
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
             self.migrate()
         except sqlite3.OperationalError as error:
             raise UnavailableError(f"{path}: cannot use the queue database: {error}") from None
+        self.minds = MindStore(self.db, self._tx)  # pauses, and each mind's last turn
 
     def schema_version(self) -> int:
         return schema_version(self.db)
@@ -143,27 +159,41 @@ class Store:
         )
         return [row_of(values) for values in cursor]
 
-    def rows(self, ids: Iterable[int]) -> list[Row]:
-        id_list = list(ids)
-        if not id_list:
-            return []
-        cursor = self.db.execute(
-            f"SELECT {ROW_COLUMNS} FROM deliveries WHERE id IN ({_marks(id_list)}) ORDER BY id",
-            id_list,
-        )
-        return [row_of(values) for values in cursor]
+    def rows(self, ids: Iterable[int], *, with_message: bool = True) -> list[Row]:
+        """The rows of `ids` that exist, in id order (Row.message empty without
+        `with_message`). Asked in chunks: a batch after a long pause can hold more ids
+        than one statement may have parameters (999 before SQLite 3.32, 32766 after)."""
+        id_list = sorted(set(ids))
+        columns = ROW_COLUMNS if with_message else ROW_COLUMNS.replace("message", "x''", 1)
+        found = []
+        for start in range(0, len(id_list), _CHUNK):
+            chunk = id_list[start : start + _CHUNK]
+            cursor = self.db.execute(
+                f"SELECT {columns} FROM deliveries WHERE id IN ({_marks(chunk)}) ORDER BY id",
+                chunk,
+            )
+            found += [row_of(values) for values in cursor]
+        return found
 
     def row(self, delivery_id: int) -> Row | None:
         found = self.rows([delivery_id])
         return found[0] if found else None
 
     def list_rows(self, states: Sequence[QueueState], limit: int = 200) -> list[Row]:
+        """The newest `limit` rows in `states`, newest first."""
         cursor = self.db.execute(
             f"SELECT {ROW_COLUMNS} FROM deliveries WHERE state IN ({_marks(states)}) "
-            "ORDER BY id LIMIT ?",
+            "ORDER BY id DESC LIMIT ?",
             (*states, limit),
         )
         return [row_of(values) for values in cursor]
+
+    def count_rows(self, states: Sequence[QueueState]) -> int:
+        return int(
+            self.db.execute(
+                f"SELECT COUNT(*) FROM deliveries WHERE state IN ({_marks(states)})", states
+            ).fetchone()[0]
+        )
 
     def rows_of_turn(self, turn_id: int) -> list[Row]:
         cursor = self.db.execute(

@@ -375,15 +375,20 @@ def history_path(common_dir: Path) -> Path:
 
 
 def read_history(common_dir: Path) -> list[slotcore.RunRecord]:
+    """The runs in the last HISTORY_TAIL_BYTES of the history. A read that starts inside
+    the file reads the byte before too: unless that ends a line, its first line is cut
+    and dropped. A read from the start drops nothing."""
     try:
         with history_path(common_dir).open("rb") as handle:
             handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            handle.seek(max(0, size - HISTORY_TAIL_BYTES))
-            lines = handle.read().decode(errors="replace").splitlines()
+            start = max(0, handle.tell() - HISTORY_TAIL_BYTES - 1)
+            handle.seek(start)
+            data = handle.read()
     except OSError:
         return []
-    return slotcore.parse_history(lines[1:] if len(lines) > 1 else lines)
+    if start > 0:
+        data = data.split(b"\n", 1)[1] if b"\n" in data else b""
+    return slotcore.parse_history(data.decode(errors="replace").splitlines())
 
 
 def record_history(common_dir: Path, worktree: str, command: Sequence[str], run: Outcome) -> None:

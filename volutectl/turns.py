@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from volutectl import core, launcher, names, processes
+from volutectl import core, launcher, names, preflight, processes
 from volutectl.config import Settings, parse_bandwidth
 from volutectl.errors import DataError, VoluteError
 from volutectl.faults import crash_point
@@ -249,6 +249,7 @@ class Turns:
         mind = self.settings.minds.get(start.mind)
         if mind is None:
             raise DataError(f"mind {start.mind!r} is no longer configured")
+        cwd = preflight.turn_directory(start.mind, mind, account)  # before anything is made
         stdin = b"".join(
             launcher.delivery_record(r.id, r.session, r.message, r.interrupt) for r in taken
         )
@@ -262,7 +263,6 @@ class Turns:
             turn_dir=turn_dir,
             extra=mind.environment,
         )
-        cwd = str(mind.working_directory or account.home or "/")
         return turn_dir, launcher.command_argv(mind.command), env, cwd
 
     def _scope_props(self, start: core.Start, turn_id: int) -> ScopeProperties:

@@ -21,16 +21,21 @@ from volutectl.store import NewDelivery
 KERNEL_FILESYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))
 
 
-def delivery(settings: Settings, request: DeliverRequest) -> NewDelivery:
-    """The row to add for a deliver request: its mind is configured, its message fits."""
-    mind = request.mind
-    if mind not in settings.minds:
+def configured_mind(settings: Settings, name: str) -> str:
+    """`name`, if it is a configured mind; else the refusal (67) that lists them."""
+    if name not in settings.minds:
         known = ", ".join(sorted(settings.minds)) or "none"
         raise VoluteError(
-            f"unknown mind {mind!r}",
-            hint=f"configured minds: {known} (add a [minds.{mind}] table)",
+            f"unknown mind {name!r}",
+            hint=f"configured minds: {known} (add a [minds.{name}] table)",
             exit_code=EX_NOUSER,
         )
+    return name
+
+
+def delivery(settings: Settings, request: DeliverRequest) -> NewDelivery:
+    """The row to add for a deliver request: its mind is configured, its message fits."""
+    mind = configured_mind(settings, request.mind)
     try:
         data = request.message.encode()
     except UnicodeEncodeError:

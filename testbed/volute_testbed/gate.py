@@ -101,7 +101,7 @@ print(json.dumps(dict(db.execute("SELECT id, state FROM deliveries"))))
 
 
 def delivery_states(machine: Machine) -> dict[int, str]:
-    """Every delivery in the store and its state (`queue list` stops at 200 rows)."""
+    """Every delivery in the store and its state (`queue list` shows the newest 50 unless asked)."""
     out = machine.run([PYTHON, "-c", STATES_SQL]).stdout
     return {int(key): str(value) for key, value in json.loads(out).items()}
 
@@ -229,8 +229,10 @@ def all_settled(machine: Machine) -> bool:
 
 
 def queue_rows(machine: Machine, *states: str) -> list[dict[str, object]]:
-    args = [VOLUTECTL, "queue", "list", "--json"]
+    """The rows in `states` (default: pending, running, dead) in id order: all of them,
+    up to the gate's most (10,000), not the newest 50 that `queue list` shows by default."""
+    args = [VOLUTECTL, "queue", "list", "--json", "--limit", "10000"]
     for state in states:
         args += ["--state", state]
     rows: list[dict[str, object]] = json.loads(machine.run(args).stdout)
-    return rows
+    return sorted(rows, key=lambda row: int(row["id"]))  # type: ignore[call-overload]

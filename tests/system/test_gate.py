@@ -150,7 +150,12 @@ def test_held_delivery_keeps_attempts_at_zero_and_reports_hold(machine: Machine)
     assert now["oldest_held_s"] is not None
     assert now["minds"]["busy"]["running_sessions"] == ["a"]  # type: ignore[index]
     text = machine.run([VOLUTECTL, "status"]).stdout
-    assert "active turns: 1 of unlimited" in text
+    assert "turns: 1 running of no cap (1 per mind, in volute-turns.slice)" in text
+    assert "queue: 1 pending (held: 1 mind_busy)" in text
+    assert [line.split()[:2] for line in text.splitlines()[:2]] == [
+        ["MIND", "RUNNING"],
+        ["busy", "a"],
+    ]
     wait_for(lambda: all_settled(machine), timeout=30)
     row = next(r for r in queue_rows(machine, "done") if r["id"] == held)
     assert row["attempts"] == 0 and int(row["held_ms"]) > 500  # type: ignore[call-overload]

@@ -118,8 +118,9 @@ def test_a_raw_socket_client_in_the_volute_group_speaks_the_documented_protocol(
         "turn_id": dead["turn_id"], "outcome": "failed",
     }  # fmt: skip
     assert valid("StatusReply", status[0])["status"]["dead"] == 1
-    rows = valid("QueueReply", queue[0])["rows"]
-    assert [(row["id"], row["state"]) for row in rows] == [(delivery, "done"), (dead["id"], "dead")]
+    rows = valid("QueueReply", queue[0])["rows"]  # newest first
+    assert [(row["id"], row["state"]) for row in rows] == [(dead["id"], "dead"), (delivery, "done")]
+    assert queue[0]["not_shown"] == 0
     assert valid("Pong", pong_again[0]) == pong[0]
 
     # Sent again on a new connection with the same request id (what a client does when it

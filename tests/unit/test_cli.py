@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 import pytest
 
-from volutectl import options
+from volutectl import cli, options
 from volutectl.cli import COMMANDS
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"
@@ -67,14 +67,49 @@ def test_unknown_option_exits_64() -> None:
     [
         ("--debug", "--help"),
         ("--help", "--debug"),
-        ("config", "--debug", "--help"),
         ("--debug", "config", "show"),
+        ("--debug", "--debug", "config", "show"),
     ],
 )
-def test_debug_is_accepted_anywhere(args: tuple[str, ...]) -> None:
+def test_debug_is_accepted_before_the_command(args: tuple[str, ...]) -> None:
     result = volutectl(*args, VOLUTE_CONFIG="")
     assert result.returncode == 0, result.stderr
     assert "no such option" not in result.stderr.lower()
+
+
+@pytest.mark.parametrize(
+    ("argv", "debug", "rest"),
+    [
+        (["--debug", "status"], True, ["status"]),
+        (["status", "--debug"], False, ["status", "--debug"]),
+        (["-h", "--debug"], True, ["-h"]),
+        (["test", "--", "pytest", "--debug"], False, ["test", "--", "pytest", "--debug"]),
+        (["--debug", "test", "--", "pytest", "--debug"], True, ["test", "--", "pytest", "--debug"]),
+        (["deliver", "m", "-m", "--debug"], False, ["deliver", "m", "-m", "--debug"]),
+        (["--", "--debug"], False, ["--", "--debug"]),
+        ([], False, []),
+    ],
+)
+def test_debug_is_taken_only_before_the_command_name(
+    argv: list[str], debug: bool, rest: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VOLUTE_DEBUG", raising=False)
+    assert cli.split_debug(argv) == (debug, rest)
+    monkeypatch.setenv("VOLUTE_DEBUG", "1")
+    assert cli.split_debug(argv) == (True, rest)
+
+
+def test_a_debug_after_the_command_is_the_commands(tmp_path: Path) -> None:
+    """`volutectl test -- CMD --debug` hands --debug to CMD; after a click command it is
+    that command's option, which it does not have (64)."""
+    seen = tmp_path / "argv"
+    script = f"import sys; open({str(seen)!r}, 'w').write(repr(sys.argv[1:]))"
+    result = volutectl("test", "--slots", "0", "--", sys.executable, "-c", script, "--debug")
+    assert result.returncode == 0, result.stderr
+    assert seen.read_text() == "['--debug']"
+    refused = volutectl("status", "--debug")
+    assert refused.returncode == 64
+    assert "No such option" in refused.stderr and "--debug" in refused.stderr
 
 
 def test_debug_still_exits_64_for_unknown_command() -> None:
@@ -118,7 +153,8 @@ def test_one_config_option_everywhere() -> None:
     """--config is defined once (volutectl.options) and means the same in every command."""
     found = _commands_with_config()
     assert sorted(found) == [
-        "config check", "config show", "doctor", "gate", "logs", "queue", "status", "test",
+        "config check", "config show", "doctor", "gate", "logs", "pause", "queue", "resume",
+        "status", "test", "wait",
     ]  # fmt: skip
 
     @click.command()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import subprocess
 import sys
 import threading
@@ -179,6 +180,8 @@ BAD_FILES = {
         "",
     ),
     "weight out of range": ("[turns]\ncpu_weight = 0\n", "turns.cpu_weight", ""),
+    "zero retention": ("[gate]\nretention_days = 0\n", "gate.retention_days", "greater than 0"),
+    "retention as text": ('[gate]\nretention_days = "7d"\n', "gate.retention_days", "number"),
     "bad mind name": (
         '[minds."bad name"]\ncommand = "x"\n',
         "minds",
@@ -408,21 +411,33 @@ def test_show_json(
 # --- volutectl config check ---------------------------------------------------------
 
 
+def runnable(tmp_path: Path) -> str:
+    """GOOD, but with minds that pass preflight here: this user, a directory it owns."""
+    me = pwd.getpwuid(os.getuid()).pw_name
+    return (
+        GOOD.replace('["claude", "-p"]', '["sleep", "1"]')
+        .replace('user = "alice"', f'user = "{me}"\nworking_directory = "{tmp_path}"')
+        .replace('command = "echo hi"', f'command = "echo hi"\nuser = "{me}"')
+    )
+
+
 def test_check_ok_names_file_and_minds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write(tmp_path, GOOD)
+    path = write(tmp_path, runnable(tmp_path))
     code, out, err = run_cli(["config", "check", "--config", str(path)], capsys)
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0] == f"ok: {path}"
     assert f"  mind alice: from file {path} (at most 2 turn(s) at once)" in lines
     assert f"  mind bob.v2: from file {path} (at most 1 turn(s) at once)" in lines
+    assert not [line for line in lines if "fail:" in line], out
 
 
 def test_check_warns_about_variables_naming_no_section(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("VOLUTE_LIMTS__TURNS_PER_MIND", "3")
-    code, _, err = run_cli(["config", "check", "--config", str(write(tmp_path, GOOD))], capsys)
+    path = write(tmp_path, runnable(tmp_path))
+    code, _, err = run_cli(["config", "check", "--config", str(path)], capsys)
     assert code == 0
     assert "VOLUTE_LIMTS__TURNS_PER_MIND names no config section" in err
 

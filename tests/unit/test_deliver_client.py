@@ -346,14 +346,32 @@ def test_wait_on_an_unknown_event_is_a_protocol_error(socket_dir: Path) -> None:
     assert b"unexpected reply" in result.stderr
 
 
-def test_gate_going_away_during_wait_is_69_and_says_the_delivery_is_kept(
-    socket_dir: Path,
-) -> None:
-    with gate_at(socket_dir, [ACK]) as gate:  # acks, then closes the connection
+def test_a_gate_lost_during_the_wait_is_asked_again_with_wait(socket_dir: Path) -> None:
+    ended = {
+        "ok": True, "event": "turn_ended", "id": 7, "turn_id": 4, "outcome": "interrupted",
+        "exit_status": 130, "exit_code": 130,
+    }  # fmt: skip
+    # The first gate acks, then dies (EOF); the next takes `wait` and tells the outcome.
+    scripts: list[Any] = [[ACK], [{"ok": True, "ids": [7]}, ended]]
+    with FakeGate(socket_dir / "gate.sock", [], scripts=scripts) as gate:
         result = run("ada", "--message", "hi", "--wait", "--socket", str(gate.path))
-    assert result.returncode == 69
+    assert result.returncode == 130, result.stderr
     assert result.stdout == b"7\n"
-    assert b"acknowledged deliveries are kept" in result.stderr
+    assert b"turn 4 interrupted: exit status 130" in result.stderr
+    assert gate.requests[1] == {"v": 1, "op": "wait", "ids": [7]}
+
+
+def test_a_gate_that_does_not_come_back_during_the_wait_is_75(socket_dir: Path) -> None:
+    scripts: list[Any] = [[ACK], *["eof"] * 1000]
+    with FakeGate(socket_dir / "gate.sock", [], scripts=scripts) as gate:
+        result, elapsed = timed(
+            "ada", "--message", "hi", "--wait", "--socket", str(gate.path), "--timeout", "1"
+        )
+    assert result.returncode == 75, result.stderr
+    assert result.stdout == b"7\n"
+    assert b"wait again with: volutectl wait 7" in result.stderr
+    assert 1 <= elapsed < 6, elapsed
+    assert 3 <= gate.connections <= 20  # it kept trying, with a backoff
 
 
 # -- where the socket is -----------------------------------------------------------------------

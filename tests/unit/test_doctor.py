@@ -347,7 +347,9 @@ def test_invalid_config_exits_78_and_still_reports_the_host(tmp_path: Path) -> N
         "manager",
         "socket",
         "socket-unit",
-    }
+        "socket-access",
+        "turn-cap",
+    }  # and no mind: the defaults have none
     assert by_name["config"]["status"] == "fail"
     assert "gate.bogus" in by_name["config"]["found"]
     assert all(check["status"] in ("ok", "warn", "fail") for check in report["checks"])
@@ -378,6 +380,8 @@ def test_text_report_is_one_line_per_check(tmp_path: Path) -> None:
         "manager",
         "socket",
         "socket-unit",
+        "socket-access",
+        "turn-cap",
     ]
     assert lines[0].startswith("ok   config")
     assert f"{tmp_path}/gate.sock does not exist" in lines[7]

@@ -56,6 +56,9 @@ REPLY_OF = {
     Op.DROP: messages.ChangedReply,
     Op.REGISTER_REPO: messages.RegisterReply,
     Op.PING: messages.Pong,
+    Op.PAUSE: messages.PauseReply,
+    Op.RESUME: messages.PauseReply,
+    Op.WAIT: messages.WaitReply,
 }
 
 
@@ -176,6 +179,13 @@ def test_patterns_and_bounds_are_the_decoders() -> None:
     assert properties["request_id"]["pattern"] == f"^[0-9a-f]{{{messages.REQUEST_ID_LENGTH}}}$"
     ids = schema.definitions()["DeliveryIds"]["items"]
     assert (ids["minimum"], ids["maximum"]) == (1, protocol.INT_MAX)
+    wait_ids = schema.definitions()["WaitRequest"]["properties"]["ids"]
+    assert wait_ids["maxItems"] == messages.MAX_WAIT_IDS
+    for op in ("PauseRequest", "ResumeRequest"):
+        [names_array, _] = schema.definitions()[op]["properties"]["minds"]["anyOf"]
+        assert names_array["items"]["pattern"] == f"^{names.MIND_PATTERN.pattern}$"
+    limit = schema.definitions()["QueueRequest"]["properties"]["limit"]
+    assert (limit["minimum"], limit["maximum"]) == (1, messages.QUEUE_LIMIT_MAX)
 
 
 # -- real messages validate --------------------------------------------------------------
@@ -186,7 +196,12 @@ REQUEST_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "session": st.from_regex(names.SESSION_PATTERN, fullmatch=True),
     "request_id": st.none() | st.binary(min_size=16, max_size=16).map(bytes.hex),
     "ids": st.lists(st.integers(1, protocol.INT_MAX), max_size=4).map(tuple),
+    "minds": st.none()
+    | st.lists(st.from_regex(names.MIND_PATTERN, fullmatch=True), min_size=1, max_size=3).map(
+        tuple
+    ),
     "path": TEXT.filter(lambda text: "\0" not in text).map(lambda text: "/" + text),
+    "limit": st.integers(1, messages.QUEUE_LIMIT_MAX),
 }
 
 
@@ -252,6 +267,9 @@ VALID: dict[str, dict[str, Any]] = {
     "DropRequest": {"v": 1, "op": "drop", "ids": [3]},
     "RegisterRepoRequest": {"v": 1, "op": "register_repo", "path": "/srv/repo/.git"},
     "PingRequest": {"v": 1, "op": "ping"},
+    "PauseRequest": {"v": 1, "op": "pause", "minds": ["mimsy"]},
+    "ResumeRequest": {"v": 1, "op": "resume"},
+    "WaitRequest": {"v": 1, "op": "wait", "ids": [3, 4]},
 }
 WRONG: list[object] = [
     None, True, False, 0, 7, -1, 1.5, "", "x", "main", [], ["x"], [0], [2], [1.5], [True],
@@ -343,7 +361,8 @@ def reply_class(read: Request, reply: dict[str, Any]) -> type[Reply]:
     if reply["ok"] is False:
         return messages.ErrorReply
     if "event" in reply:
-        assert isinstance(read, messages.DeliverRequest) and read.wait, reply
+        waits = isinstance(read, messages.WaitRequest)
+        assert waits or isinstance(read, messages.DeliverRequest) and read.wait, reply
         return messages.EVENTS[reply["event"]]
     return REPLY_OF[read.OP]
 

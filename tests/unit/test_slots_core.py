@@ -110,13 +110,6 @@ def test_wait_info_carries_the_same_facts() -> None:
     }
 
 
-@pytest.mark.parametrize(
-    ("seconds", "text"), [(0.4, "0s"), (59.4, "59s"), (61, "1m01s"), (3725, "1h02m")]
-)
-def test_format_seconds(seconds: float, text: str) -> None:
-    assert slotcore.format_seconds(seconds) == text
-
-
 def test_typical_duration_prefers_same_command_and_ignores_failures() -> None:
     records = [
         RunRecord("/w", "make", 1000, 0),

@@ -545,11 +545,13 @@ def test_drop_takes_pending_and_dead_rows_never_running_ones(store: Store) -> No
     assert one(store, b).state == "running"
     assert store.oldest_hold() is None
     assert store.pending() == []
-    assert [r.id for r in store.list_rows([QueueState.DROPPED])] == [a, c]
+    # Newest first, and the limit keeps the newest.
+    assert [r.id for r in store.list_rows([QueueState.DROPPED])] == [c, a]
     assert [r.id for r in store.list_rows([QueueState.RUNNING, QueueState.DROPPED], limit=2)] == [
-        a,
+        c,
         b,
     ]
+    assert store.count_rows([QueueState.RUNNING, QueueState.DROPPED]) == 3
 
 
 # -- invariant 4, over generated histories --------------------------------------------------

@@ -1,0 +1,104 @@
+"""The real gate in-process with a mind that fails preflight: it says so when it starts,
+`status` flags the mind until it is fixed, and a turn whose working directory is missing
+fails to start with that reason (it used to run in / instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.unit.gate_harness import ME, Harness
+from volutectl import preflight
+from volutectl.config import MindSettings
+from volutectl.messages import StatusReply
+from volutectl.statusview import format_status
+from volutectl.store import Row
+
+
+@pytest.fixture
+def harness(tmp_path: Path) -> Iterator[Harness]:
+    opened = Harness(tmp_path, start=False, backoff_initial_seconds=0.05, backoff_max_seconds=0.05)
+    out = tmp_path / "pwd"
+    minds = {
+        "lost": MindSettings(command=f"pwd > {out}", user=ME, working_directory=tmp_path / "gone"),
+        "home": MindSettings(command="true", user=ME),
+    }
+    opened.settings = opened.settings.model_copy(update={"minds": minds})
+    opened.restart()
+    yield opened
+    opened.close()
+
+
+def row_of(harness: Harness, delivery_id: int) -> Row:
+    row = harness.gate.state.store.row(delivery_id)
+    assert row is not None
+    return row
+
+
+def test_the_gate_names_each_failing_mind_when_it_starts(harness: Harness, tmp_path: Path) -> None:
+    assert harness.journal.messages("warning") == [
+        f"mind lost fails preflight: working directory {tmp_path}/gone does not exist"
+    ]
+    [(_, _, fields)] = [e for e in harness.journal.entries if "preflight" in e[1]]
+    assert fields == {"mind": "lost"}
+
+
+def test_a_missing_working_directory_fails_the_start_and_never_becomes_root(
+    harness: Harness, tmp_path: Path
+) -> None:
+    delivery = harness.deliver_ok(mind="lost")
+    harness.pump(lambda: row_of(harness, delivery).attempts == 1)
+    error = f"working directory {tmp_path}/gone does not exist"
+    assert row_of(harness, delivery).last_error == error
+    assert f"turn 1 of lost/main failed to start: {error}" in harness.journal.messages("error")
+    assert harness.manager.scopes == {}  # nothing was forked, let alone put in a scope
+    assert not (tmp_path / "pwd").exists()  # the command never ran, in / or anywhere
+    # Once the directory is there, the retry runs in it.
+    (tmp_path / "gone").mkdir()
+    harness.pump(lambda: row_of(harness, delivery).state == "done")
+    assert (tmp_path / "pwd").read_text().strip() == f"{tmp_path}/gone"
+
+
+def test_status_flags_the_mind_until_it_is_fixed(
+    harness: Harness, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(preflight, "_clock", lambda: clock[0])
+    peer = harness.connect()
+    reply = peer.request({"op": "status"})
+    problem = f"working directory {tmp_path}/gone does not exist"
+    assert reply["status"]["preflight"] == {"lost": [problem]}
+    status = StatusReply.from_wire(reply).status
+    assert (
+        f"preflight: mind lost cannot start turns: {problem}" in format_status(status).splitlines()
+    )
+    (tmp_path / "gone").mkdir()
+    # Asked at most every RECHECK_SECONDS: it runs on the gate's loop.
+    clock[0] += preflight.RECHECK_SECONDS - 0.1
+    assert peer.request({"op": "status"})["status"]["preflight"] == {"lost": [problem]}
+    clock[0] += 0.1
+    assert peer.request({"op": "status"})["status"]["preflight"] == {}  # asked anew
+
+
+def test_a_gate_killed_and_started_again_names_the_mind_again(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """A crash (SIGKILL: nothing tidied) between a failed start and the fix: the new gate
+    says it at its own start, status still flags the mind, the failed attempt is still
+    counted, and the delivery runs once the directory is there."""
+    problem = f"working directory {tmp_path}/gone does not exist"
+    delivery = harness.deliver_ok(mind="lost")
+    harness.pump(lambda: row_of(harness, delivery).attempts == 1)
+    harness.crash()
+    harness.journal.entries.clear()
+    harness.restart()
+    assert harness.journal.messages("warning") == [f"mind lost fails preflight: {problem}"]
+    assert harness.connect().request({"op": "status"})["status"]["preflight"] == {"lost": [problem]}
+    assert row_of(harness, delivery).attempts == 1
+    assert row_of(harness, delivery).last_error == problem
+    (tmp_path / "gone").mkdir()
+    harness.pump(lambda: row_of(harness, delivery).state == "done")
+    assert (tmp_path / "pwd").read_text().strip() == f"{tmp_path}/gone"

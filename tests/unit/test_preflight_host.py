@@ -1,0 +1,236 @@
+"""Preflight of the host and the commands' face: a turn cap on flash storage, who may
+use the gate's socket, and the exact lines and exit codes of `volutectl config check`
+and `volutectl doctor` for minds that fail (tests/unit/test_preflight.py checks each
+mind's user, command and working directory)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_preflight import ME, MY_GROUP, OWNER, VOLUTECTL
+from volutectl import access, preflight
+from volutectl.access import Who
+from volutectl.config import Settings
+from volutectl.errors import EX_CONFIG
+from volutectl.launcher import TURN_PATH
+
+
+@pytest.fixture
+def tree() -> Iterator[Path]:
+    """A directory under /tmp that every user may search (pytest's tmp_path is 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="volute-preflight-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+# -- the turn cap on flash storage -------------------------------------------------------
+
+
+def sysfs(root: Path, disk: str, major: int, kind: str | None, partition: bool = True) -> Path:
+    disk_dir = root / "devices" / "platform" / disk
+    (disk_dir / "device").mkdir(parents=True)
+    if kind is not None:
+        (disk_dir / "device" / "type").write_text(kind + "\n")
+    (disk_dir / "dev").write_text(f"{major}:0\n")
+    target = disk_dir
+    if partition:
+        target = disk_dir / f"{disk}p2"
+        target.mkdir()
+        (target / "partition").write_text("2\n")
+    (root / "dev" / "block").mkdir(parents=True, exist_ok=True)
+    (root / "dev" / "block" / f"{major}:2").symlink_to(target)
+    return disk_dir
+
+
+@pytest.mark.parametrize(
+    ("disk", "kind", "said"),
+    [
+        ("mmcblk0", "SD", "an SD card"),
+        ("mmcblk1", "MMC", "eMMC"),
+        ("mmcblk0", None, "an SD card or eMMC"),
+    ],
+)
+def test_no_cap_on_an_sd_card_or_emmc_warns(
+    tmp_path: Path, disk: str, kind: str | None, said: str
+) -> None:
+    sysfs(tmp_path, disk, 179, kind)
+    status, found, change = preflight.check_cap(Settings(), device=(179, 2), sys_root=tmp_path)
+    assert status == "warn"
+    assert found == (
+        f"limits.global_concurrent_turns is unset, and /var/lib/volute is on {disk}, {said}: "
+        "turns that all wake at once can stall it until the host starves"
+    )
+    assert change == "set limits.global_concurrent_turns = 2 in the config (its comment says why)"
+
+
+def test_a_cap_or_another_disk_is_fine(tmp_path: Path) -> None:
+    sysfs(tmp_path, "mmcblk0", 179, "SD")
+    capped = Settings(limits={"global_concurrent_turns": 2})
+    assert preflight.check_cap(capped, device=(179, 2), sys_root=tmp_path) == (
+        "ok",
+        "limits.global_concurrent_turns = 2",
+        "",
+    )
+    sysfs(tmp_path, "sda", 8, None)
+    assert preflight.check_cap(Settings(), device=(8, 2), sys_root=tmp_path) == (
+        "ok",
+        "limits.global_concurrent_turns is unset (no cap); /var/lib/volute is on sda",
+        "",
+    )
+    assert preflight.check_cap(Settings(), device=(0, 42), sys_root=tmp_path)[0] == "ok"
+
+
+def test_a_device_mapper_disk_is_followed_to_the_card_under_it(tmp_path: Path) -> None:
+    card = sysfs(tmp_path, "mmcblk0", 179, "SD")
+    mapper = tmp_path / "devices" / "virtual" / "block" / "dm-0"
+    (mapper / "slaves").mkdir(parents=True)
+    (mapper / "slaves" / "mmcblk0p2").symlink_to(card / "mmcblk0p2")
+    assert preflight.flash_kind(mapper) == "an SD card"
+
+
+# -- who may use the socket --------------------------------------------------------------
+
+
+def socket_file(tree: Path, mode: int = 0o660) -> str:
+    path = tree / "gate.sock"
+    path.write_text("")
+    path.chmod(mode)
+    return str(path)
+
+
+def test_root_and_the_sockets_group_may_connect(tree: Path) -> None:
+    path = socket_file(tree)
+    root = Who("root", 0, 0, (0,))
+    assert access.socket_access(path, "volute", root, ()) == (
+        "ok",
+        "root is uid 0: it may connect whatever the socket's group",
+        "",
+    )
+    member = Who("alice", 64001, 64001, (64001, os.getgid()))
+    status, found, _ = access.socket_access(path, "volute", member, ())
+    assert (status, found) == ("ok", f"alice may connect to {path} (mode 0660, owner {OWNER})")
+
+
+def test_a_caller_outside_the_group_is_told_how_to_join_it(tree: Path) -> None:
+    path = socket_file(tree)
+    alice = Who("alice", 64001, 64001, (64001,))
+    assert access.socket_access(path, "volute", alice, (64001,)) == (
+        "warn",
+        f"alice may not connect to {path} (mode 0660, owner {OWNER}): it is neither root nor "
+        f"in group {MY_GROUP}, so deliver, status and queue exit 77",
+        f"usermod -aG {MY_GROUP} alice, then log in again",
+    )
+    # Added to the group, but this login is older than that:
+    assert access.socket_access(path, "volute", alice, (64001, os.getgid())) == (
+        "warn",
+        f"alice is in group {MY_GROUP} but this login is not yet, so it may not connect to "
+        f"{path} (mode 0660, owner {OWNER})",
+        f"log in again (or run: newgrp {MY_GROUP})",
+    )
+
+
+def test_before_the_socket_exists_its_group_decides(tree: Path) -> None:
+    missing = str(tree / "absent.sock")
+    member = Who("alice", 64001, 64001, (64001, os.getgid()))
+    assert access.socket_access(missing, MY_GROUP, member, ())[0] == "ok"
+    stranger = Who("bob", 64002, 64002, (64002,))
+    assert access.socket_access(missing, MY_GROUP, stranger, ())[2] == (
+        f"usermod -aG {MY_GROUP} bob, then log in again"
+    )
+    assert access.socket_access(missing, "no-such-group-here", stranger, ()) == (
+        "warn",
+        f"{missing} does not exist, and its group no-such-group-here (gate.socket_group) neither",
+        "groupadd --system no-such-group-here, or set gate.socket_group",
+    )
+
+
+# -- the commands: exact lines and exit codes --------------------------------------------
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("VOLUTE_")}
+    return subprocess.run(
+        [str(VOLUTECTL), *args], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def config_file(tree: Path, minds: str) -> Path:
+    path = tree / "volutectl.toml"
+    gate = f'[gate]\nstate_dir = "{tree}/state"\nsocket = "{tree}/gate.sock"\n'
+    path.write_text(f"{gate}[limits]\nglobal_concurrent_turns = 2\n\n{minds}")
+    return path
+
+
+def test_config_check_lists_each_minds_problems_and_exits_78(tree: Path) -> None:
+    closed = tree / "closed"
+    closed.mkdir(mode=0o700)
+    config = config_file(
+        tree,
+        '[minds.ghost]\ncommand = ["/bin/true"]\nuser = "no-such-user-here"\n\n'
+        f'[minds.lost]\ncommand = ["no-such-turn-command"]\nuser = "{ME}"\n'
+        f'working_directory = "{tree}/gone"\n\n'
+        f'[minds.fine]\ncommand = ["sleep", "1"]\nuser = "{ME}"\nworking_directory = "{tree}"\n',
+    )
+    result = run("config", "check", "--config", str(config))
+    assert result.returncode == EX_CONFIG, result.stderr
+    assert result.stdout.splitlines() == [
+        f"ok: {config}",
+        f"  mind ghost: from file {config} (at most 1 turn(s) at once)",
+        "    fail: user 'no-such-user-here' does not exist",
+        f"  mind lost: from file {config} (at most 1 turn(s) at once)",
+        f"    fail: working directory {tree}/gone does not exist",
+        f"    fail: command 'no-such-turn-command' is not in the turn's PATH ({TURN_PATH})",
+        f"  mind fine: from file {config} (at most 1 turn(s) at once)",
+    ]
+    assert result.stderr.splitlines() == [
+        "volutectl: minds ghost, lost fail preflight: their turns cannot start on this host",
+        "  hint: fix what each fail line says; until then every turn fails and goes dead",
+    ]
+
+
+def test_config_check_passes_minds_that_can_run(tree: Path) -> None:
+    config = config_file(tree, f'[minds.fine]\ncommand = "exec sleep 1"\nuser = "{ME}"\n')
+    result = run("config", "check", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "fail:" not in result.stdout
+    assert "    note: of the shell command only 'sleep' is checked; sh -c runs the rest" in (
+        result.stdout.splitlines()
+    )
+
+
+def test_doctor_fails_a_mind_with_78_and_reports_the_socket_and_the_cap(tree: Path) -> None:
+    config = config_file(
+        tree,
+        f'[minds.lost]\ncommand = ["/bin/true"]\nuser = "{ME}"\n'
+        f'working_directory = "{tree}/gone"\n\n'
+        f'[minds.fine]\ncommand = ["/bin/true"]\nuser = "{ME}"\nworking_directory = "{tree}"\n',
+    )
+    result = run("doctor", "--json", "--config", str(config))
+    assert result.returncode == EX_CONFIG, result.stderr
+    checks = {check["check"]: check for check in json.loads(result.stdout)["checks"]}
+    assert checks["mind lost"] == {
+        "check": "mind lost",
+        "status": "fail",
+        "found": f"working directory {tree}/gone does not exist",
+        "change": "fix it (a config change needs a restart of the gate); until then every turn "
+        "of this mind fails",
+        "exit_code": EX_CONFIG,
+    }
+    assert checks["mind fine"]["status"] == "ok"
+    assert checks["mind fine"]["found"] == f"runs as {ME}: user, command and working directory pass"
+    assert checks["turn-cap"]["found"] == "limits.global_concurrent_turns = 2"
+    assert checks["socket-access"]["status"] == "ok"  # root, or this user's own group
+    text = run("doctor", "--config", str(config)).stdout.splitlines()
+    assert (
+        f"fail mind lost    working directory {tree}/gone does not exist; change: fix it (a "
+        "config change needs a restart of the gate); until then every turn of this mind fails"
+    ) in text
