@@ -22,15 +22,18 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from volutectl import names
-from volutectl.config import Settings, load_settings
+from volutectl.completion import complete_minds
 from volutectl.errors import EX_NOUSER, DataError, UnavailableError, UsageError, VoluteError
 from volutectl.journal import MESSAGE_IDS, Event
 from volutectl.options import config_option
+
+if TYPE_CHECKING:  # pydantic only when the command runs, not for a TAB (volutectl.completion)
+    from volutectl.config import Settings
 
 SINCE_EXAMPLES = "e.g. --since -1h, --since today, --since '2024-05-01 12:00'"
 
@@ -263,7 +266,7 @@ def show_logs(
 
 
 @click.command("logs")
-@click.argument("mind")
+@click.argument("mind", shell_complete=complete_minds)
 @click.option("--turn", "turn_id", type=click.IntRange(min=1), help="Only this turn.")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new entries.")
 @click.option("--since", metavar="WHEN", help=f"Only entries since then ({SINCE_EXAMPLES}).")
@@ -280,6 +283,8 @@ def logs_command(
       journalctl -t volute-MIND                 the output of every turn of MIND
     """
     try:
+        from volutectl.config import load_settings
+
         show_logs(load_settings(config_path).settings, mind, turn_id, follow, since)
     except BrokenPipeError:
         # The reader left (`| head`): not an error. Python's last flush would raise again.
