@@ -66,7 +66,11 @@ def test_a_turns_output_is_its_scopes_own_journal_stream(machine: Machine) -> No
     for entry in output:
         assert entry["_SYSTEMD_UNIT"] == scope
         assert entry["SYSLOG_IDENTIFIER"] == "volute-mimsy"
-        assert entry["_SYSTEMD_SLICE"] == "volute-turns.slice"
+        # The slice only when journald could still read the writer's cgroup: a turn this
+        # short may have exited first, and then only the header's unit is there
+        # (launcher.py's docstring); journald then sends no _SYSTEMD_CGROUP either.
+        if "_SYSTEMD_CGROUP" in entry:
+            assert entry["_SYSTEMD_SLICE"] == "volute-turns.slice"
         assert entry["_UID"] == machine.run(["id", "-u", "volute"]).stdout.strip()
     other = r"volute-turn-m\x2d1-2.scope"
     wait_for(lambda: messages(machine, f"_SYSTEMD_UNIT={other}") == ["m-1 says 2"], timeout=10)
