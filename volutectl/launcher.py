@@ -130,12 +130,12 @@ def _log_to(stream: TurnStream) -> None:
 
 def _enter_as(cwd: str, account: Account) -> None:
     """Enter the turn's working directory as the mind's user, so that it enters only
-    what that user may, never elsewhere; only the effective ids change, and go back, so
-    that the turn's stream is still opened as root."""
+    what that user may, never elsewhere; only the effective ids and the groups change,
+    and go back, so that the turn's stream is still opened as root."""
     if os.geteuid() != 0 or account.uid == 0:
         os.chdir(cwd)
         return
-    gid = os.getegid()
+    gid, groups = os.getegid(), os.getgroups()
     os.setgroups(list(account.groups))
     os.setegid(account.gid)
     os.seteuid(account.uid)
@@ -144,6 +144,7 @@ def _enter_as(cwd: str, account: Account) -> None:
     finally:
         os.seteuid(0)
         os.setegid(gid)
+        os.setgroups(groups)
 
 
 def _become(account: Account) -> None:
