@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "config": ("volutectl.config_cli", "config_command", "Show or check the configuration."),
     "test": ("volutectl.testrun", "test_command", "Run a test command under the test-run cap."),
     "doctor": ("volutectl.doctor", "doctor_command", "Say which protections work on this host."),
+    "logs": ("volutectl.logs", "logs_command", "Show a mind's turns' output, from the journal."),
 }
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from volutectl import core, launcher, names, processes
 from volutectl.config import Settings
 from volutectl.errors import VoluteError
+from volutectl.journal import Event
 from volutectl.store import Store, TurnRow
 from volutectl.turns import Turn, Turns
 from volutectl.units import ENDED_STATES, SystemdManager
@@ -102,7 +103,7 @@ class Liveness:
             f"{unit} is active but holds no process: stopping it (a turn started around a "
             "process that had died)",
             unit=unit,
-            event="empty_scope",
+            event=Event.EMPTY_SCOPE,
         )
         self._stop_quietly(unit)
         self.settled_units.add(unit)
@@ -154,7 +155,7 @@ class Liveness:
                     "warning",
                     turn,
                     f"{turn.unit} is {state} but holds no process: stopping it",
-                    event="empty_scope",
+                    event=Event.EMPTY_SCOPE,
                 )
                 self._stop_quietly(turn.unit)
             # Otherwise its last process just left, and systemd is about to say so.
@@ -230,7 +231,7 @@ class Liveness:
             turn,
             f"ran past its limit of {limit:.0f} s: stopping it (SIGTERM, then SIGKILL after "
             f"{self.settings.turns.timeout_grace_seconds:g} s)",
-            event="timeout",
+            event=Event.TIMEOUT,
         )
         try:
             self.manager.stop_unit(turn.unit, wait=False)
@@ -259,7 +260,7 @@ class Liveness:
                 self._watch_adopted(turn, row.pid)
             self.check(turn)
             if self.turns.holds(turn) and turn.recheck_at is None:
-                self.turns.log_turn("info", turn, "is still running: adopted", event="adopt")
+                self.turns.log_turn("info", turn, "is still running: adopted", event=Event.ADOPT)
         self.wake()
 
     def _remove_stale_dirs(self, open_ids: set[int]) -> None:

@@ -24,7 +24,7 @@ pystemd's traps, and what this module does about each:
   it hands the callback to C without holding a reference, so a closure that nobody
   keeps is freed and the next signal crashes: the Manager keeps every one.
 - The code runs on pystemd 0.13 (Debian trixie) and 0.15 (PyPI): it uses only
-  `DBus`, `apply_signature` and `path_decode`, present in both.
+  `DBus`, `apply_signature`, `path_decode` and `journal.sendv`, present in both.
 """
 
 from __future__ import annotations
@@ -436,10 +436,14 @@ class Manager:
 
 
 def _scope_or_unit(name: str) -> bytes:
-    if name.endswith(".scope"):
-        return b"org.freedesktop.systemd1.Scope"
-    if name.endswith(".service"):
-        return b"org.freedesktop.systemd1.Service"
-    if name.endswith(".slice"):
-        return b"org.freedesktop.systemd1.Slice"
+    kind = name.rpartition(".")[2]
+    if kind in ("scope", "service", "slice"):
+        return b"org.freedesktop.systemd1." + kind.capitalize().encode()
     return UNIT_INTERFACE
+
+
+def journal_sender() -> Callable[..., None]:
+    """libsystemd's sd_journal_sendv: one b"FIELD=value" per argument, each framed whole."""
+    from pystemd.journal import sendv
+
+    return sendv  # type: ignore[no-any-return]

@@ -23,7 +23,7 @@ from volutectl.config import Settings, parse_bandwidth
 from volutectl.errors import DataError, VoluteError
 from volutectl.faults import crash_point
 from volutectl.indexedstore import IndexedStore
-from volutectl.journal import Journal
+from volutectl.journal import Event, Journal
 from volutectl.messages import DeliveryDead, Reply, TurnEnded
 from volutectl.states import Outcome, QueueState
 from volutectl.store import Row
@@ -145,7 +145,7 @@ class Turns:
                     f"was held {held_ms} ms ({row.hold_reason}); {how}",
                     reason=row.hold_reason,
                     held_ms=held_ms,
-                    event="hold_end",
+                    event=Event.HOLD_END,
                 )
 
     # -- admission's decisions -----------------------------------------------------------------
@@ -160,7 +160,7 @@ class Turns:
         for delivery_id, reason in holds:
             if delivery_id in new and delivery_id in rows:
                 row = rows[delivery_id]
-                self.log_row("info", row, f"held: {reason}", reason=reason, event="hold")
+                self.log_row("info", row, f"held: {reason}", reason=reason, event=Event.HOLD)
 
     def fold(self, fold: core.Fold, now: float) -> None:
         """Hand deliveries to a live turn of their session, through its inbox."""
@@ -210,7 +210,8 @@ class Turns:
         try:
             account = self.account_of(start.mind)
             turn_dir, argv, env, cwd = self._prepare(start, turn_id, taken, account)
-            child = launcher.fork_turn(argv, env, account, turn_dir, cwd)
+            stream = self.journal.turn_stream(start.mind, unit)
+            child = launcher.fork_turn(argv, env, account, turn_dir, cwd, stream)
             crash_point("forked")
             self.manager.start_scope(unit, [child.pid], self._scope_props(start, turn_id))
             crash_point("scope_started")
@@ -235,7 +236,7 @@ class Turns:
         self.watch_fd(child.pidfd, turn)
         ids = " ".join(str(row.id) for row in taken)
         self.log_turn("info", turn, f"started with deliveries {ids}", delivery_ids=ids,
-                      event="start")  # fmt: skip
+                      event=Event.START)  # fmt: skip
 
     def _prepare(
         self, start: core.Start, turn_id: int, taken: list[Row], account: launcher.Account
@@ -297,6 +298,9 @@ class Turns:
             mind=start.mind,
             session=start.session,
             unit=unit,
+            turn_id=turn_id,
+            outcome=Outcome.START_FAILED,
+            event=Event.END,
         )
         self.store.end_turn(turn_id, Outcome.START_FAILED, None, message, time.time())
         self.fail(taken, message)
@@ -340,7 +344,7 @@ class Turns:
             if after is not None and after.state is QueueState.DEAD:
                 self.log_row(
                     "warning", row, f"is dead after {after.attempts} attempts: {error}",
-                    event="dead",
+                    event=Event.DEAD,
                 )  # fmt: skip
                 if notify:
                     self.notify(row.id, DeliveryDead(row.id, error))
@@ -402,7 +406,7 @@ class Turns:
             f"ended: {outcome.detail}",
             outcome=outcome.kind,
             exit_status=outcome.exit_status,
-            event="end",
+            event=Event.END,
         )
         self._tell_settled(turn, outcome, carried, failed, error)
         self.wake()

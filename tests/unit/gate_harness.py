@@ -30,7 +30,8 @@ class RecordingJournal(Journal):
 
     def __init__(self) -> None:
         super().__init__("volute-gate-test")
-        self.sock = None  # never the real journal
+        self.sender = None  # never the real journal
+        self.stdout_socket = None  # turns keep the test's stdout and stderr
         self.entries: list[tuple[str, str, dict[str, Any]]] = []
 
     def log(self, level: str, message: str, **fields: Any) -> None:

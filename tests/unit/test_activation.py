@@ -196,7 +196,7 @@ def test_any_other_socket_is_refused_and_left_open(socket_dir: Path) -> None:
 class RecordingJournal(Journal):
     def __init__(self) -> None:
         super().__init__("test")
-        self.sock = None
+        self.sender = None
         self.lines: list[tuple[str, str]] = []
 
     def log(self, level: str, message: str, **fields: Any) -> None:

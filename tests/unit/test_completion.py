@@ -110,6 +110,11 @@ def test_pause_and_resume_complete_the_configs_minds(config: Path) -> None:
         assert complete(f"{line}--config {config} p") == ["pip"]
 
 
+def test_logs_completes_the_configs_minds(config: Path) -> None:
+    assert complete("volutectl logs ", VOLUTE_CONFIG=str(config)) == ["mimsy", "pip", "whorl.v2"]
+    assert complete(f"volutectl logs --config {config} w") == ["whorl.v2"]
+
+
 def test_an_unreadable_or_missing_config_completes_no_mind(tmp_path: Path) -> None:
     assert complete("volutectl deliver ", VOLUTE_CONFIG=str(tmp_path / "absent.toml")) == []
     broken = tmp_path / "broken.toml"

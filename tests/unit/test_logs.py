@@ -1,0 +1,325 @@
+"""`volutectl logs`: its matches, how it reads entries, and its errors.
+
+The command runs as a user runs it (the console script), against a stand-in journalctl
+that applies journalctl's matching rules to a list of entries: FIELD=value terms, the
+same field twice is either value, different fields must all hold, and `+` separates
+alternatives. tests/system/test_logs.py runs it against the real journald.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from volutectl import logs
+from volutectl.journal import MESSAGE_IDS, Event
+from volutectl.names import turn_scope_name
+
+VOLUTECTL = Path(sys.executable).parent / "volutectl"
+
+FAKE_JOURNALCTL = """#!PYTHON
+import json, os, sys
+argv = sys.argv[1:]
+with open(os.environ["FAKE_JOURNALCTL_CALLS"], "a") as calls:
+    calls.write(json.dumps(argv) + "\\n")
+if os.environ.get("FAKE_JOURNALCTL_FAIL"):
+    print("Failed to open journal: Permission denied", file=sys.stderr)
+    sys.exit(1)
+options, matches = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+since, lines = 0, None
+for option in options:
+    if option.startswith("--since="):
+        when = option.split("=", 1)[1]
+        if not when.startswith("@") or not when[1:].isdigit():
+            print(f"Failed to parse timestamp: {when}", file=sys.stderr)
+            sys.exit(1)
+        since = int(when[1:]) * 1000000
+    elif option.startswith("--lines="):
+        lines = int(option.split("=", 1)[1])
+groups, group = [], {}
+for term in matches + ["+"]:
+    if term == "+":
+        groups.append(group)
+        group = {}
+    else:
+        name, value = term.split("=", 1)
+        group.setdefault(name, set()).add(value)
+def matching(entry):
+    return any(all(entry.get(k) in v for k, v in g.items()) for g in groups if g) or not matches
+with open(os.environ["FAKE_JOURNAL"]) as journal:
+    entries = json.load(journal)
+chosen = [e for e in entries if matching(e) and int(e["__REALTIME_TIMESTAMP"]) >= since]
+if lines is not None:
+    chosen = chosen[len(chosen) - lines:] if lines else []
+for entry in chosen:
+    print(json.dumps(entry))
+"""
+
+CONFIG = """
+[minds.mimsy]
+command = "true"
+[minds.m-1]
+command = "true"
+[minds.gate]
+command = "true"
+[minds.whorl]
+command = "true"
+"""
+
+
+def output(t: int, mind: str, turn: int, text: str, **extra: str) -> dict[str, Any]:
+    """A line of a turn's stream, as journald records it."""
+    return {
+        "__REALTIME_TIMESTAMP": str(t * 1_000_000),
+        "MESSAGE": text,
+        "SYSLOG_IDENTIFIER": f"volute-{mind}",
+        "_TRANSPORT": "stdout",
+        "_SYSTEMD_UNIT": turn_scope_name(mind, turn),
+        **extra,
+    }
+
+
+def entry(
+    t: int, mind: str, text: str, event: Event | None = None, **fields: str
+) -> dict[str, Any]:
+    """One of the gate's entries."""
+    made = {
+        "__REALTIME_TIMESTAMP": str(t * 1_000_000),
+        "MESSAGE": text,
+        "SYSLOG_IDENTIFIER": "volute-gate",
+        "_TRANSPORT": "journal",
+        "_SYSTEMD_UNIT": "volute-gate.service",
+        "VOLUTE_MIND": mind,
+        **fields,
+    }
+    if event is not None:
+        made["VOLUTE_EVENT"] = event.value
+        if event in MESSAGE_IDS:
+            made["MESSAGE_ID"] = MESSAGE_IDS[event]
+    return made
+
+
+def start(t: int, mind: str, turn: int, session: str) -> dict[str, Any]:
+    return entry(t, mind, f"turn {turn} of {mind}/{session} started", Event.START,
+                 VOLUTE_TURN_ID=str(turn), VOLUTE_SESSION=session)  # fmt: skip
+
+
+JOURNAL = [
+    start(1, "mimsy", 1, "chat"),
+    output(2, "mimsy", 1, "hello from one"),
+    output(3, "m-1", 2, "another mind, a longer name"),
+    output(4, "mimsy", 3, "before its start entry"),
+    start(5, "mimsy", 3, "dm"),
+    entry(6, "mimsy", "turn 1 of mimsy/chat ended: exit 0", Event.END,
+          VOLUTE_TURN_ID="1", VOLUTE_SESSION="chat", VOLUTE_OUTCOME="ok"),
+    output(7, "mimsy", 1, "an impostor", _SYSTEMD_UNIT="cron.service"),
+    entry(8, "mimsy", "delivery 9 for mimsy/chat held: global_cap", Event.HOLD,
+          VOLUTE_DELIVERY_ID="9"),
+    entry(9, "mimsy", "turn 3 of mimsy/dm failed to start: first\nsecond", Event.END,
+          VOLUTE_TURN_ID="3", VOLUTE_SESSION="dm"),
+    start(10, "whorl", 5, "main"),
+    output(11, "whorl", 5, "whorl's own"),
+    output(12, "gate", 6, "the mind named gate"),
+    output(13, "mimsy", 7, "a turn the gate never logged"),
+    output(14, "mimsy", 1, [98, 121, 116, 101, 115, 255]),  # type: ignore[arg-type]
+]  # fmt: skip
+
+
+class Run:
+    def __init__(self, tmp_path: Path) -> None:
+        self.bin = tmp_path / "bin"
+        self.bin.mkdir()
+        script = self.bin / "journalctl"
+        script.write_text(FAKE_JOURNALCTL.replace("PYTHON", sys.executable))
+        script.chmod(0o755)
+        self.calls_file = tmp_path / "calls"
+        self.journal = tmp_path / "journal.json"
+        self.journal.write_text(json.dumps(JOURNAL))
+        self.config = tmp_path / "volutectl.toml"
+        self.config.write_text(CONFIG)
+        self.env: dict[str, str] = {
+            "PATH": f"{self.bin}:/usr/bin:/bin",
+            "FAKE_JOURNAL": str(self.journal),
+            "FAKE_JOURNALCTL_CALLS": str(self.calls_file),
+            "VOLUTE_CONFIG": str(self.config),
+            "TZ": "UTC",
+        }
+
+    def __call__(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("VOLUTE_")}
+        return subprocess.run([str(VOLUTECTL), "logs", *args], capture_output=True, text=True,
+                              env={**clean, **self.env, **env}, timeout=60)  # fmt: skip
+
+    def calls(self) -> list[list[str]]:
+        if not self.calls_file.exists():
+            return []
+        return [json.loads(line) for line in self.calls_file.read_text().splitlines()]
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Run:
+    return Run(tmp_path)
+
+
+def shown(result: subprocess.CompletedProcess[str]) -> list[str]:
+    """The printed lines without their timestamps."""
+    assert result.returncode == 0, result.stderr
+    return [line[20:] if line[:2] == "19" else line for line in result.stdout.splitlines()]
+
+
+# -- the matches (pure) ----------------------------------------------------------------
+
+
+def test_the_matches_name_the_identifier_the_scope_and_the_gates_fields() -> None:
+    assert logs.mind_matches("m-1.x") == [
+        "SYSLOG_IDENTIFIER=volute-m-1.x", "+", "VOLUTE_MIND=m-1.x"
+    ]  # fmt: skip
+    assert logs.turn_matches("m-1.x", 5, "_SYSTEMD_UNIT") == [
+        r"_SYSTEMD_UNIT=volute-turn-m\x2d1.x-5.scope", "+", "VOLUTE_MIND=m-1.x",
+        "VOLUTE_TURN_ID=5",
+    ]  # fmt: skip
+    assert logs.start_matches("m") == [f"MESSAGE_ID={MESSAGE_IDS[Event.START]}", "VOLUTE_MIND=m"]
+    assert logs.unit_field("system") == "_SYSTEMD_UNIT"
+    assert logs.unit_field("user") == "_SYSTEMD_USER_UNIT"
+    argv = logs.journalctl_argv("jc", ["A=1"], since="-1h", follow=True, lines=0)
+    assert argv == ["jc", "--no-pager", "--all", "--output=json", "--since=-1h", "--follow",
+                    "--lines=0", "--", "A=1"]  # fmt: skip
+
+
+def test_a_field_reads_as_text_whatever_form_journalctl_gives_it() -> None:
+    assert logs.field_text("plain") == "plain"
+    assert logs.field_text([104, 105, 255]) == "hi\ufffd"  # not UTF-8: a list of bytes
+    assert logs.field_text(["first", "second"]) == "first"  # the field came twice
+    assert logs.field_text(None) == logs.field_text([]) == ""
+
+
+def test_only_the_minds_own_scopes_count_as_its_turns() -> None:
+    turns = logs.Turns("m", "_SYSTEMD_UNIT")
+    assert turns.turn_of_output({"_SYSTEMD_UNIT": "volute-turn-m-12.scope"}) == 12
+    for unit in (turn_scope_name("m-1", 3), "volute-turn-mx-3.scope", "cron.service", ""):
+        assert turns.turn_of_output({"_SYSTEMD_UNIT": unit}) is None, unit
+    assert logs.Turns("m-1", "_SYSTEMD_UNIT").turn_of_output(
+        {"_SYSTEMD_UNIT": turn_scope_name("m-1", 3)}
+    ) == 3  # fmt: skip
+
+
+def test_a_multi_line_message_prints_as_one_indented_entry() -> None:
+    line = logs.format_line({"MESSAGE": "one\ntwo\n", "__REALTIME_TIMESTAMP": "x"}, "gate")
+    assert line == "- gate: one\n    two"
+
+
+# -- the command --------------------------------------------------------------------------
+
+
+def test_a_minds_log_names_each_turn_and_its_session_and_leaves_out_strangers(run: Run) -> None:
+    assert shown(run("mimsy")) == [
+        "gate: turn 1 of mimsy/chat started",
+        "mimsy/chat turn 1: hello from one",
+        "mimsy/dm turn 3: before its start entry",
+        "gate: turn 3 of mimsy/dm started",
+        "gate: turn 1 of mimsy/chat ended: exit 0",
+        "gate: delivery 9 for mimsy/chat held: global_cap",
+        "gate: turn 3 of mimsy/dm failed to start: first",
+        "    second",
+        "mimsy/? turn 7: a turn the gate never logged",
+        "mimsy/chat turn 1: bytes\ufffd",
+    ]
+    # journald did the matching: the stand-in was asked for the start entries, then the
+    # mind's entries, then about the one turn neither named (7), once.
+    calls = run.calls()
+    assert [call[call.index("--") + 1 :] for call in calls] == [
+        logs.start_matches("mimsy"),
+        logs.mind_matches("mimsy"),
+        ["VOLUTE_MIND=mimsy", "VOLUTE_TURN_ID=7"],
+    ]
+
+
+def test_a_mind_named_like_the_gate_gets_its_own_turns_not_the_gates_entries(run: Run) -> None:
+    assert shown(run("gate")) == ["gate/? turn 6: the mind named gate"]
+
+
+def test_one_turn_shows_its_session_its_output_and_the_gates_entries_about_it(run: Run) -> None:
+    assert shown(run("mimsy", "--turn", "1")) == [
+        "-- turn 1 of mimsy, session chat (volute-turn-mimsy-1.scope)",
+        "gate: turn 1 of mimsy/chat started",
+        "mimsy/chat turn 1: hello from one",
+        "gate: turn 1 of mimsy/chat ended: exit 0",
+        "mimsy/chat turn 1: bytes\ufffd",
+    ]
+    assert shown(run("m-1", "--turn", "2")) == [
+        r"-- turn 2 of m-1, session ? (volute-turn-m\x2d1-2.scope)",
+        "m-1/? turn 2: another mind, a longer name",
+    ]
+
+
+def test_since_is_journalctls_and_a_turn_started_before_it_still_has_its_session(
+    run: Run,
+) -> None:
+    assert shown(run("mimsy", "--since", "@2")) == [
+        "mimsy/chat turn 1: hello from one",
+        "mimsy/dm turn 3: before its start entry",
+        "gate: turn 3 of mimsy/dm started",
+        "gate: turn 1 of mimsy/chat ended: exit 0",
+        "gate: delivery 9 for mimsy/chat held: global_cap",
+        "gate: turn 3 of mimsy/dm failed to start: first",
+        "    second",
+        "mimsy/? turn 7: a turn the gate never logged",
+        "mimsy/chat turn 1: bytes\ufffd",
+    ]
+    assert all("--since=@2" in call for call in run.calls()[:3])
+    assert shown(run("mimsy", "--turn", "1", "--since", "@7"))[1:] == [
+        "mimsy/chat turn 1: bytes\ufffd"
+    ]
+
+
+def test_follow_asks_journalctl_to_follow(run: Run) -> None:
+    assert "mimsy/chat turn 1: hello from one" in shown(run("mimsy", "--follow"))
+    followed = [call for call in run.calls() if "--follow" in call]
+    assert [call[call.index("--") + 1 :] for call in followed] == [logs.mind_matches("mimsy")]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "said"),
+    [
+        (["nobody"], 67, "unknown mind 'nobody'"),
+        (["bad/name"], 65, "invalid mind name 'bad/name'"),
+        (["mimsy", "--turn", "99"], 65, "turn 99 of mimsy never ran"),
+        (["mimsy", "--turn", "5"], 65, "turn 5 was whorl's: volutectl logs whorl --turn 5"),
+        (["mimsy", "--turn", "0"], 64, "--turn"),
+        (["mimsy", "--since", "yesterday-ish"], 64, "--since 'yesterday-ish'"),
+    ],
+)
+def test_clear_errors(run: Run, args: list[str], code: int, said: str) -> None:
+    result = run(*args)
+    assert (result.returncode, result.stdout) == (code, ""), result.stderr
+    assert said in result.stderr and "Traceback" not in result.stderr
+
+
+def test_without_journalctl_it_exits_69(run: Run) -> None:
+    result = run("mimsy", PATH="/nonexistent")
+    assert result.returncode == 69
+    assert "journalctl is not installed" in result.stderr
+
+
+def test_a_failing_journalctl_is_unavailable_with_its_reason(run: Run) -> None:
+    result = run("mimsy", FAKE_JOURNALCTL_FAIL="1")
+    assert result.returncode == 69
+    assert "journalctl failed: Failed to open journal: Permission denied" in result.stderr
+
+
+def test_a_reader_that_leaves_early_is_not_an_error(run: Run) -> None:
+    run.journal.write_text(json.dumps([output(t, "mimsy", 1, "x" * 200) for t in range(5000)]))
+    clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("VOLUTE_")}
+    pipeline = subprocess.run(
+        f"{VOLUTECTL} logs mimsy | head -n 1; echo \"status ${{PIPESTATUS[0]}}\"",
+        shell=True, executable="/bin/bash", capture_output=True, text=True,
+        env={**clean, **run.env}, timeout=60,
+    )  # fmt: skip
+    assert pipeline.stdout.splitlines()[-1] == "status 0", pipeline.stderr
+    assert "Traceback" not in pipeline.stderr and "Error" not in pipeline.stderr
