@@ -44,8 +44,7 @@ from volutectl.messages import (
     Request,
     WaitReply,
 )
-from volutectl.pressure import PressureWatch
-from volutectl.probes import slice_cgroup
+from volutectl.pressure import open_for_turns
 from volutectl.retention import Retention
 from volutectl.server import Client, Server
 from volutectl.slotwatch import SlotWatch
@@ -158,21 +157,10 @@ class Gate:
             self.selector.unregister(fd)
 
     def _open_pressure(self) -> None:
-        settings = self.settings.limits.io_pressure
-        if not settings.enabled:
-            return
-        # The slice's cgroup (and its io.pressure) exists only while the slice is active.
-        with contextlib.suppress(VoluteError):
-            self.state.manager.start_unit(self.settings.turns.slice)
-        self.state.pressure = PressureWatch.open(
-            settings,
-            slice_cgroup=slice_cgroup(self.settings.turns.slice),
-            journal_log=lambda level, message: self.journal.log(level, message),
-        )
-        if self.state.pressure is not None:
-            self.selector.register(
-                self.state.pressure.fileno(), selectors.EVENT_READ, ("pressure", None)
-            )
+        pressure = open_for_turns(self.settings, self.state.manager, self.journal.log)
+        if pressure is not None:
+            self.selector.register(pressure.fileno(), selectors.EVENT_READ, ("pressure", None))
+        self.state.pressure = pressure
 
     def _starting(self) -> None:
         """Still busy starting (retention's first pass over an old database)."""

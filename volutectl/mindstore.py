@@ -88,3 +88,13 @@ class MindStore:
             (QueueState.DEAD,),
         )
         return {str(mind): int(count) for mind, count in cursor}
+
+    def attempts_by_mind(self) -> dict[str, int]:
+        """Per mind, the most attempts any of its pending rows has made (rows that
+        never failed are left out)."""
+        cursor = self.db.execute(
+            "SELECT mind, MAX(attempts) FROM deliveries WHERE state = ? AND attempts > 0 "
+            "GROUP BY mind",
+            (QueueState.PENDING,),
+        )
+        return {str(mind): int(attempts) for mind, attempts in cursor}

@@ -29,17 +29,20 @@ volutectl.probes, which `volutectl doctor` shares.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from volutectl.errors import VoluteError
 from volutectl.pressurecore import Trigger, next_state, parse_total, stall_fraction
-from volutectl.probes import SYSTEM_PRESSURE, PsiUnavailable, register_trigger
+from volutectl.probes import SYSTEM_PRESSURE, PsiUnavailable, register_trigger, slice_cgroup
 
 if TYPE_CHECKING:
-    from volutectl.config import IoPressureSettings
+    from volutectl.config import IoPressureSettings, Settings
+    from volutectl.units import SystemdManager
 
 JournalLog = Callable[[str, str], None]
 
@@ -236,3 +239,19 @@ class PressureWatch:
             except OSError:
                 pass
         self._trigger_fd = self._read_fd = -1
+
+
+def open_for_turns(
+    settings: Settings, manager: SystemdManager, journal_log: JournalLog
+) -> PressureWatch | None:
+    """The gate's watch on its turns' slice, or None (disabled, or PSI unavailable)."""
+    if not settings.limits.io_pressure.enabled:
+        return None
+    # The slice's cgroup (and its io.pressure) exists only while the slice is active.
+    with contextlib.suppress(VoluteError):
+        manager.start_unit(settings.turns.slice)
+    return PressureWatch.open(
+        settings.limits.io_pressure,
+        slice_cgroup=slice_cgroup(settings.turns.slice),
+        journal_log=journal_log,
+    )

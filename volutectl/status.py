@@ -85,7 +85,7 @@ def _minds(
     for row in index.backing_off(now):
         if row.not_before is not None:
             retry_at[row.mind] = min(retry_at.get(row.mind, row.not_before), row.not_before)
-    attempts = state.store.attempts_by_mind()
+    attempts = state.store.minds.attempts_by_mind()
     dead = state.store.minds.dead_counts()
     every = pauses.get(EVERY_MIND)
     named = set(state.settings.minds) | set(running) | set(waiting) | set(dead)

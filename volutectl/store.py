@@ -278,30 +278,6 @@ class Store:
                     changed.append(delivery_id)
         return changed
 
-    def next_backoff_deadline(self, after: float | None = None) -> float | None:
-        """The earliest backoff end of a pending row (only those later than `after`).
-
-        A row whose backoff has ended keeps its not_before until a turn takes it, so a
-        caller that sleeps until the next deadline passes `after=now`: otherwise a row
-        held past its backoff would be a deadline in the past, forever.
-        """
-        value = self.db.execute(
-            "SELECT MIN(not_before) FROM deliveries WHERE state = ? "
-            "AND not_before IS NOT NULL AND not_before > ?",
-            (PENDING, float("-inf") if after is None else after),
-        ).fetchone()[0]
-        return float(value) if value is not None else None
-
-    def attempts_by_mind(self) -> dict[str, int]:
-        """Per mind, the most attempts any of its pending rows has made (rows that
-        never failed are left out)."""
-        cursor = self.db.execute(
-            "SELECT mind, MAX(attempts) FROM deliveries WHERE state = ? AND attempts > 0 "
-            "GROUP BY mind",
-            (PENDING,),
-        )
-        return {str(mind): int(attempts) for mind, attempts in cursor}
-
     def counts(self) -> dict[QueueState, int]:
         cursor = self.db.execute("SELECT state, COUNT(*) FROM deliveries GROUP BY state")
         return {QueueState(state): int(count) for state, count in cursor}

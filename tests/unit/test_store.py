@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from volutectl import core
 from volutectl.core import AfterFailure
 from volutectl.errors import UnavailableError
+from volutectl.indexedstore import IndexedStore
 from volutectl.states import HoldReason, Outcome, QueueState
 from volutectl.store import NewDelivery, RequestIdReused, Row, Store
 
@@ -31,7 +32,8 @@ NOW = 1_700_000_000.0
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
-    opened = Store(tmp_path / "state" / "queue.sqlite3")
+    # The gate's store: the queue and its index of pending rows (IndexedStore is a Store).
+    opened = IndexedStore(tmp_path / "state" / "queue.sqlite3")
     yield opened
     opened.close()
 
@@ -516,10 +518,13 @@ def test_next_backoff_deadline_after_skips_backoffs_that_ended(store: Store) -> 
         "e",
         NOW,
     )
-    # ids[0]'s backoff is over but it is still pending (say, held by the cap): a loop
-    # sleeping until "the next deadline" must not see NOW + 5 again.
+    # ids[0]'s backoff is over but no pass has seen it: it is due now, once (a wake
+    # that came early must not lose it); then a loop sleeping until "the next
+    # deadline" must not see it again.
     assert store.next_backoff_deadline() == NOW + 5
+    assert store.next_backoff_deadline(after=NOW + 6) == NOW + 6
     assert store.next_backoff_deadline(after=NOW + 6) == NOW + 50
+    assert store.next_backoff_deadline(after=NOW + 50) == NOW + 50
     assert store.next_backoff_deadline(after=NOW + 50) is None
 
 
