@@ -198,7 +198,7 @@ def test_a_schema_3_database_is_upgraded_with_every_row_kept_and_then_made_incre
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 5
+        assert store.schema_version() == SCHEMA_VERSION == 6
         assert not is_incremental(store.db)  # the migration itself never VACUUMs
         assert table_rows(path) == before
         outcome = enable_incremental_vacuum(store.db, path)
@@ -317,7 +317,7 @@ def test_a_schema_4_database_gets_the_last_turn_index_and_status_uses_it(
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 5
+        assert store.schema_version() == SCHEMA_VERSION == 6
         assert "index turns_mind_ended" in schema(path)
         assert "index turns_ended" in schema(path)  # retention's, kept
         plan = " ".join(
@@ -331,6 +331,59 @@ def test_a_schema_4_database_gets_the_last_turn_index_and_status_uses_it(
         assert "USING INDEX turns_mind_ended" in plan, plan
         last = store.minds.last_turns(["mimsy"])["mimsy"]
         assert last.ended_at == 1_700_000_001.0 + OLD_DONE - 1
+    finally:
+        store.close()
+    assert table_rows(path) == before
+
+
+def index_sql(path: Path, name: str) -> str:
+    db = sqlite3.connect(path)
+    try:
+        row = db.execute("SELECT sql FROM sqlite_master WHERE name = ?", (name,)).fetchone()
+        return str(row[0])
+    finally:
+        db.close()
+
+
+def test_a_schema_5_database_keeps_its_rows_and_indexes_only_rows_with_a_turn(
+    tmp_path: Path,
+) -> None:
+    """The deep-queue step (6): deliveries_turn becomes partial. A new row (no turn yet)
+    then writes no page of it, and both of its queries still search it."""
+    path = v3_database(tmp_path / "queue.sqlite3")
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("BEGIN")
+    for version in (3, 4):
+        for statement in statements(MIGRATIONS[version]):
+            db.execute(statement)
+    db.execute("PRAGMA user_version = 5")
+    db.execute("COMMIT")
+    db.close()
+    assert "WHERE turn_id IS NOT NULL" not in index_sql(path, "deliveries_turn")
+    before = table_rows(path)
+    store = Store(path)
+    try:
+        assert store.schema_version() == SCHEMA_VERSION == 6
+        assert "WHERE turn_id IS NOT NULL" in index_sql(path, "deliveries_turn")
+        for query in (
+            "SELECT id FROM deliveries WHERE turn_id = ? AND state = 'running'",
+            "SELECT 1 FROM turns WHERE NOT EXISTS "
+            "(SELECT 1 FROM deliveries WHERE deliveries.turn_id = turns.id)",
+        ):
+            params = (1,) if "?" in query else ()
+            plan = " ".join(
+                str(r[-1]) for r in store.db.execute("EXPLAIN QUERY PLAN " + query, params)
+            )
+            assert "INDEX deliveries_turn" in plan, plan
+        carried = store.db.execute(
+            "SELECT COUNT(*) FROM deliveries INDEXED BY deliveries_turn WHERE turn_id IS NOT NULL"
+        ).fetchone()[0]
+        assert (
+            carried
+            == store.db.execute(
+                "SELECT COUNT(*) FROM deliveries WHERE turn_id IS NOT NULL"
+            ).fetchone()[0]
+        )
     finally:
         store.close()
     assert table_rows(path) == before
