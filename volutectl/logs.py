@@ -67,7 +67,8 @@ def journalctl_argv(
     *,
     since: str | None = None,
     follow: bool = False,
-    lines: int | None = None,
+    lines: int | str | None = None,
+    after_cursor: str | None = None,
 ) -> list[str]:
     argv = [journalctl, "--no-pager", "--all", "--output=json"]
     if since is not None:
@@ -76,6 +77,8 @@ def journalctl_argv(
         argv.append("--follow")
     if lines is not None:
         argv.append(f"--lines={lines}")
+    if after_cursor is not None:
+        argv.append(f"--after-cursor={after_cursor}")
     return [*argv, "--", *matches]
 
 
@@ -261,8 +264,44 @@ def show_logs(
             raise never_ran(journalctl, turns, turn_id)
         unit = names.turn_scope_name(mind, turn_id)
         click.echo(f"-- turn {turn_id} of {mind}, session {session or '?'} ({unit})")
-    stream = entries(journalctl_argv(journalctl, matches, since=since, follow=follow))
-    print_entries(stream, journalctl, turns, follow)
+    if not follow:
+        stream = entries(journalctl_argv(journalctl, matches, since=since))
+        print_entries(stream, journalctl, turns, follow)
+        return
+    follow_entries(journalctl, matches, turns, turn_id, since)
+
+
+def follow_entries(
+    journalctl: str, matches: list[str], turns: Turns, turn_id: int | None, since: str | None
+) -> None:
+    """--follow: the recent entries by journald's matching, then every new entry of the
+    journal, chosen here. journalctl --follow with a match shows nothing new while the
+    matched value is absent from the journal file it started on (systemd 252: a mind
+    with no entry yet in the current file), so the follow itself matches nothing. It
+    starts after the journal's last entry as it was before the recent ones were read,
+    and skips those already shown: nothing is lost in between, nothing shown twice."""
+    tail = query(journalctl_argv(journalctl, [], lines=1), None)
+    cursor = field_text(tail[-1].get("__CURSOR")) if tail else ""
+    recent = query(journalctl_argv(journalctl, matches, since=since,
+                                   lines=10 if since is None else None), since)  # fmt: skip
+    shown = {field_text(entry.get("__CURSOR")) for entry in recent} - {""}
+    print_entries(recent, journalctl, turns, True)
+    argv = journalctl_argv(journalctl, [], follow=True, after_cursor=cursor or None,
+                           lines=None if cursor else "all")  # fmt: skip
+    print_entries(
+        (e for e in entries(argv)
+         if field_text(e.get("__CURSOR")) not in shown and of_turn(e, turns, turn_id)),
+        journalctl, turns, True,
+    )  # fmt: skip
+
+
+def of_turn(entry: Mapping[str, Any], turns: Turns, turn_id: int | None) -> bool:
+    """Whether an entry belongs to the turn asked for (any, without --turn)."""
+    if turn_id is None:
+        return True
+    if turns.turn_of_output(entry) == turn_id:
+        return True
+    return turns.is_ours(entry) and field_text(entry.get("VOLUTE_TURN_ID")) == str(turn_id)
 
 
 @click.command("logs")

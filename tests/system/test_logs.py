@@ -199,3 +199,50 @@ def test_the_gates_entries_carry_message_ids_and_a_multi_line_message_is_one_ent
     )
     assert (entry["MESSAGE_ID"], entry["VOLUTE_MIND"]) == (MESSAGE_IDS[Event.DEAD], "real")
     assert entry["PRIORITY"] == "4" and entry["_SYSTEMD_UNIT"] == "volute-probe.service"
+
+
+def read_until(stream: Any, wanted: str, timeout: float = 20) -> list[str]:
+    """Lines from a pipe until one contains `wanted` (select: no blocking past timeout)."""
+    import select
+
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not any(wanted in line for line in seen):
+        left = deadline - time.monotonic()
+        assert left > 0, f"{wanted!r} never came; saw {seen}"
+        ready, _, _ = select.select([stream], [], [], left)
+        if ready:
+            line = stream.readline()
+            assert line, f"the follower ended before {wanted!r}; saw {seen}"
+            seen.append(line.rstrip("\n"))
+    return seen
+
+
+def test_logs_follow_shows_each_new_turn_as_it_runs(machine: Machine) -> None:
+    # `volutectl logs MIND --follow` against a real journald: started before any turn,
+    # it prints each turn's output as it comes, turn after turn, and only that mind's.
+    import subprocess
+
+    machine.run(["useradd", "-u", "1500", "-m", "mindone"])
+    start_gate(machine, CONFIG)
+    follower = machine.popen(
+        [VOLUTECTL, "logs", "mimsy", "--follow"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        bufsize=1,
+    )
+    try:
+        time.sleep(1.0)  # journalctl is reading the journal's tail
+        assert follower.poll() is None, follower.communicate()
+        assert deliver(machine, "mimsy", "one", "--session", "chat", "--wait") > 0
+        first = without_time("\n".join(read_until(follower.stdout, "out of turn 1")))
+        assert "mimsy/chat turn 1: out of turn 1" in first
+        assert deliver(machine, "m-1", "two", "--wait") > 0  # another mind's: not shown
+        assert deliver(machine, "mimsy", "three", "--session", "dm", "--wait") > 0
+        later = without_time("\n".join(read_until(follower.stdout, "err of turn 3")))
+        assert "mimsy/dm turn 3: out of turn 3" in later
+        assert not [line for line in first + later if "m-1 says" in line]
+        assert follower.poll() is None  # still following
+    finally:
+        follower.terminate()
+        follower.wait(timeout=10)

@@ -3,6 +3,7 @@ estimate (`typical_ms`): every finished run counts, the first one too."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,9 @@ def test_a_tail_read_drops_only_a_cut_line(
 ) -> None:
     """Reading the last N bytes of a long history: a line the read starts inside is
     dropped; one it starts exactly at is whole, and kept."""
+    # One clock reading for all three: finished_at is rounded to the millisecond, and
+    # 1796061877.94 is a byte shorter than 1796061877.941 (lines must be as long).
+    monkeypatch.setattr(time, "time", lambda: 1_796_000_000.125)
     for ms in (1_000, 2_000, 3_000):
         finish(common_dir, ms)
     size = line_length(common_dir)  # every line here is as long
