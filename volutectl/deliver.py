@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 from volutectl import messages, protocol, waiting
-from volutectl.errors import EX_DATAERR, EX_TEMPFAIL, UnavailableError, UsageError, VoluteError
+from volutectl.errors import EX_DATAERR, EX_TEMPFAIL, UsageError, VoluteError
 from volutectl.messages import DeliverAck, DeliverRequest, Request
 from volutectl.names import NameError_, check_mind, check_session
 
@@ -29,11 +28,6 @@ if TYPE_CHECKING:
 
 DEFAULT_SOCKET = "/run/volute/gate.sock"
 DEFAULT_CONFIG = "/etc/volute/volutectl.toml"
-# Backoff between tries after the gate lost a connection before acknowledging it. A
-# socket-activated gate's restart takes about a second; systemd holds the connections
-# that arrive meanwhile, so a retry mostly waits in the socket's backlog, not here.
-RETRY_FIRST_SECONDS = 0.05
-RETRY_MAX_SECONDS = 1.0
 
 
 def socket_path(explicit: str | None, config: str | None) -> str:
@@ -153,38 +147,13 @@ def acknowledged(
     a moment ago and the request may be queued, so failing to connect is retried too.
     Running out of `timeout` seconds is 75: the request may or may not have been queued.
     """
-    deadline = time.monotonic() + timeout
-    delay = RETRY_FIRST_SECONDS
-    lost: protocol.ConnectionLost | None = None
-    while True:
-        try:
-            connection = protocol.Connection(path, timeout=_left(deadline, timeout, lost))
-        except UnavailableError:
-            if lost is None:
-                raise
-        else:
-            try:
-                connection.send(message.to_wire())
-                reply = connection.receive(timeout=_left(deadline, timeout, lost))
-                return connection, messages.expect(DeliverAck, reply)
-            except protocol.ConnectionLost as error:
-                lost = error
-                connection.close()
-            except BaseException:
-                connection.close()
-                raise
-        pause = min(delay, deadline - time.monotonic())
-        if pause <= 0:
-            raise _out_of_time(timeout, lost)
-        time.sleep(pause)
-        delay = min(delay * 2, RETRY_MAX_SECONDS)
-
-
-def _left(deadline: float, timeout: float, lost: protocol.ConnectionLost | None) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise _out_of_time(timeout, lost)
-    return left
+    return protocol.request_through_restarts(
+        path,
+        message.to_wire(),
+        lambda reply: messages.expect(DeliverAck, reply),
+        timeout,
+        lambda lost: _out_of_time(timeout, lost),
+    )
 
 
 def _out_of_time(timeout: float, lost: protocol.ConnectionLost | None) -> VoluteError:

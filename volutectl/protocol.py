@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import time
 
 from volutectl.errors import (
     EX_NOPERM,
@@ -25,7 +26,10 @@ from volutectl.errors import (
 # Not `import typing`: this module is on deliver's hot path (~6 ms).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from collections.abc import Callable
+    from typing import Any, TypeVar
+
+    T = TypeVar("T")
 
 VERSION = 1
 # A line may carry a 1 MiB message JSON-escaped (up to 6 bytes per byte) plus fields.
@@ -237,3 +241,58 @@ class Connection:
 
     def close(self) -> None:
         self.sock.close()
+
+
+# Pauses between tries to reach a gate that is restarting. A socket-activated gate's
+# restart takes about a second; systemd holds the connections that arrive meanwhile, so
+# a retry mostly waits in the socket's backlog, not here.
+RETRY_FIRST_SECONDS = 0.05
+RETRY_MAX_SECONDS = 1.0
+
+
+def request_through_restarts(
+    path: str,
+    message: dict[str, Any],
+    answer: Callable[[dict[str, Any]], T],
+    timeout: float,
+    out_of_time: Callable[[ConnectionLost | None], VoluteError],
+    lost: ConnectionLost | None = None,
+) -> tuple[Connection, T]:
+    """Send `message` until the gate answers it; the connection and `answer(reply)`.
+
+    A connection lost before the answer (EOF, ECONNRESET: the gate restarted or died) is
+    tried again after a short backoff, and so is failing to connect after such a loss. A
+    gate absent on the first try fails at once (69), unless `lost` says the caller lost
+    it a moment ago. After `timeout` seconds in all, the
+    error is `out_of_time(the last loss)`. deliver (the same request id, so nothing is
+    queued twice) and wait (the ids not yet settled) both go through here."""
+    deadline = time.monotonic() + timeout
+    delay = RETRY_FIRST_SECONDS
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise out_of_time(lost)
+        return remaining
+
+    while True:
+        try:
+            connection = Connection(path, timeout=left())
+        except UnavailableError:
+            if lost is None:
+                raise
+        else:
+            try:
+                connection.send(message)
+                return connection, answer(connection.receive(timeout=left()))
+            except ConnectionLost as error:
+                lost = error
+                connection.close()
+            except BaseException:
+                connection.close()
+                raise
+        pause = min(delay, deadline - time.monotonic())
+        if pause <= 0:
+            raise out_of_time(lost)
+        time.sleep(pause)
+        delay = min(delay * 2, RETRY_MAX_SECONDS)

@@ -11,20 +11,15 @@ meanwhile is told at once. Light, like volutectl/deliver.py: deliver imports it.
 from __future__ import annotations
 
 import sys
-import time
 
 from volutectl import messages, protocol
-from volutectl.errors import EX_TEMPFAIL, UnavailableError, VoluteError
+from volutectl.errors import EX_TEMPFAIL, VoluteError
 from volutectl.messages import DeliveryDead, Event, TurnEnded, WaitReply, WaitRequest
 from volutectl.states import Outcome
 
 TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: deliver's hot path loads this module
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-# Pauses between tries to reach the gate again, as deliver's (volutectl/deliver.py).
-RETRY_FIRST_SECONDS = 0.05
-RETRY_MAX_SECONDS = 1.0
 
 
 def settle(
@@ -70,37 +65,15 @@ def _connect(
 ) -> protocol.Connection:
     """A connection on which the gate has taken `wait` for `ids`, retrying for `timeout`
     seconds after a lost one (the gate is restarting)."""
-    deadline = time.monotonic() + timeout
-    delay = RETRY_FIRST_SECONDS
-    while True:
-        try:
-            connection = protocol.Connection(path, timeout=_left(deadline, ids, lost))
-        except UnavailableError:
-            if lost is None:
-                raise
-        else:
-            try:
-                connection.send(WaitRequest(ids).to_wire())
-                messages.expect(WaitReply, connection.receive(_left(deadline, ids, lost)))
-                return connection
-            except protocol.ConnectionLost as error:
-                lost = error
-                connection.close()
-            except BaseException:
-                connection.close()
-                raise
-        pause = min(delay, deadline - time.monotonic())
-        if pause <= 0:
-            raise _out_of_time(ids, lost)
-        time.sleep(pause)
-        delay = min(delay * 2, RETRY_MAX_SECONDS)
-
-
-def _left(deadline: float, ids: tuple[int, ...], lost: protocol.ConnectionLost | None) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise _out_of_time(ids, lost)
-    return left
+    connection, _ = protocol.request_through_restarts(
+        path,
+        WaitRequest(ids).to_wire(),
+        lambda reply: messages.expect(WaitReply, reply),
+        timeout,
+        lambda last: _out_of_time(ids, last),
+        lost,
+    )
+    return connection
 
 
 def _out_of_time(ids: tuple[int, ...], lost: protocol.ConnectionLost | None) -> VoluteError:
