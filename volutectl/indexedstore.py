@@ -11,14 +11,14 @@ next backoff to wake for, pending counts per mind, held counts per reason.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
-from volutectl.core import AfterFailure, Delivery
+from volutectl.core import Delivery
 from volutectl.queueindex import PendingIndex
-from volutectl.rows import NewDelivery, Row
+from volutectl.rows import NewDelivery
 from volutectl.schema import Transaction
-from volutectl.states import HoldReason, Outcome, QueueState
+from volutectl.states import HoldReason, QueueState
 from volutectl.store import Store
 
 HOLD_REASONS = frozenset(HoldReason)
@@ -88,61 +88,20 @@ class IndexedStore(Store):
         )
         return index
 
-    def _pend(self, ids: Iterable[int]) -> None:
-        """Rows that the last commit made pending: into the index, as they now are."""
-        for row in self.rows(ids):
-            if row.state is QueueState.PENDING:
-                self.index.add(row.as_delivery(), row.hold_reason)
+    # -- keeping the index in step: the store's hooks, each after its commit ----------
 
     def _inserted(self, rows: list[tuple[int, NewDelivery]]) -> None:
         for delivery_id, item in rows:
             self.index.add(Delivery(delivery_id, item.mind, item.session, item.interrupt))
 
-    def start_turn(self, *args: object, **kwargs: object) -> tuple[int, list[Row]]:
-        turn_id, taken = super().start_turn(*args, **kwargs)  # type: ignore[arg-type]
-        self.index.remove([row.id for row in taken])
-        return turn_id, taken
+    def _pended(self, ids: Iterable[int]) -> None:
+        """Into the index as they now are, those the commit left pending."""
+        for row in self.rows(ids, with_message=False):
+            if row.state is QueueState.PENDING:
+                self.index.add(row.as_delivery(), row.hold_reason)
 
-    def fold_into(
-        self, turn_id: int, delivery_ids: Sequence[int], now: float, *, interrupt: bool = False
-    ) -> list[Row]:
-        rows = super().fold_into(turn_id, delivery_ids, now, interrupt=interrupt)
-        self.index.remove([row.id for row in rows])
-        return rows
-
-    def settle_turn(
-        self,
-        turn_id: int,
-        *,
-        outcome: Outcome,
-        exit_status: int | None,
-        detail: str,
-        done: Sequence[int],
-        returned: Sequence[int],
-        failed: Mapping[int, AfterFailure],
-        error: str,
-        now: float,
-        durable: bool = True,
-    ) -> None:
-        super().settle_turn(
-            turn_id, outcome=outcome, exit_status=exit_status, detail=detail, done=done,
-            returned=returned, failed=failed, error=error, now=now, durable=durable,
-        )  # fmt: skip
-        self._pend([*returned, *failed])
-
-    def fail_rows(self, failed: Mapping[int, AfterFailure], error: str, now: float) -> None:
-        super().fail_rows(failed, error, now)
-        self._pend(failed)
-
-    def retry(self, delivery_ids: Sequence[int]) -> list[int]:
-        changed = super().retry(delivery_ids)
-        self._pend(changed)
-        return changed
-
-    def drop(self, delivery_ids: Sequence[int], now: float) -> list[int]:
-        changed = super().drop(delivery_ids, now)
-        self.index.remove(changed)
-        return changed
+    def _unpended(self, ids: Iterable[int]) -> None:
+        self.index.remove(ids)
 
     def mark_held(self, holds: Iterable[tuple[int, HoldReason | None]], now: float) -> list[int]:
         """Record the holds the index decided (it counts them already). If the commit

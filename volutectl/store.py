@@ -1,12 +1,10 @@
-"""The durable delivery queue: the only module that writes SQL.
+"""The durable delivery queue (with mindstore.py and retention.py, the SQL that writes).
 
-SQLite in WAL mode with synchronous=FULL: a delivery is acknowledged only after the
-commit that holds it has reached the disk, because the incident this tool exists for
-ended in a power cycle. Deliveries that arrive together share one commit (group
-commit), which keeps durability affordable on a 60-IOPS SD card.
-
-The store is the truth for what was asked; systemd is the truth for what runs. Its
-shape (schema, migrations, the transaction helper) is in volutectl/schema.py.
+SQLite in WAL mode with synchronous=FULL: a delivery is acknowledged only after its
+commit has reached the disk (the incident this tool exists for ended in a power cycle);
+deliveries that arrive together share one commit, affordable on a 60-IOPS SD card. The
+store is the truth for what was asked, systemd for what runs; the schema, migrations
+and transaction helper are volutectl/schema.py.
 """
 
 from __future__ import annotations
@@ -142,8 +140,11 @@ class Store:
         self._inserted(inserted)
         return results
 
-    def _inserted(self, rows: list[tuple[int, NewDelivery]]) -> None:
-        """After the commit of new rows: a hook for volutectl/indexedstore.py."""
+    # Hooks for the gate's index (indexedstore.py), after a commit (none if it fails): new
+    # rows; rows maybe pending again (returned, backing off, retried); rows that left.
+    def _inserted(self, rows: list[tuple[int, NewDelivery]]) -> None: ...
+    def _pended(self, ids: Iterable[int]) -> None: ...
+    def _unpended(self, ids: Iterable[int]) -> None: ...
 
     def _by_request_id(self, item: NewDelivery) -> int | RequestIdReused | None:
         found = self.db.execute(
@@ -246,18 +247,22 @@ class Store:
         return new
 
     def retry(self, delivery_ids: Sequence[int]) -> list[int]:
-        return self._change(
+        changed = self._change(
             delivery_ids,
             "state = ?, attempts = 0, not_before = NULL, turn_id = NULL, finished_at = NULL",
             (PENDING,),
             (DEAD,),
         )
+        self._pended(changed)
+        return changed
 
     def drop(self, delivery_ids: Sequence[int], now: float) -> list[int]:
-        return self._change(
+        changed = self._change(
             delivery_ids, "state = ?, finished_at = ?, held_since = NULL", (DROPPED, now),
             (PENDING, DEAD),
         )  # fmt: skip
+        self._unpended(changed)
+        return changed
 
     def _change(
         self,
@@ -313,17 +318,19 @@ class Store:
             turn_id = int(cursor.lastrowid or 0)
             self.db.execute("UPDATE turns SET unit = ? WHERE id = ?", (unit_for(turn_id), turn_id))
             rows = self._take(turn_id, delivery_ids, now, folded=False)
+        self._unpended(row.id for row in rows)
         return turn_id, rows
 
     def fold_into(
         self, turn_id: int, delivery_ids: Sequence[int], now: float, *, interrupt: bool = False
     ) -> list[Row]:
-        """Hand rows to a running turn; with `interrupt`, record in the same commit that the
-        turn is being interrupted, so a gate that restarts still knows."""
+        """Hand rows to a running turn; `interrupt` is recorded in the same commit."""
         with self._tx():
             if interrupt:
                 self.db.execute("UPDATE turns SET interrupted = 1 WHERE id = ?", (turn_id,))
-            return self._take(turn_id, delivery_ids, now, folded=True)
+            rows = self._take(turn_id, delivery_ids, now, folded=True)
+        self._unpended(row.id for row in rows)
+        return rows
 
     def _take(self, turn_id: int, ids: Sequence[int], now: float, *, folded: bool) -> list[Row]:
         rows = [row for row in self.rows(ids) if row.state is PENDING]
@@ -396,11 +403,13 @@ class Store:
             self._end_turn(turn_id, outcome, exit_status, detail, now)
         if not durable:
             self._unsynced = True
+        self._pended([*returned, *failed])
 
     def fail_rows(self, failed: Mapping[int, AfterFailure], error: str, now: float) -> None:
         """Rows whose turn could not even start: one attempt each, in one commit."""
         with self._tx():
             self._fail_rows(failed, error, now)
+        self._pended(failed)
 
     def _fail_rows(self, failed: Mapping[int, AfterFailure], error: str, now: float) -> None:
         for delivery_id, after in failed.items():
