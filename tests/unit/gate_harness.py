@@ -21,6 +21,7 @@ from tests.unit.fake_systemd import FakeManager
 from volutectl.config import Settings
 from volutectl.gate import Gate
 from volutectl.journal import Journal
+from volutectl.states import QueueState
 
 ME = pwd.getpwuid(os.getuid()).pw_name
 
@@ -220,3 +221,9 @@ def reap_children() -> None:
             return
         if pid == 0:
             return
+
+
+def settled(harness: Harness) -> bool:
+    """Nothing pending or running any more."""
+    store = harness.gate.state.store
+    return not store.list_rows([QueueState.PENDING, QueueState.RUNNING])

@@ -15,13 +15,12 @@ import collections
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.unit.gate_harness import Harness
+from tests.unit.gate_harness import Harness, settled
 from volutectl import faults, names
 from volutectl.states import QueueState
 from volutectl.store import NewDelivery, Store
@@ -93,26 +92,12 @@ def gate(tmp_path: Path, minds: dict[str, str], **options: Any) -> Harness:
     return Harness(tmp_path, minds=minds, **options)
 
 
-@pytest.fixture
-def harnesses() -> Iterator[list[Harness]]:
-    made: list[Harness] = []
-    yield made
-    for harness in made:
-        harness.close()
-    faults.arm(None)
-
-
 def deliver(harness: Harness, mind: str, session: str = "main", **fields: Any) -> int:
     reply = harness.connect().request(
         {"op": "deliver", "mind": mind, "session": session, "message": "m", **fields}
     )
     assert reply.get("ok") is True, reply
     return int(reply["id"])
-
-
-def settled(harness: Harness) -> bool:
-    store = harness.gate.state.store
-    return not store.list_rows([QueueState.PENDING, QueueState.RUNNING])
 
 
 def rows(harness: Harness, state: QueueState) -> list[Any]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.gate_harness import Harness, gate_settings
+from tests.unit.gate_harness import Harness, gate_settings, settled
 from tests.unit.test_gate_loop import PROBE, Turns
 from volutectl import core
 from volutectl.errors import EX_DATAERR, EX_NOUSER, EX_TEMPFAIL
@@ -34,14 +34,6 @@ def probe(tmp_path: Path) -> tuple[str, Turns]:
     script.write_text(PROBE.replace("LOG", str(log)))
     script.chmod(0o755)
     return str(script), Turns(log)
-
-
-@pytest.fixture
-def harnesses() -> Iterator[list[Harness]]:
-    made: list[Harness] = []
-    yield made
-    for harness in made:
-        harness.close()
 
 
 @pytest.fixture
@@ -84,11 +76,6 @@ def rows(harness: Harness, *ids: int) -> list[Any]:
 
 def held_for(harness: Harness, *ids: int) -> bool:
     return all(row.hold_reason is HoldReason.PAUSED for row in rows(harness, *ids))
-
-
-def settled(harness: Harness) -> bool:
-    store = harness.gate.state.store
-    return not store.list_rows([QueueState.PENDING, QueueState.RUNNING])
 
 
 def test_a_paused_mind_holds_new_turns_folds_into_its_running_one_and_resumes_in_order(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import sqlite3
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +24,6 @@ from volutectl.states import QueueState
 from volutectl.store import Store
 
 SECOND = 1 / 86400  # gate.retention_days of one second
-
-
-@pytest.fixture
-def harnesses() -> Iterator[list[Harness]]:
-    made: list[Harness] = []
-    yield made
-    for harness in made:
-        harness.close()
 
 
 def deliver(harness: Harness, mind: str = "mimsy") -> int:

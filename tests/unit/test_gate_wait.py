@@ -9,7 +9,7 @@ run in a thread while this one drives the gate (tests/unit/gate_harness.py).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +20,6 @@ from volutectl import deliver, waiting
 from volutectl.errors import EX_DATAERR, EX_TEMPFAIL, EX_UNAVAILABLE, VoluteError
 from volutectl.messages import MAX_WAIT_IDS, DeliveryDead, DeliveryDropped, TurnEnded
 from volutectl.states import Outcome, QueueState
-
-
-@pytest.fixture
-def harnesses() -> Iterator[list[Harness]]:
-    made: list[Harness] = []
-    yield made
-    for harness in made:
-        harness.close()
 
 
 def deliver_to(harness: Harness, mind: str) -> int:

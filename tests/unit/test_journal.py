@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.unit.fake_gate import remove_tree, short_socket_dir
-from tests.unit.gate_harness import Harness
+from tests.unit.gate_harness import Harness, settled
 from volutectl import journal
 from volutectl.journal import MESSAGE_IDS, Event, Journal, TurnStream, entry_fields
 from volutectl.states import QueueState
@@ -177,24 +177,11 @@ def journald() -> Iterator[FakeJournald]:
     fake.close()
 
 
-@pytest.fixture
-def harnesses() -> Iterator[list[Harness]]:
-    made: list[Harness] = []
-    yield made
-    for harness in made:
-        harness.close()
-
-
 def gate(tmp_path: Path, harnesses: list[Harness], stdout: str | None, **options: Any) -> Harness:
     harness = Harness(tmp_path, **options)
     harness.journal.stdout_socket = stdout
     harnesses.append(harness)
     return harness
-
-
-def settled(harness: Harness) -> bool:
-    store = harness.gate.state.store
-    return not store.list_rows([QueueState.PENDING, QueueState.RUNNING])
 
 
 def test_a_turns_output_is_one_stream_opened_by_the_turn_itself_in_its_scope(
