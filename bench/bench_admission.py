@@ -114,8 +114,7 @@ class Indexed(Scan):
 
     def one_pass(self, now: float) -> core.Admission:
         decision, changes = self.store.index.admit(list(self.live.values()), self.limits, now=now)
-        holds = [(c.delivery_id, c.reason) if isinstance(c, core.Hold) else c for c in changes]
-        self.store.mark_held(holds, now)
+        self.store.mark_held(changes, now)
         return decision
 
 

@@ -38,6 +38,7 @@ from volutectl.core import Admission, Delivery, Fold, Hold, Limits, LiveTurn, St
 from volutectl.states import HoldReason
 
 Key = tuple[str, str]  # (mind, session)
+Change = tuple[int, HoldReason | None]  # a row's hold reason to record (None: not held)
 REGIME = (HoldReason.GLOBAL_CAP, HoldReason.TEST_RUN, HoldReason.IO_PRESSURE)
 
 
@@ -199,7 +200,7 @@ class PendingIndex:
         paused: Iterable[str] = (),
         all_paused: bool = False,
         max_starts: int | None = None,
-    ) -> tuple[Admission, list[Hold | tuple[int, None]]]:
+    ) -> tuple[Admission, list[Change]]:
         """What core.admit() would decide over the pending rows, and the hold reasons the
         store must write so that every row's recorded reason is the one it would give.
 
@@ -234,7 +235,7 @@ class PendingIndex:
         for mind, session in [(s.mind, s.session) for s in starts] + self._fold_keys(folds):
             self.dirty_minds.add(mind)
             self.dirty_sessions.add((mind, session))
-        holds = [change for change in changes if isinstance(change, Hold)]
+        holds = [Hold(i, reason) for i, reason in changes if reason is not None]
         return Admission(starts, folds, holds), changes
 
     def _fold_keys(self, folds: list[Fold]) -> list[Key]:
@@ -336,7 +337,7 @@ class PendingIndex:
         regime: HoldReason | None,
         starts: list[Start],
         folds: list[Fold],
-    ) -> list[Hold | tuple[int, None]]:
+    ) -> list[Change]:
         """The hold reasons that changed: for each mind that changed, the regime's minds
         if the regime changed, sessions whose prefix moved, and rows just added."""
         taken = {i for start in starts for i in start.delivery_ids}
@@ -347,7 +348,7 @@ class PendingIndex:
         if regime != self.regime:
             minds |= self.regime_minds
         self.regime = regime
-        changes: list[Hold | tuple[int, None]] = []
+        changes: list[Change] = []
         started = {(start.mind, start.session) for start in starts}
         for mind in minds:
             queues = self.minds.get(mind)
@@ -397,19 +398,19 @@ class PendingIndex:
 
     def _session_changes(
         self, queue: SessionQueue, reason: HoldReason | None, taken: Container[int]
-    ) -> list[Hold | tuple[int, None]]:
-        changes: list[Hold | tuple[int, None]] = []
+    ) -> list[Change]:
+        changes: list[Change] = []
         for at, row in enumerate(queue.rows):
             if row.id not in taken:
                 want = _reason_at(at, queue.eligible, reason, row, self.now)
                 changes += self._change(row.id, want)
         return changes
 
-    def _change(self, delivery_id: int, want: HoldReason | None) -> list[Hold | tuple[int, None]]:
+    def _change(self, delivery_id: int, want: HoldReason | None) -> list[Change]:
         if self.recorded.get(delivery_id) == want:
             return []
         self._record(delivery_id, want)
-        return [Hold(delivery_id, want) if want is not None else (delivery_id, None)]
+        return [(delivery_id, want)]
 
 
 def _eligible(rows: Sequence[Delivery], now: float) -> int:

@@ -25,7 +25,7 @@ from volutectl.faults import crash_point
 from volutectl.indexedstore import IndexedStore
 from volutectl.journal import Event, Journal
 from volutectl.messages import DeliveryDead, Reply, TurnEnded
-from volutectl.states import Outcome, QueueState
+from volutectl.states import HoldReason, Outcome, QueueState
 from volutectl.store import Row
 from volutectl.units import ScopeProperties, SystemdManager
 
@@ -150,11 +150,10 @@ class Turns:
 
     # -- admission's decisions -----------------------------------------------------------------
 
-    def record_holds(self, changes: list[core.Hold | tuple[int, None]], now: float) -> None:
+    def record_holds(self, holds: list[tuple[int, HoldReason | None]], now: float) -> None:
         """Write the hold reasons admission changed (only those), and log new holds."""
-        if not changes:
+        if not holds:
             return
-        holds = [(c.delivery_id, c.reason) if isinstance(c, core.Hold) else c for c in changes]
         new = set(self.store.mark_held(holds, now))
         rows = self.store.index.rows
         for delivery_id, reason in holds:
