@@ -165,7 +165,10 @@ class MindSettings(Section):
     user: str | None = None
     turns_per_mind: Positive | None = None
     working_directory: Path | None = None
+    # Readable by group volute with the rest of this file: not for secrets.
     environment: dict[str, str] = Field(default_factory=dict)
+    # KEY=VALUE lines that only root may read (volutectl/envfile.py), over `environment`.
+    environment_file: Path | None = None
     max_runtime_seconds: Annotated[float, Field(ge=0)] | None = None  # turns.max_runtime_seconds
 
     @field_validator("command")
@@ -173,6 +176,13 @@ class MindSettings(Section):
     def _command(cls, value: list[str] | str) -> list[str] | str:
         if not value:
             raise ValueError("the turn command must not be empty")
+        return value
+
+    @field_validator("environment_file")
+    @classmethod
+    def _environment_file(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError(f"{value} is not an absolute path")
         return value
 
 
