@@ -199,8 +199,8 @@ def parse_environment(data: bytes, path: Path | str) -> dict[str, str]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        line = data[: error.start].count(b"\n") + 1
-        raise _refuse(path, f"line {line} is not UTF-8") from None
+        bad = data[: error.start].count(b"\n") + 1
+        raise _refuse(path, f"line {bad} is not UTF-8") from None
     variables: dict[str, str] = {}
     first_seen: dict[str, int] = {}
     for number, line in enumerate(text.split("\n"), start=1):
