@@ -126,7 +126,10 @@ class TurnsSettings(Section):
     # with any IO scheduler, unlike IOWeight), e.g. ["/dev/mmcblk0 8M"].
     io_read_bandwidth_max: list[str] = Field(default_factory=list)
     io_write_bandwidth_max: list[str] = Field(default_factory=list)
-    default_user: str = "volute"
+    # A user of its own, outside group volute (which may read this file and use the
+    # socket). Before 0.2 it was `volute`, a member: a config naming that still works,
+    # and `config check` and `doctor` warn about it.
+    default_user: str = "volute-turn"
     # A turn that runs longer is stopped (SIGTERM, then SIGKILL after the grace) and
     # counts one failed attempt, outcome "timeout". 0: no limit.
     max_runtime_seconds: Annotated[float, Field(ge=0)] = 3600.0

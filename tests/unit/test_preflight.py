@@ -101,8 +101,8 @@ def test_a_mind_without_a_user_runs_as_the_default_user(tree: Path) -> None:
         return MIND
 
     config = Settings(minds={"m": {"command": ["/bin/true"], "working_directory": tree}})
-    assert preflight.check_mind("m", config, lookup).user == "volute"
-    assert seen == ["volute"]
+    assert preflight.check_mind("m", config, lookup).user == "volute-turn"
+    assert seen == ["volute-turn"]
 
 
 # -- the command -------------------------------------------------------------------------
