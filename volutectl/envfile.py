@@ -42,6 +42,10 @@ VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 FORMAT_HINT = "one KEY=VALUE a line; blank lines and lines starting with # are skipped"
 
 
+class NotVisible(ConfigError):
+    """This process may not look (permission denied): only root can check the file."""
+
+
 def _refuse(path: Path | str, why: str, hint: str | None = None) -> ConfigError:
     return ConfigError(f"environment file {path}: {why}", hint=hint)
 
@@ -134,7 +138,7 @@ def _path_error(path: Path, where: str, dir_fd: int, name: str, error: OSError) 
     if isinstance(error, FileNotFoundError):
         return _refuse(path, f"{where} does not exist")
     if isinstance(error, PermissionError):
-        return _refuse(path, f"{where}: permission denied")
+        return NotVisible(f"environment file {path}: {where}: permission denied")
     return _refuse(path, f"{where}: {error.strerror or error}")
 
 
@@ -143,6 +147,8 @@ def _stat_file(path: Path, dir_fd: int, name: str, owner: int) -> os.stat_result
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         raise _refuse(path, "does not exist") from None
+    except PermissionError:
+        raise NotVisible(f"environment file {path}: permission denied") from None
     except OSError as error:
         raise _refuse(path, error.strerror or str(error)) from None
     check_file_status(path, st, owner)
@@ -150,7 +156,8 @@ def _stat_file(path: Path, dir_fd: int, name: str, owner: int) -> os.stat_result
 
 
 def check_environment_file(path: Path, owner: int = 0) -> None:
-    """Every check but the read: what a user other than root can still tell."""
+    """Every check but the read: what a user other than root can still tell (a NotVisible
+    error where the path is closed to it)."""
     fd, name = _open_directory(path, owner)
     try:
         _stat_file(path, fd, name, owner)
