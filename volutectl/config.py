@@ -126,7 +126,10 @@ class TurnsSettings(Section):
     # with any IO scheduler, unlike IOWeight), e.g. ["/dev/mmcblk0 8M"].
     io_read_bandwidth_max: list[str] = Field(default_factory=list)
     io_write_bandwidth_max: list[str] = Field(default_factory=list)
-    default_user: str = "volute"
+    # A user of its own, outside group volute (which may read this file and use the
+    # socket). Before 0.2 it was `volute`, a member: a config naming that still works,
+    # and `config check` and `doctor` warn about it.
+    default_user: str = "volute-turn"
     # A turn that runs longer is stopped (SIGTERM, then SIGKILL after the grace) and
     # counts one failed attempt, outcome "timeout". 0: no limit.
     max_runtime_seconds: Annotated[float, Field(ge=0)] = 3600.0
@@ -165,7 +168,10 @@ class MindSettings(Section):
     user: str | None = None
     turns_per_mind: Positive | None = None
     working_directory: Path | None = None
+    # Readable by group volute with the rest of this file: not for secrets.
     environment: dict[str, str] = Field(default_factory=dict)
+    # KEY=VALUE lines that only root may read (volutectl/envfile.py), over `environment`.
+    environment_file: Path | None = None
     max_runtime_seconds: Annotated[float, Field(ge=0)] | None = None  # turns.max_runtime_seconds
 
     @field_validator("command")
@@ -173,6 +179,13 @@ class MindSettings(Section):
     def _command(cls, value: list[str] | str) -> list[str] | str:
         if not value:
             raise ValueError("the turn command must not be empty")
+        return value
+
+    @field_validator("environment_file")
+    @classmethod
+    def _environment_file(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError(f"{value} is not an absolute path")
         return value
 
 

@@ -61,7 +61,9 @@ def check_command(config_path: str | None) -> None:
 
     Exits 78 naming the bad key and its file or variable, or the minds that fail
     preflight: a user that does not exist, a command that is missing or not executable
-    by that user, a working directory that is missing or closed to it.
+    by that user, a working directory that is missing or closed to it, an environment
+    file that is not root's alone or does not parse. Warns (exit 0) when minds share a
+    user, or a mind's user is root or in the socket's group.
     """
     loaded = _load_settings(config_path)
     settings = loaded.settings
@@ -73,10 +75,20 @@ def check_command(config_path: str | None) -> None:
         click.echo(f"  mind {mind}: from {sources} (at most {limit} turn(s) at once)")
         for problem in reports[mind].problems:
             click.echo(f"    fail: {problem}")
+        for warning in reports[mind].warnings:
+            click.echo(f"    warn: {warning}")
         for note in reports[mind].notes:
             click.echo(f"    note: {note}")
     for name in unused_variables(loaded):
         click.echo(f"volutectl: warning: {name} names no config section; it is ignored", err=True)
+    apart = [mind for mind in settings.minds if reports[mind].warnings]
+    if apart:
+        which = f"mind {apart[0]} is" if len(apart) == 1 else f"minds {', '.join(apart)} are"
+        click.echo(
+            f"volutectl: warning: {which} not kept apart (see the warn lines)\n"
+            f"  hint: {preflight.APART_HINT}",
+            err=True,
+        )
     status, found, change = preflight.check_cap(settings)
     if status != "ok":
         click.echo(f"volutectl: warning: {found}\n  hint: {change}", err=True)

@@ -396,16 +396,20 @@ def check_socket_access(settings: Settings) -> Check:
 
 
 def check_mind(report: preflight.MindReport) -> Check:
-    """One mind: its user, its command and its working directory, as its turns need them."""
+    """One mind: its user, its command and its working directory, as its turns need them;
+    a warning where it is not kept apart from other minds or from the socket."""
     notes = "".join(f"; {note}" for note in report.notes)
     if not report.problems:
         found = f"runs as {report.user}: user, command and working directory pass{notes}"
+        if report.warnings:
+            found = "; ".join(report.warnings) + f"; {found}"
+            return Check(f"mind {report.mind}", "warn", found, preflight.APART_HINT)
         return Check(f"mind {report.mind}", "ok", found)
     change = (
         "fix it (a config change needs a restart of the gate); "
         "until then every turn of this mind fails"
     )
-    found = "; ".join(report.problems) + notes
+    found = "; ".join((*report.problems, *report.warnings)) + notes
     return Check(f"mind {report.mind}", "fail", found, change, EX_CONFIG)
 
 

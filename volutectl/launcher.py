@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from volutectl import envfile
 from volutectl.errors import DataError, VoluteError
 from volutectl.journal import TurnStream
 
@@ -305,6 +306,19 @@ def command_argv(command: Sequence[str] | str) -> list[str]:
     if isinstance(command, str):
         return ["/bin/sh", "-c", command]
     return list(command)
+
+
+def mind_environment(
+    configured: Mapping[str, str], environment_file: Path | None
+) -> dict[str, str]:
+    """A mind's own variables for one turn: its `environment` from the config, then its
+    environment file over it. The file is read here, as root, at every turn's start (a
+    change needs no restart); a ConfigError naming it if it is not root's alone or does
+    not parse, and then the turn does not start."""
+    variables = dict(configured)
+    if environment_file is not None:
+        variables.update(envfile.read_environment_file(environment_file))
+    return variables
 
 
 def turn_environment(

@@ -11,11 +11,19 @@ mind's user, in its working directory, /bin/sh runs the command's words with the
 environment. A list's first word is looked up in the turn's PATH as sh looks it up; a
 string runs under /bin/sh -c, so only a plain leading command word can be checked, and
 the rest is reported as unchecked. Permissions are computed for the mind's user from
-modes and groups (volutectl/access.py), since the checker is often root.
+modes and groups (volutectl/access.py), since the checker is often root. A mind's
+environment_file must be root's alone (volutectl/envfile.py): as root it is read and
+parsed as a turn's start would; another checker sees only what it may.
+
+It also warns where minds are not kept apart (the turns still start): two minds that
+run as one user share everything (files, /proc/PID/environ, signals); a mind's user in
+the socket's group may read the config (every mind's `environment`) and use the socket;
+a mind run as root may do anything.
 """
 
 from __future__ import annotations
 
+import grp
 import os
 import re
 import shlex
@@ -26,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from volutectl import launcher
+from volutectl import envfile, launcher
 from volutectl.access import (
     EXECUTE,
     READ,
@@ -38,7 +46,7 @@ from volutectl.access import (
     stat_or_none,
 )
 from volutectl.config import MindSettings, Settings
-from volutectl.errors import DataError, VoluteError
+from volutectl.errors import ConfigError, DataError, VoluteError
 from volutectl.probes import block_device_dir, existing_ancestor
 
 # Debian's home for users that have none (Policy 9.2.1; the sysusers line of `volute`):
@@ -57,23 +65,41 @@ SHELL_RESERVED = frozenset(
 ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*", re.S)
 
 
+# volutectl 0.1's default turn user, a member of group volute; an upgrade leaves it.
+OLD_DEFAULT_USER = "volute"
+APART_HINT = (
+    "give each mind a user of its own (minds.NAME.user), neither root nor in the socket's "
+    "group; the package's default turn user, volute-turn, is neither"
+)
+
+
 @dataclass(frozen=True)
 class MindReport:
-    """One mind's preflight: problems make every turn fail; notes say what was not checked."""
+    """One mind's preflight: problems make every turn fail; notes say what was not
+    checked; warnings say where it is not kept apart from other minds or the socket."""
 
     mind: str
     user: str
     problems: tuple[str, ...]
     notes: tuple[str, ...]
+    warnings: tuple[str, ...] = ()
 
 
 Lookup = Callable[[str], launcher.Account | None]
+GroupLookup = Callable[[str], int | None]
 
 
 def find_account(user: str) -> launcher.Account | None:
     try:
         return launcher.resolve_account(user)
     except DataError:
+        return None
+
+
+def find_group(name: str) -> int | None:
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
         return None
 
 
@@ -207,7 +233,81 @@ def command_problem(word: str, cwd: str, search_path: str, who: Who) -> str | No
 # -- one mind ----------------------------------------------------------------------------
 
 
-def check_mind(name: str, settings: Settings, lookup: Lookup = find_account) -> MindReport:
+# -- the environment file, and minds apart -----------------------------------------------
+
+
+def environment_file_check(path: Path) -> tuple[dict[str, str], str | None, str | None]:
+    """(its variables, a problem, a note) for a mind's environment file: read and parsed
+    as a turn's start would, as root; only its owner, mode and directories otherwise."""
+    try:
+        if os.geteuid() == 0:
+            return envfile.read_environment_file(path), None, None
+        envfile.check_environment_file(path)
+    except envfile.NotVisible as error:
+        return {}, None, f"{error.message}; run as root to check it"
+    except ConfigError as error:
+        return {}, error.message, None
+    return {}, None, f"environment file {path}: contents not checked; run as root to check them"
+
+
+def isolation_warnings(
+    account: launcher.Account, settings: Settings, group_lookup: GroupLookup = find_group
+) -> list[str]:
+    """Where a mind's user lets its turns reach past the mind: root, or the socket's group."""
+    if account.uid == 0:
+        return [
+            "runs as root: its turns may do anything on this host, every mind's secrets included"
+        ]
+    group = settings.gate.socket_group
+    gid = group_lookup(group)
+    if gid is None or (gid != account.gid and gid not in account.groups):
+        return []
+    old = " (volutectl 0.1's default turn user)" if account.name == OLD_DEFAULT_USER else ""
+    return [
+        f"runs as user {account.name!r}{old}, a member of group {group!r}: its turns can "
+        "read the config (every mind's environment) and use the gate's socket (deliver to "
+        "any mind, retry, drop)"
+    ]
+
+
+def shared_user_warnings(reports: list[MindReport]) -> list[MindReport]:
+    """Each report, with a warning if another mind runs as the same user."""
+    by_user: dict[str, list[str]] = {}
+    for report in reports:
+        by_user.setdefault(report.user, []).append(report.mind)
+    out = []
+    for report in reports:
+        others = [mind for mind in by_user[report.user] if mind != report.mind]
+        if not others:
+            out.append(report)
+            continue
+        which = f"mind {others[0]}" if len(others) == 1 else f"minds {', '.join(others)}"
+        warning = (
+            f"shares user {report.user!r} with {which}: each can read and change the "
+            "other's files, read its turns' environment in /proc/PID/environ (secrets "
+            "included) and signal its processes"
+        )
+        out.append(
+            MindReport(
+                mind=report.mind,
+                user=report.user,
+                problems=report.problems,
+                notes=report.notes,
+                warnings=(*report.warnings, warning),
+            )
+        )
+    return out
+
+
+# -- one mind ----------------------------------------------------------------------------
+
+
+def check_mind(
+    name: str,
+    settings: Settings,
+    lookup: Lookup = find_account,
+    group_lookup: GroupLookup = find_group,
+) -> MindReport:
     mind = settings.minds[name]
     user = mind.user or settings.turns.default_user
     account = lookup(user)
@@ -216,6 +316,13 @@ def check_mind(name: str, settings: Settings, lookup: Lookup = find_account) -> 
     who = who_of(account)
     problems: list[str] = []
     notes: list[str] = []
+    warnings = isolation_warnings(account, settings, group_lookup)
+    environment = dict(mind.environment)
+    if mind.environment_file is not None:
+        variables, problem, note = environment_file_check(mind.environment_file)
+        environment.update(variables)
+        problems += [problem] if problem else []
+        notes += [note] if note else []
     cwd, what = working_directory(mind, account)
     if mind.working_directory is None and account.home in NO_HOME:
         notes.append(f"turns run in / (set minds.{name}.working_directory for another)")
@@ -236,7 +343,7 @@ def check_mind(name: str, settings: Settings, lookup: Lookup = find_account) -> 
     if word in SHELL_BUILTINS:
         notes.append(f"{word!r} is a shell builtin")
     elif word is not None:
-        search_path = mind.environment.get("PATH", launcher.TURN_PATH)
+        search_path = environment.get("PATH", launcher.TURN_PATH)
         try:
             problem = command_problem(word, cwd, search_path, who)
         except Unknown as unknown:
@@ -244,11 +351,14 @@ def check_mind(name: str, settings: Settings, lookup: Lookup = find_account) -> 
         else:
             if problem is not None:
                 problems.append(problem)
-    return MindReport(name, user, tuple(problems), tuple(notes))
+    return MindReport(name, user, tuple(problems), tuple(notes), tuple(warnings))
 
 
-def check_minds(settings: Settings, lookup: Lookup = find_account) -> list[MindReport]:
-    return [check_mind(name, settings, lookup) for name in sorted(settings.minds)]
+def check_minds(
+    settings: Settings, lookup: Lookup = find_account, group_lookup: GroupLookup = find_group
+) -> list[MindReport]:
+    reports = [check_mind(name, settings, lookup, group_lookup) for name in sorted(settings.minds)]
+    return shared_user_warnings(reports)
 
 
 def failing(settings: Settings, lookup: Lookup = find_account) -> dict[str, tuple[str, ...]]:

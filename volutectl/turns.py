@@ -245,6 +245,7 @@ class Turns:
         if mind is None:
             raise DataError(f"mind {start.mind!r} is no longer configured")
         cwd = preflight.turn_directory(start.mind, mind, account)  # before anything is made
+        extra = launcher.mind_environment(mind.environment, mind.environment_file)
         stdin = b"".join(
             launcher.delivery_record(r.id, r.session, r.message, r.interrupt) for r in taken
         )
@@ -256,7 +257,7 @@ class Turns:
             turn_id=turn_id,
             delivery_ids=[row.id for row in taken],
             turn_dir=turn_dir,
-            extra=mind.environment,
+            extra=extra,
         )
         return turn_dir, launcher.command_argv(mind.command), env, cwd
 

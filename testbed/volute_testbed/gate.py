@@ -15,6 +15,7 @@ from volute_testbed.paths import CHECKOUT, PYTHON, SCRIPTS
 UNITS = CHECKOUT / "units"
 DEFAULT_SOCKET = "/run/volute/gate.sock"  # volute-gate.socket's ListenStream=
 VOLUTECTL = str(SCRIPTS / "volutectl")
+DEFAULT_TURN_USER = "volute-turn"  # turns.default_user's default, as the package makes it
 
 
 def install_units(machine: Machine) -> None:
@@ -35,13 +36,15 @@ def install_units(machine: Machine) -> None:
         "/etc/systemd/system/volute-heartbeat@.service.d/test-venv.conf",
         f"[Service]\nProtectHome=read-only\nBindReadOnlyPaths={binds}\n",
     )
+    # As debian/volutectl.sysusers does: the socket's group, and the default turn user
+    # with a group of its own, outside it.
     machine.run(["groupadd", "-f", "-r", "volute"])
     machine.run(
         [
             "sh",
             "-c",
-            "id volute >/dev/null 2>&1 || "
-            "useradd -r -g volute -M -d /nonexistent -s /usr/sbin/nologin volute",
+            f"id {DEFAULT_TURN_USER} >/dev/null 2>&1 || useradd -r -U -M -d /nonexistent "
+            f"-s /usr/sbin/nologin {DEFAULT_TURN_USER}",
         ]
     )
     machine.run(["systemctl", "daemon-reload"])

@@ -139,9 +139,14 @@ def test_units_are_installed_and_verify_under_trixie_systemd(installed: Installe
 
 def test_sysusers_tmpfiles_and_config_permissions(installed: Installed) -> None:
     m = installed.machine
-    user = m.run(["getent", "passwd", "volute"]).stdout.split(":")
-    group = m.run(["getent", "group", "volute"]).stdout.split(":")
-    assert user[3] == group[2] and int(user[2]) < 1000
+    # The default turn user has a group of its own, and is no member of group volute
+    # (which may read the config and use the socket).
+    user = m.run(["getent", "passwd", "volute-turn"]).stdout.split(":")
+    own = m.run(["getent", "group", "volute-turn"]).stdout.strip().split(":")
+    socket_group = m.run(["getent", "group", "volute"]).stdout.strip().split(":")
+    assert user[3] == own[2] != socket_group[2] and int(user[2]) < 1000
+    assert "volute-turn" not in socket_group[3].split(",")
+    assert m.run(["id", "-nG", "volute-turn"]).stdout.split() == ["volute-turn"]
     listing = m.sh("stat -c '%U %G %a %n' /etc/volute/volutectl.toml /var/lib/volute /run/volute")
     assert listing.stdout.splitlines() == [
         "root volute 640 /etc/volute/volutectl.toml",
@@ -389,7 +394,7 @@ def test_remove_keeps_state_and_purge_leaves_nothing(installed: Installed) -> No
     )
     assert m.host_path("/var/lib/volute").is_dir()
     assert m.host_path("/etc/volute/volutectl.toml").is_file()
-    assert m.run(["getent", "passwd", "volute"], check=False).returncode == 0
+    assert m.run(["getent", "passwd", "volute-turn"], check=False).returncode == 0
     assert not m.host_path("/usr/lib/systemd/system/volute-gate.service").exists()
     # Removing the package stops the gate but no running turn, nor the slices they run in.
     assert live_turns(m) == turns
@@ -421,7 +426,7 @@ def test_remove_keeps_state_and_purge_leaves_nothing(installed: Installed) -> No
     ).stdout
     assert unit_files.strip() == "", unit_files
     # Debian keeps system users: files turns left keep an owner by name.
-    assert m.run(["getent", "passwd", "volute"], check=False).returncode == 0
+    assert m.run(["getent", "passwd", "volute-turn"], check=False).returncode == 0
     assert m.run(["getent", "group", "volute"], check=False).returncode == 0
     assert m.run(["dpkg-query", "-W", "-f=${Status}", "volutectl"], check=False).stdout in (
         "",

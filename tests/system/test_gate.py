@@ -230,7 +230,7 @@ def test_turns_run_as_the_configured_user_with_weights(machine: Machine) -> None
     assert unit in slice_status
     wait_for(lambda: all_settled(machine), timeout=30)
     start = next(f for f in turn_log(machine) if f[0] == "start")
-    assert start[4] == "volute"  # turns.default_user, never root unless configured
+    assert start[4] == "volute-turn"  # turns.default_user, never root unless configured
 
 
 def test_failed_turn_counts_an_attempt_and_goes_dead(machine: Machine) -> None:

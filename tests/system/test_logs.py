@@ -71,7 +71,7 @@ def test_a_turns_output_is_its_scopes_own_journal_stream(machine: Machine) -> No
         # (launcher.py's docstring); journald then sends no _SYSTEMD_CGROUP either.
         if "_SYSTEMD_CGROUP" in entry:
             assert entry["_SYSTEMD_SLICE"] == "volute-turns.slice"
-        assert entry["_UID"] == machine.run(["id", "-u", "volute"]).stdout.strip()
+        assert entry["_UID"] == machine.run(["id", "-u", "volute-turn"]).stdout.strip()
     other = r"volute-turn-m\x2d1-2.scope"
     wait_for(lambda: messages(machine, f"_SYSTEMD_UNIT={other}") == ["m-1 says 2"], timeout=10)
     [entry] = entries(machine, "-t", "volute-m-1")

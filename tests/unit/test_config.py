@@ -189,6 +189,11 @@ BAD_FILES = {
     ),
     "mind without command": ('[minds.a]\nuser = "a"\n', "minds.a.command", "required"),
     "empty command": ("[minds.a]\ncommand = []\n", "minds.a.command", "must not be empty"),
+    "relative environment file": (
+        '[minds.a]\ncommand = "x"\nenvironment_file = "a.env"\n',
+        "minds.a.environment_file",
+        "a.env is not an absolute path",
+    ),
     "bad slice": ('[turns]\nslice = "turns"\n', "turns.slice", "invalid slice name"),
     "root slice": ('[tests]\nslice = "-.slice"\n', "tests.slice", "invalid slice name"),
     "bad bandwidth": (

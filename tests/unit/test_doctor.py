@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from volutectl import doctor
+from volutectl import doctor, preflight
 from volutectl.doctor import Check
 from volutectl.errors import EX_CONFIG, EX_OK, EX_UNAVAILABLE
 
@@ -400,3 +400,32 @@ def test_psi_trigger_check_says_where_a_trigger_can_be_armed() -> None:
     check = check_psi_triggers(coarse, enabled=True)
     assert check.status == "ok" and "2 s" in check.line() and "/proc/pressure/io" in check.line()
     assert "pressure gate on" in check.line()
+
+
+# -- minds apart -------------------------------------------------------------------------
+
+
+SHARED = "shares user 'volute-turn' with mind b: each can read ..."
+
+
+def test_a_mind_not_kept_apart_is_a_warning_that_says_how_to_fix_it() -> None:
+    report = preflight.MindReport("a", "volute-turn", (), ("a note",), (SHARED,))
+    check = doctor.check_mind(report)
+    assert (check.check, check.status, check.exit_code) == ("mind a", "warn", EX_OK)
+    assert check.found == (
+        f"{SHARED}; runs as volute-turn: user, command and working directory pass; a note"
+    )
+    assert check.change == preflight.APART_HINT
+    assert doctor.exit_code([check]) == EX_OK  # advice: its turns still start
+
+
+def test_a_failing_mind_keeps_its_warnings_and_fails() -> None:
+    report = preflight.MindReport("a", "volute-turn", ("no such command",), (), (SHARED,))
+    check = doctor.check_mind(report)
+    assert (check.status, check.exit_code) == ("fail", EX_CONFIG)
+    assert check.found == f"no such command; {SHARED}"
+
+
+def test_a_mind_kept_apart_is_ok() -> None:
+    check = doctor.check_mind(preflight.MindReport("a", "alice", (), ()))
+    assert (check.status, check.change) == ("ok", "")

@@ -101,8 +101,8 @@ def test_a_mind_without_a_user_runs_as_the_default_user(tree: Path) -> None:
         return MIND
 
     config = Settings(minds={"m": {"command": ["/bin/true"], "working_directory": tree}})
-    assert preflight.check_mind("m", config, lookup).user == "volute"
-    assert seen == ["volute"]
+    assert preflight.check_mind("m", config, lookup).user == "volute-turn"
+    assert seen == ["volute-turn"]
 
 
 # -- the command -------------------------------------------------------------------------
@@ -289,3 +289,131 @@ def test_what_the_checker_may_not_look_at_is_a_note_not_a_problem(
         f"working directory {tree} not checked: cannot look at {tree}"
     )
     assert result.notes[0].endswith("(permission denied); run as root to check it")
+
+
+# -- minds apart: shared users, the socket's group, root, secrets ------------------------
+
+SOCKET_GID = 64100  # the made-up gid of group volute (gate.socket_group) below
+
+
+def apart_report(
+    account: Account, *, group: int | None = SOCKET_GID, **mind: object
+) -> preflight.MindReport:
+    def lookup(user: str) -> Account:
+        return account
+
+    config = Settings(minds={"m": {"command": ["/bin/true"], "user": account.name, **mind}})
+    return preflight.check_mind("m", config, lookup, lambda name: group)
+
+
+def test_a_user_of_its_own_outside_the_group_gets_no_warning() -> None:
+    assert apart_report(MIND).warnings == ()
+    assert apart_report(MIND, group=None).warnings == ()  # no such group on this host
+
+
+@pytest.mark.parametrize(
+    "account",
+    [
+        Account("agent", 64002, 64002, (64002, SOCKET_GID), "/nonexistent"),  # supplementary
+        Account("agent", 64002, SOCKET_GID, (SOCKET_GID,), "/nonexistent"),  # primary
+    ],
+)
+def test_a_user_in_the_sockets_group_is_warned_of(account: Account) -> None:
+    assert apart_report(account).warnings == (
+        "runs as user 'agent', a member of group 'volute': its turns can read the config "
+        "(every mind's environment) and use the gate's socket (deliver to any mind, retry, "
+        "drop)",
+    )
+
+
+def test_the_old_default_turn_user_is_named_as_such() -> None:
+    # volutectl 0.1's default, left by an upgrade: a config naming it still runs.
+    old = Account("volute", 998, SOCKET_GID, (SOCKET_GID,), "/nonexistent")
+    report = apart_report(old)
+    assert report.problems == ()
+    [warning] = report.warnings
+    assert warning.startswith("runs as user 'volute' (volutectl 0.1's default turn user), a ")
+
+
+def test_root_is_warned_of() -> None:
+    root = Account("root", 0, 0, (0,), "/root")
+    assert apart_report(root).warnings == (
+        "runs as root: its turns may do anything on this host, every mind's secrets included",
+    )
+
+
+def test_minds_that_share_a_user_are_each_warned_of_the_others() -> None:
+    accounts = {
+        "volute-turn": Account("volute-turn", 64010, 64010, (64010,), "/nonexistent"),
+        "bob": Account("bob", 64011, 64011, (64011,), "/nonexistent"),
+    }
+    config = Settings(
+        minds={
+            "a": {"command": ["/bin/true"]},  # the default user
+            "b": {"command": ["/bin/true"], "user": "volute-turn"},
+            "c": {"command": ["/bin/true"]},
+            "own": {"command": ["/bin/true"], "user": "bob"},
+        }
+    )
+    reports = {
+        report.mind: report
+        for report in preflight.check_minds(config, accounts.get, lambda name: SOCKET_GID)
+    }
+    shares = (
+        "shares user 'volute-turn' with {}: each can read and change the other's files, read "
+        "its turns' environment in /proc/PID/environ (secrets included) and signal its processes"
+    )
+    assert reports["a"].warnings == (shares.format("minds b, c"),)
+    assert reports["b"].warnings == (shares.format("minds a, c"),)
+    assert reports["c"].warnings == (shares.format("minds a, b"),)
+    assert reports["own"].warnings == ()
+    assert all(report.problems == () for report in reports.values())
+
+
+def secret_file(directory: Path, text: str, mode: int = 0o600) -> Path:
+    path = directory / "m.env"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def test_an_environment_file_open_to_others_fails_preflight(tmp_path: Path) -> None:
+    assert os.geteuid() == 0, "run as root, as the gate's preflight does"
+    path = secret_file(tmp_path, "API_KEY=sk-1\n", 0o640)
+    report = apart_report(MIND, environment_file=str(path))
+    [problem] = report.problems
+    assert problem.startswith(f"environment file {path}: is open to group or others")
+
+
+def test_an_environment_file_that_does_not_parse_fails_preflight(tmp_path: Path) -> None:
+    assert os.geteuid() == 0, "run as root, as the gate's preflight does"
+    path = secret_file(tmp_path, "API_KEY=sk-1\nsk-2\n")
+    assert apart_report(MIND, environment_file=str(path)).problems == (
+        f"environment file {path}: line 2 has no '='",
+    )
+
+
+def test_the_environment_files_path_is_where_the_command_is_looked_up(
+    tmp_path: Path, tree: Path
+) -> None:
+    assert os.geteuid() == 0, "run as root, as the gate's preflight does"
+    executable(tree / "agent-turn")
+    path = secret_file(tmp_path, f"PATH={tree}:/usr/bin\n")
+    command = {"command": ["agent-turn"], "working_directory": str(tree)}
+    assert apart_report(MIND, environment_file=str(path), **command).problems == ()
+    missing = apart_report(MIND, **command).problems
+    assert missing == (f"command 'agent-turn' is not in the turn's PATH ({TURN_PATH})",)
+
+
+def test_another_checker_than_root_checks_only_owner_and_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = secret_file(tmp_path, "does not parse\n")
+    monkeypatch.setattr(preflight.os, "geteuid", lambda: 1000)
+    report = apart_report(MIND, environment_file=str(path))
+    assert report.problems == ()
+    unchecked = f"environment file {path}: contents not checked; run as root to check them"
+    assert unchecked in report.notes
+    path.chmod(0o644)
+    [problem] = apart_report(MIND, environment_file=str(path)).problems
+    assert problem.startswith(f"environment file {path}: is open to group or others")

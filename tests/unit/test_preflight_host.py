@@ -163,6 +163,19 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+ROOT_WARNING = "runs as root: its turns may do anything on this host, every mind's secrets included"
+
+
+def apart(*others: str) -> list[str]:
+    """The warnings of a mind of ME that shares ME with `others` (and ME is root here)."""
+    which = f"mind {others[0]}" if len(others) == 1 else f"minds {', '.join(others)}"
+    shared = (
+        f"shares user {ME!r} with {which}: each can read and change the other's files, read "
+        "its turns' environment in /proc/PID/environ (secrets included) and signal its processes"
+    )
+    return [ROOT_WARNING, shared] if os.geteuid() == 0 else [shared]
+
+
 def config_file(tree: Path, minds: str) -> Path:
     path = tree / "volutectl.toml"
     gate = f'[gate]\nstate_dir = "{tree}/state"\nsocket = "{tree}/gate.sock"\n'
@@ -189,9 +202,13 @@ def test_config_check_lists_each_minds_problems_and_exits_78(tree: Path) -> None
         f"  mind lost: from file {config} (at most 1 turn(s) at once)",
         f"    fail: working directory {tree}/gone does not exist",
         f"    fail: command 'no-such-turn-command' is not in the turn's PATH ({TURN_PATH})",
+        *[f"    warn: {warning}" for warning in apart("fine")],
         f"  mind fine: from file {config} (at most 1 turn(s) at once)",
+        *[f"    warn: {warning}" for warning in apart("lost")],
     ]
     assert result.stderr.splitlines() == [
+        "volutectl: warning: minds lost, fine are not kept apart (see the warn lines)",
+        f"  hint: {preflight.APART_HINT}",
         "volutectl: minds ghost, lost fail preflight: their turns cannot start on this host",
         "  hint: fix what each fail line says; until then every turn fails and goes dead",
     ]
@@ -217,20 +234,29 @@ def test_doctor_fails_a_mind_with_78_and_reports_the_socket_and_the_cap(tree: Pa
     result = run("doctor", "--json", "--config", str(config))
     assert result.returncode == EX_CONFIG, result.stderr
     checks = {check["check"]: check for check in json.loads(result.stdout)["checks"]}
+    warnings = "; ".join(apart("fine"))
     assert checks["mind lost"] == {
         "check": "mind lost",
         "status": "fail",
-        "found": f"working directory {tree}/gone does not exist",
+        "found": f"working directory {tree}/gone does not exist; {warnings}",
         "change": "fix it (a config change needs a restart of the gate); until then every turn "
         "of this mind fails",
         "exit_code": EX_CONFIG,
     }
-    assert checks["mind fine"]["status"] == "ok"
-    assert checks["mind fine"]["found"] == f"runs as {ME}: user, command and working directory pass"
+    # Its turns can start: it passes, with a warning (root, and a user shared with lost).
+    assert checks["mind fine"] == {
+        "check": "mind fine",
+        "status": "warn",
+        "found": "; ".join(apart("lost"))
+        + f"; runs as {ME}: user, command and working directory pass",
+        "change": preflight.APART_HINT,
+        "exit_code": 0,
+    }
     assert checks["turn-cap"]["found"] == "limits.global_concurrent_turns = 2"
     assert checks["socket-access"]["status"] == "ok"  # root, or this user's own group
     text = run("doctor", "--config", str(config)).stdout.splitlines()
     assert (
-        f"fail mind lost    working directory {tree}/gone does not exist; change: fix it (a "
-        "config change needs a restart of the gate); until then every turn of this mind fails"
+        f"fail mind lost    working directory {tree}/gone does not exist; {warnings}; "
+        "change: fix it (a config change needs a restart of the gate); until then every turn "
+        "of this mind fails"
     ) in text

@@ -233,15 +233,23 @@ def test_sysusers_creates_the_group_and_the_default_turn_user(tmp_path: Path) ->
     )
     assert result.returncode == 0, result.stderr
     settings = Settings()
-    groups = {line.split(":")[0]: line for line in (tmp_path / "etc/group").read_text().split()}
+    groups = {
+        line.split(":")[0]: line.split(":")
+        for line in (tmp_path / "etc/group").read_text().splitlines()
+    }
     passwd = {
         line.split(":")[0]: line.split(":")
         for line in (tmp_path / "etc/passwd").read_text().splitlines()
     }
     assert settings.gate.socket_group in groups
     user = passwd[settings.turns.default_user]
-    gid = groups[settings.gate.socket_group].split(":")[2]
-    assert user[3] == gid  # primary group volute
+    # The default turn user is no member of the socket's group, which may also read the
+    # config: not its primary group, nor a supplementary one. Its group is its own.
+    socket_group = groups[settings.gate.socket_group]
+    assert user[3] != socket_group[2]
+    assert settings.turns.default_user not in socket_group[3].split(",")
+    own = [name for name, fields in groups.items() if fields[2] == user[3]]
+    assert own == [settings.turns.default_user]
     assert 0 < int(user[2]) < 1000  # a system user
     assert user[6] == "/usr/sbin/nologin"
 
