@@ -271,6 +271,8 @@ class Gate:
                 self.server.accept()
             elif kind == "client":
                 incoming += self.server.on_client(data, mask)
+            elif kind == "hangup":
+                self.server.on_hangups()
             elif kind == "pidfd":
                 self._guarded(f"the end of turn {data.id}", self.state.liveness.reap, data)
             elif kind == "slots":
