@@ -360,7 +360,8 @@ class Gate:
 
     def _deliver(self, clients: list[Client], batch: list[DeliverRequest]) -> list[Reply | None]:
         try:
-            return list(handlers.accept_deliveries(self.state, batch))
+            callers = [Caller(client.peer_uid()) for client in clients]
+            return list(handlers.accept_deliveries(self.state, batch, callers))
         except Exception as error:  # noqa: BLE001 - nothing was stored: end these clients
             for client in clients:
                 self.server.client_failed(client, "storing deliveries", error)
