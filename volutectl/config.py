@@ -74,12 +74,33 @@ class GateSettings(Section):
     # Connections served at once; beyond them the gate stops accepting (they wait in the
     # listen backlog) until one leaves. Each holds a file descriptor.
     max_clients: Positive = 512
+    # Fair shares for the members of socket_group, who may all connect: each uid other
+    # than root holds at most max_clients_per_uid connections (a `wait` holds one each),
+    # and the last clients_reserved_for_root places of max_clients are root's alone, so
+    # that no member's connections can keep the operator out. Beyond either, a new
+    # connection is refused with 75 (EX_TEMPFAIL), naming the key.
+    max_clients_per_uid: Positive = 64
+    clients_reserved_for_root: NonNegative = 16
+    # Each uid's quota of deliveries not yet done (pending, running or dead; root has
+    # none): past either, `deliver` is refused with 75 and nothing is stored. Dead ones
+    # count until retried or dropped, as retention never removes them.
+    max_pending_per_uid: Positive = 10_000
+    max_pending_bytes_per_uid: Positive = 64 * 1024 * 1024
     # A connection whose request has not become a complete line in this long is closed
     # (one that waits for its turn with `deliver --wait` is not idle).
     client_idle_seconds: Annotated[float, Field(gt=0)] = 60.0
     # Done and dropped deliveries (message included) and ended turns are deleted this
     # long after they finished; dead deliveries stay until retried or dropped.
     retention_days: Annotated[float, Field(gt=0)] = 7.0
+
+    @model_validator(mode="after")
+    def _root_reserve(self) -> GateSettings:
+        if self.clients_reserved_for_root >= self.max_clients:
+            raise ValueError(
+                f"clients_reserved_for_root ({self.clients_reserved_for_root}) must be below "
+                f"max_clients ({self.max_clients}), or no other user could connect"
+            )
+        return self
 
 
 class IoPressureSettings(Section):

@@ -271,6 +271,8 @@ class Gate:
                 self.server.accept()
             elif kind == "client":
                 incoming += self.server.on_client(data, mask)
+            elif kind == "hangup":
+                self.server.on_hangups()
             elif kind == "pidfd":
                 self._guarded(f"the end of turn {data.id}", self.state.liveness.reap, data)
             elif kind == "slots":
@@ -358,7 +360,8 @@ class Gate:
 
     def _deliver(self, clients: list[Client], batch: list[DeliverRequest]) -> list[Reply | None]:
         try:
-            return list(handlers.accept_deliveries(self.state, batch))
+            callers = [Caller(client.peer_uid()) for client in clients]
+            return list(handlers.accept_deliveries(self.state, batch, callers))
         except Exception as error:  # noqa: BLE001 - nothing was stored: end these clients
             for client in clients:
                 self.server.client_failed(client, "storing deliveries", error)

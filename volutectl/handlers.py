@@ -12,10 +12,11 @@ delivery of a batch shares one durable commit before any of them is acknowledged
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from volutectl import core, status, validate
@@ -54,6 +55,7 @@ from volutectl.messages import (
 )
 from volutectl.mindstore import EVERY_MIND
 from volutectl.pressure import PressureWatch
+from volutectl.quotas import Quota, QuotaExceeded
 from volutectl.slotwatch import SlotWatch
 from volutectl.states import DEFAULT_LISTED, Outcome, QueueState
 from volutectl.store import NewDelivery
@@ -78,6 +80,7 @@ class GateState:
     dirty: bool = True  # admission should run
     paused: frozenset[str] | core.EveryMind = frozenset()  # the store's pauses
     foreign_live: int = 0  # other scopes holding a place in the turns slice, last counted
+    over_quota: set[int | None] = field(default_factory=set)  # uids refused, as logged
 
 
 @dataclass(frozen=True)
@@ -246,37 +249,48 @@ def handle(state: GateState, request: Request, caller: Caller) -> Reply:
         return ErrorReply.of(TemporaryError(f"{request.OP}: the queue failed: {error}"))
 
 
-def accept_deliveries(state: GateState, batch: list[DeliverRequest]) -> list[Reply]:
+def accept_deliveries(
+    state: GateState, batch: list[DeliverRequest], callers: Sequence[Caller] | None = None
+) -> list[Reply]:
     """Queue a batch in ONE durable commit, then acknowledge: a DeliverAck or an
-    ErrorReply per request, in order.
+    ErrorReply per request, in order. `callers`, one per request, are who sent them.
 
     A request id the store already holds is a client retrying after a gate died before
-    its ack: it gets the original delivery id back, and nothing is queued twice. If the
-    commit fails (a full disk), nothing is stored and every one is refused with 75; an
-    error that is not the store's is raised, for the caller to end those clients.
+    its ack: it gets the original delivery id back, and nothing is queued twice. A new
+    delivery that would take its sender past its uid's quota (volutectl/quotas.py) is
+    refused with 75, and not stored. If the commit fails (a full disk), nothing is
+    stored and every one is refused with 75; an error that is not the store's is
+    raised, for the caller to end those clients.
     """
     replies: list[Reply | None] = []
     rows: list[NewDelivery] = []
-    for request in batch:
+    uids = [caller.uid for caller in callers] if callers is not None else [None] * len(batch)
+    for request, uid in zip(batch, uids, strict=True):
         try:
-            rows.append(validate.delivery(state.settings, request))
+            rows.append(dataclasses.replace(validate.delivery(state.settings, request), uid=uid))
             replies.append(None)
         except VoluteError as error:
             replies.append(ErrorReply.of(error))
     if not rows:
         return [reply for reply in replies if reply is not None]
+    gate = state.settings.gate
+    check = state.store.quota_check(Quota(gate.max_pending_per_uid, gate.max_pending_bytes_per_uid))
     try:
-        results = iter(state.store.add_deliveries(rows))
+        results = iter(state.store.add_deliveries(rows, refuse=check))
     except (sqlite3.Error, OSError) as error:
         refusal = _refusal(state, len(rows), error)
         return [reply or refusal for reply in replies]
     crash_point("request_committed")
+    state.over_quota -= check.accepted  # a uid served again is told of its next refusal
     done: list[Reply] = []
-    for reply, request in zip(replies, batch, strict=True):
+    for reply, request, uid in zip(replies, batch, uids, strict=True):
         if reply is not None:
             done.append(reply)
             continue
         result = next(results)
+        if isinstance(result, QuotaExceeded) and uid not in state.over_quota:
+            state.over_quota.add(uid)  # said once, until this uid is served again
+            state.journal.log("warning", f"refusing deliveries: {result.message}", uid=uid)
         if isinstance(result, VoluteError):
             done.append(ErrorReply.of(result))
             continue

@@ -6,16 +6,22 @@ every method that moves a row into or out of `pending` updates it after its comm
 commit that fails changes nothing, in the database or here). The gate uses this store;
 the index also answers what would otherwise be a scan of the queue on every pass: the
 next backoff to wake for, pending counts per mind, held counts per reason.
+
+It also keeps each uid's sums of deliveries not yet done (`usages`, volutectl/quotas.py),
+summed once when the store opens and moved by the same commits, so that the quota check
+of a delivery reads no row.
 """
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from volutectl.core import Delivery
 from volutectl.queueindex import PendingIndex
+from volutectl.quotas import COUNTED, BatchCheck, Quota, Usages
 from volutectl.rows import NewDelivery
 from volutectl.schema import Transaction
 from volutectl.states import HoldReason, QueueState
@@ -36,6 +42,8 @@ class IndexedStore(Store):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self.index = self.load_index()
+        self.usages = self.load_usages()
+        self.usages_stale = False  # a commit's sums could not be read: sum again
         self.db.execute("PRAGMA wal_autocheckpoint=0")
         self._commits = 0
         self._last_commit = 0.0
@@ -88,11 +96,49 @@ class IndexedStore(Store):
         )
         return index
 
+    def load_usages(self) -> Usages:
+        """Each uid's deliveries not yet done, summed from the database."""
+        usages = Usages()
+        cursor = self.db.execute(
+            "SELECT uid, COUNT(*), SUM(length(message)) FROM deliveries "
+            f"WHERE state IN ({','.join('?' * len(COUNTED))}) AND uid IS NOT NULL GROUP BY uid",
+            COUNTED,
+        )
+        for uid, count, message_bytes in cursor:
+            usages.add(int(uid), int(count), int(message_bytes or 0))
+        return usages
+
+    def quota_check(self, quota: Quota) -> BatchCheck:
+        """The check for one batch of deliveries (add_deliveries' `refuse`)."""
+        if self.usages_stale:
+            self.usages = self.load_usages()
+            self.usages_stale = False
+        return BatchCheck(self.usages, quota)
+
     # -- keeping the index in step: the store's hooks, each after its commit ----------
 
     def _inserted(self, rows: list[tuple[int, NewDelivery]]) -> None:
         for delivery_id, item in rows:
             self.index.add(Delivery(delivery_id, item.mind, item.session, item.interrupt))
+            if item.uid is not None:
+                self.usages.add(item.uid, 1, len(item.message))
+
+    def _finished(self, ids: list[int]) -> None:
+        """Rows just done or dropped leave their uid's sums. Their uid and size are read
+        back (by primary key, a few rows) rather than kept in memory for every row; if
+        that read fails, the sums are summed again before the next check."""
+        try:
+            for start in range(0, len(ids), 500):
+                chunk = ids[start : start + 500]
+                cursor = self.db.execute(
+                    "SELECT uid, length(message) FROM deliveries "
+                    f"WHERE id IN ({','.join('?' * len(chunk))}) AND uid IS NOT NULL",
+                    chunk,
+                )
+                for uid, message_bytes in cursor:
+                    self.usages.add(int(uid), -1, -int(message_bytes))
+        except sqlite3.Error:
+            self.usages_stale = True
 
     def _pended(self, ids: Iterable[int]) -> None:
         """Into the index as they now are, those the commit left pending."""

@@ -199,6 +199,8 @@ class Connection:
         try:
             self.sock.sendall(encode(message))
         except (BrokenPipeError, ConnectionResetError) as error:
+            if self._refused_at_once():
+                return  # receive() gives the refusal, which answers this request
             raise ConnectionLost(f"lost the gate at {self.path}: {error}") from None
         except TimeoutError:
             raise VoluteError(
@@ -206,6 +208,23 @@ class Connection:
             ) from None
         except OSError as error:
             raise UnavailableError(f"lost the gate at {self.path}: {error}") from None
+
+    def _refused_at_once(self) -> bool:
+        """Did the gate refuse this connection as it accepted it (too many connections of
+        this uid, or of all), before it read anything? Its one line of refusal is then
+        in our buffer already, though it closed before our request went out."""
+        self.sock.setblocking(False)
+        try:
+            while b"\n" not in self.buffer:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    break
+                self.buffer += chunk
+        except OSError:
+            pass
+        finally:
+            self.sock.setblocking(True)
+        return b"\n" in self.buffer
 
     def receive(self, timeout: float | None = 30.0) -> dict[str, Any]:
         self.sock.settimeout(timeout)

@@ -31,13 +31,15 @@ class RequestIdReused(DataError):
 
 @dataclass(frozen=True)
 class NewDelivery:
-    """A delivery to add. `request_id`, made by the client, makes a retry harmless."""
+    """A delivery to add. `request_id`, made by the client, makes a retry harmless;
+    `uid` is who delivered it (None: not known), whose quota it counts against."""
 
     mind: str
     session: str
     message: bytes
     interrupt: bool = False
     request_id: str | None = None
+    uid: int | None = None
 
 
 @dataclass(frozen=True)

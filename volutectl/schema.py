@@ -112,6 +112,13 @@ CREATE INDEX turns_mind_ended ON turns(mind, ended_at);
 DROP INDEX deliveries_turn;
 CREATE INDEX deliveries_turn ON deliveries(turn_id) WHERE turn_id IS NOT NULL;
 """,
+    # 6 -> 7 (fair shares): the uid that delivered each row (SO_PEERCRED), for each uid's
+    # quota of deliveries not yet done (volutectl/quotas.py). Rows from before have none
+    # (NULL), and count against nobody. No index: the gate sums each uid's rows once at
+    # start and then keeps the sums in memory.
+    6: """
+ALTER TABLE deliveries ADD COLUMN uid INTEGER;
+""",
 }
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
 

@@ -12,6 +12,14 @@ new ones wait unaccepted in the backlog), a listener that rests when accept() la
 descriptors instead of spinning, clients idle mid-request for gate.client_idle_seconds
 dropped, clients that never read their replies dropped, and a failure while serving
 one client ends that client only.
+
+Fair shares, as every member of the socket's group may connect: a uid other than root
+holds at most gate.max_clients_per_uid connections, and the last
+gate.clients_reserved_for_root places are root's; a connection past either is refused
+with 75 as soon as it is accepted (its uid is known only then). A client that waits for
+an outcome after its end of requests is watched for hang-up (`hangups`, an epoll set
+that reports nothing else): once its peer has closed, nobody can read the outcome, and
+it is dropped at once instead of holding its place until the delivery settles.
 """
 
 from __future__ import annotations
@@ -19,11 +27,13 @@ from __future__ import annotations
 import contextlib
 import grp
 import os
+import select
 import selectors
 import socket
 import struct
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,12 +52,15 @@ ACCEPT_RETRY_SECONDS = 1.0
 # Lines of one client taken in one pass of the loop; the rest wait for the next pass.
 MAX_LINES_PER_PASS = 1024
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+# The peer has closed its socket (or shut both ways), or reset it: nothing sent reaches it.
+_GONE = select.POLLHUP | select.POLLERR
 
 
 @dataclass(eq=False)
 class Client:
     sock: socket.socket
     fd: int  # the key in Server.clients and Server.idle; sock.fileno() is -1 once closed
+    uid: int  # SO_PEERCRED of the connection: fixed at connect()
     buffer: bytearray = field(default_factory=bytearray)  # a request line still partial
     outbox: bytearray = field(default_factory=bytearray)
     events: int = selectors.EVENT_READ  # what the selector watches it for; 0: not at all
@@ -59,9 +72,14 @@ class Client:
     idle_since: float = 0.0
 
     def peer_uid(self) -> int:
-        """The uid of the process that connected (SO_PEERCRED: fixed at connect())."""
-        raw = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        return int(_PEERCRED.unpack(raw)[1])
+        """The uid of the process that connected."""
+        return self.uid
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The (effective) uid of the process that connected: SO_PEERCRED, fixed at connect()."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    return int(_PEERCRED.unpack(raw)[1])
 
 
 class Server:
@@ -78,6 +96,12 @@ class Server:
         self.journal = journal
         self.bound_socket: Path | None = None  # a socket file we bound, to unlink on close
         self.clients: dict[int, Client] = {}
+        self.per_uid: Counter[int] = Counter()  # connections open, by uid
+        self.refusing: set[int] = set()  # uids refused (as logged) since last accepted
+        # Clients that wait for an outcome after their end of requests, by fd: polled for
+        # nothing but hang-up (EPOLLHUP and EPOLLERR are always reported), and itself
+        # in the selector, so a hang-up wakes the loop.
+        self.hangups = select.epoll()
         # The clients that can go idle (not waiting), oldest idle_since first: insertion
         # order is that order, so the next idle deadline is the first entry's, in O(1).
         self.idle: dict[int, Client] = {}
@@ -88,6 +112,7 @@ class Server:
         self.stopping = False
         self.listener = self._listen(inherited)
         self.selector.register(self.listener, selectors.EVENT_READ, ("accept", None))
+        self.selector.register(self.hangups.fileno(), selectors.EVENT_READ, ("hangup", None))
         self.accepting = True  # the listener is in the selector (see _pause_accepting)
 
     # -- the listener -----------------------------------------------------------------
@@ -161,7 +186,12 @@ class Server:
                 )
                 return
             try:
-                self._add_client(sock)
+                uid = peer_uid(sock)
+                refusal = self._refusal(uid)
+                if refusal is not None:
+                    self._refuse(sock, uid, refusal)
+                    continue
+                self._add_client(sock, uid)
             except Exception as error:  # noqa: BLE001 - one connection, not the gate
                 sock.close()
                 self.log_failure("taking a new connection", error)
@@ -172,12 +202,54 @@ class Server:
             "new ones wait until one closes"
         )
 
-    def _add_client(self, sock: socket.socket) -> None:
+    def _add_client(self, sock: socket.socket, uid: int) -> None:
         sock.setblocking(False)
-        client = Client(sock, sock.fileno())
+        client = Client(sock, sock.fileno(), uid)
         self.selector.register(sock, selectors.EVENT_READ, ("client", client))
         self.clients[client.fd] = client
+        self.per_uid[uid] += 1
+        self.refusing.discard(uid)
         self._mark_active(client)
+
+    def _refusal(self, uid: int) -> TemporaryError | None:
+        """Why a new connection of `uid` may not have a place, if it may not: root may
+        take every place; any other uid its share, out of what root's reserve leaves."""
+        if uid == 0:
+            return None
+        gate = self.settings.gate
+        mine = self.per_uid[uid]
+        if mine >= gate.max_clients_per_uid:
+            return TemporaryError(
+                f"uid {uid} has {mine} connections open to the gate, its most "
+                f"(gate.max_clients_per_uid = {gate.max_clients_per_uid})",
+                hint="each `volutectl wait` and `deliver --wait` holds one until its "
+                "deliveries settle: end some, or wait for them, and try again",
+            )
+        others = len(self.clients) - self.per_uid[0]
+        if others >= gate.max_clients - gate.clients_reserved_for_root:
+            return TemporaryError(
+                f"{others} connections are open to the gate; the other "
+                f"{gate.clients_reserved_for_root} places are root's "
+                "(gate.clients_reserved_for_root)",
+                hint="try again once fewer are open",
+            )
+        return None
+
+    def _refuse(self, sock: socket.socket, uid: int, refusal: TemporaryError) -> None:
+        """Say why (one line, which a new socket's buffer always takes), and close. The
+        request it may have sent is never read: the client takes this as its answer."""
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            sock.send(protocol.encode(ErrorReply.of(refusal).to_wire()))
+        sock.close()
+        if uid not in self.refusing:  # once, until one of its connections is taken again
+            self.refusing.add(uid)
+            self.journal.log(
+                "warning",
+                f"refusing connections: {refusal.message}",
+                uid=uid,
+                clients=len(self.clients),
+            )
 
     def _pause_accepting(self, reason: str, *, retry: bool = False) -> None:
         """Take the listener out of the selector: connections wait in its backlog, and
@@ -323,13 +395,31 @@ class Server:
 
     def _end_of_requests(self, client: Client) -> None:
         """It shut its side: drop it, unless it waits for an outcome it should still get
-        (or has replies still to read): then stop reading, and close once it has them."""
+        (or has replies still to read): then stop reading, and close once it has them.
+
+        An end of requests is also what a client that has gone looks like (closed, or
+        its process dead): then nothing can reach it any more, and it goes at once. One
+        that only shut its writing side may still read: it stays, watched for the
+        hang-up that its going later brings."""
         client.eof = True
-        if not client.waiting and not client.outbox:
+        if (not client.waiting and not client.outbox) or _gone(client.sock):
             self.drop(client)
             return
         self.idle.pop(client.fd, None)
         self._watch(client)
+        if client.waiting:
+            with contextlib.suppress(FileExistsError):
+                self.hangups.register(client.fd, 0)
+
+    def on_hangups(self) -> None:
+        """Drop the waiting clients whose peers have gone since their end of requests."""
+        for fd, _ in self.hangups.poll(0):
+            client = self.clients.get(fd)
+            if client is not None:
+                self.drop(client)
+            else:  # not ours any more (never so: drop unregisters it)
+                with contextlib.suppress(OSError):
+                    self.hangups.unregister(fd)
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -429,10 +519,18 @@ class Server:
             del self.clients[client.fd]
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(client.fd)
+            if client.eof:
+                with contextlib.suppress(OSError):
+                    self.hangups.unregister(client.fd)
+            self.per_uid[client.uid] -= 1
+            if not self.per_uid[client.uid]:
+                del self.per_uid[client.uid]
         for delivery_id in client.waiting:
             waiting = self.waiters.get(delivery_id, [])
             if client in waiting:
                 waiting.remove(client)
+            if not waiting:
+                self.waiters.pop(delivery_id, None)
         with contextlib.suppress(OSError):
             client.sock.close()
         self._resume_accepting()  # one place free, or one descriptor
@@ -448,3 +546,11 @@ class Server:
             with contextlib.suppress(OSError):
                 os.unlink(self.bound_socket)
         self.listener.close()
+        self.hangups.close()
+
+
+def _gone(sock: socket.socket) -> bool:
+    """Has the peer closed its socket (not only shut its writing side), or reset it?"""
+    poller = select.poll()
+    poller.register(sock, 0)
+    return any(mask & _GONE for _, mask in poller.poll(0))

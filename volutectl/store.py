@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from volutectl.core import AfterFailure
-from volutectl.errors import PermissionDeniedError, UnavailableError
+from volutectl.errors import PermissionDeniedError, UnavailableError, VoluteError
 from volutectl.mindstore import MindStore
 from volutectl.rows import (
     ROW_COLUMNS,
@@ -108,18 +108,24 @@ class Store:
     # -- deliveries -------------------------------------------------------------
 
     def add_deliveries(
-        self, items: Iterable[NewDelivery], now: float | None = None
-    ) -> list[int | RequestIdReused]:
+        self,
+        items: Iterable[NewDelivery],
+        now: float | None = None,
+        *,
+        refuse: Callable[[NewDelivery], VoluteError | None] | None = None,
+    ) -> list[int | VoluteError]:
         """Insert deliveries in ONE durable commit; one result per item, in order.
 
         A request id the store already holds, with the same mind, session, message and
         interrupt flag, inserts nothing and gives back the ORIGINAL delivery id, whatever
         state that delivery is in by now. The same id twice in one batch is the same
         request twice. The same id with other content is refused: that item's result is a
-        RequestIdReused error (65), and the batch's other items still go in.
+        RequestIdReused error (65), and the batch's other items still go in. `refuse`
+        (a quota: volutectl/quotas.py) is asked about each item that would be inserted,
+        in order; an error it gives is that item's result, and nothing of it is stored.
         """
         now = time.time() if now is None else now
-        results: list[int | RequestIdReused] = []
+        results: list[int | VoluteError] = []
         inserted: list[tuple[int, NewDelivery]] = []
         with self._tx():
             for item in items:
@@ -127,13 +133,24 @@ class Store:
                 if found is not None:
                     results.append(found)
                     continue
+                refusal = refuse(item) if refuse is not None else None
+                if refusal is not None:
+                    results.append(refusal)
+                    continue
                 cursor = self.db.execute(
                     "INSERT INTO deliveries "
-                    "(mind, session, message, interrupt, created_at, request_id) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    (item.mind, item.session, item.message, int(item.interrupt), now,
-                     item.request_id),
-                )  # fmt: skip
+                    "(mind, session, message, interrupt, created_at, request_id, uid) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        item.mind,
+                        item.session,
+                        item.message,
+                        int(item.interrupt),
+                        now,
+                        item.request_id,
+                        item.uid,
+                    ),
+                )
                 delivery_id = int(cursor.lastrowid or 0)
                 results.append(delivery_id)
                 inserted.append((delivery_id, item))
@@ -141,10 +158,12 @@ class Store:
         return results
 
     # Hooks for the gate's index (indexedstore.py), after a commit (none if it fails): new
-    # rows; rows maybe pending again (returned, backing off, retried); rows that left.
+    # rows; rows maybe pending again (returned, backing off, retried); rows that left;
+    # rows now done or dropped (no longer counted against their uid's quota).
     def _inserted(self, rows: list[tuple[int, NewDelivery]]) -> None: ...
     def _pended(self, ids: Iterable[int]) -> None: ...
     def _unpended(self, ids: Iterable[int]) -> None: ...
+    def _finished(self, ids: list[int]) -> None: ...
 
     def _by_request_id(self, item: NewDelivery) -> int | RequestIdReused | None:
         found = self.db.execute(
@@ -262,6 +281,7 @@ class Store:
             (PENDING, DEAD),
         )  # fmt: skip
         self._unpended(changed)
+        self._finished(changed)
         return changed
 
     def _change(
@@ -387,6 +407,7 @@ class Store:
         start_turn commit comes first and, the WAL being sequential, its one fsync makes
         both durable; a pass that starts nothing pays the fsync in sync() instead.
         """
+        finished = []
         with self._tx(durable=durable):
             for delivery_id in returned:
                 self.db.execute(
@@ -395,15 +416,18 @@ class Store:
                     (PENDING, delivery_id, RUNNING),
                 )
             for delivery_id in done:
-                self.db.execute(
+                cursor = self.db.execute(
                     "UPDATE deliveries SET state = ?, finished_at = ? WHERE id = ? AND state = ?",
                     (DONE, now, delivery_id, RUNNING),
                 )
+                if cursor.rowcount:
+                    finished.append(delivery_id)
             self._fail_rows(failed, error, now)
             self._end_turn(turn_id, outcome, exit_status, detail, now)
         if not durable:
             self._unsynced = True
         self._pended([*returned, *failed])
+        self._finished(finished)
 
     def fail_rows(self, failed: Mapping[int, AfterFailure], error: str, now: float) -> None:
         """Rows whose turn could not even start: one attempt each, in one commit."""

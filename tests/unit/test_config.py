@@ -201,6 +201,21 @@ BAD_FILES = {
         "turns.io_read_bandwidth_max",
         "",
     ),
+    "root's reserve takes every place": (
+        "[gate]\nmax_clients = 16\n",
+        "gate",
+        "clients_reserved_for_root (16) must be below max_clients (16)",
+    ),
+    "no connection for a member": (
+        "[gate]\nmax_clients_per_uid = 0\n",
+        "gate.max_clients_per_uid",
+        "greater than or equal to 1",
+    ),
+    "no pending bytes": (
+        "[gate]\nmax_pending_bytes_per_uid = 0\n",
+        "gate.max_pending_bytes_per_uid",
+        "greater than or equal to 1",
+    ),
 }
 
 

@@ -28,6 +28,7 @@ def harness(tmp_path: Path) -> Iterator[Harness]:
         tmp_path,
         client_idle_seconds=IDLE,
         max_clients=3,
+        clients_reserved_for_root=1,
         minds={"mimsy": "true", "slow": "sleep 1.2"},
     )
     yield opened

@@ -32,6 +32,8 @@ def snapshot(index: PendingIndex) -> tuple[dict[int, object], dict[int, object]]
 def assert_in_step(store: IndexedStore) -> None:
     assert snapshot(store.index) == snapshot(store.load_index())
     assert dict(store.index.counts) == dict(store.load_index().counts)
+    # Each uid's deliveries not yet done (its quota's sums), as summed afresh.
+    assert store.usages.by_uid == store.load_usages().by_uid
 
 
 def unit(turn_id: int) -> str:
@@ -52,13 +54,18 @@ def test_the_index_follows_every_commit(tmp_path: Path, history: list[tuple[str,
             rng = random.Random(seed)
             pending = sorted(store.index.rows)
             if op == "add":
-                store.add_deliveries(
-                    [NewDelivery(rng.choice("ab"), rng.choice("xy"), b"m", rng.random() < 0.3)],
-                    now=NOW,
+                item = NewDelivery(
+                    rng.choice("ab"),
+                    rng.choice("xy"),
+                    b"m" * rng.randrange(1, 50),
+                    rng.random() < 0.3,
+                    uid=rng.choice([None, 0, 1000, 1001]),
                 )
+                store.add_deliveries([item], now=NOW)
             elif op == "retried":  # the same request id twice: one row, indexed once
                 rid = f"{rng.randrange(4):032x}"
-                store.add_deliveries([NewDelivery("a", "x", b"same", request_id=rid)], now=NOW)
+                item = NewDelivery("a", "x", b"same", request_id=rid, uid=1000)
+                store.add_deliveries([item], now=NOW)
             elif op == "start" and pending:
                 turn_id, taken = store.start_turn("a", "x", unit, pending[:2], NOW)
                 turns[turn_id] = [row.id for row in taken]
@@ -68,11 +75,12 @@ def test_the_index_follows_every_commit(tmp_path: Path, history: list[tuple[str,
             elif op in ("settle", "fail") and turns:
                 turn_id = rng.choice(sorted(turns))
                 ids = turns.pop(turn_id)
+                done = ids[1:2] if op == "settle" and rng.random() < 0.5 else []
                 after = {i: AfterFailure(rng.choice([QueueState.PENDING, QueueState.DEAD]), 1,
-                                         NOW + 5) for i in ids[1:]}  # fmt: skip
+                                         NOW + 5) for i in ids[1 + len(done):]}  # fmt: skip
                 if op == "settle":
                     store.settle_turn(
-                        turn_id, outcome=Outcome.FAILED, exit_status=1, detail="", done=[],
+                        turn_id, outcome=Outcome.FAILED, exit_status=1, detail="", done=done,
                         returned=ids[:1], failed=after, error="e", now=NOW,
                     )  # fmt: skip
                 else:
@@ -81,7 +89,8 @@ def test_the_index_follows_every_commit(tmp_path: Path, history: list[tuple[str,
                 dead = [r.id for r in store.list_rows([QueueState.DEAD])]
                 store.retry(dead[:2])
             elif op == "drop" and pending:
-                store.drop([rng.choice(pending)], NOW)
+                dead = [r.id for r in store.list_rows([QueueState.DEAD])]
+                store.drop([rng.choice(pending + dead)], NOW)
             elif op == "hold" and pending:
                 # As the gate does: the index decides a hold (and records it), the store
                 # writes it.

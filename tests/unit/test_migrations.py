@@ -17,6 +17,8 @@ import pytest
 from tests.unit.retention_child import run_child
 from volutectl import schema as queue_schema
 from volutectl.errors import UnavailableError
+from volutectl.indexedstore import IndexedStore
+from volutectl.quotas import Usage
 from volutectl.schema import (
     MIGRATIONS,
     SCHEMA_VERSION,
@@ -25,7 +27,7 @@ from volutectl.schema import (
     statements,
     vacuum_attempts,
 )
-from volutectl.store import Store
+from volutectl.store import NewDelivery, Store
 
 V1_DUMP = Path(__file__).parent / "data" / "queue-v1.sql"
 
@@ -191,6 +193,16 @@ def table_rows(path: Path) -> dict[str, list[tuple[object, ...]]]:
     return {table: rows(path, table) for table in ("deliveries", "turns")}
 
 
+def same_rows(
+    after: dict[str, list[tuple[object, ...]]], before: dict[str, list[tuple[object, ...]]]
+) -> bool:
+    """Every row kept with its values; a later migration may only append columns."""
+    return all(
+        [row[: len(old[0])] if old else row for row in after[table]] == old
+        for table, old in before.items()
+    )
+
+
 def test_a_schema_3_database_is_upgraded_with_every_row_kept_and_then_made_incremental(
     tmp_path: Path,
 ) -> None:
@@ -198,9 +210,9 @@ def test_a_schema_3_database_is_upgraded_with_every_row_kept_and_then_made_incre
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 6
+        assert store.schema_version() == SCHEMA_VERSION == 7
         assert not is_incremental(store.db)  # the migration itself never VACUUMs
-        assert table_rows(path) == before
+        assert same_rows(table_rows(path), before)
         outcome = enable_incremental_vacuum(store.db, path)
         assert (outcome.done, outcome.level) == (True, "info"), outcome
         assert "now gives back free pages" in outcome.message
@@ -209,7 +221,7 @@ def test_a_schema_3_database_is_upgraded_with_every_row_kept_and_then_made_incre
         assert os.path.getsize(f"{path}-wal") == 0  # the VACUUM's WAL is truncated
     finally:
         store.close()
-    assert table_rows(path) == before
+    assert same_rows(table_rows(path), before)
     assert check(path) == "ok"
 
 
@@ -283,7 +295,7 @@ def test_a_sigkill_during_the_vacuum_leaves_every_row_and_the_next_start_finishe
     # Killed with its new pages half written to the WAL, none of them committed.
     assert os.path.getsize(f"{path}-wal") > 1 << 20
     assert check(path) == "ok"
-    assert table_rows(path) == before
+    assert same_rows(table_rows(path), before)
     store = Store(path)
     try:
         assert not is_incremental(store.db)
@@ -292,7 +304,7 @@ def test_a_sigkill_during_the_vacuum_leaves_every_row_and_the_next_start_finishe
         assert is_incremental(store.db) and vacuum_attempts(store.db) == 0
     finally:
         store.close()
-    assert table_rows(path) == before
+    assert same_rows(table_rows(path), before)
 
 
 # -- schema 5: status's index on each mind's ended turns ---------------------------------
@@ -317,7 +329,7 @@ def test_a_schema_4_database_gets_the_last_turn_index_and_status_uses_it(
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 6
+        assert store.schema_version() == SCHEMA_VERSION == 7
         assert "index turns_mind_ended" in schema(path)
         assert "index turns_ended" in schema(path)  # retention's, kept
         plan = " ".join(
@@ -333,7 +345,7 @@ def test_a_schema_4_database_gets_the_last_turn_index_and_status_uses_it(
         assert last.ended_at == 1_700_000_001.0 + OLD_DONE - 1
     finally:
         store.close()
-    assert table_rows(path) == before
+    assert same_rows(table_rows(path), before)
 
 
 def index_sql(path: Path, name: str) -> str:
@@ -363,7 +375,7 @@ def test_a_schema_5_database_keeps_its_rows_and_indexes_only_rows_with_a_turn(
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 6
+        assert store.schema_version() == SCHEMA_VERSION == 7
         assert "WHERE turn_id IS NOT NULL" in index_sql(path, "deliveries_turn")
         for query in (
             "SELECT id FROM deliveries WHERE turn_id = ? AND state = 'running'",
@@ -386,7 +398,7 @@ def test_a_schema_5_database_keeps_its_rows_and_indexes_only_rows_with_a_turn(
         )
     finally:
         store.close()
-    assert table_rows(path) == before
+    assert same_rows(table_rows(path), before)
 
 
 def check(path: Path) -> str:
@@ -395,3 +407,39 @@ def check(path: Path) -> str:
         return str(db.execute("PRAGMA integrity_check").fetchone()[0])
     finally:
         db.close()
+
+
+def test_a_schema_6_database_gets_a_uid_column_and_its_rows_count_against_nobody(
+    tmp_path: Path,
+) -> None:
+    """The fair-shares step (7): each delivery's sender, for its uid's quota. Rows from
+    before have none; the gate's sums count them against nobody, and new rows count."""
+    path = v3_database(tmp_path / "queue.sqlite3")
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("BEGIN")
+    for version in (3, 4, 5):
+        for statement in statements(MIGRATIONS[version]):
+            db.execute(statement)
+    db.execute("PRAGMA user_version = 6")
+    db.execute("COMMIT")
+    db.close()
+    before = table_rows(path)
+    assert ("uid", "INTEGER", 0, None, 0) not in schema(path)["table deliveries"]
+    store = IndexedStore(path)
+    try:
+        assert store.schema_version() == SCHEMA_VERSION == 7
+        assert ("uid", "INTEGER", 0, None, 0) in schema(path)["table deliveries"]
+        counted = "SELECT COUNT(*) FROM deliveries WHERE uid IS NOT NULL"
+        assert store.db.execute(counted).fetchone() == (0,)
+        assert store.usages.by_uid == {}
+        [new] = store.add_deliveries([NewDelivery("mimsy", "main", b"four", uid=1000)])
+        assert store.db.execute("SELECT uid FROM deliveries WHERE id = ?", (new,)).fetchone() == (
+            1000,
+        )
+        assert store.usages.of(1000) == Usage(1, 4) == store.load_usages().of(1000)
+    finally:
+        store.close()
+    after = table_rows(path)
+    after["deliveries"] = [row for row in after["deliveries"] if row[0] != new]
+    assert same_rows(after, before)
+    assert all(row[-1] is None for row in after["deliveries"])

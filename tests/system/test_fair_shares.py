@@ -1,0 +1,199 @@
+"""Fair shares for group members, against the real volute-gate.service behind its socket.
+
+Issue 18, finding 8: any member of group volute may connect to the gate, so one of them
+could keep everyone else out. Each attack is made as such a member (a user made with
+useradd and added to volute), run with runuser; the attacker's code is a raw socket
+client (`python -I -S`: no volutectl in it), as a hostile program would be.
+- 512 `wait` connections on a paused delivery filled gate.max_clients: root's own
+  `deliver` then failed with 75, and kept failing after the attacker had gone, until
+  the gate restarted (the closed waiters were never dropped).
+- 300 deliveries of 1 MiB to a paused mind were all acknowledged, and /var/lib/volute
+  grew by 920 MB.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from volute_testbed.gate import (
+    DEFAULT_SOCKET,
+    VOLUTECTL,
+    all_settled,
+    gate_config,
+    start_gate,
+    wait_for,
+)
+from volute_testbed.machine import Machine
+from volute_testbed.paths import PYTHON
+
+pytestmark = pytest.mark.system
+
+ATTACKER = "mallory"
+PIDFILE = "/tmp/attack.pid"
+
+# Opens N connections, sends `wait` for one delivery on each, reads each answer (an ack,
+# or a refusal), then holds every connection until killed. Prints the answers' codes.
+WAITERS = r"""
+import json, os, signal, socket, sys
+path, delivery, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+line = json.dumps({"v": 1, "op": "wait", "ids": [delivery]}).encode() + b"\n"
+held, answers = [], {}
+for _ in range(count):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(20)
+    try:
+        sock.connect(path)
+        try:
+            sock.sendall(line)
+        except OSError:
+            pass  # refused as it was accepted: the refusal is there to read
+        reply = json.loads(sock.makefile("rb").readline())
+        code = "ack" if reply.get("ok") else str(reply.get("code"))
+    except (OSError, ValueError) as error:
+        code = type(error).__name__
+    answers[code] = answers.get(code, 0) + 1
+    held.append(sock)
+with open(sys.argv[4], "w") as pidfile:
+    pidfile.write(str(os.getpid()))
+print(json.dumps(answers), flush=True)
+os.close(1)
+while True:
+    signal.pause()
+"""
+
+# One connection: N deliveries of a message of SIZE bytes, one after another, each
+# answer read before the next. Prints how many were acknowledged and each refusal.
+FLOOD = r"""
+import json, socket, sys
+path, mind, count, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.settimeout(60)
+sock.connect(path)
+replies = sock.makefile("rb")
+line = json.dumps({"v": 1, "op": "deliver", "mind": mind, "message": "x" * size}).encode()
+acks, refusals = 0, []
+for _ in range(count):
+    sock.sendall(line + b"\n")
+    reply = json.loads(replies.readline())
+    if reply.get("ok"):
+        acks += 1
+    else:
+        refusals.append([reply["code"], reply["error"], reply.get("hint")])
+print(json.dumps({"acks": acks, "refusals": refusals}))
+"""
+
+
+def as_attacker(argv: list[str]) -> list[str]:
+    return ["runuser", "-u", ATTACKER, "--", *argv]
+
+
+def volutectl(machine: Machine, *args: str, user: bool = False) -> subprocess.CompletedProcess[str]:
+    argv = [VOLUTECTL, *args]
+    return machine.run(as_attacker(argv) if user else argv, check=False, timeout=90)
+
+
+def gate_sockets(machine: Machine) -> int:
+    """The sockets the gate's process holds open: its clients, and a few of its own."""
+    pid = machine.run(["systemctl", "show", "-P", "MainPID", "volute-gate.service"]).stdout
+    out = machine.run(["find", f"/proc/{pid.strip()}/fd", "-lname", "socket:*"]).stdout
+    return len(out.split())
+
+
+def state_bytes(machine: Machine) -> int:
+    return int(machine.run(["du", "-s", "-b", "/var/lib/volute"]).stdout.split()[0])
+
+
+def add_attacker(machine: Machine) -> None:
+    machine.run(["useradd", "-M", "-G", "volute", ATTACKER])  # a member of the socket's group
+
+
+def test_a_members_512_waiters_leave_root_its_place_and_go_with_their_process(
+    machine: Machine,
+) -> None:
+    start_gate(machine, gate_config({"nap": "true", "mimsy": "true"}))
+    add_attacker(machine)
+    assert volutectl(machine, "pause", "nap").returncode == 0
+    delivered = volutectl(machine, "deliver", "nap", "--message", "held", user=True)
+    assert delivered.returncode == 0, delivered.stderr
+    held = int(delivered.stdout)
+    before = gate_sockets(machine)
+    attack = subprocess.Popen(
+        machine.command(
+            as_attacker(
+                [PYTHON, "-I", "-S", "-c", WAITERS, DEFAULT_SOCKET, str(held), "512", PIDFILE]
+            )
+        ),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        answers = json.loads(attack.stdout.readline() if attack.stdout else "{}")
+        # Its share (gate.max_clients_per_uid = 64) waits; the rest were refused with 75.
+        assert answers == {"ack": 64, "75": 448}, answers
+        # Root's own deliver is served meanwhile, from the places kept for root.
+        ours = volutectl(machine, "deliver", "mimsy", "--message", "root's", "--wait")
+        assert ours.returncode == 0, ours.stderr
+        # The attacker's process goes: its connections close, and the gate drops their
+        # waits at once (before: they held their places until the delivery settled).
+        machine.run(["sh", "-c", f"kill -KILL $(cat {PIDFILE})"])
+        wait_for(lambda: gate_sockets(machine) <= before, timeout=10)
+    finally:
+        attack.kill()
+        attack.wait()
+    # The member's share is whole again: it may wait once more, and is told.
+    assert volutectl(machine, "resume", "nap").returncode == 0
+    waited = volutectl(machine, "wait", str(held), user=True)
+    assert waited.returncode == 0, waited.stderr
+
+
+def test_a_members_deliveries_past_its_quota_get_75_and_leave_the_state_dir_bounded(
+    machine: Machine,
+) -> None:
+    quota = 8_000_000  # eight messages of 1,000,000 bytes
+    start_gate(
+        machine,
+        gate_config({"nap": "true"}, gate={"max_pending_bytes_per_uid": quota}),
+    )
+    add_attacker(machine)
+    assert volutectl(machine, "pause", "nap").returncode == 0
+    before = state_bytes(machine)
+    flood = machine.run(
+        as_attacker([PYTHON, "-I", "-S", "-c", FLOOD, DEFAULT_SOCKET, "nap", "300", "1000000"]),
+        timeout=300,
+    )
+    result = json.loads(flood.stdout)
+    assert result["acks"] == 8
+    assert len(result["refusals"]) == 292
+    for code, error, hint in result["refusals"]:
+        assert code == 75 and "gate.max_pending_bytes_per_uid" in error, error
+        assert "nothing was queued" in hint
+    # The queue holds the quota's messages; its WAL holds each page as often as it was
+    # written before the gate's checkpoint (a row's insert, then its hold, which rewrites
+    # the row), and is reused after it. Before: 300 MB and more.
+    grown = state_bytes(machine) - before
+    listing = machine.run(["ls", "-la", "/var/lib/volute"]).stdout
+    assert grown < 4 * quota, (grown, listing)
+    # Past the quota nothing grows at all: once the gate has checkpointed (after a quiet
+    # second), a hundred more megabytes refused leave the state directory as it was.
+    time.sleep(2)
+    settled_size = state_bytes(machine)
+    again = machine.run(
+        as_attacker([PYTHON, "-I", "-S", "-c", FLOOD, DEFAULT_SOCKET, "nap", "100", "1000000"]),
+        timeout=300,
+    )
+    assert json.loads(again.stdout)["acks"] == 0
+    assert state_bytes(machine) - settled_size < (1 << 20)
+    # volutectl's own deliver: 75, with the quota named; root has none.
+    refused = volutectl(machine, "deliver", "nap", "--message", "one more", user=True)
+    assert refused.returncode == 75
+    assert "gate.max_pending_bytes_per_uid" in refused.stderr and "hint:" in refused.stderr
+    assert volutectl(machine, "deliver", "nap", "--message", "root's").returncode == 0
+    # Once its deliveries have run, the member is served again.
+    assert volutectl(machine, "resume", "nap").returncode == 0
+    wait_for(lambda: all_settled(machine), timeout=120)
+    again = volutectl(machine, "deliver", "nap", "--message", "later", user=True)
+    assert again.returncode == 0, again.stderr

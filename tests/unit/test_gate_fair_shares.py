@@ -1,0 +1,262 @@
+"""Fair shares for the members of the socket's group, against the real gate in-process.
+
+Connections: each uid other than root holds at most gate.max_clients_per_uid, and the
+last gate.clients_reserved_for_root places are root's. Waiters: a client that waits for
+an outcome and then goes (closes, or its process dies) is dropped at once. Queue: each
+uid other than root has a quota of deliveries not yet done, in number and in bytes; past
+it, deliver is refused with 75 and nothing is stored.
+
+The tests run as root (as the test tier does); a group member is this process with its
+effective uid set to another for the moment of connect(): SO_PEERCRED records the
+effective uid at connect, and the socket (mode 0660, group root) lets it in through the
+group it keeps.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.gate_harness import Harness, Peer, settled
+from volutectl import protocol
+from volutectl.errors import EX_TEMPFAIL, VoluteError
+from volutectl.states import QueueState
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="connects as other uids: needs root")
+
+MEMBER, OTHER_MEMBER, THIRD_MEMBER = 65534, 65533, 65532
+
+
+@contextmanager
+def effective_uid(uid: int) -> Iterator[None]:
+    os.seteuid(uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+def connect_as(harness: Harness, uid: int) -> Peer:
+    with effective_uid(uid):
+        return harness.connect()
+
+
+def accepted(harness: Harness, peer: Peer) -> bool:
+    return peer.request({"op": "ping"}) == {"v": 1, "ok": True}
+
+
+def refused(peer: Peer, key: str) -> bool:
+    """The gate refused the connection with 75 naming `key`, and closed it."""
+    reply = peer.reply()
+    peer.harness.pump(peer.closed_by_gate)
+    return reply["ok"] is False and reply["code"] == EX_TEMPFAIL and key in reply["error"]
+
+
+def uids_warned(harness: Harness) -> list[int]:
+    return [f["uid"] for level, _, f in harness.journal.entries if "uid" in f]
+
+
+def open_clients(harness: Harness, uid: int) -> int:
+    return sum(1 for client in harness.gate.server.clients.values() if client.uid == uid)
+
+
+# -- connections ---------------------------------------------------------------------
+
+
+def test_a_member_gets_its_share_of_connections_and_root_its_reserve(
+    harnesses: list[Harness], tmp_path: Path
+) -> None:
+    harness = Harness(tmp_path, max_clients=6, max_clients_per_uid=2, clients_reserved_for_root=2)
+    harnesses.append(harness)
+    member = [connect_as(harness, MEMBER) for _ in range(2)]
+    assert all(accepted(harness, peer) for peer in member)
+    assert refused(connect_as(harness, MEMBER), "gate.max_clients_per_uid")
+    assert uids_warned(harness) == [MEMBER]
+    # Another member takes its own two: the four places that are not root's are full.
+    other = [connect_as(harness, OTHER_MEMBER) for _ in range(2)]
+    assert all(accepted(harness, peer) for peer in other)
+    assert refused(connect_as(harness, THIRD_MEMBER), "gate.clients_reserved_for_root")
+    # Root still gets in, up to gate.max_clients, and is served.
+    root = [harness.connect() for _ in range(2)]
+    assert all(accepted(harness, peer) for peer in root)
+    assert len(harness.gate.server.clients) == 6
+    harness.deliver_ok(root[0])
+    # A member's connection that ends gives its place back to that member.
+    member[0].close()
+    harness.pump(lambda: open_clients(harness, MEMBER) == 1)
+    assert accepted(harness, connect_as(harness, MEMBER))
+
+
+def test_volutectls_client_reads_a_refusal_sent_before_its_request(
+    harnesses: list[Harness], tmp_path: Path
+) -> None:
+    """The gate refuses as it accepts, before reading: the request may meet a closed
+    socket (EPIPE), and the client must still report the refusal, not a lost gate."""
+    harness = Harness(tmp_path, max_clients_per_uid=1)
+    harnesses.append(harness)
+    assert accepted(harness, connect_as(harness, MEMBER))
+    with effective_uid(MEMBER):
+        connection = protocol.Connection(str(harness.socket_path), timeout=5)
+    harness.pump(lambda: any(MEMBER in f.values() for _, _, f in harness.journal.entries))
+    with pytest.raises(VoluteError) as caught:
+        connection.request({"v": 1, "op": "ping"}, timeout=5)
+    connection.close()
+    assert caught.value.exit_code == EX_TEMPFAIL
+    assert "gate.max_clients_per_uid" in caught.value.message
+
+
+# -- waiters that have gone ------------------------------------------------------------
+
+
+@pytest.fixture
+def paused(harnesses: list[Harness], tmp_path: Path) -> Harness:
+    harness = Harness(tmp_path, max_clients_per_uid=4, minds={"mimsy": "true", "nap": "true"})
+    harnesses.append(harness)
+    assert harness.connect().request({"op": "pause", "minds": ["nap"]})["ok"] is True
+    return harness
+
+
+def wait_on(harness: Harness, peer: Peer, delivery_id: int) -> None:
+    assert peer.request({"op": "wait", "ids": [delivery_id]}) == {
+        "v": 1,
+        "ok": True,
+        "ids": [delivery_id],
+    }
+
+
+def test_waiters_that_close_are_dropped_at_once_and_their_places_come_back(
+    paused: Harness,
+) -> None:
+    harness = paused
+    held = harness.deliver_ok(mind="nap")  # paused: its wait never ends by itself
+    waiters = [connect_as(harness, MEMBER) for _ in range(4)]
+    for peer in waiters:
+        wait_on(harness, peer, held)
+    assert refused(connect_as(harness, MEMBER), "gate.max_clients_per_uid")
+    # Gone in each way a client goes: closed with nothing more to say; shut its writing
+    # side first (still listening), then closed; reset (unread data on its side).
+    waiters[0].close()
+    waiters[1].sock.shutdown(socket.SHUT_WR)
+    harness.run_for(0.2)
+    assert open_clients(harness, MEMBER) == 3  # half-closed, it still waits
+    waiters[1].close()
+    waiters[2].sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+    waiters[2].close()
+    harness.pump(lambda: open_clients(harness, MEMBER) == 1)
+    assert len(harness.gate.server.waiters[held]) == 1
+    # No spinning on the ones that went: the gate sleeps until a real deadline.
+    steps = harness.steps
+    harness.run_for(0.5)
+    assert harness.steps - steps <= 6
+    again = [connect_as(harness, MEMBER) for _ in range(3)]
+    for peer in again:
+        wait_on(harness, peer, held)
+    # The one that stayed, and the new ones, get the outcome.
+    assert harness.connect().request({"op": "resume", "minds": ["nap"]})["ok"] is True
+    for peer in [waiters[3], *again]:
+        event = peer.reply()
+        assert (event["event"], event["id"], event["exit_code"]) == ("turn_ended", held, 0)
+    harness.pump(lambda: open_clients(harness, MEMBER) == 4)
+    assert held not in harness.gate.server.waiters
+
+
+def test_a_deliver_wait_whose_client_died_is_dropped(paused: Harness) -> None:
+    harness = paused
+    peer = connect_as(harness, MEMBER)
+    ack = peer.request({"op": "deliver", "mind": "nap", "message": "m", "wait": True})
+    assert ack["ok"] is True
+    assert harness.gate.server.waiters[ack["id"]]
+    peer.close()
+    harness.pump(lambda: open_clients(harness, MEMBER) == 0)
+    assert ack["id"] not in harness.gate.server.waiters
+    assert harness.gate.state.store.row(ack["id"]) is not None  # the delivery stays
+
+
+# -- the queue quota ----------------------------------------------------------------------
+
+
+def deliver_as(peer: Peer, message: str = "m", **fields: Any) -> dict[str, Any]:
+    return peer.request({"op": "deliver", "mind": "nap", "message": message, **fields})
+
+
+def rows_of(harness: Harness) -> int:
+    store = harness.gate.state.store
+    return store.count_rows([QueueState.PENDING, QueueState.RUNNING, QueueState.DEAD])
+
+
+def test_deliveries_past_a_uids_count_quota_are_refused_and_not_stored(
+    harnesses: list[Harness], tmp_path: Path
+) -> None:
+    harness = Harness(tmp_path, max_pending_per_uid=3, minds={"nap": "true"})
+    harnesses.append(harness)
+    assert harness.connect().request({"op": "pause", "minds": ["nap"]})["ok"] is True
+    member, other = connect_as(harness, MEMBER), connect_as(harness, OTHER_MEMBER)
+    request_id = os.urandom(16).hex()
+    first = deliver_as(member, request_id=request_id)["id"]
+    assert all(deliver_as(member)["ok"] for _ in range(2))
+    refusal = deliver_as(member)
+    assert (refusal["ok"], refusal["code"]) == (False, EX_TEMPFAIL)
+    assert "uid 65534 has 3 deliveries not yet done" in refusal["error"]
+    assert "gate.max_pending_per_uid = 3" in refusal["error"]
+    assert "nothing was queued" in refusal["hint"]
+    assert rows_of(harness) == 3
+    # A retry of a stored request is answered with its id, and takes nothing more.
+    assert deliver_as(member, request_id=request_id) == {"v": 1, "ok": True, "id": first}
+    # In one batch too: the first two of four fit no more than before.
+    member.send(
+        b"".join(
+            protocol.encode({"v": 1, "op": "deliver", "mind": "nap", "message": "m"})
+            for _ in range(2)
+        )
+    )
+    assert [member.reply()["code"] for _ in range(2)] == [EX_TEMPFAIL] * 2
+    # Other uids have their own quota; root has none.
+    assert all(deliver_as(other)["ok"] for _ in range(3))
+    assert all(harness.deliver_ok(mind="nap") for _ in range(5))
+    assert rows_of(harness) == 11
+    assert uids_warned(harness) == [MEMBER]  # once, not once per refusal
+    # Once its deliveries have run, the member may deliver again.
+    assert harness.connect().request({"op": "resume", "minds": ["nap"]})["ok"] is True
+    harness.pump(lambda: settled(harness))
+    assert deliver_as(member)["ok"] is True
+
+
+def test_the_bytes_quota_counts_messages_and_a_restarted_gate_sums_them_again(
+    harnesses: list[Harness], tmp_path: Path
+) -> None:
+    harness = Harness(tmp_path, max_pending_bytes_per_uid=2500, minds={"nap": "true"})
+    harnesses.append(harness)
+    assert harness.connect().request({"op": "pause", "minds": ["nap"]})["ok"] is True
+    member = connect_as(harness, MEMBER)
+    assert deliver_as(member, "x" * 1000)["ok"] and deliver_as(member, "y" * 1000)["ok"]
+    refusal = deliver_as(member, "z" * 501)
+    assert refusal["code"] == EX_TEMPFAIL and "gate.max_pending_bytes_per_uid" in refusal["error"]
+    assert deliver_as(member, "z" * 500)["ok"] is True  # exactly at the quota
+    harness.crash()
+    harness.restart()
+    member = connect_as(harness, MEMBER)
+    assert deliver_as(member, "!")["code"] == EX_TEMPFAIL
+    assert rows_of(harness) == 3
+
+
+def test_dead_deliveries_count_until_dropped(harnesses: list[Harness], tmp_path: Path) -> None:
+    """Retention never removes a dead row: a uid whose turns fail would fill the disk at
+    the pace they die, if dead rows left its quota."""
+    harness = Harness(tmp_path, max_pending_per_uid=2, max_attempts=1, minds={"fails": "exit 3"})
+    harnesses.append(harness)
+    member = connect_as(harness, MEMBER)
+    ids = [
+        member.request({"op": "deliver", "mind": "fails", "message": "m"})["id"] for _ in range(2)
+    ]
+    store = harness.gate.state.store
+    harness.pump(lambda: all(row.state is QueueState.DEAD for row in store.rows(ids)))
+    refusal = member.request({"op": "deliver", "mind": "fails", "message": "m"})
+    assert refusal["code"] == EX_TEMPFAIL
+    assert harness.connect().request({"op": "drop", "ids": ids})["changed"] == ids
+    assert member.request({"op": "deliver", "mind": "fails", "message": "m"})["ok"] is True
