@@ -310,7 +310,7 @@ def test_register_persists_and_a_new_watch_finds_runs_in_flight(repo: Path, tmp_
     finally:
         watch.close()
     registry = json.loads((tmp_path / "state" / "repositories.json").read_text())
-    assert registry == {"version": 1, "repositories": [str(common)]}
+    assert registry == {"version": 2, "repositories": [{"path": str(common), "uid": 0}]}
     holder = hold_in_child(common, 1)  # a run already in flight when the gate starts
     assert holder.stdout is not None
     holder.stdout.readline()
@@ -358,6 +358,7 @@ def test_status_groups_runs_by_repository(repo: Path, tmp_path: Path) -> None:
                     "repository": str(common),
                     "slots_held": 1,
                     "slots": 2,
+                    "problem": None,
                     "runs": [
                         {
                             "unit": "volute-test-wt1-10.scope",
@@ -371,6 +372,7 @@ def test_status_groups_runs_by_repository(repo: Path, tmp_path: Path) -> None:
                     "repository": str((other / ".git").resolve()),
                     "slots_held": None,
                     "slots": None,
+                    "problem": None,
                     "runs": [
                         {
                             "unit": "volute-test-other-11.scope",
