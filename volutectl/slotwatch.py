@@ -317,6 +317,10 @@ class SlotWatch:
             return False
         finally:
             os.close(fd)
+        unreadable = self._repos.get(path)
+        if unreadable is not None and path != common and unreadable.wd is None:
+            del self._repos[path]  # listed while the gate could not look: it can now
+            self._problems.pop(str(path), None)
         known = self._repos.get(common) or next(
             (repo for repo in self._repos.values() if repo.given == common), None
         )

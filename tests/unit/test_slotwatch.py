@@ -610,3 +610,44 @@ def test_a_version_1_registry_is_read_with_its_owner(repo: Path, tmp_path: Path)
         assert watch.summary()[0].watching is True
     finally:
         watch.close()
+
+
+def test_a_repository_the_gate_may_not_enter_is_listed_with_why(
+    repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run unprivileged (after the split), the gate cannot enter a private home. The
+    registration is not dropped in silence, nor is it a crash: status and the log say
+    "permission denied" (the system tier does this for real, as an unprivileged user)."""
+
+    def refuse(path: object, **kwargs: object) -> int:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    log = Log()
+    watch = make_watch([], tmp_path, log)
+    try:
+        monkeypatch.setattr(slotwatch.gitdirs, "open_common_dir", refuse)
+        assert watch.register(repo, 1000) is False
+        assert watch.register(repo, 1000) is False  # said once
+        [entry] = watch.status([])
+        assert entry == {
+            "repository": str(repo),
+            "slots_held": None,
+            "slots": None,
+            "problem": "permission denied",
+            "runs": [],
+        }
+        assert [message for _, message in log.lines] == [
+            f"cannot watch {repo}: permission denied (the gate runs as "
+            f"{slotwatch._user_name()}; see docs/test-slots.md)"
+        ]
+        monkeypatch.undo()
+        assert watch.register(repo, 0) is True  # it may look now: watched
+        [entry] = watch.status([])
+        assert (entry["repository"], entry["slots_held"], entry["problem"]) == (
+            str((repo / ".git").resolve()),
+            0,
+            None,
+        )
+    finally:
+        watch.close()
+    assert "uid" in (tmp_path / "state" / "repositories.json").read_text()
