@@ -81,12 +81,15 @@ def open_directory(
     any_symlink: bool = False,
 ) -> int:
     """An O_PATH descriptor of the directory at `path` (absolute, or relative to the
-    directory descriptor `relative_to`); see the module docstring for which symlinks
-    are followed. Raises OSError (ENOENT, EACCES, ENOTDIR, ELOOP) or UntrustedPath."""
+    directory descriptor `relative_to`, else to the working directory); see the module
+    docstring for which symlinks are followed. Raises OSError (ENOENT, EACCES,
+    ENOTDIR, ELOOP) or UntrustedPath."""
     text = os.fspath(path)
     parts = deque(text.split("/"))
-    if text.startswith("/") or relative_to is None:
+    if text.startswith("/"):
         current = os.open("/", DIRECTORY_FLAGS)
+    elif relative_to is None:
+        current = os.open(".", DIRECTORY_FLAGS)
     else:
         current = os.dup(relative_to)
     links = 0

@@ -130,6 +130,7 @@ class _Repository:
     given: Path  # as configured or registered
     uid: int  # the common dir must belong to this user or root; 0 (the config): anyone
     registered: bool = False  # persisted in the registry (not from the config)
+    configured: bool = False  # from tests.repositories: counts against no bound
     depth: int = 0  # of the watched level: 0 the common dir .. SLOT_DEPTH the slot dir
     identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the watched level
     wd: int | None = None
@@ -159,19 +160,18 @@ class SlotWatch:
         self._by_wd: dict[int, _Repository] = {}
         self._held: frozenset[HeldSlot] = frozenset()
         for path in repositories:
-            self._add(Path(path), uid=0, registered=False)
+            self._add(Path(path), uid=0, registered=False, configured=True)
         forgotten = False
         for entry in load_registry(self._registry, self._problem):
-            reason = self._unusable(entry)
-            if reason is not None:
+            uid, reason = self._usable(entry)
+            if uid is None:
                 # Gone for good, most likely (a deleted clone): forget it, so the
                 # registry does not grow with every repository ever tested. Its next
                 # `volutectl test` registers it again, if it may.
                 self._log("info", f"forgetting registered repository {entry.path}: {reason}")
                 forgotten = True
                 continue
-            assert entry.uid is not None or reason is None
-            self._add(entry.path, uid=_owner(entry), registered=True)
+            self._add(entry.path, uid=uid, registered=True)
         if forgotten:
             self._save_registry()
         self._held = self._probe()
@@ -344,7 +344,7 @@ class SlotWatch:
         return False
 
     def _check_bounds(self, path: Path, uid: int) -> None:
-        ours = [repo for repo in self._repos.values() if repo.registered or repo.problem]
+        ours = [repo for repo in self._repos.values() if not repo.configured]
         if len(ours) >= MAX_REPOSITORIES:
             message = f"{MAX_REPOSITORIES} repositories registered: not adding {path}"
             self._problem("registry-full", message)
@@ -428,33 +428,40 @@ class SlotWatch:
 
     # -- watches ----------------------------------------------------------------------------
 
-    def _unusable(self, entry: Registered) -> str | None:
-        """Why a registry entry is to be forgotten: gone, or no longer its user's."""
+    def _usable(self, entry: Registered) -> tuple[int | None, str]:
+        """Whose a registry entry is; (None, why) when it is to be forgotten: gone, or
+        no longer its user's (or root's)."""
+        uid = entry.uid
         try:
-            uid = _owner(entry)
+            if uid is None:  # version 1: the owner of the path given, as it checked
+                uid = os.stat(entry.path, follow_symlinks=False).st_uid
             fd = gitdirs.open_common_dir(entry.path)
-        except PermissionError:
-            return None  # perhaps there still; said when it is attached
         except FileNotFoundError:
-            return "it is gone"
+            return None, "it is gone"
+        except PermissionError:
+            # Perhaps there still, and said when it is attached; but whose a version 1
+            # entry is cannot be told without looking.
+            return uid, "" if uid is not None else "cannot tell whose it is"
         except (OSError, gitdirs.RepositoryRefused) as error:
-            return str(error)
+            return None, _reason(error)
         try:
             gitdirs.check_common_dir(fd, uid)
         except (OSError, gitdirs.RepositoryRefused) as refusal:
-            return str(refusal)
+            return None, _reason(refusal)
         finally:
             os.close(fd)
-        return None
+        return uid, ""
 
-    def _add(self, path: Path, *, uid: int, registered: bool) -> None:
+    def _add(self, path: Path, *, uid: int, registered: bool, configured: bool = False) -> None:
         common = gitdirs.resolve_common_dir(path)
         key = common or Path(os.path.abspath(path))
         existing = self._repos.get(key)
         if existing is not None:
             existing.registered = existing.registered or registered
             return
-        repo = _Repository(key=key, given=path, uid=uid, registered=registered)
+        repo = _Repository(
+            key=key, given=path, uid=uid, registered=registered, configured=configured
+        )
         self._repos[key] = repo
         self._attach(repo)
 
@@ -636,14 +643,6 @@ def _open_level(directory: int, depth: int) -> int | None:
         return os.open(slotcore.SLOT_DIR_PARTS[depth], pathwalk.DIRECTORY_FLAGS, dir_fd=directory)
     except OSError:
         return None
-
-
-def _owner(entry: Registered) -> int:
-    """Who registered a registry entry: version 1 kept no uid, and checked the owner of
-    the path given, so that is whom it belongs to."""
-    if entry.uid is not None:
-        return entry.uid
-    return os.stat(entry.path, follow_symlinks=False).st_uid
 
 
 def _reason(error: BaseException) -> str:
