@@ -24,12 +24,13 @@ are enough for fstat, fstatfs, openat and an inotify watch on /proc/self/fd/N.
 
 from __future__ import annotations
 
-import ctypes
 import errno
+import functools
 import os
 import stat
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 DIRECTORY_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_SYMLINKS = 40  # as the kernel's own limit on a lookup
@@ -57,8 +58,6 @@ KERNEL_FILESYSTEM_TYPES = {
 }
 KERNEL_DIRECTORIES = ("/proc", "/sys", "/dev")
 _STATFS_BUFFER = 256  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class UntrustedPath(Exception):
@@ -177,8 +176,10 @@ def kernel_filesystem(fd: int) -> str | None:
 
     By fstatfs's type (proc, sysfs and the like), by device (/dev's devtmpfs is a tmpfs
     to fstatfs), and by the kernel's own name for it (so /dev/shm counts as /dev)."""
+    import ctypes  # here: `volutectl test` imports this module, and seldom needs it
+
     buffer = ctypes.create_string_buffer(_STATFS_BUFFER)
-    if _libc.fstatfs(fd, buffer) != 0:
+    if _libc().fstatfs(fd, buffer) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
     kind = ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
@@ -201,6 +202,13 @@ def kernel_filesystem(fd: int) -> str | None:
         if where == Path(root) or Path(root) in where.parents:
             return root
     return None
+
+
+@functools.cache
+def _libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def descriptor_path(fd: int) -> Path:
