@@ -176,6 +176,8 @@ class TestsSettings(Section):
     cpu_weight: Weight = 50
     io_weight: Weight = 50
     repositories: list[Path] = Field(default_factory=list)
+    # The gate counts slot-1 .. slot-N of each repository, and no file past them.
+    max_slot_files: Annotated[int, Field(ge=1, le=4096)] = 256
 
     @field_validator("slice")
     @classmethod

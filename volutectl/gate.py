@@ -139,6 +139,7 @@ class Gate:
             settings.tests.repositories,
             settings.gate.state_dir / "repositories.json",
             lambda level, message: journal.log(level, message),
+            max_slot_files=settings.tests.max_slot_files,
         )
         self._opened.append(slots)
         return GateState(settings, store, manager, turns, liveness, slots, None, journal,

@@ -12,6 +12,7 @@ delivery of a batch shares one durable commit before any of them is acknowledged
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sqlite3
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from volutectl import core, status, validate
 from volutectl.config import Settings
-from volutectl.errors import DataError, TemporaryError, VoluteError
+from volutectl.errors import DataError, PermissionDeniedError, TemporaryError, VoluteError
 from volutectl.faults import crash_point
 from volutectl.indexedstore import IndexedStore
 from volutectl.journal import Journal
@@ -56,7 +57,7 @@ from volutectl.messages import (
 from volutectl.mindstore import EVERY_MIND
 from volutectl.pressure import PressureWatch
 from volutectl.quotas import Quota, QuotaExceeded
-from volutectl.slotwatch import SlotWatch
+from volutectl.slotwatch import RepositoryLimit, SlotWatch
 from volutectl.states import DEFAULT_LISTED, Outcome, QueueState
 from volutectl.store import NewDelivery
 from volutectl.turns import Turns
@@ -126,9 +127,29 @@ def drop_handler(state: GateState, request: Request, caller: Caller) -> Reply:
 
 
 def register_repo_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+    """Watch the repository `volutectl test` runs in, if it is the caller's (or root's).
+
+    What is checked is what the gate will watch: the common dir that the path's `.git`
+    and `commondir` lead to (volutectl.validate.git_common_dir); the watch checks it
+    again, on the descriptor it watches. A repository the gate may not look into (it
+    runs unprivileged) is refused with 77, and `status` lists it with that problem."""
     assert isinstance(request, RegisterRepoRequest)
-    common = validate.git_common_dir(request.path, caller.uid)
-    new = state.slots.register(common)
+    try:
+        common = validate.git_common_dir(request.path, caller.uid)
+    except PermissionError:
+        with contextlib.suppress(RepositoryLimit):
+            state.slots.register(Path(request.path), caller.uid)  # listed, with its problem
+        raise PermissionDeniedError(
+            f"path: the gate cannot watch {request.path}: permission denied",
+            hint="docs/test-slots.md says how to let the gate read a repository",
+        ) from None
+    try:
+        new = state.slots.register(common, caller.uid)
+    except RepositoryLimit as limit:
+        raise TemporaryError(
+            str(limit),
+            hint="the gate forgets a registered repository once it is gone, when it starts",
+        ) from None
     if new:
         state.journal.log("info", f"watching test slots of {common}", repository=common)
         state.dirty = True

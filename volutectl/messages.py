@@ -353,6 +353,9 @@ class RepositoryStatus(Record):
     slots_held: int | None  # None: a repository the gate does not watch
     slots: int | None
     runs: tuple[TestRunStatus, ...]
+    # Why the gate does not watch it ("permission denied"), or what of it it does not
+    # count (slot files past tests.max_slot_files); None when all is well.
+    problem: str | None = None
 
 
 class PressureStatus(Record):

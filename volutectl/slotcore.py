@@ -72,6 +72,15 @@ def slot_names(cap: int) -> list[str]:
     return [f"slot-{index}" for index in range(1, cap + 1)]
 
 
+def slot_index(name: str) -> int | None:
+    """K for a slot file named `slot-K` as slot_names writes it (K >= 1, no leading zero
+    or sign); None for any other name."""
+    digits = name.removeprefix("slot-")
+    if digits == name or not digits.isascii() or not digits.isdigit() or digits[0] == "0":
+        return None
+    return int(digits)
+
+
 def choose_slot(free: Sequence[bool]) -> int | None:
     """The index (0-based) of the first free slot, or None when all are held."""
     for index, is_free in enumerate(free):

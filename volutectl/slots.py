@@ -23,9 +23,11 @@ correctly with CLI runs and with each other.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import select
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -34,10 +36,13 @@ from pathlib import Path
 
 from inotify_simple import INotify, flags
 
-from volutectl import gitdirs, processes, slotcore
+from volutectl import gitdirs, pathwalk, processes, slotcore
 from volutectl.errors import TemporaryError
 
 Notice = Callable[[str], None]
+SLOT_FILE_MODE = 0o660  # owner and group may lock; others may not even open
+DIRECTORY_MODE = 0o755  # others may look (the gate, unprivileged), not create or remove
+SHARED_DIRECTORY_MODE = 0o775  # in a repository whose git dir is group-writable
 CLOSE_EVENTS = flags.CLOSE_WRITE | flags.CLOSE_NOWRITE
 DEFAULT_FALLBACK_SECONDS = 1.5
 
@@ -72,21 +77,104 @@ def slot_directory(common_dir: str | os.PathLike[str]) -> Path:
 
 
 def _open_slot_files(common_dir: str | os.PathLike[str], cap: int) -> list[tuple[Path, int]]:
-    """Open (creating as needed) slot-1..cap; OSError if any cannot be used."""
+    """Open (creating as needed) slot-1..cap; OSError if any cannot be used.
+
+    Who may lock a slot: the repository's owner and group, nobody else (a stranger's
+    flock on a slot would hold up the runs and, through the gate, the turns). So the
+    slot files are 0660 and belong to the git dir's group; their directories are 0755
+    (0775 in a shared repository, whose git dir is group-writable), so that others, the
+    gate included, may look but not create, remove or open. Slot files made before
+    this (0644) are tightened by their owner's next run. Nothing here follows a
+    symlink or opens anything but a directory or a regular file, so root running the
+    tests in someone else's checkout is not steered by it."""
     directory = slot_directory(common_dir)
-    directory.mkdir(parents=True, exist_ok=True)
+    common = open_common_dir(common_dir)
+    try:
+        repository = os.fstat(common)
+        shared = bool(repository.st_mode & stat.S_IWGRP)
+        dir_mode = SHARED_DIRECTORY_MODE if shared else DIRECTORY_MODE
+        slot_dir = _open_level(common, Path(common_dir), 0, dir_mode, repository.st_gid)
+    finally:
+        os.close(common)
     opened: list[tuple[Path, int]] = []
     try:
         for name in slotcore.slot_names(cap):
             path = directory / name
-            # Read-only is enough for flock, and works on a slot another user created.
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOCTTY, 0o666)
-            opened.append((path, fd))
+            opened.append((path, _open_slot_file(slot_dir, path, repository.st_gid)))
     except OSError:
         for _, fd in opened:
             os.close(fd)
         raise
+    finally:
+        os.close(slot_dir)
     return opened
+
+
+def open_common_dir(common_dir: str | os.PathLike[str]) -> int:
+    """An O_PATH descriptor of the common dir. Root, who may be running the tests in
+    someone else's checkout, follows no symlink of theirs; a user follows any."""
+    try:
+        return pathwalk.open_directory(common_dir, any_symlink=os.geteuid() != 0)
+    except pathwalk.UntrustedPath as error:
+        raise OSError(errno.ELOOP, str(error), str(common_dir)) from None
+
+
+def _open_level(parent: int, where: Path, depth: int, mode: int, group: int) -> int:
+    """An O_PATH descriptor of volute/ (depth 0), then of volute/test-slots/ below it,
+    each made with `mode` if missing, and put right if it is ours and is not."""
+    name = slotcore.SLOT_DIR_PARTS[depth]
+    path = where / name
+    try:
+        os.mkdir(name, mode, dir_fd=parent)
+    except FileExistsError:
+        pass
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(path)) from None
+    try:
+        fd = os.open(name, pathwalk.DIRECTORY_FLAGS, dir_fd=parent)
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(path)) from None
+    try:
+        _tighten(fd, os.fstat(fd), mode, group)
+        if depth + 1 == len(slotcore.SLOT_DIR_PARTS):
+            return fd
+        return _open_level(fd, path, depth + 1, mode, group)
+    finally:
+        if depth + 1 < len(slotcore.SLOT_DIR_PARTS):
+            os.close(fd)
+
+
+def _open_slot_file(directory: int, path: Path, group: int) -> int:
+    # Read-only is enough for flock, and works on a slot another user created.
+    flags = os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    try:
+        fd = os.open(path.name, flags, SLOT_FILE_MODE, dir_fd=directory)
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(path)) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    _tighten(fd, info, SLOT_FILE_MODE, group)
+    return fd
+
+
+def _tighten(fd: int, info: os.stat_result, mode: int, group: int) -> None:
+    """Give a slot directory or file of ours its mode and the repository's group.
+
+    Only our own, and only one with no other name (a hard link to a file elsewhere
+    would carry the change there); another user's is theirs to fix on their next run.
+    Through /proc/self/fd, so that the inode changed is the one opened (an O_PATH
+    descriptor cannot be fchmod'ed)."""
+    if info.st_uid != os.geteuid() or (stat.S_ISREG(info.st_mode) and info.st_nlink != 1):
+        return
+    with contextlib.suppress(OSError):
+        if info.st_gid != group:
+            os.chown(pathwalk.watch_path(fd), -1, group)  # fails unless we are in it
+    if stat.S_IMODE(info.st_mode) & ~stat.S_ISGID != mode:
+        keep = info.st_mode & stat.S_ISGID if stat.S_ISDIR(info.st_mode) else 0
+        with contextlib.suppress(OSError):
+            os.chmod(pathwalk.watch_path(fd), mode | keep)
 
 
 def _probe(opened: list[tuple[Path, int]]) -> int | None:
@@ -155,11 +243,11 @@ def acquire_slot(
                 os.close(fd)
         if watcher is not None:  # only when giving up: timeout or interrupt
             watcher.close()
-    announce_held(slot.path)
+    announce_held(slot.path, slot.fd)
     return slot
 
 
-def announce_held(path: Path) -> None:
+def announce_held(path: Path, fd: int | None = None) -> None:
     """Raise one IN_CLOSE_NOWRITE on a slot we have just locked, for the gate.
 
     Taking a flock raises no inotify event, so without this the gate (which counts held
@@ -167,9 +255,14 @@ def announce_held(path: Path) -> None:
     opening it, as a waiter does. Opening and closing a second description is safe:
     a flock belongs to its own open file description, and only closing that one (or
     every copy of it) releases it; it is fcntl record locks that any close drops.
-    Waiters wake once on it, probe, find the slot held and sleep again."""
+    Waiters wake once on it, probe, find the slot held and sleep again.
+
+    Given the held descriptor `fd`, the file is opened again through /proc/self/fd: a
+    new description of the very inode locked, whatever was renamed since."""
+    where = str(path) if fd is None else pathwalk.watch_path(fd)
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
     with contextlib.suppress(OSError):
-        os.close(os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK))
+        os.close(os.open(where, flags if fd is not None else flags | os.O_NOFOLLOW))
 
 
 def _wait(

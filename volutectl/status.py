@@ -116,13 +116,14 @@ def _test_runs(state: GateState) -> tuple[RepositoryStatus, ...]:
         runs = []
     return tuple(
         RepositoryStatus(
-            str(entry["repository"]),
-            entry["slots_held"],  # type: ignore[arg-type]
-            entry["slots"],  # type: ignore[arg-type]
-            tuple(
+            repository=str(entry["repository"]),
+            slots_held=entry["slots_held"],  # type: ignore[arg-type]
+            slots=entry["slots"],  # type: ignore[arg-type]
+            runs=tuple(
                 TestRunStatus(str(r["unit"]), str(r["worktree"]), str(r["command"]), r["running_s"])
                 for r in entry["runs"]  # type: ignore[attr-defined]
             ),
+            problem=entry["problem"],  # type: ignore[arg-type]
         )
         for entry in state.slots.status(runs)
     )

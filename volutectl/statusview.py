@@ -111,7 +111,13 @@ def _totals(status: Status, now: float) -> list[str]:
         held_slots = repo.slots_held if repo.slots_held is not None else "?"
         slots = repo.slots if repo.slots is not None else "?"
         counted = " (count as turns)" if status.test_runs_count_as_turns else ""
-        lines.append(f"test slots: {held_slots} of {slots} held in {repo.repository}{counted}")
+        if repo.slots_held is None and repo.problem:
+            lines.append(f"test slots: cannot watch {repo.repository}: {repo.problem}")
+        else:
+            problem = f" ({repo.problem})" if repo.problem else ""
+            lines.append(
+                f"test slots: {held_slots} of {slots} held in {repo.repository}{counted}{problem}"
+            )
         for run in repo.runs:
             lines.append(
                 f"  test run: {run.worktree} `{run.command}` "

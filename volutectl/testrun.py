@@ -11,10 +11,12 @@ the run lives, whatever happens to this process. Ctrl-C or SIGTERM stops the sco
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import select
 import signal
+import stat
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from volutectl import processes, slotcore, slots
+from volutectl import pathwalk, processes, slotcore, slots
 from volutectl.config import load_settings
 from volutectl.errors import PermissionDeniedError, SystemdError
 from volutectl.messages import RegisterRepoRequest
@@ -379,13 +381,17 @@ def read_history(common_dir: Path) -> list[slotcore.RunRecord]:
     the file reads the byte before too: unless that ends a line, its first line is cut
     and dropped. A read from the start drops nothing."""
     try:
-        with history_path(common_dir).open("rb") as handle:
+        fd = open_history(common_dir, os.O_RDONLY)
+    except OSError:
+        return []
+    with os.fdopen(fd, "rb") as handle:
+        try:
             handle.seek(0, os.SEEK_END)
             start = max(0, handle.tell() - HISTORY_TAIL_BYTES - 1)
             handle.seek(start)
-            data = handle.read()
-    except OSError:
-        return []
+            data = handle.read(HISTORY_TAIL_BYTES + 1)
+        except OSError:
+            return []
     if start > 0:
         data = data.split(b"\n", 1)[1] if b"\n" in data else b""
     return slotcore.parse_history(data.decode(errors="replace").splitlines())
@@ -398,10 +404,32 @@ def record_history(common_dir: Path, worktree: str, command: Sequence[str], run:
     )
     line = slotcore.history_line(record, time.time()).encode()
     with contextlib.suppress(OSError):
-        fd = os.open(
-            history_path(common_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666
-        )
+        fd = open_history(common_dir, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             os.write(fd, line)
         finally:
             os.close(fd)
+
+
+def open_history(common_dir: Path, flags: int) -> int:
+    """The history file, opened through the slot code's directory walk (no symlink that
+    the checkout's owner controls when we are root) and only if it is a regular file;
+    never blocks (a FIFO in its place is refused, not waited on)."""
+    common = slots.open_common_dir(common_dir)
+    try:
+        volute = os.open(slotcore.HISTORY_PARTS[0], pathwalk.DIRECTORY_FLAGS, dir_fd=common)
+    finally:
+        os.close(common)
+    try:
+        fd = os.open(
+            slotcore.HISTORY_PARTS[1],
+            flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY,
+            slots.SLOT_FILE_MODE,
+            dir_fd=volute,
+        )
+    finally:
+        os.close(volute)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(history_path(common_dir)))
+    return fd

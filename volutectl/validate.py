@@ -9,16 +9,13 @@ Each refusal names the field and carries its exit code (65 bad data, 67 unknown 
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
+from volutectl import gitdirs, pathwalk
 from volutectl.config import Settings
 from volutectl.errors import EX_NOUSER, DataError, VoluteError
 from volutectl.messages import DeliverRequest
 from volutectl.store import NewDelivery
-
-# register_repo never watches below these, wherever a symlink points.
-KERNEL_FILESYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))
 
 
 def configured_mind(settings: Settings, name: str) -> str:
@@ -50,36 +47,62 @@ def delivery(settings: Settings, request: DeliverRequest) -> NewDelivery:
 
 
 def git_common_dir(path: str, uid: int) -> Path:
-    """The resolved git common directory at `path`, if the user `uid` may register it.
+    """The git common directory that registering `path` would have the gate watch, if
+    the user `uid` may have it watched; its path as the kernel names it.
 
-    It must be a directory with HEAD, objects/ and refs/ (what `volutectl test` sends:
-    its repository's common dir), owned by `uid` or by root (root may register any
-    repository), and not under /proc, /sys or /dev once symlinks are resolved. The gate
-    watches what it registers and persists it, so a group member must not make it watch
-    anyone else's tree, or the kernel's.
+    `path` is opened one component at a time, through no symlink a user controls; then
+    its `.git` (directory or file) and its `commondir` are followed, each read bounded
+    (volutectl.gitdirs), and what they lead to is checked on its descriptor: a git common
+    dir (HEAD, objects/ and refs/), on none of the kernel's filesystems (/proc, /sys,
+    /dev), owned by `uid` or by root (root may register any repository). The gate
+    watches what it registers and persists it, so a group member must not make it
+    watch anyone else's tree, or the kernel's. Raises PermissionError when the gate may
+    not look there (run unprivileged, it cannot enter a private home), DataError else.
     """
-    resolved = Path(os.path.realpath(path))
-    for root in KERNEL_FILESYSTEMS:
-        if resolved == root or root in resolved.parents:
-            raise DataError(f"path: {path} is under {root}, not a git repository")
     try:
-        info = os.stat(resolved)
+        top = pathwalk.open_directory(path)
+    except NotADirectoryError:
+        raise DataError(f"path: {path} is not a directory") from None
+    except PermissionError:
+        raise
     except OSError as error:
         raise DataError(f"path: {path}: {error.strerror}") from None
-    if not stat.S_ISDIR(info.st_mode):
-        raise DataError(f"path: {path} is not a directory")
-    if not (
-        (resolved / "HEAD").is_file()
-        and (resolved / "objects").is_dir()
-        and (resolved / "refs").is_dir()
-    ):
+    except pathwalk.KernelPath as error:
+        raise DataError(f"path: {path} is under {error.root}, not a git repository") from None
+    except pathwalk.UntrustedPath as error:
+        raise DataError(f"path: {path} is reached through {error}") from None
+    try:
+        where = pathwalk.kernel_filesystem(top)
+        if where is not None:
+            raise DataError(f"path: {path} is under {where}, not a git repository")
+        given = pathwalk.descriptor_path(top)
+        common = gitdirs.common_dir_of(top)
+    except gitdirs.NotARepository:
         raise DataError(
             f"path: {path} is not a git common directory (it needs HEAD, objects/ and refs/)",
             hint="register the repository's .git directory (git rev-parse --git-common-dir)",
-        )
-    if uid != 0 and info.st_uid not in (uid, 0):
-        raise DataError(
-            f"path: {path} belongs to uid {info.st_uid}; a user may register only a "
-            "repository of their own (or root's)"
-        )
+        ) from None
+    except gitdirs.RepositoryRefused as refusal:
+        raise DataError(f"path: {path} {refusal}") from None
+    except PermissionError:
+        raise
+    except OSError as error:
+        raise DataError(f"path: {path}: {error.strerror}") from None
+    finally:
+        os.close(top)
+    try:
+        resolved = pathwalk.descriptor_path(common)
+        via = "" if resolved == given else f" leads to {resolved}, which"
+        try:
+            gitdirs.check_common_dir(common, uid)
+        except gitdirs.NotARepository:
+            raise DataError(
+                f"path: {path}{via} is not a git common directory "
+                "(it needs HEAD, objects/ and refs/)",
+                hint="register the repository's .git directory (git rev-parse --git-common-dir)",
+            ) from None
+        except gitdirs.RepositoryRefused as refusal:
+            raise DataError(f"path: {path}{via} {refusal}") from None
+    finally:
+        os.close(common)
     return resolved

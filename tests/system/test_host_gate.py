@@ -239,7 +239,7 @@ def test_a_restarted_gate_finds_the_runs_in_flight(machine: Machine) -> None:
     run = start_test_run(machine, 60)
     wait_for(lambda: slots_held(machine) == 1, timeout=20)  # registered by the run
     registry = machine.host_path("/var/lib/volute/repositories.json").read_text()
-    assert COMMON_DIR in json.loads(registry)["repositories"]
+    assert {"path": COMMON_DIR, "uid": 0} in json.loads(registry)["repositories"]
     machine.run(["systemctl", "restart", "volute-gate.service"])
     assert slots_held(machine) == 1  # the first answer after the restart already knows
     sampler = Sampler(machine)

@@ -14,12 +14,21 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.unit.gate_harness import Harness
 from volutectl import handlers, protocol
-from volutectl.errors import EX_DATAERR, EX_NOUSER, EX_PROTOCOL, EX_SOFTWARE, EX_TEMPFAIL, EX_USAGE
+from volutectl.errors import (
+    EX_DATAERR,
+    EX_NOPERM,
+    EX_NOUSER,
+    EX_PROTOCOL,
+    EX_SOFTWARE,
+    EX_TEMPFAIL,
+    EX_USAGE,
+)
 from volutectl.messages import Op, Reply
 
 
@@ -312,3 +321,43 @@ def test_a_failing_store_in_retry_is_temporary_not_a_crash(
         "retry: the queue failed: database is locked",
     )
     harness.deliver_ok()
+
+
+def test_register_repo_refusals_past_a_bound_or_where_the_gate_may_not_look(
+    harness: Harness, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the registry's bound: 75, nothing kept. A repository the gate may not enter
+    (run unprivileged): 77, and `status` lists it with why."""
+    from volutectl import pathwalk, slotwatch
+
+    git = tmp_path / "repo" / ".git"
+    for name in ("objects", "refs"):
+        (git / name).mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    peer = harness.connect()
+    register = {"op": "register_repo", "path": str(git)}
+    monkeypatch.setattr(slotwatch, "MAX_REPOSITORIES", 0)
+    reply = peer.request(register)
+    assert (reply["ok"], reply["code"]) == (False, EX_TEMPFAIL)
+    assert "0 repositories registered" in reply["error"]
+    monkeypatch.undo()
+    real_open = pathwalk.open_directory
+
+    def no_entry(path: object, **kwargs: Any) -> int:
+        if str(path).startswith(str(tmp_path / "repo")):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pathwalk, "open_directory", no_entry)
+    reply = peer.request(register)
+    assert (reply["ok"], reply["code"]) == (False, EX_NOPERM)
+    assert reply["error"] == f"path: the gate cannot watch {git}: permission denied"
+    [entry] = peer.request({"op": "status"})["status"]["test_runs"]
+    assert (entry["repository"], entry["slots_held"], entry["problem"]) == (
+        str(git),
+        None,
+        "permission denied",
+    )
+    monkeypatch.undo()
+    assert peer.request(register) == {"v": 1, "ok": True, "new": True}
+    harness.deliver_ok(peer)

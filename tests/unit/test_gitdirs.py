@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,3 +116,107 @@ def test_find_checkout_stops_at_a_filesystem_boundary(
     monkeypatch.setattr(gitdirs.Path, "stat", stat)
     assert find_checkout(mounted) is None
     assert find_checkout(repo) == Checkout(repo / ".git", repo)
+
+
+# -- what the gate reads in other users' trees: bounded, through no user's symlink ------
+
+
+def test_a_huge_sparse_git_file_is_refused_by_its_size_unread(tmp_path: Path) -> None:
+    """Finding 8d: a 2 GB sparse `.git` file took the gate to 4.26 GB. It is refused by
+    its size: measured in a child, whose peak memory is its own."""
+    checkout = tmp_path / "big"
+    checkout.mkdir()
+    with (checkout / ".git").open("wb") as handle:
+        handle.truncate(2 * 1024**3)
+    code = (
+        "import resource, sys, time\n"
+        "from volutectl.gitdirs import resolve_common_dir\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "started = time.monotonic()\n"
+        "found = resolve_common_dir(sys.argv[1])\n"
+        "took = time.monotonic() - started\n"
+        "grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
+        "print(found, took, grew)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(checkout)], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out[0] == "None"
+    assert float(out[1]) < 0.5
+    assert int(out[2]) < 16 * 1024  # KiB: nothing like the file's size was read
+    with pytest.raises(gitdirs.RepositoryRefused, match="larger than 4096 bytes"):
+        gitdirs.open_common_dir(checkout)
+
+
+def test_a_fifo_or_symlink_in_place_of_a_git_file_is_refused_without_blocking(
+    repo: Path, tmp_path: Path
+) -> None:
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / ".git")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "commondir").symlink_to(repo / ".git" / "HEAD")  # a git dir with a linked file
+    (linked / "HEAD").write_text("ref: refs/heads/main\n")
+    started = time.monotonic()
+    with pytest.raises(gitdirs.NotARepository):  # a FIFO is no .git: never opened
+        gitdirs.open_common_dir(fifo)
+    with pytest.raises(gitdirs.RepositoryRefused, match="commondir is not a regular file"):
+        gitdirs.open_common_dir(linked)
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_symlink_that_a_user_controls_is_not_followed_but_roots_are(
+    repo: Path, tmp_path: Path
+) -> None:
+    """The gate follows a symlink only if only root could have made or swapped it."""
+    common = repo / ".git"
+    users = tmp_path / "users"  # a directory another user owns
+    users.mkdir()
+    (users / "link").symlink_to(common)
+    os.chown(users, 65534, 65534)
+    os.lchown(users / "link", 65534, 65534)
+    assert resolve_common_dir(users / "link") is None
+    with pytest.raises(gitdirs.RepositoryRefused, match="symlink that a user other than root"):
+        gitdirs.open_common_dir(users / "link")
+    assert resolve_common_dir(users / "link", any_symlink=True) == common  # for the user
+    # The same link, root's, in root's directory that nobody else may write: followed.
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o755)
+    (mine / "link").symlink_to(common)
+    if os.geteuid() == 0:
+        assert resolve_common_dir(mine / "link") == common
+    # ... but not in a directory others may write (unless it is sticky, as /tmp is).
+    os.chmod(mine, 0o777)
+    if os.geteuid() == 0:
+        assert resolve_common_dir(mine / "link") is None
+        os.chmod(mine, 0o1777)
+        assert resolve_common_dir(mine / "link") == common
+    # A worktree's .git file naming its git dir through a user's symlink: the same.
+    worktree = tmp_path / "wt"
+    worktree.mkdir()
+    (worktree / ".git").write_text(f"gitdir: {users / 'link'}\n")
+    assert resolve_common_dir(worktree) is None
+
+
+def test_commondir_is_followed_and_the_owner_checked_where_it_leads(
+    repo: Path, tmp_path: Path
+) -> None:
+    """Finding 7: a git dir of one's own whose commondir names somebody else's."""
+    victim = repo / ".git"
+    os.chown(victim, 65533, 65533)
+    fake = tmp_path / "fake.git"
+    for name in ("objects", "refs"):
+        (fake / name).mkdir(parents=True)
+    (fake / "HEAD").write_text("ref: refs/heads/main\n")
+    (fake / "commondir").write_text(f"{victim}\n")
+    os.chown(fake, 65534, 65534)
+    fd = gitdirs.open_common_dir(fake)
+    try:
+        assert gitdirs.pathwalk.descriptor_path(fd) == victim
+        with pytest.raises(gitdirs.RepositoryRefused, match="belongs to uid 65533"):
+            gitdirs.check_common_dir(fd, 65534)
+        gitdirs.check_common_dir(fd, 65533)  # its owner may
+        gitdirs.check_common_dir(fd, 0)  # and root may
+    finally:
+        os.close(fd)

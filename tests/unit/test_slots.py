@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -222,3 +223,73 @@ def test_worktrees_share_the_common_dir_and_its_setting(tmp_path: Path) -> None:
     assert found_wt.worktree == tmp_path / "wt1"
     assert found_main.cap_setting == found_wt.cap_setting == "2"
     assert slots.find_repository(tmp_path) is None
+
+
+# -- who may lock a slot (issue 18, finding 9a) -------------------------------------------
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_slot_files_are_for_the_owner_and_group_only(tmp_path: Path) -> None:
+    """An outsider's flock on a 0644 slot held runs (and turns) up: slots are 0660, in
+    the git dir's group; the directories let others look, not create or remove."""
+    common = tmp_path / "repo.git"
+    common.mkdir(mode=0o755)
+    os.chmod(common, 0o755)
+    slot = slots.acquire_slot(common, 2)
+    assert slot is not None
+    slot.release()
+    directory = slots.slot_directory(common)
+    assert mode_of(directory.parent) == mode_of(directory) == 0o755
+    for name in ("slot-1", "slot-2"):
+        assert mode_of(directory / name) == 0o660
+        assert os.lstat(directory / name).st_gid == os.lstat(common).st_gid
+    # A shared repository (core.sharedRepository: a group-writable git dir).
+    shared = tmp_path / "shared.git"
+    shared.mkdir()
+    os.chmod(shared, 0o2775)
+    slots.acquire_slot(shared, 1).release()  # type: ignore[union-attr]
+    assert mode_of(slots.slot_directory(shared)) & 0o777 == 0o775
+    assert mode_of(slots.slot_directory(shared) / "slot-1") == 0o660
+
+
+def test_the_owners_next_run_tightens_old_slot_files(tmp_path: Path) -> None:
+    directory = slots.slot_directory(tmp_path)
+    directory.mkdir(parents=True)
+    os.chmod(directory, 0o777)
+    (directory / "slot-1").touch()
+    os.chmod(directory / "slot-1", 0o644)  # as every version before made them
+    slot = slots.acquire_slot(tmp_path, 1)
+    assert slot is not None
+    slot.release()
+    assert mode_of(directory / "slot-1") == 0o660
+    assert mode_of(directory) == 0o755
+
+
+def test_a_slot_that_is_a_link_is_not_followed_nor_changed(tmp_path: Path) -> None:
+    """Root running the tests in another user's checkout is not steered by its files."""
+    precious = tmp_path / "precious"
+    precious.write_text("keep\n")
+    os.chmod(precious, 0o644)
+    directory = slots.slot_directory(tmp_path / "repo")
+    directory.mkdir(parents=True)
+    (directory / "slot-1").symlink_to(precious)
+    notices: list[str] = []
+    assert slots.acquire_slot(tmp_path / "repo", 1, notice=notices.append) is None
+    assert len(notices) == 1 and "slot-1" in notices[0]
+    (directory / "slot-1").unlink()
+    os.link(precious, directory / "slot-1")  # a hard link: the same inode, two names
+    slot = slots.acquire_slot(tmp_path / "repo", 1)
+    assert slot is not None
+    slot.release()
+    assert mode_of(precious) == 0o644 and precious.read_text() == "keep\n"
+    # A symlink in place of a slot directory is not followed either.
+    (tmp_path / "elsewhere").mkdir()
+    os.rename(directory.parent, tmp_path / "old-volute")
+    (tmp_path / "repo" / "volute").symlink_to(tmp_path / "elsewhere")
+    notices.clear()
+    assert slots.acquire_slot(tmp_path / "repo", 1, notice=notices.append) is None
+    assert len(notices) == 1 and "volute" in notices[0]
+    assert list((tmp_path / "elsewhere").iterdir()) == []

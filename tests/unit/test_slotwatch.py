@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from inotify_simple import INotify, flags
 
-from volutectl import slotcore, slots
+from volutectl import slotcore, slots, slotwatch
 from volutectl.slotwatch import HeldSlot, SlotWatch
 from volutectl.testrun import register_with_gate
 
@@ -310,7 +310,7 @@ def test_register_persists_and_a_new_watch_finds_runs_in_flight(repo: Path, tmp_
     finally:
         watch.close()
     registry = json.loads((tmp_path / "state" / "repositories.json").read_text())
-    assert registry == {"version": 1, "repositories": [str(common)]}
+    assert registry == {"version": 2, "repositories": [{"path": str(common), "uid": 0}]}
     holder = hold_in_child(common, 1)  # a run already in flight when the gate starts
     assert holder.stdout is not None
     holder.stdout.readline()
@@ -358,6 +358,7 @@ def test_status_groups_runs_by_repository(repo: Path, tmp_path: Path) -> None:
                     "repository": str(common),
                     "slots_held": 1,
                     "slots": 2,
+                    "problem": None,
                     "runs": [
                         {
                             "unit": "volute-test-wt1-10.scope",
@@ -371,6 +372,7 @@ def test_status_groups_runs_by_repository(repo: Path, tmp_path: Path) -> None:
                     "repository": str((other / ".git").resolve()),
                     "slots_held": None,
                     "slots": None,
+                    "problem": None,
                     "runs": [
                         {
                             "unit": "volute-test-other-11.scope",
@@ -437,3 +439,215 @@ def test_taking_a_flock_raises_no_event_so_the_taker_announces_it(
     finally:
         os.close(fd)
         watch.close()
+
+
+# -- bounds and whose repository (issue 18) -----------------------------------------------
+
+
+def inotify_watches(fd: int) -> int:
+    """How many watches an inotify descriptor of ours holds, as the kernel counts them."""
+    text = Path(f"/proc/self/fdinfo/{fd}").read_text()
+    return sum(1 for line in text.splitlines() if line.startswith("inotify wd:"))
+
+
+def test_one_watch_per_repository_and_slot_files_past_the_cap_cost_nothing(
+    repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 8c: 145,000 slot files took one watch each. Now one watch per directory,
+    and only slot-1 .. slot-<max> are looked at."""
+    common = (repo / ".git").resolve()
+    slot = slots.acquire_slot(common, 2)
+    assert slot is not None
+    directory = slots.slot_directory(common)
+    for index in range(3, 3001):
+        (directory / f"slot-{index}").touch()
+    log = Log()
+    started = time.monotonic()
+    watch = SlotWatch([repo], tmp_path / "state" / "repositories.json", log, max_slot_files=64)
+    try:
+        assert time.monotonic() - started < 1.0
+        assert inotify_watches(watch.fileno()) == 1
+        state = watch.summary()[0]
+        assert (state.slots, state.held, state.watching) == (64, 1, True)
+        assert state.problem == "slot files past slot-64 are not counted"
+        assert len(log.matching("past slot-64")) == 1
+        readings = []
+        real_read = slotwatch.read_locks
+        monkeypatch.setattr(slotwatch, "read_locks", lambda: readings.append(1) or real_read())
+        # Files past the cap, and other names, wake the gate but cost no probe.
+        for name in ("slot-65", "slot-2999", "notes", "slot-007"):
+            os.close(os.open(directory / name, os.O_RDONLY | os.O_CREAT, 0o600))
+        os.listdir(directory)  # an event with no name: someone listing the directory
+        assert readable(watch.fileno(), 1.0)
+        assert watch.on_ready() is False
+        assert readings == []
+        assert len(log.matching("past slot-64")) == 1  # said once
+        # A slot within the cap is seen as before.
+        other = hold_in_child(common, 2)
+        assert other.stdout is not None
+        assert other.stdout.readline().strip().endswith("slot-2")
+        assert pump(watch, lambda: seen(watch) == ["slot-1", "slot-2"]) >= 1
+        assert readings
+        other.communicate("")
+        assert pump(watch, lambda: seen(watch) == ["slot-1"]) >= 1
+        assert inotify_watches(watch.fileno()) == 1
+    finally:
+        watch.close()
+        slot.release()
+
+
+def fake_git_dir(path: Path, owner: int) -> Path:
+    for name in ("objects", "refs"):
+        (path / name).mkdir(parents=True)
+    (path / "HEAD").write_text("ref: refs/heads/main\n")
+    for part in (path, path / "objects", path / "refs", path / "HEAD"):
+        os.chown(part, owner, owner)
+    return path
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="gives files to other users")
+
+
+@needs_root
+def test_a_commondir_to_another_users_repository_is_neither_watched_nor_kept(
+    repo: Path, tmp_path: Path
+) -> None:
+    """Finding 7: the owner was checked on the path given, then commondir followed."""
+    victim = (repo / ".git").resolve()
+    os.chown(victim, 65533, 65533)
+    fake = fake_git_dir(tmp_path / "fake.git", 65534)
+    (fake / "commondir").write_text(f"{victim}\n")
+    log = Log()
+    watch = make_watch([], tmp_path, log)
+    try:
+        assert watch.register(fake, 65534) is False
+        assert watch.repositories() == []
+        assert log.matching("belongs to uid 65533")
+        assert watch.register(fake, 65533) is True  # its owner may
+        assert watch.repositories() == [victim]
+    finally:
+        watch.close()
+    registry = json.loads((tmp_path / "state" / "repositories.json").read_text())
+    assert registry["repositories"] == [{"path": str(victim), "uid": 65533}]
+    # The repository changes hands: a restarted gate forgets it.
+    os.chown(victim, 65532, 65532)
+    log = Log()
+    restarted = make_watch([], tmp_path, log)
+    try:
+        assert restarted.repositories() == []
+        assert log.matching("forgetting registered repository")
+    finally:
+        restarted.close()
+
+
+@needs_root
+def test_the_watched_inode_is_the_checked_one(repo: Path, tmp_path: Path) -> None:
+    """A repository swapped for another user's after the check is not watched: the watch
+    is on the descriptor checked, and a re-attach checks again."""
+    common = (repo / ".git").resolve()
+    os.chown(common, 65534, 65534)
+    slots.acquire_slot(common, 1).release()  # type: ignore[union-attr]
+    log = Log()
+    watch = make_watch([], tmp_path, log)
+    try:
+        assert watch.register(common, 65534) is True
+        assert watch.summary()[0].watching is True
+        moved = tmp_path / "moved.git"
+        common.rename(moved)
+        fake = fake_git_dir(common, 65533)  # somebody else's, in its place
+        holder = hold_in_child(fake, 1)
+        assert holder.stdout is not None
+        holder.stdout.readline()
+        time.sleep(0.2)
+        assert watch.held() == []  # the other user's slot is not the one watched
+        # The watched directory changes; looking it up by its path finds another inode:
+        # it is attached afresh, and checked again.
+        (slots.slot_directory(moved) / "slot-2").touch()
+        pump(watch, lambda: not watch.summary()[0].watching)
+        assert "belongs to uid 65533" in str(watch.summary()[0].problem)
+        assert watch.held() == []
+        holder.communicate("")
+    finally:
+        watch.close()
+
+
+def test_registrations_are_bounded_per_user(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slotwatch, "MAX_REPOSITORIES_PER_USER", 2)
+    repositories = []
+    for index in range(4):
+        checkout = tmp_path / f"r{index}"
+        checkout.mkdir()
+        git("init", "-q", cwd=checkout)
+        repositories.append(checkout)
+    uid = os.getuid() or 65534
+    if os.getuid() == 0:
+        for checkout in repositories:
+            os.chown(checkout / ".git", uid, uid)
+    log = Log()
+    watch = make_watch([], tmp_path, log)
+    try:
+        assert watch.register(repositories[0], uid) is True
+        assert watch.register(repositories[1], uid) is True
+        with pytest.raises(slotwatch.RepositoryLimit, match=f"uid {uid} has 2 repositories"):
+            watch.register(repositories[2], uid)
+        assert watch.register(repositories[1], uid) is False  # known: no new place taken
+        assert watch.register(repositories[3], 0) is True  # root has no bound of its own
+        assert len(watch.repositories()) == 3
+    finally:
+        watch.close()
+
+
+def test_a_version_1_registry_is_read_with_its_owner(repo: Path, tmp_path: Path) -> None:
+    common = (repo / ".git").resolve()
+    registry = tmp_path / "state" / "repositories.json"
+    registry.parent.mkdir()
+    registry.write_text(json.dumps({"version": 1, "repositories": [str(common)]}))
+    watch = make_watch([], tmp_path, Log())
+    try:
+        assert watch.repositories() == [common]
+        assert watch.summary()[0].watching is True
+    finally:
+        watch.close()
+
+
+def test_a_repository_the_gate_may_not_enter_is_listed_with_why(
+    repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run unprivileged (after the split), the gate cannot enter a private home. The
+    registration is not dropped in silence, nor is it a crash: status and the log say
+    "permission denied" (the system tier does this for real, as an unprivileged user)."""
+
+    def refuse(path: object, **kwargs: object) -> int:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    log = Log()
+    watch = make_watch([], tmp_path, log)
+    try:
+        monkeypatch.setattr(slotwatch.gitdirs, "open_common_dir", refuse)
+        assert watch.register(repo, 1000) is False
+        assert watch.register(repo, 1000) is False  # said once
+        [entry] = watch.status([])
+        assert entry == {
+            "repository": str(repo),
+            "slots_held": None,
+            "slots": None,
+            "problem": "permission denied",
+            "runs": [],
+        }
+        assert [message for _, message in log.lines] == [
+            f"cannot watch {repo}: permission denied (the gate runs as "
+            f"{slotwatch._user_name()}; see docs/test-slots.md)"
+        ]
+        monkeypatch.undo()
+        assert watch.register(repo, 0) is True  # it may look now: watched
+        [entry] = watch.status([])
+        assert (entry["repository"], entry["slots_held"], entry["problem"]) == (
+            str((repo / ".git").resolve()),
+            0,
+            None,
+        )
+    finally:
+        watch.close()
+    assert "uid" in (tmp_path / "state" / "repositories.json").read_text()
