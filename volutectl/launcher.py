@@ -280,10 +280,14 @@ def fork_turn(
     stdin_fd = sealed_stdin(stdin)
     try:
         status_fd = turn_dir.open_status()
+        try:
+            read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        except BaseException:
+            os.close(status_fd)
+            raise
     except BaseException:
         os.close(stdin_fd)
         raise
-    read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
     wrapper = ["/bin/sh", WRAPPER, *argv]
     environment = dict(env)
     # Every signal blocked across the fork: none may run the gate's handlers in the child
