@@ -18,41 +18,40 @@ marks that the command started, runs it, and writes its exit status into the tur
 directory, so a gate that restarted can still learn how an adopted turn ended. A
 Python wrapper would cost 100+ ms on the handoff path; sh costs about 1 ms.
 
-Turn directory (under gate.runtime_dir/turns/<id>, owned by the mind's user):
-  stdin.jsonl  the batch of deliveries, one JSON object per line (root-owned, 0600;
-               opened before the privilege drop)
-  inbox/       deliveries folded in while the turn runs, one <id>.json file each; the
-               turn takes one by deleting (or moving away) its file
-  .offered/    the gate's own record of what it offered (root-owned, 0700): <id> is
-               created after inbox/.<id>.tmp is written and before that is renamed to
-               inbox/<id>.json, so a gate killed half-way through a fold can still tell
-               "never offered" (no marker, or the .tmp still there) from "taken"
-               (marker, and neither file)
-  started      created by the wrapper just before the command runs
-  status       the command's exit status, written by the wrapper when it returns
+The turn's directory (turndir.py) belongs to root, and nothing in it is reached through
+a path the turn can change. Its stdin is a sealed memfd made from the batch: no path at
+all. The wrapper records that the command started, and its exit status, through a
+descriptor (fd 9) on the directory's status file, which the child inherits from the
+gate and the command does not.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pwd
 import resource
-import shutil
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from volutectl import envfile
+from volutectl.dirfds import write_all
 from volutectl.errors import DataError, VoluteError
 from volutectl.journal import TurnStream
+from volutectl.turndir import TurnDir as TurnDir
+from volutectl.turndir import make_turn_dir as make_turn_dir
+from volutectl.turndir import offer as offer
 
 # The scope's main process: /bin/sh running turn-wrapper.sh (beside this module) with
 # the command as its arguments. A file rather than `sh -c SCRIPT` so that
 # `systemctl status volute-turns.slice` shows a readable command line.
 WRAPPER = str(Path(__file__).with_name("turn-wrapper.sh"))
 RELEASE = b"1"
+# The descriptor on which the wrapper finds the turn directory's status file.
+STATUS_FD = 9
 # The PATH a turn's command is looked up in, unless the mind's environment sets one.
 TURN_PATH = "/usr/local/bin:/usr/bin:/bin"
 
@@ -183,59 +182,6 @@ def resolve_account(user: str) -> Account:
     return Account(entry.pw_name, entry.pw_uid, entry.pw_gid, groups, entry.pw_dir)
 
 
-@dataclass(frozen=True)
-class TurnDir:
-    path: Path
-
-    @property
-    def inbox(self) -> Path:
-        return self.path / "inbox"
-
-    @property
-    def stdin(self) -> Path:
-        return self.path / "stdin.jsonl"
-
-    @property
-    def offered(self) -> Path:
-        return self.path / ".offered"
-
-    def started(self) -> bool:
-        return (self.path / "started").exists()
-
-    def exit_status(self) -> int | None:
-        try:
-            return int((self.path / "status").read_text().strip())
-        except (OSError, ValueError):
-            return None
-
-    def ended_at(self) -> float | None:
-        """When the wrapper recorded the exit status (the status file's mtime)."""
-        try:
-            return (self.path / "status").stat().st_mtime
-        except OSError:
-            return None
-
-    def not_taken(self, folded: Sequence[int]) -> set[int]:
-        """Of the folded delivery ids, those the turn did not take: still in the inbox, or
-        never offered there (the gate died between the fold's commit and the rename)."""
-        if not self.offered.is_dir():
-            # A turn directory from volutectl 0.1.0, which kept no offer record: only
-            # what is still in the inbox is known to be untaken.
-            return {i for i in folded if (self.inbox / f"{i}.json").exists()}
-        left = set()
-        for delivery_id in folded:
-            if (
-                not (self.offered / str(delivery_id)).exists()
-                or (self.inbox / f".{delivery_id}.tmp").exists()
-                or (self.inbox / f"{delivery_id}.json").exists()
-            ):
-                left.add(delivery_id)
-        return left
-
-    def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-
-
 def delivery_record(delivery_id: int, session: str, message: bytes, interrupt: bool) -> bytes:
     return (
         json.dumps(
@@ -249,39 +195,6 @@ def delivery_record(delivery_id: int, session: str, message: bytes, interrupt: b
         ).encode()
         + b"\n"
     )
-
-
-def make_turn_dir(root: Path, turn_id: int, account: Account, stdin: bytes) -> TurnDir:
-    turns = root / "turns"
-    turns.mkdir(parents=True, exist_ok=True)
-    os.chmod(turns, 0o711)  # others may traverse to their own turn, not list
-    path = turns / str(turn_id)
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(mode=0o700)
-    (path / "inbox").mkdir(mode=0o700)
-    (path / ".offered").mkdir(mode=0o700)  # stays the gate's: not chowned below
-    stdin_path = path / "stdin.jsonl"
-    fd = os.open(stdin_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(stdin)
-    if os.geteuid() == 0:
-        os.chown(path, account.uid, account.gid)
-        os.chown(path / "inbox", account.uid, account.gid)
-    return TurnDir(path)
-
-
-def offer(turn_dir: TurnDir, delivery_id: int, record: bytes, account: Account) -> None:
-    """Put a folded delivery into a running turn's inbox, atomically, leaving the record
-    that `TurnDir.not_taken` reads: the .tmp first, then the marker, then the rename."""
-    tmp = turn_dir.inbox / f".{delivery_id}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(record)
-    if os.geteuid() == 0:
-        os.chown(tmp, account.uid, account.gid)
-    os.close(os.open(turn_dir.offered / str(delivery_id), os.O_WRONLY | os.O_CREAT, 0o600))
-    os.rename(tmp, turn_dir.inbox / f"{delivery_id}.json")
 
 
 @dataclass
@@ -348,6 +261,21 @@ def turn_environment(
     return env
 
 
+def sealed_stdin(data: bytes) -> int:
+    """A memfd holding `data`, sealed against any change, positioned at its start: the
+    turn's stdin. It has no path, so nothing of the turn's can stand in for it."""
+    fd = os.memfd_create("volute-turn-stdin", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        write_all(fd, data)
+        seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def fork_turn(
     argv: Sequence[str],
     env: Mapping[str, str],
@@ -355,13 +283,27 @@ def fork_turn(
     turn_dir: TurnDir,
     cwd: str,
     stream: TurnStream | None = None,
+    *,
+    stdin: bytes,
 ) -> Child:
     """Fork the turn's child, blocked until released; then, in its scope, it opens
-    `stream` for its stdout and stderr, becomes `account` and execs the command."""
-    read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+    `stream` for its stdout and stderr, becomes `account` and execs the command.
+
+    Its stdin (`stdin`, in a sealed memfd) and the wrapper's status descriptor are
+    opened here, by the gate, before the fork: the child opens nothing by a path."""
+    stdin_fd = sealed_stdin(stdin)
+    try:
+        status_fd = turn_dir.open_status()
+        try:
+            read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        except BaseException:
+            os.close(status_fd)
+            raise
+    except BaseException:
+        os.close(stdin_fd)
+        raise
     wrapper = ["/bin/sh", WRAPPER, *argv]
     environment = dict(env)
-    stdin_path = str(turn_dir.stdin)
     # Every signal blocked across the fork: none may run the gate's handlers in the child
     # before it has reset them.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
@@ -369,26 +311,30 @@ def fork_turn(
         pid = os.fork()
     except OSError as error:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        os.close(read_fd)
-        os.close(write_fd)
+        for fd in (read_fd, write_fd, stdin_fd, status_fd):
+            os.close(fd)
         raise VoluteError(f"cannot fork a turn: {error}") from None
     if pid != 0:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     else:  # pragma: no cover - the child; its effects are tested end to end
         try:
             _reset_inherited_state()
-            # Nothing of the gate's but the release pipe: not its listening socket, its
-            # clients, its database or its bus, not even until exec closes them.
-            os.closerange(3, read_fd)
-            os.closerange(read_fd + 1, _MAX_FD)  # the pipe's write end among them
-            os.setsid()
-            stdin_fd = os.open(stdin_path, os.O_RDONLY)
+            # Out of the way of 0 and STATUS_FD first, then into place.
+            release = fcntl.fcntl(read_fd, fcntl.F_DUPFD_CLOEXEC, STATUS_FD + 1)
+            stdin_fd = fcntl.fcntl(stdin_fd, fcntl.F_DUPFD_CLOEXEC, STATUS_FD + 1)
+            status_fd = fcntl.fcntl(status_fd, fcntl.F_DUPFD_CLOEXEC, STATUS_FD + 1)
             os.dup2(stdin_fd, 0)
-            os.close(stdin_fd)
+            os.dup2(status_fd, STATUS_FD)
+            # Nothing of the gate's but these and the release pipe: not its listening
+            # socket, its clients, its database or its bus, not even until exec closes them.
+            os.closerange(3, STATUS_FD)
+            os.closerange(STATUS_FD + 1, release)
+            os.closerange(release + 1, _MAX_FD)  # the pipe's write end among them
+            os.setsid()
             # The gate checked the working directory before the fork (preflight): entering
             # it fails only if it changed since, and the child then exits unreleased.
             _enter_as(cwd, account)
-            if os.read(read_fd, 1) != RELEASE:
+            if os.read(release, 1) != RELEASE:
                 os._exit(0)
             if stream is not None:
                 _log_to(stream)  # as root: see the module's docstring
@@ -397,5 +343,6 @@ def fork_turn(
             os.execve("/bin/sh", wrapper, environment)
         finally:
             os._exit(127)
-    os.close(read_fd)
+    for fd in (read_fd, stdin_fd, status_fd):
+        os.close(fd)
     return Child(pid=pid, pidfd=os.pidfd_open(pid), release_fd=write_fd)

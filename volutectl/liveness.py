@@ -24,9 +24,8 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from volutectl import core, launcher, names, processes
+from volutectl import core, launcher, names, processes, turndir
 from volutectl.config import Settings
 from volutectl.errors import VoluteError
 from volutectl.journal import Event
@@ -264,12 +263,20 @@ class Liveness:
         self.wake()
 
     def _remove_stale_dirs(self, open_ids: set[int]) -> None:
-        """Turn directories of turns already settled: a gate killed after settling a turn
-        and before removing its directory leaves one behind."""
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(self.settings.gate.runtime_dir / "turns"):
-                if entry.name.isdigit() and int(entry.name) not in open_ids:
-                    launcher.TurnDir(Path(entry.path)).remove()
+        """Turn directories of turns already settled (a gate killed after settling a turn
+        and before removing its directory leaves one behind), and those set aside before:
+        within a budget, and never failing the start."""
+        sweep = turndir.sweep_turn_dirs(self.settings.gate.runtime_dir, open_ids)
+        self.turns.trash_waiting = bool(sweep.left)
+        for error in sweep.errors:
+            self.turns.journal.log("warning", error)
+        if sweep.left:
+            trash = self.settings.gate.runtime_dir / "turns" / turndir.TRASH
+            self.turns.journal.log(
+                "warning",
+                f"{len(sweep.left)} turn directories set aside in {trash} were too large to "
+                f"remove now ({', '.join(sweep.left[:5])}); the next start tries again",
+            )
 
     def _turn_from_row(self, row: TurnRow) -> Turn:
         account = None

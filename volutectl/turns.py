@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from volutectl import core, launcher, names, preflight, processes
+from volutectl import core, dirfds, launcher, names, preflight, processes, turndir
 from volutectl.config import Settings, parse_bandwidth
 from volutectl.errors import DataError, VoluteError
 from volutectl.faults import crash_point
@@ -85,6 +85,7 @@ class Turns:
         self.wake = wake  # a turn ended or failed to start: admission should run
         self._turns: dict[int, Turn] = {}
         self.accounts: dict[str, launcher.Account] = {}
+        self.trash_waiting = False  # something was set aside in turns/.trash
         turns = settings.turns
         self.scope_props = ScopeProperties(
             slice=turns.slice,
@@ -169,7 +170,17 @@ class Turns:
         account = turn.account or self.account_of(turn.mind)
         for row in rows:
             record = launcher.delivery_record(row.id, row.session, row.message, row.interrupt)
-            launcher.offer(turn.turn_dir, row.id, record, account)
+            try:
+                launcher.offer(turn.turn_dir, row.id, record, account)
+            except OSError as error:
+                # Not offered (no marker, or its staged file still there): not_taken says
+                # so when the turn ends, and the delivery goes to the next turn.
+                self.log_row(
+                    "warning",
+                    row,
+                    f"could not be offered into turn {turn.id}'s inbox "
+                    f"({error.strerror or error}): it goes to the session's next turn",
+                )
             crash_point("inbox_written")
         self.log_released(rows, now, f"folded into turn {turn.id}")
         if rows:
@@ -208,9 +219,12 @@ class Turns:
         turn_dir, child = None, None
         try:
             account = self.account_of(start.mind)
-            turn_dir, argv, env, cwd = self._prepare(start, turn_id, taken, account)
+            turn_dir, argv, env, cwd = self._prepare(start, turn_id, account)
+            stdin = b"".join(
+                launcher.delivery_record(r.id, r.session, r.message, r.interrupt) for r in taken
+            )
             stream = self.journal.turn_stream(start.mind, unit)
-            child = launcher.fork_turn(argv, env, account, turn_dir, cwd, stream)
+            child = launcher.fork_turn(argv, env, account, turn_dir, cwd, stream, stdin=stdin)
             crash_point("forked")
             self.manager.start_scope(unit, [child.pid], self._scope_props(start, turn_id))
             crash_point("scope_started")
@@ -238,24 +252,21 @@ class Turns:
                       event=Event.START)  # fmt: skip
 
     def _prepare(
-        self, start: core.Start, turn_id: int, taken: list[Row], account: launcher.Account
+        self, start: core.Start, turn_id: int, account: launcher.Account
     ) -> tuple[launcher.TurnDir, list[str], dict[str, str], str]:
-        """The turn's directory (stdin: its batch), command, environment and cwd."""
+        """The turn's directory, command, environment and cwd."""
         mind = self.settings.minds.get(start.mind)
         if mind is None:
             raise DataError(f"mind {start.mind!r} is no longer configured")
         cwd = preflight.turn_directory(start.mind, mind, account)  # before anything is made
         extra = launcher.mind_environment(mind.environment, mind.environment_file)
-        stdin = b"".join(
-            launcher.delivery_record(r.id, r.session, r.message, r.interrupt) for r in taken
-        )
-        turn_dir = launcher.make_turn_dir(self.settings.gate.runtime_dir, turn_id, account, stdin)
+        turn_dir = launcher.make_turn_dir(self.settings.gate.runtime_dir, turn_id, account)
         env = launcher.turn_environment(
             account,
             mind=start.mind,
             session=start.session,
             turn_id=turn_id,
-            delivery_ids=[row.id for row in taken],
+            delivery_ids=list(start.delivery_ids),
             turn_dir=turn_dir,
             extra=extra,
         )
@@ -304,7 +315,8 @@ class Turns:
         )
         self.store.end_turn(turn_id, Outcome.START_FAILED, None, message, time.time())
         self.fail(taken, message)
-        launcher.TurnDir(self.settings.gate.runtime_dir / "turns" / str(turn_id)).remove()
+        turns = self.settings.gate.runtime_dir / "turns"
+        self.remove_turn_dir(launcher.TurnDir(turns / str(turn_id)))
         self.wake()
 
     # -- failures ---------------------------------------------------------------------------
@@ -361,18 +373,19 @@ class Turns:
     def finish(self, turn: Turn) -> None:
         """Nothing of the turn runs any more: settle its deliveries and free its place."""
         now = time.time()
+        record = turn.turn_dir.record()
         exit_status = turn.exit_status
         if exit_status is None:
-            exit_status = turn.turn_dir.exit_status()
+            exit_status = record.exit_status
         outcome = core.turn_outcome(
             exit_status=exit_status,
-            started_marker=turn.turn_dir.started(),
+            started_marker=record.started,
             released=turn.released,
             interrupted=turn.interrupted,
             timed_out=core.timed_out(
                 turn.deadline,
                 stopped_at=turn.timed_out_at,
-                ended_at=turn.turn_dir.ended_at(),
+                ended_at=record.ended_at,
                 now=now,
             ),
         )
@@ -399,7 +412,7 @@ class Turns:
         self.tell_dead(carried, failed, error, notify=False)  # _tell_settled tells them
         self._turns.pop(turn.id, None)
         self.close_pidfd(turn)
-        turn.turn_dir.remove()
+        self.remove_turn_dir(turn.turn_dir)
         self.log_turn(
             "warning" if outcome.kind.failed else "info",
             turn,
@@ -410,6 +423,29 @@ class Turns:
         )
         self._tell_settled(turn, outcome, carried, failed, error)
         self.wake()
+
+    def remove_turn_dir(self, turn_dir: launcher.TurnDir) -> None:
+        """Remove a turn's directory within its budget. What is left waits in
+        turns/.trash, and is tried again, within the same budget, after each later
+        removal, and at the gate's next start. Never fails a settlement."""
+        try:
+            left = turn_dir.remove()
+        except OSError as error:
+            self.journal.log(
+                "warning", f"could not remove {turn_dir.path}: {error.strerror or error}"
+            )
+            return
+        if left is not None:
+            self.journal.log(
+                "warning",
+                f"{turn_dir.path} was too large to remove at once: set aside as {left}, to "
+                "be removed a part at a time",
+            )
+            self.trash_waiting = True
+        elif self.trash_waiting:
+            budget = dirfds.Budget(turndir.REMOVE_ENTRIES, turndir.REMOVE_SECONDS)
+            swept = turndir.empty_trash(self.settings.gate.runtime_dir, budget)
+            self.trash_waiting = bool(swept.left or swept.errors)
 
     def _tell_settled(
         self,

@@ -166,6 +166,29 @@ def test_a_delivery_to_a_running_session_folds_into_its_inbox(
     assert {a, b} <= {row.id for row in rows(harness, QueueState.DONE)}
 
 
+def test_an_offer_the_inbox_refuses_goes_to_the_next_turn_and_stops_nothing(
+    tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness]
+) -> None:
+    """A turn that puts a directory where its next delivery's file goes: the offer fails
+    (root creates nothing in the inbox), and that costs admission nothing."""
+    command, log = probe
+    blocker = 'for i in $(seq 1 9); do mkdir "$VOLUTE_INBOX/$i.json"; done; sleep 0.4'
+    harness = gate(tmp_path, {"blocked": blocker, "other": f"{command} 0"})
+    harnesses.append(harness)
+    first = deliver(harness, "blocked", "s")
+    harness.pump(lambda: any(n.startswith("volute-turn-blocked") for n in harness.manager.scopes))
+    folded = deliver(harness, "blocked", "s")
+    other = deliver(harness, "other", "s")
+    harness.pump(lambda: settled(harness), timeout=30)
+    assert harness.journal.messages("error") == []
+    done = rows(harness, QueueState.DONE)
+    assert {first, folded, other} == {row.id for row in done}
+    assert all(row.attempts == 0 for row in done)
+    blocked = [n for n in harness.manager.scopes if n.startswith("volute-turn-blocked")]
+    assert len(blocked) == 2  # the refused delivery went to a turn of its own
+    assert log.runs() == {other: 1}
+
+
 def test_an_interrupt_signals_the_turn_and_counts_as_carried(
     tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness]
 ) -> None:

@@ -221,8 +221,8 @@ def test_a_forked_child_resets_signals_and_limits_before_it_waits_for_release(
         assert launcher.raise_nofile_limit() == (256, hard)
         assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
         account = launcher.resolve_account(ME)
-        turn_dir = launcher.make_turn_dir(tmp_path, 1, account, b"")
-        child = launcher.fork_turn(["true"], {}, account, turn_dir, str(tmp_path))
+        turn_dir = launcher.make_turn_dir(tmp_path, 1, account)
+        child = launcher.fork_turn(["true"], {}, account, turn_dir, str(tmp_path), stdin=b"")
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
