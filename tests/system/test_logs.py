@@ -201,21 +201,46 @@ def test_the_gates_entries_carry_message_ids_and_a_multi_line_message_is_one_ent
     assert entry["PRIORITY"] == "4" and entry["_SYSTEMD_UNIT"] == "volute-probe.service"
 
 
-def read_until(stream: Any, wanted: str, timeout: float = 20) -> list[str]:
-    """Lines from a pipe until one contains `wanted` (select: no blocking past timeout)."""
-    import select
+class Lines:
+    """A pipe's lines as they come, each with the time it came, read by a thread of its
+    own (so the times are when the follower printed them, whatever the test is doing).
 
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    while not any(wanted in line for line in seen):
-        left = deadline - time.monotonic()
-        assert left > 0, f"{wanted!r} never came; saw {seen}"
-        ready, _, _ = select.select([stream], [], [], left)
-        if ready:
-            line = stream.readline()
-            assert line, f"the follower ended before {wanted!r}; saw {seen}"
-            seen.append(line.rstrip("\n"))
-    return seen
+    Read with os.read on the descriptor, a chunk at a time. A select() and then a
+    buffered readline() takes a whole chunk and returns one line; the rest waits in
+    Python's buffer where select() cannot see it. On a loaded machine, where the
+    follower's lines come several to a chunk, the old reader waited for lines it
+    already had (issue 19)."""
+
+    def __init__(self, stream: Any) -> None:
+        import threading
+
+        self.fd = stream.fileno()
+        self.seen: list[tuple[float, str]] = []
+        self.ended = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        import os
+
+        rest = b""
+        while chunk := os.read(self.fd, 1 << 16):
+            *lines, rest = (rest + chunk).split(b"\n")
+            now = time.time()
+            self.seen += [(now, line.decode(errors="replace")) for line in lines]
+        self.ended.set()
+
+    def texts(self) -> list[str]:
+        return [text for _, text in list(self.seen)]
+
+    def until(self, wanted: str, timeout: float = 20) -> list[str]:
+        """The lines so far, once one contains `wanted`."""
+        deadline = time.monotonic() + timeout
+        while not any(wanted in text for text in self.texts()):
+            assert time.monotonic() < deadline, f"{wanted!r} never came; saw {self.texts()}"
+            assert not self.ended.is_set(), f"the follower ended before {wanted!r}"
+            time.sleep(0.05)
+        return self.texts()
 
 
 def test_logs_follow_shows_each_new_turn_as_it_runs(machine: Machine) -> None:
@@ -232,17 +257,95 @@ def test_logs_follow_shows_each_new_turn_as_it_runs(machine: Machine) -> None:
         bufsize=1,
     )
     try:
+        lines = Lines(follower.stdout)
         time.sleep(1.0)  # journalctl is reading the journal's tail
         assert follower.poll() is None, follower.communicate()
         assert deliver(machine, "mimsy", "one", "--session", "chat", "--wait") > 0
-        first = without_time("\n".join(read_until(follower.stdout, "out of turn 1")))
+        first = without_time("\n".join(lines.until("out of turn 1")))
         assert "mimsy/chat turn 1: out of turn 1" in first
         assert deliver(machine, "m-1", "two", "--wait") > 0  # another mind's: not shown
         assert deliver(machine, "mimsy", "three", "--session", "dm", "--wait") > 0
-        later = without_time("\n".join(read_until(follower.stdout, "err of turn 3")))
+        later = without_time("\n".join(lines.until("err of turn 3")))
         assert "mimsy/dm turn 3: out of turn 3" in later
         assert not [line for line in first + later if "m-1 says" in line]
         assert follower.poll() is None  # still following
     finally:
         follower.terminate()
         follower.wait(timeout=10)
+
+
+# mimsy prints to stdout and stderr (its scope's stream) and logs five lines through
+# syslog with its own identifier: logger exits at once, often before journald reads its
+# cgroup, and then journald records no unit for that line. Even-numbered turns take a
+# while; the others exit at once. m-1 (another user) prints its own lines and also logs
+# one under mimsy's identifier, which is not mimsy's.
+LOADED = """
+[minds.mimsy]
+command = '''
+echo "out $VOLUTE_TURN_ID"; echo "err $VOLUTE_TURN_ID" >&2
+for k in 1 2 3 4 5; do logger -t "volute-$VOLUTE_MIND" "logged $k of $VOLUTE_TURN_ID"; done
+case $VOLUTE_TURN_ID in *[02468]) sleep 0.5;; esac
+'''
+
+[minds.m-1]
+command = '''
+echo "m-1 says $VOLUTE_TURN_ID"; logger -t volute-mimsy "m-1 posing as mimsy $VOLUTE_TURN_ID"
+'''
+user = "mindone"
+"""
+
+# Two CPU hogs and one that writes and syncs, for two minutes at most.
+HOG = (
+    "for i in 1 2; do timeout 120 python3 -c 'while 1: pass' & done; "
+    "timeout 120 sh -c 'while :; do dd if=/dev/zero of=/var/tmp/hog bs=1M count=32 "
+    "conv=fsync 2>/dev/null; done'; wait"
+)
+
+
+def test_logs_follow_on_a_loaded_machine_shows_every_line_of_the_mind_once(
+    machine: Machine,
+) -> None:
+    import subprocess
+
+    machine.run(["useradd", "-u", "1500", "-m", "mindone"])
+    start_gate(machine, LOADED)
+    machine.run(["systemd-run", "--unit=hog", "--quiet", "sh", "-c", HOG])
+    follower = machine.popen(
+        [VOLUTECTL, "logs", "mimsy", "--follow"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    lines = Lines(follower.stdout)
+    try:
+        # Its journalctl --follow runs: from here on, every new entry reaches it.
+        following = ["pgrep", "-f", "journalctl.*--follow"]
+        wait_for(lambda: machine.run(following, check=False).returncode == 0, timeout=60)
+        for i in range(10):  # 20 turns, the two minds' interleaved
+            deliver(machine, "mimsy", f"m{i}", "--session", f"s{i % 3}")
+            deliver(machine, "m-1", f"o{i}")
+        wait_for(lambda: all_settled(machine), timeout=120)
+        ends = {
+            int(e["VOLUTE_TURN_ID"]): int(e["__REALTIME_TIMESTAMP"]) / 1e6
+            for e in entries(machine, f"MESSAGE_ID={MESSAGE_IDS[Event.END]}", "VOLUTE_MIND=mimsy")
+        }
+        assert len(ends) >= 4, ends  # batching may merge some, never all
+        time.sleep(max(0.0, max(ends.values()) + 5 - time.time()))
+    finally:
+        follower.terminate()
+        follower.wait(timeout=30)
+        machine.run(["systemctl", "stop", "hog"], check=False)
+
+    by_text: dict[str, list[float]] = {}
+    for when, text in lines.seen:
+        by_text.setdefault(text.split(": ", 1)[-1], []).append(when)
+    for turn, ended in sorted(ends.items()):
+        logged = [f"logged {k} of {turn}" for k in range(1, 6)]
+        for text in [f"out {turn}", f"err {turn}", *logged]:
+            times = by_text.get(text, [])
+            assert len(times) == 1, (text, lines.texts())  # once: not lost, not twice
+            assert times[0] <= ended + 5, (text, times[0] - ended)
+    others = [t for t in lines.texts() if "m-1" in t or "posing" in t]
+    assert not others, others
+    # Each line names its turn: by its scope, or marked when journald could not tell.
+    for text in lines.texts():
+        assert text[20:].startswith(("gate: ", "mimsy/")), text
