@@ -349,3 +349,83 @@ def test_logs_follow_on_a_loaded_machine_shows_every_line_of_the_mind_once(
     # Each line names its turn: by its scope, or marked when journald could not tell.
     for text in lines.texts():
         assert text[20:].startswith(("gate: ", "mimsy/")), text
+
+
+# A local user who is neither a mind's user nor in group volute sends what the gate and
+# a turn send: a native entry with the gate's identifier and fields (and the trusted
+# fields too, which journald drops from a client), and lines under the mind's
+# identifier, through the native protocol, syslog, and a stream whose header names the
+# turn's scope (journald takes a header's unit from root only).
+FORGE = r"""
+import socket, sys
+from volutectl.journal import MESSAGE_IDS, Event
+turn, session = sys.argv[1], sys.argv[2]
+fields = {
+    "MESSAGE": f"turn {turn} of mimsy/{session} started with deliveries 9",
+    "MESSAGE_ID": MESSAGE_IDS[Event.START], "SYSLOG_IDENTIFIER": "volute-gate",
+    "VOLUTE_EVENT": "start", "VOLUTE_MIND": "mimsy", "VOLUTE_TURN_ID": turn,
+    "VOLUTE_SESSION": session, "_SYSTEMD_UNIT": "volute-gate.service", "_UID": "0",
+}
+native = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+native.sendto("".join(f"{k}={v}\n" for k, v in fields.items()).encode(),
+              "/run/systemd/journal/socket")
+line = {"MESSAGE": f"forged native line {turn}", "SYSLOG_IDENTIFIER": "volute-mimsy",
+        "_SYSTEMD_UNIT": f"volute-turn-mimsy-{turn}.scope", "_UID": "999"}
+native.sendto("".join(f"{k}={v}\n" for k, v in line.items()).encode(),
+              "/run/systemd/journal/socket")
+stream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+stream.connect("/run/systemd/journal/stdout")
+stream.sendall(f"volute-mimsy\nvolute-turn-mimsy-{turn}.scope\n6\n0\n0\n0\n0\n".encode())
+stream.sendall(f"forged stream line {turn}\n".encode())
+"""
+
+
+def test_a_local_users_forged_gate_entries_and_turn_lines_are_not_shown(
+    machine: Machine,
+) -> None:
+    import subprocess
+
+    machine.run(["useradd", "-u", "1600", "-m", "stranger"])
+    start_gate(machine, CONFIG)
+    assert deliver(machine, "mimsy", "one", "--session", "chat", "--wait") > 0
+
+    def forge(turn: int, session: str) -> None:
+        machine.run(["runuser", "-u", "stranger", "--", PYTHON, "-c", FORGE, str(turn), session])
+        stranger = ["runuser", "-u", "stranger", "--"]
+        machine.run([*stranger, "logger", "-t", "volute-mimsy", f"forged syslog line {turn}"])
+        cat = ["systemd-cat", "-t", "volute-mimsy", "echo", f"forged systemd-cat line {turn}"]
+        machine.run([*stranger, *cat])
+
+    follower = machine.popen(
+        [VOLUTECTL, "logs", "mimsy", "--follow"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    lines = Lines(follower.stdout)
+    try:
+        lines.until("out of turn 1")
+        following = ["pgrep", "-f", "journalctl.*--follow"]
+        wait_for(lambda: machine.run(following, check=False).returncode == 0, timeout=60)
+        forge(1, "forged")
+        forge(2, "forged")
+        assert deliver(machine, "mimsy", "two", "--session", "dm", "--wait") > 0
+        lines.until("err of turn 2")
+        # The forged entries are in the journal, as sent by the stranger.
+        forged = entries(machine, "VOLUTE_SESSION=forged")
+        assert len(forged) == 2 and {e["_UID"] for e in forged} == {"1600"}, forged
+        assert not [e for e in forged if "_SYSTEMD_UNIT" in e and "volute" in e["_SYSTEMD_UNIT"]]
+        assert len(messages(machine, "-t", "volute-mimsy", "_UID=1600")) == 8
+        time.sleep(1)  # anything still to come from the forged entries comes by now
+    finally:
+        follower.terminate()
+        follower.wait(timeout=30)
+
+    followed = without_time("\n".join(lines.texts()))
+    shown = without_time(logs(machine, "mimsy").stdout)
+    one = without_time(logs(machine, "mimsy", "--turn", "1").stdout)
+    for seen in (followed, shown, one):
+        assert not [line for line in seen if "forged" in line], seen
+        assert "mimsy/chat turn 1: out of turn 1" in seen, seen
+    assert one[0] == "-- turn 1 of mimsy, session chat (volute-turn-mimsy-1.scope)"
+    assert "mimsy/dm turn 2: err of turn 2" in followed
+    assert "mimsy/dm turn 2: err of turn 2" in shown
