@@ -429,3 +429,42 @@ def test_a_local_users_forged_gate_entries_and_turn_lines_are_not_shown(
     assert one[0] == "-- turn 1 of mimsy, session chat (volute-turn-mimsy-1.scope)"
     assert "mimsy/dm turn 2: err of turn 2" in followed
     assert "mimsy/dm turn 2: err of turn 2" in shown
+
+
+GATE_SAYS = """
+import sys
+from volutectl.journal import Event, Journal
+Journal("volute-gate").log("info", sys.argv[1], event=Event.START, mind="mimsy",
+                           session=sys.argv[2], turn_id=sys.argv[3])
+"""
+
+
+def test_the_gates_entries_count_from_the_gate_and_launcher_units_as_root_or_volute_gate(
+    machine: Machine,
+) -> None:
+    # The units of the split gate (issue 18): volute-gate.service as user volute-gate,
+    # volute-launcher.service as root. Run here as transient services that log as the
+    # gate does; the same code in another unit, or as another user, is not the gate.
+    machine.run(["useradd", "-r", "-M", "volute-gate"])
+    machine.run(["useradd", "-u", "1600", "-m", "stranger"])
+    machine.write("/etc/volute/volutectl.toml", CONFIG)
+    runs = [
+        ("volute-gate.service", "volute-gate", "gate as volute-gate", True),
+        ("volute-launcher.service", "root", "launcher as root", True),
+        ("volute-gate-x.service", "root", "another unit", False),
+        ("volute-launcher.service", "stranger", "launcher as a stranger", False),
+    ]
+    for turn, (unit, user, said, _) in enumerate(runs, start=1):
+        service = ["systemd-run", "--wait", "--quiet", f"--unit={unit}", "-p", f"User={user}"]
+        machine.run([*service, PYTHON, "-c", GATE_SAYS, said, f"s{turn}", str(turn)])
+        match = f"VOLUTE_SESSION=s{turn}"
+        wait_for(lambda match=match: bool(entries(machine, match)), timeout=10)
+    shown = without_time(logs(machine, "mimsy").stdout)
+    assert shown == [f"gate: {said}" for _, _, said, trusted in runs if trusted]
+    # A turn's session comes from the trusted start entry only.
+    assert without_time(logs(machine, "mimsy", "--turn", "2").stdout)[0] == (
+        "-- turn 2 of mimsy, session s2 (volute-turn-mimsy-2.scope)"
+    )
+    # The stranger's entry about turn 4 is no trace of it.
+    never = logs(machine, "mimsy", "--turn", "4", check=False)
+    assert never.returncode == 65 and "turn 4 of mimsy never ran" in never.stderr
