@@ -149,11 +149,12 @@ class Trust:
     def of(cls, settings: Settings, mind: str) -> Trust:
         user = settings.minds[mind].user or settings.turns.default_user
         mine = frozenset(uid for uid in [user_uid(user)] if uid is not None)
+        key = unit_field(settings.gate.manager)
         if settings.gate.manager == "user":
             me = str(os.getuid())
-            return cls("_SYSTEMD_USER_UNIT", frozenset({me}), mine, owner_uid=me)
+            return cls(key, frozenset({me}), mine, owner_uid=me)
         gate = frozenset(uid for uid in ["0", user_uid(GATE_USER)] if uid is not None)
-        return cls("_SYSTEMD_UNIT", gate, mine)
+        return cls(key, gate, mine)
 
     def unit_of(self, entry: Mapping[str, Any]) -> str | None:
         """The writer's unit as journald recorded it, or None if it recorded none."""
@@ -348,12 +349,14 @@ def print_entries(
     --turn), learning as they pass the sessions and streams that place later ones."""
     for entry in stream:
         turns.learn(entry)  # a start entry that streams past names its turn's session
+        ask_about_stream(journalctl, turns, entry)
+        if not of_turn(entry, turns, turn_id):
+            continue  # another turn's: nothing to ask about it
         placed = turns.turn_of_output(entry)
         if placed is not None:
             ask_about_turn(journalctl, turns, placed)
-        ask_about_stream(journalctl, turns, entry)
         source = source_of(entry, turns)
-        if source is not None and of_turn(entry, turns, turn_id):
+        if source is not None:
             click.echo(format_line(entry, source))
             if follow:
                 sys.stdout.flush()

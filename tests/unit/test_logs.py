@@ -458,3 +458,13 @@ def test_lines_without_a_unit_are_shown_once_placed_by_their_stream_or_marked(
     # The stream was asked about once, for its first line without a unit.
     streams = [c for c in run.calls() if "_STREAM_ID=aa" in c]
     assert len(streams) == 6  # once in each of the six runs
+
+
+def test_one_turn_asks_about_no_other_turn(run: Run) -> None:
+    # --turn reads every line of the mind's identifier (for those without a unit): the
+    # other turns' lines are left out without a query each for their sessions.
+    run.journal.write_text(json.dumps([output(t, "mimsy", t, f"turn {t}") for t in range(1, 40)]))
+    assert shown(run("mimsy", "--turn", "3"))[1:] == ["mimsy/? turn 3: turn 3"]
+    matches = [call[call.index("--") + 1 :] for call in run.calls()]
+    asked = [m for m in matches if len(m) == 2 and m[0] == "VOLUTE_MIND=mimsy"]
+    assert asked == [["VOLUTE_MIND=mimsy", "VOLUTE_TURN_ID=3"]]
