@@ -158,13 +158,18 @@ interrupted=
 trap 'interrupted=1; echo "sigint $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID" >> $log' INT
 # Milliseconds: mawk's printf %d stops at 2^31, so nanoseconds would cap holds at 2.1 s.
 end=$(( $(date +%s%3N) + $(echo "$hold" | awk '{printf "%d", $1 * 1000}') ))
-while [ "$(date +%s%3N)" -lt "$end" ]; do
+# A SIGINT to the scope also kills whichever child runs then (date, rm): an empty clock
+# reading goes round again, the file's id comes from builtins, and a file is taken once
+# it is gone, whatever rm's status.
+while now=$(date +%s%3N); [ -z "$now" ] || [ "$now" -lt "$end" ]; do
   before=$interrupted
   if [ "$mode" = take ] || [ "$mode" = take-until-int ]; then
     for f in "$VOLUTE_INBOX"/*.json; do
       [ -e "$f" ] || continue
-      id=$(basename "$f" .json)
-      rm -f "$f" && echo "took $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $id" >> $log
+      id=${f##*/}
+      id=${id%.json}
+      rm -f "$f"
+      [ -e "$f" ] || echo "took $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $id" >> $log
     done
   fi
   [ "$mode" = take-until-int ] && [ -n "$before" ] && break
