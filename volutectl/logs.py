@@ -10,12 +10,23 @@ ours holds a turn's output (docs/journal.md):
 - a stream's fields cannot say its session, so the session of each turn is read from
   the gate's entries about that turn: one query for the start entries of the mind's
   turns, and one more for a turn that query did not name.
+
+Anyone may send an entry with any of those fields but journald's trusted ones (a
+leading underscore), which it sets from the kernel's credentials of the writer and from
+the writer's cgroup. So each entry is taken only on its trusted fields (`Trust`):
+- a gate entry only from the gate's units (_SYSTEMD_UNIT volute-gate.service or
+  volute-launcher.service) and the gate's users (_UID 0 or volute-gate);
+- a turn's line only from that mind's own scope (_SYSTEMD_UNIT), or, when journald
+  could not name the writer's unit at all, from the mind's own user (_UID): the line is
+  shown, placed in its turn by its stream (_STREAM_ID) when another line of that stream
+  names the scope, else marked as a line of a turn that cannot be told.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -36,6 +47,12 @@ if TYPE_CHECKING:  # pydantic only when the command runs, not for a TAB (volutec
     from volutectl.config import Settings
 
 SINCE_EXAMPLES = "e.g. --since -1h, --since today, --since '2024-05-01 12:00'"
+# The units whose entries are the gate's: the socket-facing gate, and the root launcher
+# that starts turns for it; and the system user the gate runs as (besides root).
+GATE_UNITS = frozenset({"volute-gate.service", "volute-launcher.service"})
+GATE_USER = "volute-gate"
+# How a line is marked whose turn journald's fields cannot tell.
+UNPLACED = "turn ? (journald did not record which)"
 
 
 # -- what to ask journald (pure) ---------------------------------------------------------
@@ -52,9 +69,17 @@ def mind_matches(mind: str) -> list[str]:
 
 
 def turn_matches(mind: str, turn_id: int, unit_key: str) -> list[str]:
-    """One turn's output (its scope) or a gate entry about that turn."""
+    """One turn's output (its scope), a gate entry about that turn, or a line of the
+    mind that journald may not have put in any unit (chosen here: `of_turn`)."""
     unit = names.turn_scope_name(mind, turn_id)
-    return [f"{unit_key}={unit}", "+", f"VOLUTE_MIND={mind}", f"VOLUTE_TURN_ID={turn_id}"]
+    return [
+        f"{unit_key}={unit}",
+        "+",
+        f"VOLUTE_MIND={mind}",
+        f"VOLUTE_TURN_ID={turn_id}",
+        "+",
+        f"SYSLOG_IDENTIFIER=volute-{mind}",
+    ]
 
 
 def start_matches(mind: str) -> list[str]:
@@ -97,30 +122,95 @@ def field_text(value: Any) -> str:
     return str(value)
 
 
+def user_uid(user: str) -> str | None:
+    try:
+        return str(pwd.getpwnam(user).pw_uid)
+    except KeyError:
+        return None
+
+
+@dataclass(frozen=True)
+class Trust:
+    """Whose entries count, by journald's trusted fields only (a client cannot send a
+    field with a leading underscore; journald sets _UID from the kernel's credentials of
+    the writer, and the unit from the writer's cgroup, or from a stream's header only
+    when root opened the stream).
+
+    `gate_uids`: the users the gate's units run as. `mind_uids`: the mind's own user,
+    whose lines journald could not put in any unit still count. `owner_uid`: under a
+    user manager, whose manager it must be (anyone can name a unit in their own)."""
+
+    unit_key: str
+    gate_uids: frozenset[str]
+    mind_uids: frozenset[str]
+    owner_uid: str | None = None
+
+    @classmethod
+    def of(cls, settings: Settings, mind: str) -> Trust:
+        user = settings.minds[mind].user or settings.turns.default_user
+        mine = frozenset(uid for uid in [user_uid(user)] if uid is not None)
+        key = unit_field(settings.gate.manager)
+        if settings.gate.manager == "user":
+            me = str(os.getuid())
+            return cls(key, frozenset({me}), mine, owner_uid=me)
+        gate = frozenset(uid for uid in ["0", user_uid(GATE_USER)] if uid is not None)
+        return cls(key, gate, mine)
+
+    def unit_of(self, entry: Mapping[str, Any]) -> str | None:
+        """The writer's unit as journald recorded it, or None if it recorded none."""
+        if self.unit_key not in entry:
+            return None
+        owner = field_text(entry.get("_SYSTEMD_OWNER_UID"))
+        if self.owner_uid is not None and owner != self.owner_uid:
+            return ""  # another user's manager's unit: a unit, and never ours
+        return field_text(entry.get(self.unit_key))
+
+    def by_gate(self, entry: Mapping[str, Any]) -> bool:
+        uid = field_text(entry.get("_UID"))
+        return self.unit_of(entry) in GATE_UNITS and uid in self.gate_uids
+
+
 @dataclass
 class Turns:
-    """The sessions of one mind's turns, as the gate's entries name them, and the turns
-    already asked about (so that a turn the journal cannot place is asked once)."""
+    """The sessions of one mind's turns, as the gate's entries name them, the turns
+    already asked about (so that a turn the journal cannot place is asked once), and the
+    turn of each stream that one of its lines placed."""
 
     mind: str
-    unit_key: str
+    trust: Trust
     sessions: dict[int, str] = field(default_factory=dict)
     asked: set[int] = field(default_factory=set)
+    streams: dict[str, int | None] = field(default_factory=dict)
 
     def learn(self, entry: Mapping[str, Any]) -> None:
         turn, session = field_text(entry.get("VOLUTE_TURN_ID")), entry.get("VOLUTE_SESSION")
         if turn.isdigit() and session is not None and self.is_ours(entry):
             self.sessions[int(turn)] = field_text(session)
+        placed, stream = self.turn_of_output(entry), field_text(entry.get("_STREAM_ID"))
+        if placed is not None and stream:
+            self.streams[stream] = placed
 
     def is_ours(self, entry: Mapping[str, Any]) -> bool:
-        return field_text(entry.get("VOLUTE_MIND")) == self.mind
+        """A gate entry about this mind, written by the gate."""
+        return field_text(entry.get("VOLUTE_MIND")) == self.mind and self.trust.by_gate(entry)
 
     def turn_of_output(self, entry: Mapping[str, Any]) -> int | None:
         """The turn whose scope wrote this entry, if it is one of this mind's turns."""
-        parsed = names.parse_turn_scope_name(field_text(entry.get(self.unit_key)))
+        parsed = names.parse_turn_scope_name(self.trust.unit_of(entry) or "")
         if parsed is None or parsed[0] != self.mind:
             return None
         return parsed[1]
+
+    def unattributed(self, entry: Mapping[str, Any]) -> bool:
+        """A line with the mind's identifier that journald put in no unit (its writer had
+        exited, or its cgroup could not be read), written by the mind's own user."""
+        identifier = field_text(entry.get("SYSLOG_IDENTIFIER"))
+        uid = field_text(entry.get("_UID"))
+        return (
+            identifier == f"volute-{self.mind}"
+            and self.trust.unit_of(entry) is None
+            and uid in self.trust.mind_uids
+        )
 
 
 def format_line(entry: Mapping[str, Any], source: str) -> str:
@@ -133,9 +223,13 @@ def format_line(entry: Mapping[str, Any], source: str) -> str:
 
 def source_of(entry: Mapping[str, Any], turns: Turns) -> str | None:
     """Who wrote an entry worth showing (a turn, named with its session, or the gate),
-    or None: a stranger's entry that only shares the identifier (a mind named "gate"
-    shares the gate's)."""
+    or None: a stranger's entry that only shares the identifier or the gate's fields (a
+    mind named "gate" shares the gate's identifier)."""
     turn_id = turns.turn_of_output(entry)
+    if turn_id is None and turns.unattributed(entry):
+        turn_id = turns.streams.get(field_text(entry.get("_STREAM_ID")))
+        if turn_id is None:
+            return f"{turns.mind}/? {UNPLACED}"
     if turn_id is not None:
         return f"{turns.mind}/{turns.sessions.get(turn_id, '?')} turn {turn_id}"
     return "gate" if turns.is_ours(entry) else None
@@ -214,11 +308,25 @@ def ask_about_turn(journalctl: str, turns: Turns, turn_id: int) -> None:
         turns.learn(entry)
 
 
+def ask_about_stream(journalctl: str, turns: Turns, entry: Mapping[str, Any]) -> None:
+    """For a line journald put in no unit: learn its turn from the other lines of its
+    stream (one of them may name the scope), once per stream."""
+    stream = field_text(entry.get("_STREAM_ID"))
+    if not stream or stream in turns.streams or not turns.unattributed(entry):
+        return
+    turns.streams[stream] = None
+    for other in query(journalctl_argv(journalctl, [f"_STREAM_ID={stream}"]), None):
+        turns.learn(other)
+
+
 def never_ran(journalctl: str, turns: Turns, turn_id: int) -> DataError:
     """The error for a turn of which the journal holds nothing; says whose it was."""
     argv = journalctl_argv(journalctl, [f"VOLUTE_TURN_ID={turn_id}"])
-    others = sorted({field_text(entry.get("VOLUTE_MIND")) for entry in query(argv, None)}
-                    - {turns.mind, ""})  # fmt: skip
+    found = query(argv, None)
+    others = sorted(
+        {field_text(e.get("VOLUTE_MIND")) for e in found if turns.trust.by_gate(e)}
+        - {turns.mind, ""}
+    )
     hint = (
         f"turn {turn_id} was {others[0]}'s: volutectl logs {others[0]} --turn {turn_id}"
         if others
@@ -230,13 +338,23 @@ def never_ran(journalctl: str, turns: Turns, turn_id: int) -> DataError:
 
 
 def print_entries(
-    stream: Iterable[dict[str, Any]], journalctl: str, turns: Turns, follow: bool
+    stream: Iterable[dict[str, Any]],
+    journalctl: str,
+    turns: Turns,
+    *,
+    turn_id: int | None,
+    follow: bool,
 ) -> None:
+    """Print each entry worth showing (`source_of`) of the turn asked for (any, without
+    --turn), learning as they pass the sessions and streams that place later ones."""
     for entry in stream:
         turns.learn(entry)  # a start entry that streams past names its turn's session
-        turn_id = turns.turn_of_output(entry)
-        if turn_id is not None:
-            ask_about_turn(journalctl, turns, turn_id)
+        ask_about_stream(journalctl, turns, entry)
+        if not of_turn(entry, turns, turn_id):
+            continue  # another turn's: nothing to ask about it
+        placed = turns.turn_of_output(entry)
+        if placed is not None:
+            ask_about_turn(journalctl, turns, placed)
         source = source_of(entry, turns)
         if source is not None:
             click.echo(format_line(entry, source))
@@ -251,13 +369,13 @@ def show_logs(
     journalctl = find_journalctl()
     if since is not None:  # journalctl's own reading of WHEN; a bad one is a usage error
         query(journalctl_argv(journalctl, [], since=since, lines=0), since)
-    turns = Turns(mind, unit_field(settings.gate.manager))
+    turns = Turns(mind, Trust.of(settings, mind))
     if turn_id is None:
         for entry in query(journalctl_argv(journalctl, start_matches(mind), since=since), since):
             turns.learn(entry)
         matches = mind_matches(mind)
     else:
-        matches = turn_matches(mind, turn_id, turns.unit_key)
+        matches = turn_matches(mind, turn_id, turns.trust.unit_key)
         ask_about_turn(journalctl, turns, turn_id)
         session = turns.sessions.get(turn_id)
         if session is None and not query(journalctl_argv(journalctl, matches[:1], lines=1), None):
@@ -266,7 +384,7 @@ def show_logs(
         click.echo(f"-- turn {turn_id} of {mind}, session {session or '?'} ({unit})")
     if not follow:
         stream = entries(journalctl_argv(journalctl, matches, since=since))
-        print_entries(stream, journalctl, turns, follow)
+        print_entries(stream, journalctl, turns, turn_id=turn_id, follow=False)
         return
     follow_entries(journalctl, matches, turns, turn_id, since)
 
@@ -282,25 +400,27 @@ def follow_entries(
     and skips those already shown: nothing is lost in between, nothing shown twice."""
     tail = query(journalctl_argv(journalctl, [], lines=1), None)
     cursor = field_text(tail[-1].get("__CURSOR")) if tail else ""
-    recent = query(journalctl_argv(journalctl, matches, since=since,
-                                   lines=10 if since is None else None), since)  # fmt: skip
+    # The last 10 of the mind's; all of one turn's (the matches for it take every line
+    # of the mind that journald put in no unit, which `of_turn` then chooses from).
+    lines = 10 if since is None and turn_id is None else None
+    recent = query(journalctl_argv(journalctl, matches, since=since, lines=lines), since)
     shown = {field_text(entry.get("__CURSOR")) for entry in recent} - {""}
-    print_entries(recent, journalctl, turns, True)
+    print_entries(recent, journalctl, turns, turn_id=turn_id, follow=True)
     argv = journalctl_argv(journalctl, [], follow=True, after_cursor=cursor or None,
                            lines=None if cursor else "all")  # fmt: skip
-    print_entries(
-        (e for e in entries(argv)
-         if field_text(e.get("__CURSOR")) not in shown and of_turn(e, turns, turn_id)),
-        journalctl, turns, True,
-    )  # fmt: skip
+    new = (e for e in entries(argv) if field_text(e.get("__CURSOR")) not in shown)
+    print_entries(new, journalctl, turns, turn_id=turn_id, follow=True)
 
 
 def of_turn(entry: Mapping[str, Any], turns: Turns, turn_id: int | None) -> bool:
-    """Whether an entry belongs to the turn asked for (any, without --turn)."""
+    """Whether an entry belongs to the turn asked for (any, without --turn). A line
+    whose turn cannot be told may be this turn's: it is shown, marked (`source_of`)."""
     if turn_id is None:
         return True
     if turns.turn_of_output(entry) == turn_id:
         return True
+    if turns.unattributed(entry):
+        return turns.streams.get(field_text(entry.get("_STREAM_ID"))) in (turn_id, None)
     return turns.is_ours(entry) and field_text(entry.get("VOLUTE_TURN_ID")) == str(turn_id)
 
 

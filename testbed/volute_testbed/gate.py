@@ -149,23 +149,33 @@ def journal(machine: Machine, unit: str = "volute-gate.service") -> str:
 
 # A turn command for tests: logs what it got (from stdin and the inbox) to a shared log.
 TURN_PROBE = r"""#!/bin/sh
-# turn-probe SECONDS [take|leave]: record the turn, hold it open, maybe take the inbox.
+# turn-probe SECONDS [take|leave|take-until-int]: record the turn, hold it open (at most
+# SECONDS), maybe take the inbox; take-until-int ends once it has taken what was in its
+# inbox when a SIGINT came (the gate offers an interrupt's delivery before its SIGINT).
 log=/var/tmp/turns.log
 hold=${1:-0.1}
 mode=${2:-take}
 ids=$(sed -n 's/.*"id": *\([0-9][0-9]*\).*/\1/p' | tr '\n' ' ')
 echo "start $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $(id -un) $ids" >> $log
-trap 'echo "sigint $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID" >> $log' INT
+interrupted=
+trap 'interrupted=1; echo "sigint $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID" >> $log' INT
 # Milliseconds: mawk's printf %d stops at 2^31, so nanoseconds would cap holds at 2.1 s.
 end=$(( $(date +%s%3N) + $(echo "$hold" | awk '{printf "%d", $1 * 1000}') ))
-while [ "$(date +%s%3N)" -lt "$end" ]; do
-  if [ "$mode" = take ]; then
+# A SIGINT to the scope also kills whichever child runs then (date, rm): an empty clock
+# reading goes round again, the file's id comes from builtins, and a file is taken once
+# it is gone, whatever rm's status.
+while now=$(date +%s%3N); [ -z "$now" ] || [ "$now" -lt "$end" ]; do
+  before=$interrupted
+  if [ "$mode" = take ] || [ "$mode" = take-until-int ]; then
     for f in "$VOLUTE_INBOX"/*.json; do
       [ -e "$f" ] || continue
-      id=$(basename "$f" .json)
-      rm -f "$f" && echo "took $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $id" >> $log
+      id=${f##*/}
+      id=${id%.json}
+      rm -f "$f"
+      [ -e "$f" ] || echo "took $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $id" >> $log
     done
   fi
+  [ "$mode" = take-until-int ] && [ -n "$before" ] && break
   sleep 0.02
 done
 echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID" >> $log

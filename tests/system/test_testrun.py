@@ -108,17 +108,26 @@ def read_line(proc: subprocess.Popen[str], timeout: float = 15) -> str:
 def test_cap_one_serializes_three_worktrees(machine: Machine) -> None:
     make_repository(machine)
     env = {"VOLUTE_TESTS__CONCURRENT_RUNS": "1"}
-    runs = [
-        start_run(machine, f"/srv/wt{i}", timed_command(f"wt{i}", 0.4), env=env) for i in (1, 2, 3)
+    # The first run holds the slot until both others wait for it: on a loaded machine the
+    # three need not start together, and one that started late waited less (issue 19).
+    release = "until [ -e /srv/release ]; do sleep 0.02; done; "
+    held = timed_command("wt1", 0.4)
+    first = start_run(machine, "/srv/wt1", [*held[:2], release + held[2]], env=env)
+    wait_for(lambda: live_scopes(machine), what="the first run's scope")
+    others = [
+        start_run(machine, f"/srv/wt{i}", timed_command(f"wt{i}", 0.4), env=env) for i in (2, 3)
     ]
-    results = [finish(proc) for proc in runs]
+    for proc in others:
+        assert "waiting for a test slot" in read_line(proc)
+    machine.run(["touch", "/srv/release"])
+    results = [finish(proc) for proc in [first, *others]]
     assert [code for code, _, _ in results] == [0, 0, 0], [err for _, _, err in results]
     assert {result["cap_source"] for _, result, _ in results} == {
         "tests.concurrent_runs (env VOLUTE_TESTS__CONCURRENT_RUNS)"
     }
     assert most_at_once(intervals(machine, ["wt1", "wt2", "wt3"])) == 1
     waited = sorted(int(result["waited_ms"]) for _, result, _ in results)  # type: ignore[call-overload]
-    assert waited[-1] >= 600  # the last one queued behind two runs of 0.4 s
+    assert waited[-1] >= 400  # the last one queued behind the first and a run of 0.4 s
     for _, result, _ in results:
         assert result["duration_ms"] >= result["waited_ms"] + result["execution_ms"]  # type: ignore[operator]
         assert result["execution_ms"] >= 400  # type: ignore[operator]

@@ -62,7 +62,7 @@ for index, e in enumerate(entries):
 chosen = [e for i, e in enumerate(entries)
           if matching(e) and int(e["__REALTIME_TIMESTAMP"]) >= since and i > after]
 if lines is not None:
-    chosen = chosen[len(chosen) - lines:] if lines else []
+    chosen = chosen[max(0, len(chosen) - lines):] if lines else []
 if os.environ.get("FAKE_EMPTY_TAIL") and lines == 1 and not matches:
     chosen = []  # the journal was empty when the follower looked at its end
 for entry in chosen:
@@ -103,6 +103,7 @@ def entry(
         "SYSLOG_IDENTIFIER": "volute-gate",
         "_TRANSPORT": "journal",
         "_SYSTEMD_UNIT": "volute-gate.service",
+        "_UID": "0",
         "VOLUTE_MIND": mind,
         **fields,
     }
@@ -190,7 +191,7 @@ def test_the_matches_name_the_identifier_the_scope_and_the_gates_fields() -> Non
     ]  # fmt: skip
     assert logs.turn_matches("m-1.x", 5, "_SYSTEMD_UNIT") == [
         r"_SYSTEMD_UNIT=volute-turn-m\x2d1.x-5.scope", "+", "VOLUTE_MIND=m-1.x",
-        "VOLUTE_TURN_ID=5",
+        "VOLUTE_TURN_ID=5", "+", "SYSLOG_IDENTIFIER=volute-m-1.x",
     ]  # fmt: skip
     assert logs.start_matches("m") == [f"MESSAGE_ID={MESSAGE_IDS[Event.START]}", "VOLUTE_MIND=m"]
     assert logs.unit_field("system") == "_SYSTEMD_UNIT"
@@ -207,12 +208,15 @@ def test_a_field_reads_as_text_whatever_form_journalctl_gives_it() -> None:
     assert logs.field_text(None) == logs.field_text([]) == ""
 
 
+SYSTEM = logs.Trust("_SYSTEMD_UNIT", gate_uids=frozenset({"0"}), mind_uids=frozenset({"999"}))
+
+
 def test_only_the_minds_own_scopes_count_as_its_turns() -> None:
-    turns = logs.Turns("m", "_SYSTEMD_UNIT")
+    turns = logs.Turns("m", SYSTEM)
     assert turns.turn_of_output({"_SYSTEMD_UNIT": "volute-turn-m-12.scope"}) == 12
     for unit in (turn_scope_name("m-1", 3), "volute-turn-mx-3.scope", "cron.service", ""):
         assert turns.turn_of_output({"_SYSTEMD_UNIT": unit}) is None, unit
-    assert logs.Turns("m-1", "_SYSTEMD_UNIT").turn_of_output(
+    assert logs.Turns("m-1", SYSTEM).turn_of_output(
         {"_SYSTEMD_UNIT": turn_scope_name("m-1", 3)}
     ) == 3  # fmt: skip
 
@@ -351,3 +355,116 @@ def test_a_reader_that_leaves_early_is_not_an_error(run: Run) -> None:
     )  # fmt: skip
     assert pipeline.stdout.splitlines()[-1] == "status 0", pipeline.stderr
     assert "Traceback" not in pipeline.stderr and "Error" not in pipeline.stderr
+
+
+# -- whose entries count: journald's trusted fields (docs/journal.md, "Who wrote it") ----
+
+
+def no_unit(made: dict[str, Any]) -> dict[str, Any]:
+    """The entry as journald records it when it cannot name the writer's unit."""
+    return {k: v for k, v in made.items() if k != "_SYSTEMD_UNIT"}
+
+
+def test_a_gate_entry_counts_only_from_the_gates_units_and_users() -> None:
+    turns = logs.Turns("m", SYSTEM)
+    real = start(1, "m", 1, "s")
+    assert turns.is_ours(real)
+    assert turns.is_ours({**real, "_SYSTEMD_UNIT": "volute-launcher.service"})
+    # Sent by a local user: journald records their uid, and their own unit or none.
+    for forged in (
+        {**real, "_UID": "1234"},
+        no_unit({**real, "_UID": "1234"}),
+        no_unit(real),
+        {**real, "_SYSTEMD_UNIT": "session-3.scope", "_UID": "0"},
+        {k: v for k, v in real.items() if k != "_UID"},
+    ):
+        assert not turns.is_ours(forged), forged
+        turns.learn(forged)
+        assert turns.sessions == {} and logs.source_of(forged, turns) is None
+    turns.learn(real)
+    assert turns.sessions == {1: "s"}
+
+
+def test_a_line_journald_put_in_no_unit_counts_only_from_the_minds_user() -> None:
+    turns = logs.Turns("m", SYSTEM)
+    placed = output(1, "m", 4, "its writer still there", _STREAM_ID="s1", _UID="999")
+    late = no_unit(placed)
+    assert turns.unattributed(late) and not turns.unattributed(placed)
+    assert logs.source_of(late, turns) == f"m/? {logs.UNPLACED}"  # shown, marked
+    turns.learn(placed)  # another line of its stream names the scope: its turn
+    assert logs.source_of(late, turns) == "m/? turn 4"
+    assert logs.of_turn(late, turns, 4) and not logs.of_turn(late, turns, 5)
+    unknown = {**late, "_STREAM_ID": "s2"}
+    assert logs.of_turn(unknown, turns, 5)  # may be turn 5's: shown, marked
+    strangers = [
+        {**late, "_UID": "1234"},
+        {**late, "SYSLOG_IDENTIFIER": "volute-mx"},
+        {**late, "_SYSTEMD_UNIT": "cron.service"},
+    ]
+    for stranger in strangers:
+        assert logs.source_of(stranger, turns) is None, stranger
+    # Under a user manager, a unit counts only from that user's own manager.
+    uids = frozenset({"1000"})
+    user = logs.Turns("m", logs.Trust("_SYSTEMD_USER_UNIT", uids, uids, owner_uid="1000"))
+    mine = {"_SYSTEMD_USER_UNIT": "volute-turn-m-2.scope", "_SYSTEMD_OWNER_UID": "1000"}
+    assert user.turn_of_output(mine) == 2
+    assert user.turn_of_output({**mine, "_SYSTEMD_OWNER_UID": "1001"}) is None
+
+
+TRUSTED = """
+[minds.mimsy]
+command = "true"
+user = "root"
+[minds.m-1]
+command = "true"
+user = "root"
+"""
+
+
+def test_lines_without_a_unit_are_shown_once_placed_by_their_stream_or_marked(
+    run: Run,
+) -> None:
+    # The mind runs as root here (uid 0: a user this host has); the other lines are a
+    # stranger's (another uid), and entries forged by one with the gate's fields.
+    run.config.write_text(TRUSTED)
+    bare = {"_UID": "0", "_STREAM_ID": "aa"}
+    journal = [
+        start(1, "mimsy", 1, "chat"),
+        no_unit(output(2, "mimsy", 1, "exited before journald looked", **bare)),
+        output(3, "mimsy", 1, "journald saw its scope", **bare),
+        no_unit(output(4, "mimsy", 1, "a logger that exited at once", _UID="0")),
+        no_unit(output(5, "mimsy", 1, "a stranger's", _UID="1234")),
+        {**start(6, "mimsy", 9, "forged"), "_UID": "1234", "_SYSTEMD_UNIT": "session-2.scope"},
+        no_unit(start(7, "mimsy", 1, "forged")),
+        {**start(8, "mimsy", 2, "dm"), "_SYSTEMD_UNIT": "volute-launcher.service"},
+        no_unit(output(9, "m-1", 3, "another mind's", _UID="0")),
+    ]
+    run.journal.write_text(json.dumps(journal))
+    expected = [
+        "gate: turn 1 of mimsy/chat started",
+        "mimsy/chat turn 1: exited before journald looked",
+        "mimsy/chat turn 1: journald saw its scope",
+        f"mimsy/? {logs.UNPLACED}: a logger that exited at once",
+        "gate: turn 2 of mimsy/dm started",
+    ]
+    assert shown(run("mimsy")) == expected
+    assert shown(run("mimsy", "--follow")) == expected
+    run.env["FAKE_EMPTY_TAIL"] = "1"  # all of it through the unmatched follow
+    assert shown(run("mimsy", "--follow")) == expected
+    one = expected[:4]
+    assert shown(run("mimsy", "--turn", "1"))[1:] == one
+    assert shown(run("mimsy", "--turn", "1", "--follow"))[1:] == one
+    assert shown(run("mimsy", "--turn", "2"))[1:] == expected[3:]
+    # The stream was asked about once, for its first line without a unit.
+    streams = [c for c in run.calls() if "_STREAM_ID=aa" in c]
+    assert len(streams) == 6  # once in each of the six runs
+
+
+def test_one_turn_asks_about_no_other_turn(run: Run) -> None:
+    # --turn reads every line of the mind's identifier (for those without a unit): the
+    # other turns' lines are left out without a query each for their sessions.
+    run.journal.write_text(json.dumps([output(t, "mimsy", t, f"turn {t}") for t in range(1, 40)]))
+    assert shown(run("mimsy", "--turn", "3"))[1:] == ["mimsy/? turn 3: turn 3"]
+    matches = [call[call.index("--") + 1 :] for call in run.calls()]
+    asked = [m for m in matches if len(m) == 2 and m[0] == "VOLUTE_MIND=mimsy"]
+    assert asked == [["VOLUTE_MIND=mimsy", "VOLUTE_TURN_ID=3"]]
