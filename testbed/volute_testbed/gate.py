@@ -15,13 +15,17 @@ from volute_testbed.paths import CHECKOUT, PYTHON, SCRIPTS
 UNITS = CHECKOUT / "units"
 DEFAULT_SOCKET = "/run/volute/gate.sock"  # volute-gate.socket's ListenStream=
 VOLUTECTL = str(SCRIPTS / "volutectl")
+# As debian/volutectl.sysusers makes it: its own group, and volute to read the config.
+GATE_USER_GROUPS = ("-g", "volute-gate", "-G", "volute")
 
 
 def install_units(machine: Machine) -> None:
-    """Copy units/ into the container; the gate runs this checkout's volutectl.
+    """Copy units/ into the container; the gate and the launcher run this checkout's
+    volutectl, and the users the package makes (debian/volutectl.sysusers) are made.
 
-    volute-gate.socket comes along and is enabled as the package does; the service
-    Requires= it, so every gate a test starts serves systemd's socket, not its own."""
+    volute-gate.socket and volute-launcher.socket come along and are enabled as the
+    package does; the gate Requires= its socket, so every gate a test starts serves
+    systemd's socket, not its own, and gives its orders to the launcher's."""
     for unit in UNITS.iterdir():
         if unit.suffix in (".service", ".slice", ".timer", ".socket"):
             text = unit.read_text().replace("/usr/bin/volutectl", VOLUTECTL)
@@ -30,22 +34,24 @@ def install_units(machine: Machine) -> None:
     # /var/tmp (a CI clone), which the heartbeat's ProtectHome=yes and the private /tmp
     # and /var/tmp of DynamicUser=yes hide; so they are bound back in, read-only. The
     # packaged volutectl is /usr/bin/volutectl and needs none of this.
-    binds = " ".join(f"-{path}" for path in sorted({str(CHECKOUT), str(Path(sys.prefix))}))
+    paths = {str(CHECKOUT), str(Path(sys.prefix)), str(Path(sys.base_prefix))}
+    binds = " ".join(f"-{path}" for path in sorted(paths))
     machine.write(
         "/etc/systemd/system/volute-heartbeat@.service.d/test-venv.conf",
         f"[Service]\nProtectHome=read-only\nBindReadOnlyPaths={binds}\n",
     )
-    machine.run(["groupadd", "-f", "-r", "volute"])
-    machine.run(
-        [
-            "sh",
-            "-c",
-            "id volute >/dev/null 2>&1 || "
-            "useradd -r -g volute -M -d /nonexistent -s /usr/sbin/nologin volute",
-        ]
+    # The gate's unit has ProtectHome=read-only and a private /tmp of its own already.
+    machine.write(
+        "/etc/systemd/system/volute-gate.service.d/test-venv.conf",
+        f"[Service]\nBindReadOnlyPaths={binds}\n",
     )
+    machine.run(["groupadd", "-f", "-r", "volute"])
+    machine.run(["groupadd", "-f", "-r", "volute-gate"])
+    for user, groups in (("volute", ("-g", "volute")), ("volute-gate", GATE_USER_GROUPS)):
+        add = ["useradd", "-r", *groups, "-M", "-d", "/nonexistent", "-s", "/usr/sbin/nologin"]
+        machine.sh(f"id {user} >/dev/null 2>&1 || {' '.join(add)} {user}")
     machine.run(["systemctl", "daemon-reload"])
-    machine.run(["systemctl", "enable", "volute-gate.socket"])
+    machine.run(["systemctl", "enable", "volute-gate.socket", "volute-launcher.socket"])
 
 
 def start_gate(machine: Machine, config: str, *, move_socket: bool = True) -> None:
