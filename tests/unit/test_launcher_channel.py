@@ -20,6 +20,7 @@ from tests.unit.gate_harness import Harness, settled
 from volutectl import orders
 from volutectl.errors import VoluteError
 from volutectl.hands import Launched, LauncherLost, RemoteHands
+from volutectl.launcherd import ReloadingSettings, allowed_uids, bind_listener, peer_uid
 
 # -- the channel's types ----------------------------------------------------------------
 
@@ -228,3 +229,40 @@ def test_the_launcher_answers_a_bad_order_with_a_refusal_and_hangs_up(
         assert sock.recv(10) == b""  # and hung up
     harness.deliver_ok(mind="m")  # the same launcher serves the gate still
     harness.pump(lambda: settled(harness))
+
+
+# -- the launcher's own configuration and socket --------------------------------------------
+
+
+def test_the_launcher_reads_the_config_again_when_it_changes_and_keeps_the_last_good(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "volutectl.toml"
+    config.write_text('[minds.a]\ncommand = "true"\n')
+    logged: list[tuple[str, str]] = []
+    settings = ReloadingSettings(str(config), lambda level, text: logged.append((level, text)))
+    first = settings()
+    assert list(first.minds) == ["a"] and settings() is first  # unchanged: not read again
+    config.write_text('[minds.a]\ncommand = "true"\n[minds.b]\ncommand = "true"\n')
+    assert list(settings().minds) == ["a", "b"]  # a mind added for the gate is known here
+    config.write_text("[minds.a]\ncommand = 3\n")
+    assert list(settings().minds) == ["a", "b"]  # a broken file keeps the last good one
+    assert [level for level, _ in logged] == ["info", "warning"]
+
+
+def test_a_launcher_run_by_hand_binds_a_socket_for_root_and_the_gate_only(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "sub" / "launcher.sock"
+    sock = bind_listener(path)
+    try:
+        mode = path.stat().st_mode & 0o777
+        assert mode in (0o600, 0o660)  # 0660 with group volute-gate where it exists
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(path))
+            peer, _ = sock.accept()
+            assert peer_uid(peer) == os.getuid()
+            peer.close()
+    finally:
+        sock.close()
+    assert 0 in allowed_uids()
