@@ -44,7 +44,7 @@ BACKSTOP_MARGIN_SECONDS = 30.0
 # How long the gate waits for the launcher's reply: a start waits for systemd's job
 # (the manager's own timeout is 10 s); anything else reads or writes one directory.
 START_TIMEOUT_SECONDS = 20.0
-ORDER_TIMEOUT_SECONDS = 5.0
+ORDER_TIMEOUT_SECONDS = 10.0
 CONNECT_TIMEOUT_SECONDS = 2.0
 
 
