@@ -152,7 +152,8 @@ class Turns:
         crash_point("fold_committed")
         for row in rows:
             record = launcher.delivery_record(row.id, row.session, row.message, row.interrupt)
-            self.hands.offer(orders.Offer(turn.id, turn.mind, row.id), record)
+            offer = orders.Offer(turn_id=turn.id, mind=turn.mind, delivery_id=row.id)
+            self.hands.offer(offer, record)
             crash_point("inbox_written")
         self.log_released(rows, now, f"folded into turn {turn.id}")
         if rows:
@@ -182,7 +183,12 @@ class Turns:
         stdin = b"".join(
             launcher.delivery_record(r.id, r.session, r.message, r.interrupt) for r in taken
         )
-        order = orders.StartTurn(turn_id, start.mind, start.session, tuple(r.id for r in taken))
+        order = orders.StartTurn(
+            turn_id=turn_id,
+            mind=start.mind,
+            session=start.session,
+            delivery_ids=tuple(row.id for row in taken),
+        )
         try:
             launched = self.hands.start(order, stdin)
         except (LauncherLost, LauncherUnavailable) as error:

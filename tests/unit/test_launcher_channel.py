@@ -25,8 +25,8 @@ from volutectl.launcherd import ReloadingSettings, allowed_uids, bind_listener, 
 # -- the channel's types ----------------------------------------------------------------
 
 EVERY_ORDER: list[orders.Order] = [
-    orders.StartTurn(7, "mimsy", "chat", (1, 2)),
-    orders.Offer(7, "mimsy", 3),
+    orders.StartTurn(turn_id=7, mind="mimsy", session="chat", delivery_ids=(1, 2)),
+    orders.Offer(turn_id=7, mind="mimsy", delivery_id=3),
     orders.Interrupt(7, "mimsy"),
     orders.Stop(7, "mimsy"),
     orders.Inspect(7, (3,)),
@@ -46,7 +46,7 @@ def test_every_reply_goes_through_the_channel_unchanged() -> None:
     for reply in (
         orders.Done(),
         orders.Started(42),
-        orders.Report(True, None, 1.5, (3, 4)),
+        orders.Report(started=True, exit_status=None, ended_at=1.5, not_taken=(3, 4)),
         orders.Refused("no"),
     ):
         assert orders.decode_reply(orders.encode(reply).rstrip(b"\n")) == reply
