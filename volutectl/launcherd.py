@@ -173,7 +173,8 @@ class Launcher:
             if isinstance(error, orders.OrderError):
                 self.journal.log("warning", f"a bad order from uid {connection.uid}: {error}")
                 with contextlib.suppress(OSError):
-                    connection.sock.send(orders.encode(orders.Refused(error.message)))
+                    refusal = orders.Refused(error.message[: orders.MAX_TEXT])
+                    connection.sock.send(orders.encode(refusal))
             self.drop(connection)
             return
         if connection.reader.eof:
@@ -194,7 +195,9 @@ class Launcher:
             reply, fds = self.execute(order, payload)
         except (VoluteError, OSError) as error:
             text = error.message if isinstance(error, VoluteError) else str(error)
-            reply = orders.Refused(text)
+            # Within what the gate decodes: a refusal it could not read would look like
+            # a lost launcher, and a start would be tried again for ever, uncounted.
+            reply = orders.Refused(text[: orders.MAX_TEXT])
         try:
             connection.sock.setblocking(True)
             connection.sock.settimeout(5.0)

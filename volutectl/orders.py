@@ -37,6 +37,7 @@ VERSION = protocol.VERSION
 MAX_LINE = 256 * 1024
 MAX_IDS = 10_000
 MAX_FDS = 1  # at most one descriptor beside a line
+MAX_TEXT = 4096  # the longest string a field may hold (a refusal's reason)
 # The payload a start may carry (a batch of deliveries) and an offer (one record).
 MAX_STDIN_BYTES = 1 << 30
 MAX_RECORD_BYTES = 64 * 1024 * 1024
@@ -189,7 +190,7 @@ def _check_field(kind: str, name: str, value: Any, annotation: str) -> Any:
             raise OrderError(f"{where}: expected true or false, got {value!r:.40}")
         return value
     if annotation == "str":
-        if type(value) is not str or len(value) > 4096:
+        if type(value) is not str or len(value) > MAX_TEXT:
             raise OrderError(f"{where}: expected a string, got {value!r:.40}")
         return value
     if annotation == "int | None":

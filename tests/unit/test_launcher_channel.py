@@ -266,3 +266,21 @@ def test_a_launcher_run_by_hand_binds_a_socket_for_root_and_the_gate_only(
     finally:
         sock.close()
     assert 0 in allowed_uids()
+
+
+def test_a_refusal_longer_than_a_field_may_be_still_reaches_the_gate_as_a_refusal(
+    tmp_path: Path, harnesses: list[Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Were it cut off as undecodable, the start would look lost: tried again for ever.
+    harness = Harness(tmp_path, remote=True, minds={"m": "true"}, max_attempts=1)
+    harnesses.append(harness)
+    assert harness.launcher is not None
+
+    def refuse(order: orders.StartTurn, stdin: bytes) -> Launched:
+        raise VoluteError("x" * (orders.MAX_TEXT * 2))
+
+    monkeypatch.setattr(harness.launcher.hands, "start", refuse)
+    delivery = harness.deliver_ok(mind="m")
+    harness.pump(lambda: state_of(harness, delivery) == "dead")
+    row = harness.gate.state.store.row(delivery)
+    assert row is not None and row.attempts == 1
