@@ -32,10 +32,11 @@ from volutectl import names, protocol
 from volutectl.errors import DataError, VoluteError
 
 VERSION = protocol.VERSION
-# Orders carry ids and names only (payloads go by descriptor): 256 KiB holds a sweep of
-# MAX_IDS turn ids with room to spare.
-MAX_LINE = 256 * 1024
-MAX_IDS = 10_000
+# Orders carry ids and names only (payloads go by descriptor): 2 MiB holds MAX_IDS ids
+# of 19 digits. A turn's folded ids (an inspect) and the open turns (a sweep) are the
+# longest lists; the queue would have to hold 100,000 deliveries folded into one turn.
+MAX_LINE = 2 * 1024 * 1024
+MAX_IDS = 100_000
 MAX_FDS = 1  # at most one descriptor beside a line
 MAX_TEXT = 4096  # the longest string a field may hold (a refusal's reason)
 # The payload a start may carry (a batch of deliveries) and an offer (one record).
