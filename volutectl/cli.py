@@ -32,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "doctor": ("volutectl.doctor", "doctor_command", "Say which protections work on this host."),
     "logs": ("volutectl.logs", "logs_command", "Show a mind's turns' output, from the journal."),
 }
+# Internal commands, run by units only: not listed, not completed.
+HIDDEN_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "launcher": ("volutectl.launcherd", "launcher_command", "Run the gate's root part."),
+}
 
 
 def split_debug(argv: list[str]) -> tuple[bool, list[str]]:
@@ -88,7 +92,7 @@ def _run_click(args: list[str]) -> None:
             return sorted(COMMANDS)
 
         def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-            entry = COMMANDS.get(cmd_name)
+            entry = COMMANDS.get(cmd_name) or HIDDEN_COMMANDS.get(cmd_name)
             if entry is None:
                 return None
             import importlib

@@ -65,6 +65,10 @@ class GateSettings(Section):
     socket_group: str = "volute"
     state_dir: Path = Path("/var/lib/volute")
     runtime_dir: Path = Path("/run/volute")
+    # Where the gate gives its orders to volute-launcher (volutectl/orders.py); unset:
+    # the gate forks turns itself, in-process (a root gate run by hand, the unit tests).
+    # volute-gate.service sets it (VOLUTE_GATE__LAUNCHER_SOCKET).
+    launcher_socket: Path | None = None
     manager: Literal["system", "user"] = "system"
     max_message_bytes: Positive = 1024 * 1024
     max_attempts: Positive = 10

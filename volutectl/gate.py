@@ -33,6 +33,7 @@ from volutectl import core, handlers, preflight, status
 from volutectl.config import Settings
 from volutectl.errors import VoluteError
 from volutectl.handlers import Caller, GateState
+from volutectl.hands import LocalHands, RemoteHands, TurnHands
 from volutectl.indexedstore import IndexedStore
 from volutectl.journal import Journal, sd_notify, watchdog_interval
 from volutectl.liveness import Liveness
@@ -77,6 +78,7 @@ class Gate:
         manager: SystemdManager | None = None,
         journal: Journal | None = None,
         listener: socket.socket | None = None,
+        hands: TurnHands | None = None,
     ) -> None:
         """Open the store, connect to systemd (subscribed before anything is listed, so no
         turn can end unseen), take the socket, then take back the open turns."""
@@ -93,7 +95,7 @@ class Gate:
         self.started = False  # this pass started a turn
         self._opened: list[Any] = [self.selector]
         try:
-            self.state = self._build_state(manager)
+            self.state = self._build_state(manager, hands)
             handlers.load_pauses(self.state)  # a pause outlives the gate that took it
             self.server = Server(settings, self.selector, self.journal, inherited=listener)
             self._opened.append(self.server)
@@ -114,7 +116,7 @@ class Gate:
                     part.close()
             raise
 
-    def _build_state(self, manager: SystemdManager | None) -> GateState:
+    def _build_state(self, manager: SystemdManager | None, hands: TurnHands | None) -> GateState:
         settings, journal = self.settings, self.journal
         store = IndexedStore(settings.gate.state_dir / "queue.sqlite3")
         self._opened.append(store)
@@ -124,10 +126,13 @@ class Gate:
             manager = Manager.connect(user=settings.gate.manager == "user")
             self._opened.append(manager)  # one we were given is its giver's to close
         manager.watch_units()
+        if hands is None:
+            hands = self._hands(store, manager)
+        self._opened.append(hands)
         turns = Turns(
             settings,
             store,
-            manager,
+            hands,
             journal,
             notify=self._notify,
             watch_fd=self._watch,
@@ -144,6 +149,15 @@ class Gate:
         self._opened.append(slots)
         return GateState(settings, store, manager, turns, liveness, slots, None, journal,
                          limits_of(settings), notify=self._notify)  # fmt: skip
+
+    def _hands(self, store: IndexedStore, manager: SystemdManager) -> TurnHands:
+        """volute-launcher's socket when one is configured (the gate is unprivileged),
+        else this process's own hands (a root gate run by hand)."""
+        path = self.settings.gate.launcher_socket
+        if path is None:
+            settings = self.settings
+            return LocalHands(lambda: settings, manager, self.journal)
+        return RemoteHands(path, lambda: [row.id for row in store.open_turns()])
 
     # Callbacks for the parts: they run only once the constructor has finished.
 
@@ -180,6 +194,7 @@ class Gate:
         if self.state.pressure is not None:
             self.state.pressure.close()
         self.state.store.close()
+        self.state.turns.hands.close()
         self.state.manager.close()
         self.selector.close()
 
@@ -422,6 +437,9 @@ class Gate:
         """One admission pass over the store's index of pending rows (O(what changed):
         volutectl/queueindex.py), then carry out what it decided."""
         state = self.state
+        if state.store.index.rows:
+            # Starts and folds need the launcher: without it, decide nothing (and say so).
+            state.turns.hands.ensure()
         live, state.foreign_live = state.liveness.count_live()
         # With limits.test_runs_count_as_turns, each held test slot takes one unit of the
         # global budget; test runs are never held here, only turns.

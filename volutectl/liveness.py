@@ -19,13 +19,12 @@ each turn's time limit.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sqlite3
 import time
 from collections.abc import Callable
 
-from volutectl import core, launcher, names, processes, turndir
+from volutectl import core, names
 from volutectl.config import Settings
 from volutectl.errors import VoluteError
 from volutectl.journal import Event
@@ -109,8 +108,11 @@ class Liveness:
         return False
 
     def _stop_quietly(self, unit: str) -> None:
+        parsed = names.parse_turn_scope_name(unit)
+        if parsed is None:
+            return  # not a name the launcher would derive: not ours to stop
         try:
-            self.manager.stop_unit(unit, wait=False)
+            self.turns.hands.stop(parsed[1], parsed[0])
         except VoluteError as error:
             self.turns.journal.log("warning", f"could not stop {unit}: {error.message}", unit=unit)
 
@@ -126,6 +128,16 @@ class Liveness:
         failed question: ask again in RECHECK_SECONDS."""
         if not self.turns.holds(turn):
             return
+        if turn.unknown:
+            # The launcher was lost mid-start. Its next connection is served only once
+            # that order is done (or died with it): until then systemd's answer could
+            # come before the scope does.
+            try:
+                self.turns.hands.ensure()
+            except VoluteError:
+                turn.recheck_at = time.time() + RECHECK_SECONDS
+                return
+            turn.unknown = False
         try:
             state = self.manager.active_state(turn.unit)
             pids = (
@@ -165,19 +177,16 @@ class Liveness:
         try:
             self.turns.finish(turn)
         except (VoluteError, sqlite3.Error, OSError) as error:
-            # The settlement's commit failed (a full disk): nothing of it happened. The
-            # turn keeps its place until it can be settled.
+            # The settlement's commit failed (a full disk), or its directory could not be
+            # read (the launcher is away): nothing of it happened. The turn keeps its
+            # place until it can be settled.
             text = error.message if isinstance(error, VoluteError) else str(error)
             self.turns.log_turn("error", turn, f"could not be settled: {text}; retrying")
             turn.recheck_at = time.time() + RECHECK_SECONDS
 
     def reap(self, turn: Turn) -> None:
-        """The turn's main process exited (its pidfd is readable): collect its status if
-        it is our child, then find out whether the scope is done."""
-        if turn.child is not None:
-            with contextlib.suppress(ChildProcessError):
-                turn.exit_status = processes.poll(turn.child.pid)
-            turn.child = None
+        """The turn's main process exited (its pidfd is readable): find out whether the
+        scope is done (its hands collect the exit status)."""
         self.turns.close_pidfd(turn)
         self.check(turn)
 
@@ -233,7 +242,7 @@ class Liveness:
             event=Event.TIMEOUT,
         )
         try:
-            self.manager.stop_unit(turn.unit, wait=False)
+            self.turns.hands.stop(turn.id, turn.mind)
         except VoluteError as error:
             # Stopping it is still owed: systemd's RuntimeMaxSec= backstop will, and
             # so will the next check.
@@ -263,34 +272,23 @@ class Liveness:
         self.wake()
 
     def _remove_stale_dirs(self, open_ids: set[int]) -> None:
-        """Turn directories of turns already settled (a gate killed after settling a turn
-        and before removing its directory leaves one behind), and those set aside before:
-        within a budget, and never failing the start."""
-        sweep = turndir.sweep_turn_dirs(self.settings.gate.runtime_dir, open_ids)
-        self.turns.trash_waiting = bool(sweep.left)
-        for error in sweep.errors:
-            self.turns.journal.log("warning", error)
-        if sweep.left:
-            trash = self.settings.gate.runtime_dir / "turns" / turndir.TRASH
-            self.turns.journal.log(
-                "warning",
-                f"{len(sweep.left)} turn directories set aside in {trash} were too large to "
-                f"remove now ({', '.join(sweep.left[:5])}); the next start tries again",
-            )
+        """Turn directories of turns already settled: a gate killed after settling a turn
+        and before removing its directory leaves one behind. A launcher that cannot be
+        reached now sweeps them when the gate connects to it."""
+        try:
+            self.turns.hands.sweep(sorted(open_ids))
+        except VoluteError as error:
+            self.turns.journal.log("warning", f"turn directories not swept yet: {error.message}")
 
     def _turn_from_row(self, row: TurnRow) -> Turn:
-        account = None
-        with contextlib.suppress(VoluteError, KeyError):
-            account = self.turns.account_of(row.mind)
         return Turn(
-            row.id,
-            row.mind,
-            row.session,
-            row.unit,
-            launcher.TurnDir(self.settings.gate.runtime_dir / "turns" / str(row.id)),
-            account,
-            row.started_at,
-            row.released,
+            id=row.id,
+            mind=row.mind,
+            session=row.session,
+            unit=row.unit,
+            started_at=row.started_at,
+            released=row.released,
+            pid=row.pid,
             interrupted=row.interrupted,
             deadline=row.deadline,
             timed_out_at=row.timed_out_at,

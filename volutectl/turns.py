@@ -1,9 +1,9 @@
 """The turns the gate runs: start, fold-in, and settle.
 
-`Turns` carries out admission's decisions (core.admit): it creates a turn's row and
-directory, forks the child, has systemd put it in its scope, releases it, and, once
-volutectl/liveness.py has systemd's word that nothing of the turn runs any more,
-settles its deliveries in one commit. It owns no sockets and no event loop: the gate
+`Turns` carries out admission's decisions (core.admit): it commits a turn's row, has
+its hands (volutectl/hands.py: volute-launcher, or this process) start it in its scope,
+and, once volutectl/liveness.py has systemd's word that nothing of the turn runs any
+more, settles its deliveries in one commit. It owns no sockets and no event loop: the gate
 gives it callbacks, to watch a pidfd, to tell waiting clients how their delivery ended,
 and to say that admission should run again.
 """
@@ -12,27 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from volutectl import core, dirfds, launcher, names, preflight, processes, turndir
-from volutectl.config import Settings, parse_bandwidth
-from volutectl.errors import DataError, VoluteError
+from volutectl import core, launcher, names, orders
+from volutectl.config import Settings
+from volutectl.errors import VoluteError
 from volutectl.faults import crash_point
+from volutectl.hands import LauncherLost, LauncherUnavailable, TurnHands
 from volutectl.indexedstore import IndexedStore
 from volutectl.journal import Event, Journal
 from volutectl.messages import DeliveryDead, Reply, TurnEnded
 from volutectl.states import HoldReason, Outcome, QueueState
 from volutectl.store import Row
-from volutectl.units import ScopeProperties, SystemdManager
-
-# systemd's RuntimeMaxSec= backstop fires this long after the gate's own deadline (plus
-# the kill grace; less for limits shorter than this), so that with the gate up its own
-# timer decides.
-BACKSTOP_MARGIN_SECONDS = 30.0
 
 
 @dataclass
@@ -43,13 +37,10 @@ class Turn:
     mind: str
     session: str
     unit: str
-    turn_dir: launcher.TurnDir
-    account: launcher.Account | None
     started_at: float
     released: bool
-    child: launcher.Child | None = None  # forked by this gate; None when adopted
+    pid: int | None = None  # the main process, when known (started by this gate)
     pidfd: int = -1  # watched: the main process's pidfd, while it lives
-    exit_status: int | None = None
     interrupted: bool = False
     deadline: float | None = None  # wall clock; None: no time limit
     timed_out_at: float | None = None
@@ -57,6 +48,9 @@ class Turn:
     # alive): from then on, systemd reports when it empties.
     verified: bool = False
     recheck_at: float | None = None  # a question to systemd failed; ask again then
+    # The launcher was lost while it started this turn: whether it runs, only systemd
+    # can say, once the launcher has finished (or abandoned) that order.
+    unknown: bool = False
 
     def main_alive(self) -> bool:
         return self.pidfd >= 0
@@ -67,7 +61,7 @@ class Turns:
         self,
         settings: Settings,
         store: IndexedStore,
-        manager: SystemdManager,
+        hands: TurnHands,
         journal: Journal,
         *,
         notify: Callable[[int, Reply], None],
@@ -77,24 +71,13 @@ class Turns:
     ) -> None:
         self.settings = settings
         self.store = store
-        self.manager = manager
+        self.hands = hands
         self.journal = journal
         self.notify = notify
         self.watch_fd = watch_fd
         self.unwatch_fd = unwatch_fd
         self.wake = wake  # a turn ended or failed to start: admission should run
         self._turns: dict[int, Turn] = {}
-        self.accounts: dict[str, launcher.Account] = {}
-        self.trash_waiting = False  # something was set aside in turns/.trash
-        turns = settings.turns
-        self.scope_props = ScopeProperties(
-            slice=turns.slice,
-            cpu_weight=turns.cpu_weight,
-            io_weight=turns.io_weight,
-            io_read_bandwidth_max=tuple(parse_bandwidth(v) for v in turns.io_read_bandwidth_max),
-            io_write_bandwidth_max=tuple(parse_bandwidth(v) for v in turns.io_write_bandwidth_max),
-            stop_timeout_seconds=turns.timeout_grace_seconds,
-        )
 
     # -- the registry -----------------------------------------------------------------------
 
@@ -167,19 +150,20 @@ class Turns:
         turn = self._turns[fold.turn_id]
         rows = self.store.fold_into(turn.id, list(fold.delivery_ids), now, interrupt=fold.interrupt)
         crash_point("fold_committed")
-        account = turn.account or self.account_of(turn.mind)
         for row in rows:
             record = launcher.delivery_record(row.id, row.session, row.message, row.interrupt)
+            offer = orders.Offer(turn_id=turn.id, mind=turn.mind, delivery_id=row.id)
             try:
-                launcher.offer(turn.turn_dir, row.id, record, account)
-            except OSError as error:
-                # Not offered (no marker, or its staged file still there): not_taken says
-                # so when the turn ends, and the delivery goes to the next turn.
+                self.hands.offer(offer, record)
+            except VoluteError as error:
+                # Not offered (no marker, or its staged file still there), or unknown (the
+                # launcher was lost): when the turn ends, its report says which, and a
+                # delivery it did not take goes to the session's next turn.
                 self.log_row(
                     "warning",
                     row,
-                    f"could not be offered into turn {turn.id}'s inbox "
-                    f"({error.strerror or error}): it goes to the session's next turn",
+                    f"could not be offered into turn {turn.id}'s inbox ({error.message}): "
+                    "it goes to the session's next turn",
                 )
             crash_point("inbox_written")
         self.log_released(rows, now, f"folded into turn {turn.id}")
@@ -189,20 +173,11 @@ class Turns:
         if fold.interrupt:
             turn.interrupted = True
             with contextlib.suppress(VoluteError):
-                self.manager.kill_unit(turn.unit, signal.SIGINT)
+                self.hands.interrupt(turn.id, turn.mind)
             self.log_turn("info", turn, "interrupted (SIGINT to its scope)")
 
-    def account_of(self, mind: str) -> launcher.Account:
-        """The mind's user, looked up once: NSS lookups would sit on every handoff."""
-        account = self.accounts.get(mind)
-        if account is None:
-            configured = self.settings.minds[mind].user
-            account = launcher.resolve_account(configured or self.settings.turns.default_user)
-            self.accounts[mind] = account
-        return account
-
     def start(self, start: core.Start, now: float) -> None:
-        """Commit the turn, fork its child, have systemd put it in its scope, release it."""
+        """Commit the turn, then have its hands start it (directory, fork, scope, release)."""
         max_runtime = self.settings.max_runtime(start.mind)
         deadline = now + max_runtime if max_runtime else None
         turn_id, taken = self.store.start_turn(
@@ -216,75 +191,70 @@ class Turns:
         crash_point("start_committed")
         unit = names.turn_scope_name(start.mind, turn_id)
         self.log_released(taken, now, f"starting turn {turn_id}")
-        turn_dir, child = None, None
+        stdin = b"".join(
+            launcher.delivery_record(r.id, r.session, r.message, r.interrupt) for r in taken
+        )
+        order = orders.StartTurn(
+            turn_id=turn_id,
+            mind=start.mind,
+            session=start.session,
+            delivery_ids=tuple(row.id for row in taken),
+        )
         try:
-            account = self.account_of(start.mind)
-            turn_dir, argv, env, cwd = self._prepare(start, turn_id, account)
-            stdin = b"".join(
-                launcher.delivery_record(r.id, r.session, r.message, r.interrupt) for r in taken
-            )
-            stream = self.journal.turn_stream(start.mind, unit)
-            child = launcher.fork_turn(argv, env, account, turn_dir, cwd, stream, stdin=stdin)
-            crash_point("forked")
-            self.manager.start_scope(unit, [child.pid], self._scope_props(start, turn_id))
-            crash_point("scope_started")
-            child.release()
-            crash_point("released")
-        except (VoluteError, OSError, KeyError) as error:
-            self._start_failed(start, turn_id, unit, taken, child, error)
+            launched = self.hands.start(order, stdin)
+        except (LauncherLost, LauncherUnavailable) as error:
+            self._start_unknown(start, turn_id, unit, now, deadline, error)
             return
-        except BaseException:
-            # The gate is going down mid-start: the child must not wait for it. Its pipe
-            # closes, and it exits having run nothing, as it would if the gate died.
-            if child is not None:
-                child.abandon()
-                with contextlib.suppress(ChildProcessError):
-                    processes.wait(child.pid)
-            raise
-        self.store.mark_released(turn_id, child.pid)
+        except (VoluteError, OSError) as error:
+            self._start_failed(start, turn_id, unit, taken, error)
+            return
+        self.store.mark_released(turn_id, launched.pid)
         crash_point("release_recorded")
-        turn = Turn(turn_id, start.mind, start.session, unit, turn_dir, account, now, True,
-                    child, pidfd=child.pidfd, deadline=deadline, verified=True)  # fmt: skip
+        turn = Turn(
+            id=turn_id,
+            mind=start.mind,
+            session=start.session,
+            unit=unit,
+            started_at=now,
+            released=True,
+            pid=launched.pid,
+            pidfd=launched.pidfd,
+            deadline=deadline,
+            verified=True,
+        )
         self._turns[turn_id] = turn
-        self.watch_fd(child.pidfd, turn)
+        self.watch_fd(launched.pidfd, turn)
         ids = " ".join(str(row.id) for row in taken)
         self.log_turn("info", turn, f"started with deliveries {ids}", delivery_ids=ids,
                       event=Event.START)  # fmt: skip
 
-    def _prepare(
-        self, start: core.Start, turn_id: int, account: launcher.Account
-    ) -> tuple[launcher.TurnDir, list[str], dict[str, str], str]:
-        """The turn's directory, command, environment and cwd."""
-        mind = self.settings.minds.get(start.mind)
-        if mind is None:
-            raise DataError(f"mind {start.mind!r} is no longer configured")
-        cwd = preflight.turn_directory(start.mind, mind, account)  # before anything is made
-        extra = launcher.mind_environment(mind.environment, mind.environment_file)
-        turn_dir = launcher.make_turn_dir(self.settings.gate.runtime_dir, turn_id, account)
-        env = launcher.turn_environment(
-            account,
+    def _start_unknown(
+        self,
+        start: core.Start,
+        turn_id: int,
+        unit: str,
+        now: float,
+        deadline: float | None,
+        error: VoluteError,
+    ) -> None:
+        """The launcher was lost during the start: the turn may run, or may never have.
+        It keeps its place, as an adopted turn does, until systemd says which."""
+        turn = Turn(
+            id=turn_id,
             mind=start.mind,
             session=start.session,
-            turn_id=turn_id,
-            delivery_ids=list(start.delivery_ids),
-            turn_dir=turn_dir,
-            extra=extra,
+            unit=unit,
+            started_at=now,
+            released=False,
+            deadline=deadline,
+            recheck_at=time.time(),
+            unknown=True,
         )
-        return turn_dir, launcher.command_argv(mind.command), env, cwd
-
-    def _scope_props(self, start: core.Start, turn_id: int) -> ScopeProperties:
-        max_runtime = self.settings.max_runtime(start.mind)
-        backstop = None
-        if max_runtime:
-            grace = self.settings.turns.timeout_grace_seconds
-            backstop = max_runtime + grace + min(BACKSTOP_MARGIN_SECONDS, max_runtime)
-        return ScopeProperties(
-            **{
-                **self.scope_props.__dict__,
-                "description": f"volute turn {turn_id} of {start.mind}/{start.session}",
-                "runtime_max_seconds": backstop,
-            }
+        self._turns[turn_id] = turn
+        self.log_turn(
+            "warning", turn, f"may or may not have started ({error.message}): asking systemd"
         )
+        self.wake()
 
     def _start_failed(
         self,
@@ -292,17 +262,11 @@ class Turns:
         turn_id: int,
         unit: str,
         taken: list[Row],
-        child: launcher.Child | None,
         error: Exception,
     ) -> None:
-        """The command never ran: the child (if forked) exits unreleased, and the turn's
-        deliveries count one failed attempt (a missing user or mind fails every time)."""
+        """The command never ran (its hands say so, having removed what they made): the
+        turn's deliveries count one failed attempt (a missing user fails every time)."""
         message = error.message if isinstance(error, VoluteError) else str(error)
-        if child is not None:
-            child.abandon()
-            with contextlib.suppress(ChildProcessError):
-                processes.wait(child.pid)
-            os.close(child.pidfd)
         self.journal.log(
             "error",
             f"turn {turn_id} of {start.mind}/{start.session} failed to start: {message}",
@@ -315,8 +279,6 @@ class Turns:
         )
         self.store.end_turn(turn_id, Outcome.START_FAILED, None, message, time.time())
         self.fail(taken, message)
-        turns = self.settings.gate.runtime_dir / "turns"
-        self.remove_turn_dir(launcher.TurnDir(turns / str(turn_id)))
         self.wake()
 
     # -- failures ---------------------------------------------------------------------------
@@ -373,24 +335,21 @@ class Turns:
     def finish(self, turn: Turn) -> None:
         """Nothing of the turn runs any more: settle its deliveries and free its place."""
         now = time.time()
-        record = turn.turn_dir.record()
-        exit_status = turn.exit_status
-        if exit_status is None:
-            exit_status = record.exit_status
+        rows = self.store.rows_of_turn(turn.id)
+        report = self.hands.inspect(turn.id, [row.id for row in rows if row.folded])
         outcome = core.turn_outcome(
-            exit_status=exit_status,
-            started_marker=record.started,
+            exit_status=report.exit_status,
+            started_marker=report.started,
             released=turn.released,
             interrupted=turn.interrupted,
             timed_out=core.timed_out(
                 turn.deadline,
                 stopped_at=turn.timed_out_at,
-                ended_at=record.ended_at,
+                ended_at=report.ended_at,
                 now=now,
             ),
         )
-        rows = self.store.rows_of_turn(turn.id)
-        not_taken = turn.turn_dir.not_taken([row.id for row in rows if row.folded])
+        not_taken = set(report.not_taken)
         returned = [row.id for row in rows if row.id in not_taken]
         carried = [row for row in rows if row.id not in not_taken]
         carried_ids = [row.id for row in carried]
@@ -412,7 +371,10 @@ class Turns:
         self.tell_dead(carried, failed, error, notify=False)  # _tell_settled tells them
         self._turns.pop(turn.id, None)
         self.close_pidfd(turn)
-        self.remove_turn_dir(turn.turn_dir)
+        try:
+            self.hands.remove(turn.id)
+        except VoluteError as kept:  # the next sweep removes it
+            self.log_turn("warning", turn, f"its directory stays for now: {kept.message}")
         self.log_turn(
             "warning" if outcome.kind.failed else "info",
             turn,
@@ -423,29 +385,6 @@ class Turns:
         )
         self._tell_settled(turn, outcome, carried, failed, error)
         self.wake()
-
-    def remove_turn_dir(self, turn_dir: launcher.TurnDir) -> None:
-        """Remove a turn's directory within its budget. What is left waits in
-        turns/.trash, and is tried again, within the same budget, after each later
-        removal, and at the gate's next start. Never fails a settlement."""
-        try:
-            left = turn_dir.remove()
-        except OSError as error:
-            self.journal.log(
-                "warning", f"could not remove {turn_dir.path}: {error.strerror or error}"
-            )
-            return
-        if left is not None:
-            self.journal.log(
-                "warning",
-                f"{turn_dir.path} was too large to remove at once: set aside as {left}, to "
-                "be removed a part at a time",
-            )
-            self.trash_waiting = True
-        elif self.trash_waiting:
-            budget = dirfds.Budget(turndir.REMOVE_ENTRIES, turndir.REMOVE_SECONDS)
-            swept = turndir.empty_trash(self.settings.gate.runtime_dir, budget)
-            self.trash_waiting = bool(swept.left or swept.errors)
 
     def _tell_settled(
         self,

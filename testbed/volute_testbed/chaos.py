@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 from volute_testbed.faults import (
     fast_restarts,
-    gate_pid,
     install_fault_probe,
     successful_runs,
+    unit_pid,
 )
 from volute_testbed.gate import (
     VOLUTECTL,
@@ -61,6 +61,10 @@ class Storm:
     fail_one_in: int = 7
     pause: tuple[float, float] = (0.1, 0.8)  # between a gate answering and the next kill
     seed: int | None = None
+    # Whose death: the gate's (volute-gate.service) or the launcher's; `restart`: by
+    # `systemctl restart` (SIGTERM, the order under way finished) instead of SIGKILL.
+    unit: str = "volute-gate.service"
+    restart: bool = False
     record: dict[str, object] = field(default_factory=dict)
 
 
@@ -84,12 +88,15 @@ def run(machine: Machine, storm: Storm, drain_timeout: float = 120.0) -> dict[st
         machine.popen(["/usr/local/bin/chaos-client", str(k), str(storm.minds)])
         for k in range(storm.clients)
     ]
-    pids = [gate_pid(machine)]
+    pids = [_wait_restarted(machine, storm.unit, 0)]
     started = time.monotonic()
     for _ in range(storm.kills):
         time.sleep(rng.uniform(*storm.pause))
-        machine.run(["systemctl", "kill", "--signal=SIGKILL", "volute-gate.service"])
-        pids.append(_wait_restarted(machine, pids[-1]))
+        if storm.restart:
+            machine.run(["systemctl", "restart", storm.unit], timeout=60)
+        else:
+            machine.run(["systemctl", "kill", "--signal=SIGKILL", storm.unit])
+        pids.append(_wait_restarted(machine, storm.unit, pids[-1]))
     last_kill = time.monotonic()
     machine.write("/var/tmp/chaos.stop", "")
     for client in clients:
@@ -98,7 +105,7 @@ def run(machine: Machine, storm: Storm, drain_timeout: float = 120.0) -> dict[st
     seen = sampler.stop()
     storm.record = {
         "kills": storm.kills,
-        "gate_pids": len(set(pids)),
+        "pids": len(set(pids)),
         "storm_seconds": round(last_kill - started, 1),
         "drain_seconds": round(drained - last_kill, 1) if drained else None,
         "client_results": _client_results(machine, storm.clients),
@@ -113,16 +120,17 @@ def run(machine: Machine, storm: Storm, drain_timeout: float = 120.0) -> dict[st
     return storm.record
 
 
-def _wait_restarted(machine: Machine, old: int, timeout: float = 30.0) -> int:
+def _wait_restarted(machine: Machine, unit: str, old: int, timeout: float = 30.0) -> int:
+    """The unit's new PID, once it runs again and the gate answers."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        pid = gate_pid(machine)
+        pid = unit_pid(machine, unit)
         if pid not in (0, old):
             answer = machine.run([VOLUTECTL, "status", "--json"], check=False)
             if answer.returncode == 0:
                 return pid
         time.sleep(0.02)
-    raise AssertionError(f"the gate did not come back within {timeout} s of a kill")
+    raise AssertionError(f"{unit} did not come back within {timeout} s of a kill")
 
 
 def _wait_drained(machine: Machine, timeout: float) -> float | None:

@@ -36,7 +36,13 @@ echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $rc" >> $log
 exit $rc
 """
 
-DROPIN = "/etc/systemd/system/volute-gate.service.d/faults.conf"
+DROPINS = (
+    "/etc/systemd/system/volute-gate.service.d/faults.conf",
+    "/etc/systemd/system/volute-launcher.service.d/faults.conf",
+)
+# Where a crash point armed with VOLUTE_CRASH_ONCE leaves its mark: a path both the gate
+# (whose sandbox writes its state directory alone) and the launcher can create.
+CRASHED = "/var/lib/volute/crashed"
 
 
 def install_fault_probe(machine: Machine) -> None:
@@ -45,17 +51,26 @@ def install_fault_probe(machine: Machine) -> None:
 
 
 def fast_restarts(machine: Machine, **environment: str) -> None:
-    """A drop-in: restart the gate 100 ms after it dies, with no start limit, and with
-    the given environment (e.g. VOLUTE_CRASH_AT)."""
+    """Drop-ins: restart the gate and the launcher 100 ms after either dies, with no
+    start limit, and with the given environment (e.g. VOLUTE_CRASH_AT) in both."""
     lines = ["[Unit]", "StartLimitIntervalSec=0", "[Service]", "RestartSec=100ms"]
     lines += [f"Environment={name}={value}" for name, value in environment.items()]
-    machine.write(DROPIN, "\n".join(lines) + "\n")
+    for dropin in DROPINS:
+        machine.write(dropin, "\n".join(lines) + "\n")
     machine.run(["systemctl", "daemon-reload"])
 
 
-def gate_pid(machine: Machine) -> int:
-    out = machine.run(["systemctl", "show", "-p", "MainPID", "--value", "volute-gate.service"])
+def unit_pid(machine: Machine, unit: str) -> int:
+    out = machine.run(["systemctl", "show", "-p", "MainPID", "--value", unit])
     return int(out.stdout.strip() or 0)
+
+
+def gate_pid(machine: Machine) -> int:
+    return unit_pid(machine, "volute-gate.service")
+
+
+def launcher_pid(machine: Machine) -> int:
+    return unit_pid(machine, "volute-launcher.service")
 
 
 def wait_gate_up(machine: Machine, timeout: float = 30) -> int:

@@ -16,13 +16,17 @@ UNITS = CHECKOUT / "units"
 DEFAULT_SOCKET = "/run/volute/gate.sock"  # volute-gate.socket's ListenStream=
 VOLUTECTL = str(SCRIPTS / "volutectl")
 DEFAULT_TURN_USER = "volute-turn"  # turns.default_user's default, as the package makes it
+# As debian/volutectl.sysusers makes it: its own group, and volute to read the config.
+GATE_USER_GROUPS = ("-g", "volute-gate", "-G", "volute")
 
 
 def install_units(machine: Machine) -> None:
-    """Copy units/ into the container; the gate runs this checkout's volutectl.
+    """Copy units/ into the container; the gate and the launcher run this checkout's
+    volutectl, and the users the package makes (debian/volutectl.sysusers) are made.
 
-    volute-gate.socket comes along and is enabled as the package does; the service
-    Requires= it, so every gate a test starts serves systemd's socket, not its own."""
+    volute-gate.socket and volute-launcher.socket come along and are enabled as the
+    package does; the gate Requires= its socket, so every gate a test starts serves
+    systemd's socket, not its own, and gives its orders to the launcher's."""
     for unit in UNITS.iterdir():
         if unit.suffix in (".service", ".slice", ".timer", ".socket"):
             text = unit.read_text().replace("/usr/bin/volutectl", VOLUTECTL)
@@ -31,24 +35,27 @@ def install_units(machine: Machine) -> None:
     # /var/tmp (a CI clone), which the heartbeat's ProtectHome=yes and the private /tmp
     # and /var/tmp of DynamicUser=yes hide; so they are bound back in, read-only. The
     # packaged volutectl is /usr/bin/volutectl and needs none of this.
-    binds = " ".join(f"-{path}" for path in sorted({str(CHECKOUT), str(Path(sys.prefix))}))
+    paths = {str(CHECKOUT), str(Path(sys.prefix)), str(Path(sys.base_prefix))}
+    binds = " ".join(f"-{path}" for path in sorted(paths))
     machine.write(
         "/etc/systemd/system/volute-heartbeat@.service.d/test-venv.conf",
         f"[Service]\nProtectHome=read-only\nBindReadOnlyPaths={binds}\n",
     )
-    # As debian/volutectl.sysusers does: the socket's group, and the default turn user
-    # with a group of its own, outside it.
-    machine.run(["groupadd", "-f", "-r", "volute"])
-    machine.run(
-        [
-            "sh",
-            "-c",
-            f"id {DEFAULT_TURN_USER} >/dev/null 2>&1 || useradd -r -U -M -d /nonexistent "
-            f"-s /usr/sbin/nologin {DEFAULT_TURN_USER}",
-        ]
+    # The gate's unit has ProtectHome=read-only and a private /tmp of its own already.
+    machine.write(
+        "/etc/systemd/system/volute-gate.service.d/test-venv.conf",
+        f"[Service]\nBindReadOnlyPaths={binds}\n",
     )
+    machine.run(["groupadd", "-f", "-r", "volute"])
+    machine.run(["groupadd", "-f", "-r", "volute-gate"])
+    # As debian/volutectl.sysusers does: the default turn user with a group of its own,
+    # outside the socket's group; the gate's user in volute, to read the config.
+    users = ((DEFAULT_TURN_USER, ("-U",)), ("volute-gate", GATE_USER_GROUPS))
+    for user, groups in users:
+        add = ["useradd", "-r", *groups, "-M", "-d", "/nonexistent", "-s", "/usr/sbin/nologin"]
+        machine.sh(f"id {user} >/dev/null 2>&1 || {' '.join(add)} {user}")
     machine.run(["systemctl", "daemon-reload"])
-    machine.run(["systemctl", "enable", "volute-gate.socket"])
+    machine.run(["systemctl", "enable", "volute-gate.socket", "volute-launcher.socket"])
 
 
 def start_gate(machine: Machine, config: str, *, move_socket: bool = True) -> None:

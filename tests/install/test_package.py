@@ -127,7 +127,7 @@ def test_units_are_installed_and_verify_under_trixie_systemd(installed: Installe
     assert m.host_path("/usr/share/doc/volutectl/packaging.md").is_file()
     cat = m.run(["systemctl", "cat", "volute-turns.slice"]).stdout
     assert "# /usr/lib/systemd/system/volute-turns.slice" in cat
-    for unit in ("volute-gate.service", "volute-gate.socket"):
+    for unit in ("volute-gate.service", "volute-gate.socket", "volute-launcher.socket"):
         enabled = m.run(["systemctl", "is-enabled", unit], check=False).stdout
         assert enabled.strip() == "enabled", unit
     # The slices are not started, enabled or restarted by the package scripts.
@@ -150,7 +150,7 @@ def test_sysusers_tmpfiles_and_config_permissions(installed: Installed) -> None:
     listing = m.sh("stat -c '%U %G %a %n' /etc/volute/volutectl.toml /var/lib/volute /run/volute")
     assert listing.stdout.splitlines() == [
         "root volute 640 /etc/volute/volutectl.toml",
-        "root root 700 /var/lib/volute",
+        "volute-gate volute-gate 700 /var/lib/volute",
         "root root 755 /run/volute",
     ]
     conffiles = m.run(["dpkg-query", "-W", "-f=${Conffiles}", "volutectl"]).stdout

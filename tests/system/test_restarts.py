@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from volute_testbed.faults import CRASHED
 from volute_testbed.gate import (
     VOLUTECTL,
     all_settled,
@@ -162,14 +163,14 @@ def test_a_crash_between_commit_and_ack_gives_the_retry_the_same_delivery(
         "/etc/systemd/system/volute-gate.service.d/crash.conf",
         "[Service]\n"
         "Environment=VOLUTE_CRASH_AT=request_committed\n"
-        "Environment=VOLUTE_CRASH_ONCE=/var/tmp/crashed-once\n",
+        f"Environment=VOLUTE_CRASH_ONCE={CRASHED}\n",
     )
     start_gate(machine, gate_config({"m": "turn-probe 0.1"}))
     first_gate = unit_property(machine, GATE, "MainPID")
     delivery = deliver(machine, "m", "committed, then the gate died")
     assert delivery > 0  # deliver exited 0: its retry was acknowledged
     # The gate did crash at that point: after the commit, before any ack.
-    assert machine.host_path("/var/tmp/crashed-once").exists()
+    assert machine.host_path(CRASHED).exists()
     assert unit_property(machine, GATE, "MainPID") != first_gate
     assert "status=9/KILL" in journal(machine)
     wait_for(lambda: all_settled(machine), timeout=30)

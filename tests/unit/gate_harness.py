@@ -11,6 +11,7 @@ import os
 import pwd
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,9 @@ from tests.unit.fake_gate import remove_tree, short_socket_dir
 from tests.unit.fake_systemd import FakeManager
 from volutectl.config import Settings
 from volutectl.gate import Gate
+from volutectl.hands import LocalHands
 from volutectl.journal import Journal
+from volutectl.launcherd import Launcher
 from volutectl.states import QueueState
 
 ME = pwd.getpwuid(os.getuid()).pw_name
@@ -129,13 +132,59 @@ class Peer:
         self.sock.close()
 
 
+class LauncherThread:
+    """volutectl/launcherd.py's order loop in a thread of this process, on a real
+    socket, carrying out orders with the harness's fake systemd.
+
+    Not for tests of signals in turns: a child forked from a thread other than the main
+    one cannot reset its signal dispositions in Python, so its stop signals stay
+    ignored (the real launcher forks from its main thread)."""
+
+    def __init__(self, settings: Settings, manager: FakeManager, path: Path) -> None:
+        self.path = path
+        self.journal = RecordingJournal()
+        self.hands = LocalHands(lambda: settings, manager, self.journal)
+        self.thread: threading.Thread | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self.listener.bind(str(self.path))
+        self.listener.listen(8)
+        self.stop_read, self.stop_write = os.pipe()
+        self.launcher = Launcher(self.hands, self.listener, self.journal, frozenset({os.getuid()}))
+        self.thread = threading.Thread(target=self.launcher.serve, args=(self.stop_read,))
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop serving (after the order under way), as `systemctl stop` does."""
+        if self.thread is None:
+            return
+        os.write(self.stop_write, b"x")
+        self.thread.join(10)
+        self.thread = None
+        self.listener.close()
+        os.close(self.stop_read)
+        os.close(self.stop_write)
+
+
 class Harness:
-    def __init__(self, tmp_path: Path, *, start: bool = True, **options: Any) -> None:
+    def __init__(
+        self, tmp_path: Path, *, start: bool = True, remote: bool = False, **options: Any
+    ) -> None:
         self.socket_dir = short_socket_dir()
         self.socket_path = self.socket_dir / "gate.sock"
-        self.settings = gate_settings(tmp_path, self.socket_path, **options)
         self.journal = RecordingJournal()
         self.manager = FakeManager()
+        self.launcher: LauncherThread | None = None
+        if remote:  # the gate gives its orders to a launcher, over its socket
+            options["launcher_socket"] = self.socket_dir / "launcher.sock"
+        self.settings = gate_settings(tmp_path, self.socket_path, **options)
+        if remote:
+            path = self.socket_dir / "launcher.sock"
+            self.launcher = LauncherThread(self.settings, self.manager, path)
         self.peers: list[Peer] = []
         self.steps = 0
         if start:
@@ -187,10 +236,9 @@ class Harness:
         for turn in gate.state.turns.all():
             if turn.pidfd >= 0:
                 os.close(turn.pidfd)
-            if turn.child is not None:
-                turn.child.abandon()  # a released child ignores it; an unreleased one exits
         gate.state.slots.close()
         gate.state.store.close()
+        gate.state.turns.hands.close()
         gate.selector.close()
 
     def restart(self) -> None:
@@ -200,8 +248,10 @@ class Harness:
     def close(self) -> None:
         for peer in self.peers:
             peer.close()
-        children = [turn.child.pid for turn in self.gate.state.turns.all() if turn.child]
+        children = [turn.pid for turn in self.gate.state.turns.all() if turn.pid is not None]
         self.gate.close()
+        if self.launcher is not None:
+            self.launcher.stop()
         for pid in children:  # turns outlive the gate; a test's turns must not
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

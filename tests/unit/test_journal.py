@@ -195,9 +195,9 @@ def test_a_turns_output_is_one_stream_opened_by_the_turn_itself_in_its_scope(
     harness.deliver_ok(mind="m-1.x")
     harness.pump(lambda: journald.accept() == 1)
     [turn] = harness.gate.state.turns.all()
-    assert turn.child is not None and list(harness.manager.scopes) == [turn.unit]
+    assert turn.pid is not None and list(harness.manager.scopes) == [turn.unit]
     # The peer is the scope's main process (the gate's child after its release).
-    assert journald.streams[0][1] == turn.child.pid != os.getpid()
+    assert journald.streams[0][1] == turn.pid != os.getpid()
     unit = turn.unit
     harness.pump(lambda: settled(harness))
     assert unit == r"volute-turn-m\x2d1.x-1.scope"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from volutectl import orders
 from volutectl.config import Settings, flatten, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,6 +34,8 @@ VERIFY_NAMES = [
     "volute-tests.slice",
     "volute-gate.service",
     "volute-gate.socket",
+    "volute-launcher.service",
+    "volute-launcher.socket",
     "volute-heartbeat@m1.timer",
     "volute-heartbeat@m1.service",
 ]
@@ -111,7 +114,7 @@ def test_slices_nest_and_turns_outweigh_tests() -> None:
     assert int(turns.get("Slice", "CPUWeight")) > int(tests.get("Slice", "CPUWeight"))
 
 
-# Settings every turn would inherit from the gate, which forks it (see the unit).
+# Settings every turn would inherit from the launcher, which forks it (see the unit).
 LEAKS_INTO_TURNS = {
     "ProtectSystem",
     "ProtectHome",
@@ -147,24 +150,61 @@ LEAKS_INTO_TURNS = {
 }
 
 
-def test_gate_service_contract() -> None:
-    service = parse_unit(UNITS / "volute-gate.service")["Service"]
+def test_launcher_service_contract() -> None:
+    service = parse_unit(UNITS / "volute-launcher.service")["Service"]
     assert service["Type"] == "notify"
-    assert service["ExecStart"] == "/usr/bin/volutectl gate"
+    assert service["ExecStart"] == "/usr/bin/volutectl launcher"
     assert service["Restart"] == "on-failure"
     # control-group reaches only the service cgroup; turns live in their own scopes.
     assert service["KillMode"] == "control-group"
     assert service["RuntimeDirectory"] == "volute"
     assert service["RuntimeDirectoryPreserve"] == "yes"
-    assert service["StateDirectory"] == "volute"
+    assert "User" not in service  # root: it forks turns as their minds' users
     settings = Settings()
     assert settings.gate.runtime_dir == Path("/run") / service["RuntimeDirectory"]
-    assert settings.gate.state_dir == Path("/var/lib") / service["StateDirectory"]
     leaked = sorted(LEAKS_INTO_TURNS & set(service))
     assert not leaked, f"these would silently bind every turn: {leaked}"
     for option in service.get("SystemCallFilter", "").split():
         assert option.lstrip("~") in ("@clock", "@module", "@raw-io", "@swap"), option
     assert service["SystemCallFilter"].startswith("~")  # a deny list, never an allow list
+
+
+def test_launcher_socket_is_the_gates_alone() -> None:
+    unit = parse_unit(UNITS / "volute-launcher.socket")
+    socket = unit["Socket"]
+    assert socket["ListenStream"] == orders.DEFAULT_SOCKET
+    assert socket["SocketUser"] == "root"
+    assert socket["SocketGroup"] == orders.GATE_USER
+    assert socket["SocketMode"] == "0660"
+    assert socket.get("Accept", "no") == "no"
+    service = parse_unit(UNITS / "volute-launcher.service")["Unit"]
+    assert "volute-launcher.socket" in service["Requires"].split()
+    assert service["StartLimitIntervalSec"] == "0"
+
+
+def test_gate_service_contract() -> None:
+    unit = parse_unit(UNITS / "volute-gate.service")
+    service = unit["Service"]
+    assert service["Type"] == "notify"
+    assert service["ExecStart"] == "/usr/bin/volutectl gate"
+    assert service["Restart"] == "on-failure"
+    assert service["KillMode"] == "control-group"
+    assert service["StateDirectory"] == "volute"
+    assert Settings().gate.state_dir == Path("/var/lib") / service["StateDirectory"]
+    # Unprivileged and sandboxed: it forks nothing, so nothing of this reaches a turn.
+    assert service["User"] == orders.GATE_USER
+    assert service["SupplementaryGroups"] == Settings().gate.socket_group  # reads the config
+    assert service["CapabilityBoundingSet"] == ""
+    for option in ("NoNewPrivileges", "PrivateTmp", "PrivateDevices", "RestrictSUIDSGID"):
+        assert service[option] == "yes", option
+    assert service["ProtectSystem"] == "strict"
+    assert service["RestrictAddressFamilies"] == "AF_UNIX"
+    assert "RuntimeDirectory" not in service  # /run/volute is the launcher's (root's)
+    # Its orders go to the launcher's socket.
+    launcher = parse_unit(UNITS / "volute-launcher.socket")["Socket"]["ListenStream"]
+    assert f"VOLUTE_GATE__LAUNCHER_SOCKET={launcher}" in service["Environment"].split()
+    assert "volute-launcher.socket" in unit["Unit"]["Wants"].split()
+    assert "volute-launcher.socket" in unit["Unit"]["After"].split()
 
 
 def test_gate_socket_is_systemds_and_matches_the_config() -> None:
@@ -195,9 +235,9 @@ def test_gate_service_is_wired_to_its_socket_and_still_starts_at_boot() -> None:
     assert unit["Install"]["WantedBy"] == "multi-user.target"
     # dh_installsystemd follows Also= into the service's restart-on-upgrade snippet.
     assert "Also" not in unit["Install"]
-    # The socket's file lives in the service's runtime directory, which a stop or a
-    # restart of the service must never remove under systemd.
-    service = unit["Service"]
+    # The socket's file lives in the launcher's runtime directory, which a stop or a
+    # restart of the launcher must never remove under systemd.
+    service = parse_unit(UNITS / "volute-launcher.service")["Service"]
     socket = parse_unit(UNITS / "volute-gate.socket")["Socket"]
     listen = Path(socket["ListenStream"])
     assert listen.parent == Path("/run") / service["RuntimeDirectory"]
@@ -252,9 +292,15 @@ def test_sysusers_creates_the_group_and_the_default_turn_user(tmp_path: Path) ->
     assert own == [settings.turns.default_user]
     assert 0 < int(user[2]) < 1000  # a system user
     assert user[6] == "/usr/sbin/nologin"
+    gate = passwd[orders.GATE_USER]  # the gate's own user, and group; reads the config
+    assert gate[3] == groups[orders.GATE_USER].split(":")[2] and 0 < int(gate[2]) < 1000
+    assert orders.GATE_USER in groups[settings.gate.socket_group].split(":")[3].split(",")
 
 
 def test_tmpfiles_make_the_directories_the_unit_expects(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    users = [tool("systemd-sysusers"), f"--root={tmp_path}", str(DEBIAN / "volutectl.sysusers")]
+    subprocess.run(users, check=True, capture_output=True, timeout=60)
     result = subprocess.run(
         [
             tool("systemd-tmpfiles"),
@@ -268,11 +314,16 @@ def test_tmpfiles_make_the_directories_the_unit_expects(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     service = parse_unit(UNITS / "volute-gate.service")["Service"]
+    launcher = parse_unit(UNITS / "volute-launcher.service")["Service"]
     settings = Settings()
     state = tmp_path / str(settings.gate.state_dir).lstrip("/")
     runtime = tmp_path / str(settings.gate.runtime_dir).lstrip("/")
     assert stat.S_IMODE(state.stat().st_mode) == int(service["StateDirectoryMode"], 8)
-    assert stat.S_IMODE(runtime.stat().st_mode) == int(service["RuntimeDirectoryMode"], 8)
+    assert stat.S_IMODE(runtime.stat().st_mode) == int(launcher["RuntimeDirectoryMode"], 8)
+    passwd = (tmp_path / "etc/passwd").read_text().splitlines()
+    [gate_uid] = [line.split(":")[2] for line in passwd if line.startswith(f"{service['User']}:")]
+    assert state.stat().st_uid == int(gate_uid)  # the store is the gate's
+    assert runtime.stat().st_uid == 0  # the turns' directories are root's
 
 
 # -- the example config --------------------------------------------------------------------
@@ -380,4 +431,8 @@ def test_every_unit_is_installed_and_only_the_gate_is_restarted_on_upgrade() -> 
     ]
     # Restarting volute-turns.slice on upgrade would stop every running turn; stopping
     # the socket would refuse the deliveries that arrive while the gate restarts.
-    assert calls == [["--no-stop-on-upgrade", "volute-gate.socket"], ["volute-gate.service"]]
+    assert calls == [
+        ["--no-stop-on-upgrade", "volute-gate.socket", "volute-launcher.socket"],
+        ["volute-gate.service"],
+        ["--no-enable", "volute-launcher.service"],
+    ]
