@@ -20,6 +20,7 @@ from volute_testbed.faults import (
     launcher_pid,
 )
 from volute_testbed.gate import (
+    DEFAULT_TURN_USER,
     VOLUTECTL,
     all_settled,
     deliver,
@@ -62,7 +63,7 @@ def test_the_gate_runs_unprivileged_and_only_the_launcher_as_root(machine: Machi
     assert launcher["Uid"].split()[0] == "0"
     # The turn ran, as the mind's user, started by the launcher and not the gate.
     assert [f[:5] for f in turn_log(machine) if f[0] == "start"] == [
-        ["start", "m", "main", "1", "volute"]
+        ["start", "m", "main", "1", DEFAULT_TURN_USER]
     ]
     assert queue_rows(machine, "done")[0]["id"] == delivery
     # The store belongs to the gate's user alone.
@@ -106,12 +107,14 @@ def test_the_launcher_takes_no_order_from_anyone_but_the_gate(machine: Machine) 
     deliver(machine, "m", "a running turn, whose directory a sweep would remove")
     wait_for(lambda: len(live_turn_scopes(machine)) == 1)
     machine.write("/var/tmp/hostile.py", HOSTILE)
-    # A mind's user (group volute, as every client of the gate): the socket is closed
-    # to it.
-    as_mind = machine.run(
-        ["runuser", "-u", "volute", "--", PYTHON, "/var/tmp/hostile.py", LAUNCHER_SOCKET]
-    )
-    assert as_mind.stdout.strip() == "PermissionError"
+    # A mind's user, and a member of group volute (every client of the gate): the
+    # socket is closed to both.
+    machine.run(["useradd", "-M", "-G", "volute", "client"])
+    for user in (DEFAULT_TURN_USER, "client"):
+        refused = machine.run(
+            ["runuser", "-u", user, "--", PYTHON, "/var/tmp/hostile.py", LAUNCHER_SOCKET]
+        )
+        assert refused.stdout.strip() == "PermissionError"
     # A user that got into group volute-gate but is not the gate's user: the launcher
     # checks the peer's uid, refuses and hangs up.
     machine.run(["useradd", "-M", "-G", "volute-gate", "intruder"])

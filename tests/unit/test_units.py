@@ -293,8 +293,8 @@ def test_sysusers_creates_the_group_and_the_default_turn_user(tmp_path: Path) ->
     assert 0 < int(user[2]) < 1000  # a system user
     assert user[6] == "/usr/sbin/nologin"
     gate = passwd[orders.GATE_USER]  # the gate's own user, and group; reads the config
-    assert gate[3] == groups[orders.GATE_USER].split(":")[2] and 0 < int(gate[2]) < 1000
-    assert orders.GATE_USER in groups[settings.gate.socket_group].split(":")[3].split(",")
+    assert gate[3] == groups[orders.GATE_USER][2] and 0 < int(gate[2]) < 1000
+    assert orders.GATE_USER in groups[settings.gate.socket_group][3].split(",")
 
 
 def test_tmpfiles_make_the_directories_the_unit_expects(tmp_path: Path) -> None:
