@@ -16,8 +16,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 from volute_testbed.machine import Machine, dev_machine
+
+# Property tests check what is decided, not how fast: no per-example deadline, which a
+# loaded machine (another test run, a CPU hog) trips at random (test_store's handoff
+# property did, on 98e6a5e too).
+settings.register_profile("volute", deadline=None)
+settings.load_profile("volute")
 
 
 @pytest.fixture
