@@ -212,9 +212,10 @@ class Lines:
     already had (issue 19)."""
 
     def __init__(self, stream: Any) -> None:
+        import os
         import threading
 
-        self.fd = stream.fileno()
+        self.fd = os.dup(stream.fileno())  # its own: the test may close the pipe first
         self.seen: list[tuple[float, str]] = []
         self.ended = threading.Event()
         self.thread = threading.Thread(target=self._read, daemon=True)
@@ -224,11 +225,14 @@ class Lines:
         import os
 
         rest = b""
-        while chunk := os.read(self.fd, 1 << 16):
-            *lines, rest = (rest + chunk).split(b"\n")
-            now = time.time()
-            self.seen += [(now, line.decode(errors="replace")) for line in lines]
-        self.ended.set()
+        try:
+            while chunk := os.read(self.fd, 1 << 16):
+                *lines, rest = (rest + chunk).split(b"\n")
+                now = time.time()
+                self.seen += [(now, line.decode(errors="replace")) for line in lines]
+        finally:
+            os.close(self.fd)
+            self.ended.set()
 
     def texts(self) -> list[str]:
         return [text for _, text in list(self.seen)]
