@@ -138,6 +138,11 @@ class LocalHands:
             self.accounts, self.accounts_of = {}, settings
         account = self.accounts.get(mind)
         if account is None:
+            if mind not in settings.minds:
+                # An order naming a mind the launcher's config lacks (a gate taken over,
+                # or one whose config was read before the mind went) is refused; it must
+                # not end the launcher, with every other turn's order, on a KeyError.
+                raise DataError(f"mind {mind!r} is not configured for the launcher")
             configured = settings.minds[mind].user
             account = launcher.resolve_account(configured or settings.turns.default_user)
             self.accounts[mind] = account

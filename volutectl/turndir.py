@@ -248,6 +248,10 @@ def offer(turn_dir: TurnDir, delivery_id: int, record: bytes, owner: Owner) -> N
             raise PermissionError(f"{turn_dir.path} is not the gate's own: not offering into it")
         with dirfds.opened_directory(OFFERED, turn) as offered:
             with dirfds.opened_directory(INBOX, turn) as inbox:
+                if os.geteuid() == 0 and os.fstat(inbox).st_uid != owner.uid:
+                    # An offer naming another mind than the turn's: its record would be
+                    # given to a user who does not own the inbox it lands in.
+                    raise PermissionError(f"{turn_dir.inbox} is not the offering mind's user's")
                 staged = f"{delivery_id}.tmp"
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(staged, dir_fd=offered)  # a fold of it that a crash cut short
