@@ -124,6 +124,9 @@ class LocalHands:
         self.children: dict[int, int] = {}
         self.statuses: dict[int, int] = {}
         self.trash_waiting = False  # something was set aside in turns/.trash
+        # Each turn's directory a tmpfs of these bounds (the launcher sets them; a test's
+        # hands, not root, make plain directories).
+        self.turn_dir_bounds: turndir.Bounds | None = None
 
     def ensure(self) -> None:
         pass
@@ -162,7 +165,9 @@ class LocalHands:
             account = self.account_of(settings, order.mind)
             cwd = preflight.turn_directory(order.mind, mind, account)  # before anything is made
             extra = launcher.mind_environment(mind.environment, mind.environment_file)
-            turn_dir = launcher.make_turn_dir(settings.gate.runtime_dir, order.turn_id, account)
+            turn_dir = launcher.make_turn_dir(
+                settings.gate.runtime_dir, order.turn_id, account, self.turn_dir_bounds
+            )
             env = launcher.turn_environment(
                 account,
                 mind=order.mind,

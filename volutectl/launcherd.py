@@ -30,7 +30,7 @@ from pathlib import Path
 
 import click
 
-from volutectl import activation, options, orders
+from volutectl import activation, options, orders, turndir
 from volutectl.config import Settings, load_settings
 from volutectl.errors import ConfigError, VoluteError
 from volutectl.hands import LocalHands
@@ -260,6 +260,7 @@ def run(
     ready: Callable[[], None] | None = None,
 ) -> None:
     hands = LocalHands(settings, manager, journal)
+    hands.turn_dir_bounds = turndir.TURN_DIR_BOUNDS  # root: each turn's directory its tmpfs
     launcher = Launcher(hands, listener, journal, allowed_uids())
     if ready is not None:
         ready()
