@@ -189,6 +189,10 @@ class Launcher:
                 payload = orders.read_payload(fd, order.PAYLOAD)
             finally:
                 os.close(fd)
+        if connection.reader.fds:
+            # A descriptor no order claimed: kept, one per line, they would fill the
+            # launcher's table until it could open nothing (no turn directory, no fork).
+            raise orders.OrderError("a descriptor came with an order that takes none")
         reply: orders.Reply
         fds: tuple[int, ...] = ()
         try:

@@ -20,6 +20,7 @@ from volute_testbed.gate import (
     install_probe,
     journal,
     live_turn_scopes,
+    queue_rows,
     start_gate,
     unit_property,
     wait_for,
@@ -100,3 +101,45 @@ def test_an_offer_for_another_or_no_mind_is_refused_and_the_launcher_lives(
             if "started turn" in line
         )
     )
+
+
+# Sends argv[2] orders, one at a time, each with a descriptor it does not take (of
+# /dev/null), reading each reply; prints how many were answered, and how.
+FD_FLOOD = """
+import array, os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(20)
+s.connect(sys.argv[1])
+replies = s.makefile("rb")
+null = os.open("/dev/null", os.O_RDONLY)
+line = b'{"v":1,"order":"inspect","turn_id":424242,"folded":[]}\\n'
+rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [null]))]
+answers = {}
+try:
+    for _ in range(int(sys.argv[2])):
+        s.sendmsg([line], rights)
+        kind = replies.readline().split(b'"reply":"')[1].split(b'"')[0].decode()
+        answers[kind] = answers.get(kind, 0) + 1
+except (OSError, IndexError):
+    answers["gone"] = 1
+print(" ".join(f"{kind}={count}" for kind, count in sorted(answers.items())))
+"""
+
+
+def test_descriptors_that_no_order_takes_do_not_fill_the_launchers_table(
+    machine: Machine,
+) -> None:
+    install_probe(machine)
+    start_gate(machine, gate_config({"m": "turn-probe 0.1"}))
+    machine.write("/var/tmp/fd-flood.py", FD_FLOOD)
+    pid = launcher_pid(machine)
+    flood = [PYTHON, "/var/tmp/fd-flood.py", LAUNCHER_SOCKET, "1100"]
+    out = machine.run(["runuser", "-u", "volute-gate", "--", *flood], timeout=120).stdout
+    # The first such order is refused and its connection closed; on the merged code each
+    # was answered and its descriptor kept, 1,100 past the launcher's 1,024.
+    assert out.split() == ["gone=1", "refused=1"], out
+    opened = int(machine.sh(f"ls /proc/{pid}/fd | wc -l").stdout)
+    assert opened < 32, opened
+    delivery = deliver(machine, "m", "the launcher still starts turns", "--wait")
+    assert any(r["id"] == delivery for r in queue_rows(machine, "done"))
+    assert launcher_pid(machine) == pid
