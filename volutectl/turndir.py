@@ -2,7 +2,9 @@
 that the turn can change.
 
 Layout, under gate.runtime_dir/turns (root's, 0711):
-  <id>/          root's, 0711: the turn may enter it, and change nothing in it
+  <id>/          root's, 0711: the turn may enter it, and change nothing in it; under
+                 the launcher a tmpfs of its own (TURN_DIR_BOUNDS), so what the turn
+                 writes fills that and not /run
     inbox/       the turn's (its user's, 0700): deliveries folded in while it runs, one
                  <id>.json file each; the turn takes one by deleting (or moving away) its
                  file. Root only ever renames a finished file into it.
