@@ -124,6 +124,9 @@ class LocalHands:
         self.children: dict[int, int] = {}
         self.statuses: dict[int, int] = {}
         self.trash_waiting = False  # something was set aside in turns/.trash
+        # Each turn's directory a tmpfs of these bounds (the launcher sets them; a test's
+        # hands, not root, make plain directories).
+        self.turn_dir_bounds: turndir.Bounds | None = None
 
     def ensure(self) -> None:
         pass
@@ -138,6 +141,11 @@ class LocalHands:
             self.accounts, self.accounts_of = {}, settings
         account = self.accounts.get(mind)
         if account is None:
+            if mind not in settings.minds:
+                # An order naming a mind the launcher's config lacks (a gate taken over,
+                # or one whose config was read before the mind went) is refused; it must
+                # not end the launcher, with every other turn's order, on a KeyError.
+                raise DataError(f"mind {mind!r} is not configured for the launcher")
             configured = settings.minds[mind].user
             account = launcher.resolve_account(configured or settings.turns.default_user)
             self.accounts[mind] = account
@@ -157,7 +165,9 @@ class LocalHands:
             account = self.account_of(settings, order.mind)
             cwd = preflight.turn_directory(order.mind, mind, account)  # before anything is made
             extra = launcher.mind_environment(mind.environment, mind.environment_file)
-            turn_dir = launcher.make_turn_dir(settings.gate.runtime_dir, order.turn_id, account)
+            turn_dir = launcher.make_turn_dir(
+                settings.gate.runtime_dir, order.turn_id, account, self.turn_dir_bounds
+            )
             env = launcher.turn_environment(
                 account,
                 mind=order.mind,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import click
 
-from volutectl import activation, options, orders
+from volutectl import activation, options, orders, turndir
 from volutectl.config import Settings, load_settings
 from volutectl.errors import ConfigError, VoluteError
 from volutectl.hands import LocalHands
@@ -189,6 +189,10 @@ class Launcher:
                 payload = orders.read_payload(fd, order.PAYLOAD)
             finally:
                 os.close(fd)
+        if connection.reader.fds:
+            # A descriptor no order claimed: kept, one per line, they would fill the
+            # launcher's table until it could open nothing (no turn directory, no fork).
+            raise orders.OrderError("a descriptor came with an order that takes none")
         reply: orders.Reply
         fds: tuple[int, ...] = ()
         try:
@@ -260,6 +264,7 @@ def run(
     ready: Callable[[], None] | None = None,
 ) -> None:
     hands = LocalHands(settings, manager, journal)
+    hands.turn_dir_bounds = turndir.TURN_DIR_BOUNDS  # root: each turn's directory its tmpfs
     launcher = Launcher(hands, listener, journal, allowed_uids())
     if ready is not None:
         ready()

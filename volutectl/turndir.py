@@ -2,7 +2,9 @@
 that the turn can change.
 
 Layout, under gate.runtime_dir/turns (root's, 0711):
-  <id>/          root's, 0711: the turn may enter it, and change nothing in it
+  <id>/          root's, 0711: the turn may enter it, and change nothing in it; under
+                 the launcher a tmpfs of its own (TURN_DIR_BOUNDS), so what the turn
+                 writes fills that and not /run
     inbox/       the turn's (its user's, 0700): deliveries folded in while it runs, one
                  <id>.json file each; the turn takes one by deleting (or moving away) its
                  file. Root only ever renames a finished file into it.
@@ -28,6 +30,7 @@ read, through the same fds and checks, so that turns adopted across an upgrade s
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import time
@@ -53,6 +56,25 @@ STATUS_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_
 # spend on directories set aside before.
 REMOVE_ENTRIES, REMOVE_SECONDS = 20_000, 0.25
 SWEEP_ENTRIES, SWEEP_SECONDS = 200_000, 2.0
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What one turn's directory may hold: the size and inode count of the tmpfs that
+    the launcher mounts as each turn's directory. The turn writes its inbox, on /run:
+    without a filesystem of its own, one turn filled /run (bytes or inodes), which
+    systemd and every other service share, and no other mind's turn could start."""
+
+    max_bytes: int
+    max_inodes: int
+
+
+# Folded records (at most gate.max_pending_bytes_per_uid per client waits in the queue)
+# and what the turn leaves in its inbox. An offer past it is refused (ENOSPC) and its
+# delivery goes to the session's next turn.
+TURN_DIR_BOUNDS = Bounds(max_bytes=256 * 1024 * 1024, max_inodes=16_384)
+_MS_NOSUID, _MS_NODEV = 2, 4
+_MNT_DETACH, _UMOUNT_NOFOLLOW = 2, 8
 
 
 class Owner(Protocol):
@@ -213,16 +235,21 @@ def open_turns_root(runtime_dir: Path) -> int:
     return fd
 
 
-def make_turn_dir(runtime_dir: Path, turn_id: int, owner: Owner) -> TurnDir:
+def make_turn_dir(
+    runtime_dir: Path, turn_id: int, owner: Owner, bounds: Bounds | None = None
+) -> TurnDir:
     """Make turns/<turn_id>: root's, with the owner's inbox, root's offer record and the
     empty status file. A directory already there (a turn id the store reused after its
-    state was lost) is set aside first."""
+    state was lost) is set aside first. With `bounds` (the launcher, as root), the
+    directory is a tmpfs of its own of that size, detached when it is set aside."""
     name = str(turn_id)
     root = open_turns_root(runtime_dir)
     try:
         if dirfds.entry_stat(root, name) is not None:
             _set_aside(root, name)
         os.mkdir(name, 0o700, dir_fd=root)
+        if bounds is not None:
+            _mount_tmpfs(root, name, bounds)
         with dirfds.opened_directory(name, root) as turn:
             os.mkdir(OFFERED, 0o700, dir_fd=turn)
             os.mkdir(INBOX, 0o700, dir_fd=turn)
@@ -248,6 +275,10 @@ def offer(turn_dir: TurnDir, delivery_id: int, record: bytes, owner: Owner) -> N
             raise PermissionError(f"{turn_dir.path} is not the gate's own: not offering into it")
         with dirfds.opened_directory(OFFERED, turn) as offered:
             with dirfds.opened_directory(INBOX, turn) as inbox:
+                if os.geteuid() == 0 and os.fstat(inbox).st_uid != owner.uid:
+                    # An offer naming another mind than the turn's: its record would be
+                    # given to a user who does not own the inbox it lands in.
+                    raise PermissionError(f"{turn_dir.inbox} is not the offering mind's user's")
                 staged = f"{delivery_id}.tmp"
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(staged, dir_fd=offered)  # a fold of it that a crash cut short
@@ -286,8 +317,41 @@ def remove_turn_dir(turns: Path, name: str) -> Path | None:
         os.close(root)
 
 
+def _libc_call(function: str, *args: object) -> None:
+    import ctypes  # here: only root's launcher mounts
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if getattr(libc, function)(*args) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def _mount_tmpfs(root: int, name: str, bounds: Bounds) -> None:
+    """A tmpfs of `bounds` on root/<name>, a directory root just made in its own turns/
+    (nothing of a turn's on the way; /proc/self/fd names the directory fd)."""
+    options = f"mode=0700,uid=0,gid=0,size={bounds.max_bytes},nr_inodes={bounds.max_inodes}"
+    target = f"/proc/self/fd/{root}/{name}".encode()
+    _libc_call("mount", b"volute-turn", target, b"tmpfs", _MS_NOSUID | _MS_NODEV, options.encode())
+
+
+def _detach(root: int, name: str) -> None:
+    """Detach the tmpfs mounted on root/<name>, if any: what is in it goes with its last
+    user (at once, whatever its depth), and the directory below is the empty one root
+    made. Not a mount (a directory made without bounds): nothing to do."""
+    if os.geteuid() != 0:
+        return
+    target = f"/proc/self/fd/{root}/{name}".encode()
+    try:
+        _libc_call("umount2", target, _MNT_DETACH | _UMOUNT_NOFOLLOW)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOENT):
+            raise
+
+
 def _set_aside(root: int, name: str) -> str | None:
-    """Move root/<name> into root/.trash under a fresh name; None if there was none."""
+    """Move root/<name> into root/.trash under a fresh name, its tmpfs detached first;
+    None if there was none."""
+    _detach(root, name)
     with contextlib.suppress(FileExistsError):
         os.mkdir(TRASH, 0o700, dir_fd=root)
     aside = f"{name}-{time.time_ns()}"

@@ -247,3 +247,63 @@ def test_a_deep_tree_in_the_turn_directory_never_stops_the_gate(machine: Machine
     ]
     assert deliver(machine, "evil", "after", "--wait") == 2
     assert "RecursionError" not in journal(machine)
+
+
+# A turn that fills its inbox: bytes until the write fails (at most 512 MiB), then empty
+# files until one cannot be made (at most 40,000); says how far it got, then holds on.
+FILLER = r"""
+import os, time
+inbox = os.environ["VOLUTE_INBOX"]
+mib = files = 0
+try:
+    with open(inbox + "/fill", "wb", buffering=0) as out:
+        while mib < 512:
+            out.write(bytes(1 << 20))
+            mib += 1
+except OSError:
+    pass
+try:
+    while files < 40000:
+        os.close(os.open(f"{inbox}/f{files}", os.O_CREAT | os.O_WRONLY, 0o600))
+        files += 1
+except OSError:
+    pass
+with open("/var/tmp/filled", "w") as report:
+    report.write(f"{mib} {files}\n")
+time.sleep(20)
+"""
+
+
+def run_space(machine: Machine) -> tuple[int, int]:
+    """Free KiB and free inodes of /run."""
+    blocks = machine.run(["df", "--output=avail", "/run"]).stdout.split()[-1]
+    inodes = machine.run(["df", "--output=iavail", "/run"]).stdout.split()[-1]
+    return int(blocks), int(inodes)
+
+
+def test_a_turn_that_fills_its_inbox_leaves_run_to_the_others(machine: Machine) -> None:
+    add_mind_user(machine)
+    machine.write("/usr/local/bin/turn-probe", "#!/bin/sh\ncat >/dev/null\n", mode=0o755)
+    # /run as small as a small host's: on the merged code the turn filled it, bytes and
+    # inodes, and systemd could start no other mind's turn (no room for its unit file).
+    machine.run(["mount", "-o", "remount,size=48M,nr_inodes=20000", "/run"])
+    config = mind_config([MIND_PYTHON, "-c", FILLER])
+    config += '[minds."good"]\ncommand = "turn-probe"\n'
+    start_gate(machine, config)
+    deliver(machine, "evil", "fill your inbox")
+    wait_for(lambda: machine.host_path("/var/tmp/filled").exists(), timeout=60)
+    mib, files = map(int, machine.host_path("/var/tmp/filled").read_text().split())
+    free_kib, free_inodes = run_space(machine)
+    assert free_kib > 40 * 1024 and free_inodes > 15_000, (mib, files, free_kib, free_inodes)
+    # Its own tmpfs held it back: 256 MiB and 16,384 inodes (the root directory's, the
+    # offer record's, the status file's and the inbox's among them).
+    assert 0 < mib <= 256 and 0 < files < 16_384, (mib, files)
+    # Another mind's turn runs while the filler still holds its inbox.
+    good = deliver(machine, "good", "still room for me")
+    wait_for(lambda: any(r["id"] == good for r in queue_rows(machine, "done")), timeout=30)
+    assert any(r["mind"] == "evil" for r in queue_rows(machine, "running"))
+    # Once the filler's turn has ended, its tmpfs is detached and nothing is left.
+    wait_for(lambda: all_settled(machine), timeout=60)
+    wait_for(lambda: "volute-turn" not in machine.run(["findmnt", "-rn"]).stdout, timeout=15)
+    listed = machine.sh("ls -A /run/volute/turns /run/volute/turns/.trash").stdout.split()
+    assert listed == ["/run/volute/turns:", ".trash", "/run/volute/turns/.trash:"]

@@ -231,6 +231,33 @@ def test_the_launcher_answers_a_bad_order_with_a_refusal_and_hangs_up(
     harness.pump(lambda: settled(harness))
 
 
+def test_the_launcher_refuses_an_unknown_minds_offer_and_an_unclaimed_descriptor(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    # The same as tests/system/test_launcher_attacks.py, in-process: an offer for a mind
+    # the config lacks ended the launcher on a KeyError; a descriptor no order takes was
+    # kept, one per line, until the launcher's table was full.
+    harness = Harness(tmp_path, remote=True, minds={"m": "true"})
+    harnesses.append(harness)
+    assert harness.launcher is not None
+    hostile = RemoteHands(harness.launcher.path, lambda: [])
+    with pytest.raises(VoluteError, match="mind 'nosuch' is not configured"):
+        hostile.offer(orders.Offer(turn_id=1, mind="nosuch", delivery_id=2), b"{}\n")
+    hostile.close()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(str(harness.launcher.path))
+        null = os.open(os.devnull, os.O_RDONLY)
+        line = orders.encode(orders.Inspect(turn_id=1, folded=()))
+        orders.send_line(sock, line, (null,))
+        os.close(null)
+        reply = orders.decode_reply(sock.makefile("rb").readline().rstrip(b"\n"))
+        assert isinstance(reply, orders.Refused) and "takes none" in reply.error
+        assert sock.recv(10) == b""  # and hung up, closing the descriptor
+    harness.deliver_ok(mind="m")  # the same launcher serves the gate still
+    harness.pump(lambda: settled(harness))
+
+
 # -- the launcher's own configuration and socket --------------------------------------------
 
 
