@@ -27,7 +27,8 @@ from volutectl.store import NewDelivery, Store
 from volutectl.units import ScopeProperties
 
 # probe HOLD [EXIT]: log the turn and its deliveries, take the inbox while holding, then
-# exit EXIT (0). Deliveries folded in are logged as "took".
+# exit EXIT (0). Deliveries folded in are logged as "took". Builtins where a SIGINT sent
+# to the whole scope could kill a child: the id of a file taken.
 PROBE = r"""#!/bin/sh
 log=LOG
 hold=${1:-0.1}
@@ -37,13 +38,20 @@ echo "start $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $ids" >> $log
 take() {
   for f in "$VOLUTE_INBOX"/*.json; do
     [ -e "$f" ] || continue
-    id=$(basename "$f" .json)
+    id=${f##*/}; id=${id%.json}
     rm -f "$f" && echo "took $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $id" >> $log
   done
 }
 trap 'take; echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID 130" >> $log; exit 130' INT
 end=$(( $(date +%s%3N) + $(echo "$hold" | awk '{printf "%d", $1 * 1000}') ))
-while [ "$(date +%s%3N)" -lt "$end" ]; do take; sleep 0.01; done
+# A SIGINT goes to the whole scope: a `date` it kills reads as an empty clock, which
+# goes round again (it ended the loop as if the hold were over, and the turn exited 0).
+while :; do
+  now=$(date +%s%3N)
+  [ -n "$now" ] || continue
+  [ "$now" -lt "$end" ] || break
+  take; sleep 0.01
+done
 take
 echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $rc" >> $log
 exit $rc
