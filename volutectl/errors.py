@@ -67,6 +67,11 @@ class SystemdError(VoluteError):
     exit_code = EX_UNAVAILABLE
 
 
+class SystemdNoAnswer(SystemdError):
+    """systemd gave no answer (it was re-executing, or did not reply in time): what the
+    call did is unknown, and the same call may work a moment later."""
+
+
 def format_error(error: VoluteError) -> str:
     text = f"volutectl: {error.message}"
     if error.hint:

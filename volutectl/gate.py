@@ -463,8 +463,13 @@ class Gate:
         for fold in decision.folds:
             state.turns.fold(fold, now)
         for start in decision.starts:
+            if state.turns.systemd_silent:
+                break  # the rest stay pending, decided again in the next pass
             self.started = True
             state.turns.start(start, now)
+        if state.turns.systemd_silent:
+            state.turns.systemd_silent = False
+            self.admit_retry = time.monotonic() + ADMIT_RETRY_SECONDS
         if pressure is not None and decision.starts:
             pressure.note_started(time.monotonic())
         state.turns.record_holds(changes, now)

@@ -32,7 +32,7 @@ from typing import Protocol
 
 from volutectl import dirfds, launcher, names, orders, preflight, processes, turndir
 from volutectl.config import Settings, parse_bandwidth
-from volutectl.errors import DataError, UnavailableError, VoluteError
+from volutectl.errors import DataError, SystemdNoAnswer, UnavailableError, VoluteError
 from volutectl.faults import crash_point
 from volutectl.journal import Journal
 from volutectl.units import ScopeProperties, SystemdManager
@@ -387,7 +387,7 @@ class RemoteHands:
             if fd is not None:
                 os.close(fd)
         if isinstance(reply, orders.Refused):
-            raise VoluteError(reply.error)
+            raise SystemdNoAnswer(reply.error) if reply.no_answer else VoluteError(reply.error)
         return reply, received
 
     def _expect(self, reply: orders.Reply, kind: type[orders.Reply], order: str) -> None:

@@ -32,7 +32,7 @@ import click
 
 from volutectl import activation, options, orders, turndir
 from volutectl.config import Settings, load_settings
-from volutectl.errors import ConfigError, VoluteError
+from volutectl.errors import ConfigError, SystemdNoAnswer, VoluteError
 from volutectl.hands import LocalHands
 from volutectl.journal import Journal, sd_notify
 from volutectl.units import SystemdManager
@@ -201,7 +201,8 @@ class Launcher:
             text = error.message if isinstance(error, VoluteError) else str(error)
             # Within what the gate decodes: a refusal it could not read would look like
             # a lost launcher, and a start would be tried again for ever, uncounted.
-            reply = orders.Refused(text[: orders.MAX_TEXT])
+            no_answer = isinstance(error, SystemdNoAnswer)
+            reply = orders.Refused(text[: orders.MAX_TEXT], no_answer=no_answer)
         try:
             connection.sock.setblocking(True)
             connection.sock.settimeout(5.0)

@@ -162,6 +162,9 @@ class Refused:
 
     REPLY: ClassVar[str] = "refused"
     error: str
+    # systemd gave no answer: nothing of the order took effect that matters (a start's
+    # child exited unreleased), and the same order may work in a moment.
+    no_answer: bool = False
 
 
 Reply = Done | Started | Report | Refused

@@ -37,7 +37,7 @@ from typing import Any
 
 from pystemd.dbuslib import DBus, apply_signature, path_decode
 
-from volutectl.errors import SystemdError, UnavailableError
+from volutectl.errors import SystemdError, SystemdNoAnswer, UnavailableError
 from volutectl.units import (
     ENDED_STATES,
     LIVE_STATES,
@@ -266,7 +266,7 @@ class Manager:
                 return self._jobs.pop(job)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise SystemdError(f"{what}: no answer from systemd within {timeout:.0f} s")
+                raise SystemdNoAnswer(f"{what}: no answer from systemd within {timeout:.0f} s")
             select.select([fd], [], [], remaining)
 
     def start_unit(self, name: str, timeout: float = 30.0) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from volutectl import core, launcher, names, orders
 from volutectl.config import Settings
-from volutectl.errors import VoluteError
+from volutectl.errors import SystemdNoAnswer, VoluteError
 from volutectl.faults import crash_point
 from volutectl.hands import LauncherLost, LauncherUnavailable, TurnHands
 from volutectl.indexedstore import IndexedStore
@@ -78,6 +78,9 @@ class Turns:
         self.unwatch_fd = unwatch_fd
         self.wake = wake  # a turn ended or failed to start: admission should run
         self._turns: dict[int, Turn] = {}
+        # A start found systemd silent (a daemon-reexec): the gate's admission stops
+        # starting turns in this pass and tries again a second later.
+        self.systemd_silent = False
 
     # -- the registry -----------------------------------------------------------------------
 
@@ -205,6 +208,10 @@ class Turns:
         except (LauncherLost, LauncherUnavailable) as error:
             self._start_unknown(start, turn_id, unit, now, deadline, error)
             return
+        except SystemdNoAnswer as error:
+            self._start_unanswered(start, turn_id, unit, taken, error)
+            self.systemd_silent = True  # the gate starts nothing more for a second
+            return
         except (VoluteError, OSError) as error:
             self._start_failed(start, turn_id, unit, taken, error)
             return
@@ -255,6 +262,41 @@ class Turns:
             "warning", turn, f"may or may not have started ({error.message}): asking systemd"
         )
         self.wake()
+
+    def _start_unanswered(
+        self,
+        start: core.Start,
+        turn_id: int,
+        unit: str,
+        taken: list[Row],
+        error: SystemdNoAnswer,
+    ) -> None:
+        """systemd gave no answer about the scope (a daemon-reexec drops every call in
+        flight): the child exited unreleased, so the command never ran. Not the
+        deliveries' failure: they go back with no attempt counted, as a hold does."""
+        self.journal.log(
+            "warning",
+            f"turn {turn_id} of {start.mind}/{start.session} did not start, systemd gave "
+            f"no answer ({error.message}); its deliveries wait for the next pass",
+            mind=start.mind,
+            session=start.session,
+            unit=unit,
+            turn_id=turn_id,
+            outcome=Outcome.NEVER_RAN,
+            event=Event.END,
+        )
+        ids = [row.id for row in taken]
+        self.store.settle_turn(
+            turn_id,
+            outcome=Outcome.NEVER_RAN,
+            exit_status=None,
+            detail=f"never ran: {error.message}",
+            done=[],
+            returned=ids,
+            failed={},
+            error=error.message,
+            now=time.time(),
+        )
 
     def _start_failed(
         self,

@@ -16,7 +16,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from volutectl.errors import PermissionDeniedError, SystemdError
+from volutectl.errors import PermissionDeniedError, SystemdError, SystemdNoAnswer
 
 # States in which a unit still has (or may have) processes: it counts as live.
 LIVE_STATES = ("active", "activating", "deactivating", "reloading")
@@ -110,9 +110,16 @@ def no_such_unit(error: BaseException) -> bool:
     return any(f"DBus{name}Error" == kind or name in str(error) for name in _GONE_ERRORS)
 
 
+# The bus's words for "systemd never answered": it disconnected (daemon-reexec drops
+# its connection, and every call in flight with it) or did not reply in time.
+_NO_ANSWER = ("without replying", "NoReply", "Timed out", "timed out", "ServiceUnknown")
+
+
 def dbus_error(error: BaseException, what: str) -> Exception:
     """Map a pystemd/D-Bus error to ours, keeping D-Bus's own error name in the text."""
     text = str(error)
+    if any(words in text for words in _NO_ANSWER):
+        return SystemdNoAnswer(f"{what}: systemd gave no answer: {text}")
     if "AccessDenied" in text or "InteractiveAuthorizationRequired" in text or "EPERM" in text:
         return PermissionDeniedError(
             f"{what}: systemd refused: {text}",

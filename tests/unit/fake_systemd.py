@@ -31,7 +31,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from volutectl.errors import SystemdError
+from volutectl.errors import SystemdError, SystemdNoAnswer
 from volutectl.names import parse_turn_scope_name
 from volutectl.units import (
     LIVE_STATES,
@@ -71,12 +71,20 @@ class FakeManager:
         # Methods that fail as a D-Bus call cut short does (EINTR, a timeout): a test
         # adds a name here, and every call of that method raises until it is removed.
         self.failing: set[str] = set()
+        # Methods whose calls get no answer, as every call in flight during a
+        # daemon-reexec does: their effect is unknown, and they may work a moment later.
+        self.silent: set[str] = set()
         self.calls: dict[str, int] = {}
 
     def _call(self, method: str) -> None:
         self.calls[method] = self.calls.get(method, 0) + 1
         if method in self.failing:
             raise SystemdError(f"{method}: [err -4]: Interrupted system call (injected)")
+        if method in self.silent:
+            raise SystemdNoAnswer(
+                f"{method}: [err -110]: Message recipient disconnected from message bus "
+                "without replying (injected)"
+            )
 
     # -- the port ----------------------------------------------------------------------
 

@@ -215,6 +215,29 @@ def test_an_interrupt_signals_the_turn_and_counts_as_carried(
     assert any("interrupted, exited 130" in m for m in harness.journal.messages())
 
 
+def test_a_start_systemd_never_answers_is_no_attempt_and_runs_once_it_answers(
+    tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness]
+) -> None:
+    """A daemon-reexec drops every D-Bus call in flight: a start caught in it never ran
+    its command (the child exits unreleased). It is not the delivery's failure: no
+    attempt, no backoff; the gate starts nothing more for a second, then tries again."""
+    command, log = probe
+    harness = gate(tmp_path, {"m": f"{command} 0"})
+    harnesses.append(harness)
+    harness.manager.silent.add("start_scope")
+    delivery = deliver(harness, "m", "s")
+    harness.pump(lambda: any("systemd gave no answer" in m for m in harness.journal.messages()))
+    [row] = [r for r in rows(harness, QueueState.PENDING) if r.id == delivery]
+    assert row.attempts == 0 and row.last_error is None
+    assert log.started() == 0  # the command never ran
+    harness.manager.silent.clear()
+    harness.pump(lambda: settled(harness), timeout=30)
+    [done] = rows(harness, QueueState.DONE)
+    assert done.id == delivery and done.attempts == 0
+    assert log.runs() == {delivery: 1}
+    assert harness.journal.messages("error") == []
+
+
 # -- failures --------------------------------------------------------------------------------
 
 
