@@ -79,6 +79,7 @@ def test_an_offer_for_another_or_no_mind_is_refused_and_the_launcher_lives(
         "v": 1,
         "reply": "refused",
         "error": "mind 'nosuch' is not configured for the launcher",
+        "no_answer": False,  # a refusal, not systemd's silence: counted, not retried
     }
     # Another mind than the turn's: root would have made a file of the other mind's
     # user (volute-turn) in evil's inbox.
