@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -220,8 +221,6 @@ class LocalHands:
             raise VoluteError(f"its inbox refused it: {error.strerror or error}") from None
 
     def interrupt(self, turn_id: int, mind: str) -> None:
-        import signal
-
         self.manager.kill_unit(names.turn_scope_name(mind, turn_id), signal.SIGINT)
 
     def stop(self, turn_id: int, mind: str) -> None:

@@ -487,9 +487,10 @@ class SlotWatch:
         except (FileNotFoundError, gitdirs.NotARepository):
             if repo.key == repo.given:
                 self._cannot_watch(
-                    repo, "missing or not a git repository",
+                    repo,
+                    "missing or not a git repository",
                     f"repository {repo.given} is missing or not a git repository; ignored",
-                )  # fmt: skip
+                )
             else:
                 self._cannot_watch(repo, "gone", f"repository {repo.key} is gone; ignored")
             return
