@@ -10,8 +10,8 @@ synchronous=FULL, on /var/tmp) and its own admission code, driven as the gate dr
      the hold reasons that changed (one: the new row's);
    - "turn end": a running turn has just ended; the pass starts the next session in
      order and writes what changed.
-   The scan is what the gate did before volutectl/queueindex.py: `Store.pending()` and
-   `core.admit()` over every row, then the changed holds. The index is
+   The scan is what the gate did before volutectl/store/index.py: `Store.pending()` and
+   `admission.admit()` over every row, then the changed holds. The index is
    `IndexedStore.index.admit()`, then the changed holds.
 2. Ack at depth: one durable commit of one delivery plus the pass it causes, at an empty
    queue and at 10,000 pending (the gate's work per acknowledgement with one client).
@@ -43,15 +43,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from volutectl import core  # noqa: E402
-from volutectl.core import Limits, LiveTurn  # noqa: E402
-from volutectl.indexedstore import IndexedStore  # noqa: E402
-from volutectl.rows import NewDelivery  # noqa: E402
-from volutectl.states import Outcome  # noqa: E402
-from volutectl.store import Store  # noqa: E402
+from volutectl.core import admission
+from volutectl.core.admission import Limits, LiveTurn
+from volutectl.states import Outcome
+from volutectl.store.indexed import IndexedStore
+from volutectl.store.queue import Store
+from volutectl.store.rows import NewDelivery
 
 MESSAGE = b"x" * 200
 LIMITS = Limits(global_cap=2)
@@ -81,9 +78,9 @@ class Scan:
         self.store = Store(path)
         self.live: dict[int, LiveTurn] = {}
 
-    def one_pass(self, now: float) -> core.Admission:
+    def one_pass(self, now: float) -> admission.Admission:
         rows = {row.id: row for row in self.store.pending()}
-        decision = core.admit(
+        decision = admission.admit(
             [row.as_delivery() for row in rows.values()], list(self.live.values()), LIMITS, now=now
         )
         changes = [
@@ -94,7 +91,7 @@ class Scan:
         self.store.mark_held(changes, now)
         return decision
 
-    def carry_out(self, decision: core.Admission, now: float) -> None:
+    def carry_out(self, decision: admission.Admission, now: float) -> None:
         for start in decision.starts:
             turn_id, _ = self.store.start_turn(
                 start.mind, start.session, lambda t: f"t{t}", start.delivery_ids, now
@@ -112,7 +109,7 @@ class Indexed(Scan):
         self.live = {}
         self.limits = limits
 
-    def one_pass(self, now: float) -> core.Admission:
+    def one_pass(self, now: float) -> admission.Admission:
         decision, changes = self.store.index.admit(list(self.live.values()), self.limits, now=now)
         self.store.mark_held(changes, now)
         return decision
@@ -195,7 +192,7 @@ def measure_acks(work: Path, depth: int, rounds: int) -> dict[str, list[float]]:
 
 def inner_start(path: str, kind: str) -> None:
     """In a fresh process: import the gate, open the store, first pass; print figures."""
-    import volutectl.gate  # noqa: F401  (the gate's imports count in its RSS)
+    import volutectl.gate.loop  # noqa: F401  (the gate's imports count in its RSS)
 
     started = time.perf_counter()
     gate = Indexed(Path(path)) if kind == "index" else Scan(Path(path))

@@ -123,8 +123,8 @@ def inner_floor(turns: int, stamp: str, log: str, seed: int) -> None:
     """
     import select
 
-    from volutectl.launcher import WRAPPER
-    from volutectl.systemd import LIVE_STATES, Manager, ScopeProperties
+    from volutectl.launcher.fork import WRAPPER
+    from volutectl.systemd.adapter import LIVE_STATES, Manager, ScopeProperties
 
     rng = random.Random(seed)
     holds = [1000] + [rng.randint(200, 1200) for _ in range(turns - 1)]

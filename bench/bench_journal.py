@@ -12,7 +12,7 @@ measures, inside it:
    would have cost.
 2. Sending one entry of the gate's (6 fields, the start entry's shape), in a service
    whose stderr is the journal: through libsystemd's sd_journal_sendv (pystemd, what
-   volutectl.journal uses) against the native protocol written by hand (the code it
+   volutectl.systemd.journal uses) against the native protocol written by hand (the code it
    replaced), alternating, one entry every 2 ms as the gate sends them (a flood would
    time journald's intake instead).
 3. Opening a turn's stream, as the child does after its release (connect, shut the
@@ -63,7 +63,7 @@ print(total)
 # Inside the machine, in a service: one entry's send, by libsystemd and by hand.
 SENDS = """
 import json, os, socket, sys, time
-from volutectl.journal import Journal, entry_fields
+from volutectl.systemd.journal import Journal, entry_fields
 n = int(sys.argv[1])
 fields = dict(mind="mimsy", session="chat", unit="volute-turn-mimsy-17.scope", turn_id=17,
               delivery_ids="41 42", event="start")
@@ -71,7 +71,8 @@ library = Journal("volute-bench")
 assert library.sender is not None, "stderr is not the journal"
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 sock.connect("/run/systemd/journal/socket")
-def by_hand(message):  # the code volutectl.journal had before: one datagram, KEY=value lines
+# The code volutectl.systemd.journal had before: one datagram, KEY=value lines.
+def by_hand(message):
     lines = [f"MESSAGE={message}", "PRIORITY=6", "SYSLOG_IDENTIFIER=volute-bench"]
     lines += [f"VOLUTE_{k.upper()}={v}" for k, v in fields.items()]
     sock.send("\\n".join(lines).encode() + b"\\n")
@@ -91,7 +92,7 @@ print(json.dumps(times))
 # Inside the machine, as root (the gate's child is): open a turn's stream, N times.
 STREAMS = """
 import json, os, sys, time
-from volutectl.journal import STDOUT_SOCKET, TurnStream
+from volutectl.systemd.journal import STDOUT_SOCKET, TurnStream
 stream = TurnStream(STDOUT_SOCKET, "volute-bench", "volute-turn-bench-1.scope")
 times = []
 for _ in range(int(sys.argv[1])):

@@ -3,7 +3,7 @@
 1. Size. The same history is written twice through the Store's own calls (deliver, start
    the turn, settle it done), one delivery per turn, spread evenly over `--days`
    simulated days: once with no retention, once with retention as the gate runs it
-   (`gate.retention_days`, batches of volutectl/retention.py with their incremental
+   (`gate.retention_days`, batches of volutectl/store/retention.py with their incremental
    vacuum, run until caught up once every simulated hour, as the gate's deadline would).
    These databases live on /dev/shm when there is one: the file's size does not depend
    on the fsyncs, and 300,000 of them would take the SD card's afternoon.
@@ -16,7 +16,7 @@
    own length. The systemd part of a handoff (bench_gate.py) is the same in both.
 3. Conversion. The one VACUUM that makes an existing (schema 3) database incremental, on
    a fifth as many rows: the WAL it writes beside the database, against the live pages
-   (volutectl/schema.py checks for that much free space before it tries).
+   (volutectl/store/schema.py checks for that much free space before it tries).
 
     .venv/bin/python bench/bench_retention.py [--deliveries 100000] [--days 30]
         [--message-bytes 1024] [--retention-days 7] [--samples 101] [--dir DIR]
@@ -33,10 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from volutectl import retention, schema
-from volutectl.retention import delete_batch, reclaim
 from volutectl.states import Outcome
-from volutectl.store import NewDelivery, Store
+from volutectl.store import retention, schema
+from volutectl.store.queue import NewDelivery, Store
+from volutectl.store.retention import delete_batch, reclaim
 
 DAY = 86400.0
 HOUR = 3600.0

@@ -1,4 +1,4 @@
-"""Scope launch: the adapter (volutectl.systemd) against `systemd-run --scope`, in one run.
+"""Scope launch: the adapter (volutectl.systemd.adapter) against `systemd-run --scope`, in one run.
 
 What is measured, per launch, all on CLOCK_MONOTONIC in the bench process:
 
@@ -63,7 +63,7 @@ def now_ms() -> float:
 
 class AdapterLauncher:
     def __init__(self) -> None:
-        from volutectl.systemd import Manager, ScopeProperties
+        from volutectl.systemd.adapter import Manager, ScopeProperties
 
         self.manager = Manager.connect()
         self.manager.watch_units()

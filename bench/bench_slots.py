@@ -1,7 +1,8 @@
 """Slot handoff latency: the holder releases a test slot -> the waiter's command starts.
 
 Compares, in one run and on the same hold times:
-  inotify  this implementation (volutectl.slots.acquire_slot: flock probe + IN_CLOSE wait),
+  inotify  this implementation (volutectl.slots.slotfiles.acquire_slot: flock probe +
+           IN_CLOSE wait),
            in two variants of starting the command (see below);
   polling  the reference design's waiter: non-blocking probes, sleeping 150 ms x1.6 per
            probe, capped at 2 s, with +-25 % jitter;
@@ -42,15 +43,15 @@ COMMAND = ["date", "+%s%N"]
 
 
 def waiter_inotify(common_dir: str, gated: bool = False) -> None:
-    from volutectl import slots
+    from volutectl.slots import slotfiles
 
     if gated:
-        import volutectl.testrun  # noqa: F401 - loaded before the wait, as in the CLI
+        import volutectl.slots.testrun  # noqa: F401 - loaded before the wait, as in the CLI
 
     def on_wait() -> None:
         print("waiting", file=sys.stderr, flush=True)
 
-    slot = slots.acquire_slot(common_dir, 1, on_wait=on_wait)
+    slot = slotfiles.acquire_slot(common_dir, 1, on_wait=on_wait)
     print(f"locked {time.time_ns()}", file=sys.stderr, flush=True)
     assert slot is not None
     if gated:
@@ -69,7 +70,7 @@ def run_command(slot_fd: int) -> None:
 def run_gated(slot_fd: int) -> None:
     """What `volutectl test` does after taking the slot, minus systemd: spawn /bin/sh held
     at a gate pipe (where the scope launch would go), open the gate, let it exec."""
-    from volutectl.testrun import spawn_held
+    from volutectl.slots.testrun import spawn_held
 
     pid, gate = spawn_held(COMMAND, os.environ, slot_fd, as_json=False)
     os.write(gate, b"go\n")

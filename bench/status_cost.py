@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from volutectl import core
+from volutectl.core import admission
+from volutectl.gate.status import status_line
 from volutectl.states import HoldReason
-from volutectl.status import status_line
-from volutectl.store import Store
+from volutectl.store.queue import Store
 
 MINDS = [f"m{i}" for i in range(30)]
 # The query before schema 5, run last, once the index is dropped.
@@ -66,7 +66,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp) / "queue.sqlite3")
         fill(store, args.history)
-        holds = [core.Hold(i, HoldReason.GLOBAL_CAP) for i in range(28)]
+        holds = [admission.Hold(i, HoldReason.GLOBAL_CAP) for i in range(28)]
         figures = {
             "dead_counts (every admission pass)": lambda: store.minds.dead_counts(),
             "status_line (format)": lambda: status_line(

@@ -1,7 +1,7 @@
 """What the gate relies on from systemd, as assertions over its port (SystemdManager).
 
 The same checks run against tests/unit/fake_systemd.py in the unit tier
-(tests/unit/test_contract.py) and against volutectl.systemd.Manager on a real systemd in
+(tests/unit/test_contract.py) and against volutectl.systemd.adapter.Manager on a real systemd in
 the system tier (tests/system/test_contract.py, which runs this module inside the
 container). A fake that drifts from systemd fails here, not in a gate test that trusted
 it.
@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from volutectl.units import ENDED_STATES, ScopeProperties, SystemdManager
+from volutectl.systemd.port import ENDED_STATES, ScopeProperties, SystemdManager
 
 _GONE = (None, *ENDED_STATES)
 
@@ -232,7 +232,7 @@ def run_all(manager: SystemdManager, slice_: str = "volute-contract.slice") -> d
 if __name__ == "__main__":  # inside a test container, against the real systemd
     import json
 
-    from volutectl.systemd import Manager
+    from volutectl.systemd.adapter import Manager
 
     print(json.dumps(run_all(Manager.connect())))
     sys.exit(0)

@@ -2,7 +2,7 @@
 
 `volutectl status`, `volutectl test`'s wait line and the gate's own messages all use it,
 so an operator reads one format everywhere. Pure and import-free: the test wrapper's
-core (volutectl/slotcore.py) and the status view both load it.
+core (volutectl/core/slotmath.py) and the status view both load it.
 """
 
 from __future__ import annotations

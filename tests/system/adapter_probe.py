@@ -1,4 +1,4 @@
-"""Runs INSIDE the test container: drives volutectl.systemd against the real manager and
+"""Runs INSIDE the test container: drives volutectl.systemd.adapter against the real manager and
 prints one JSON object of what it saw, for tests/system/test_systemd_adapter.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import time
 
 from volutectl.errors import VoluteError
-from volutectl.systemd import Manager, ScopeProperties
+from volutectl.systemd.adapter import Manager, ScopeProperties
 
 
 def launch(

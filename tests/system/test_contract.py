@@ -1,4 +1,4 @@
-"""The real adapter (volutectl.systemd.Manager) on a real systemd keeps the promises that
+"""The real adapter (volutectl.systemd.adapter.Manager) on a real systemd keeps the promises that
 tests/contract.py states and tests/unit/fake_systemd.py is held to."""
 
 from __future__ import annotations

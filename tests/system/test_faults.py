@@ -58,7 +58,7 @@ TURN_POINTS = [
     "inbox_written",
     "settled",
 ]
-# Those the launcher meets (volutectl/hands.py's LocalHands, in volute-launcher.service):
+# Those the launcher meets (volutectl/launcher/hands.py's LocalHands, in volute-launcher.service):
 # there the launcher's cgroup dies mid-order, and the gate rides it out.
 LAUNCHER_POINTS = ("forked", "scope_started", "released")
 
@@ -101,8 +101,8 @@ WEDGE = """
 import os, sys, time
 from pathlib import Path
 from volutectl import names
-from volutectl.store import NewDelivery, Store
-from volutectl.systemd import Manager, ScopeProperties
+from volutectl.store.queue import NewDelivery, Store
+from volutectl.systemd.adapter import Manager, ScopeProperties
 
 # What a gate SIGKILLed with its whole cgroup between the fork and the scope leaves:
 # the turn and its delivery committed as running, and a scope started around a child

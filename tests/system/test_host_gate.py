@@ -278,7 +278,7 @@ def test_a_missing_repository_is_logged_once_and_the_gate_works(machine: Machine
 WATCH_SCRIPT = r"""
 import json, select, sys, time
 from pathlib import Path
-from volutectl.slotwatch import SlotWatch
+from volutectl.slots.watch import SlotWatch
 
 watch = SlotWatch([Path(sys.argv[1])], Path("/var/tmp/registry.json"), lambda l, m: None)
 open("/var/tmp/watch.ready", "w").close()

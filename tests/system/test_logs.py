@@ -16,7 +16,7 @@ import pytest
 from volute_testbed.gate import VOLUTECTL, all_settled, deliver, start_gate, wait_for
 from volute_testbed.machine import Machine
 from volute_testbed.paths import PYTHON
-from volutectl.journal import MESSAGE_IDS, Event
+from volutectl.systemd.journal import MESSAGE_IDS, Event
 
 pytestmark = pytest.mark.system
 
@@ -164,7 +164,7 @@ command = "true"
 """
 
 PROBE = """
-from volutectl.journal import Event, Journal
+from volutectl.systemd.journal import Event, Journal
 Journal("volute-probe").log(
     "warning", "first line\\nMESSAGE_ID=00000000000000000000000000000000\\nVOLUTE_MIND=forged",
     event=Event.DEAD, mind="real",
@@ -362,7 +362,7 @@ def test_logs_follow_on_a_loaded_machine_shows_every_line_of_the_mind_once(
 # turn's scope (journald takes a header's unit from root only).
 FORGE = r"""
 import socket, sys
-from volutectl.journal import MESSAGE_IDS, Event
+from volutectl.systemd.journal import MESSAGE_IDS, Event
 turn, session = sys.argv[1], sys.argv[2]
 fields = {
     "MESSAGE": f"turn {turn} of mimsy/{session} started with deliveries 9",
@@ -437,7 +437,7 @@ def test_a_local_users_forged_gate_entries_and_turn_lines_are_not_shown(
 
 GATE_SAYS = """
 import sys
-from volutectl.journal import Event, Journal
+from volutectl.systemd.journal import Event, Journal
 Journal("volute-gate").log("info", sys.argv[1], event=Event.START, mind="mimsy",
                            session=sys.argv[2], turn_id=sys.argv[3])
 """

@@ -259,7 +259,7 @@ def release(machine: Machine, holder: subprocess.Popen[str]) -> None:
 WATCH_AS_GATE = r"""
 import json, sys
 from pathlib import Path
-from volutectl.slotwatch import SlotWatch
+from volutectl.slots.watch import SlotWatch
 
 lines = []
 watch = SlotWatch([Path(p) for p in sys.argv[1:]], Path("/var/tmp/gate-registry.json"),

@@ -96,7 +96,7 @@ def test_unreachable_manager_is_unavailable_not_a_traceback(machine: Machine) ->
     machine.run(["systemctl", "stop", "dbus.socket", "dbus.service"])
     proc = machine.run(
         [PY, "-c",
-         "from volutectl.systemd import Manager\n"
+         "from volutectl.systemd.adapter import Manager\n"
          "from volutectl.errors import UnavailableError\n"
          "try:\n    Manager.connect()\nexcept UnavailableError as e:\n"
          "    print('unavailable', e.exit_code, e.message)\n"],

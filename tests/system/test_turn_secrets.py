@@ -25,7 +25,7 @@ from volute_testbed.gate import (
 )
 from volute_testbed.machine import Machine
 from volute_testbed.paths import PYTHON
-from volutectl.config import Settings
+from volutectl.config.settings import Settings
 
 pytestmark = pytest.mark.system
 

@@ -1,4 +1,4 @@
-"""An in-memory systemd for the gate's port (volutectl.units.SystemdManager), without root.
+"""An in-memory systemd for the gate's port (volutectl.systemd.port.SystemdManager), without root.
 
 It keeps transient scopes in memory around real processes, and promises what systemd
 promises the gate, no more; tests/contract.py holds those promises, and the same
@@ -33,7 +33,7 @@ from typing import Any
 
 from volutectl.errors import SystemdError, SystemdNoAnswer
 from volutectl.names import parse_turn_scope_name
-from volutectl.units import (
+from volutectl.systemd.port import (
     LIVE_STATES,
     ScopeProperties,
     SocketUnit,

@@ -19,12 +19,12 @@ from typing import Any
 
 from tests.unit.fake_gate import remove_tree, short_socket_dir
 from tests.unit.fake_systemd import FakeManager
-from volutectl.config import Settings
-from volutectl.gate import Gate
-from volutectl.hands import LocalHands
-from volutectl.journal import Journal
-from volutectl.launcherd import Launcher
+from volutectl.config.settings import Settings
+from volutectl.gate.loop import Gate
+from volutectl.launcher.hands import LocalHands
+from volutectl.launcher.service import Launcher
 from volutectl.states import QueueState
+from volutectl.systemd.journal import Journal
 
 ME = pwd.getpwuid(os.getuid()).pw_name
 
@@ -133,7 +133,7 @@ class Peer:
 
 
 class LauncherThread:
-    """volutectl/launcherd.py's order loop in a thread of this process, on a real
+    """volutectl/launcher/service.py's order loop in a thread of this process, on a real
     socket, carrying out orders with the harness's fake systemd.
 
     Not for tests of signals in turns: a child forked from a thread other than the main

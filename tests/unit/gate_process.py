@@ -13,7 +13,8 @@ import resource
 import sys
 
 from tests.unit.fake_systemd import FakeManager
-from volutectl import daemon, systemd
+from volutectl.cli import gate as service
+from volutectl.systemd import adapter
 
 
 def main(argv: list[str]) -> None:
@@ -21,8 +22,8 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         soft, hard = (int(part) for part in argv[1].split(":"))
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    systemd.Manager.connect = lambda user=False: FakeManager()  # type: ignore[assignment,method-assign,misc]
-    daemon.gate_command.main(["--config", config], prog_name="volutectl gate")
+    adapter.Manager.connect = lambda user=False: FakeManager()  # type: ignore[assignment,method-assign,misc]
+    service.gate_command.main(["--config", config], prog_name="volutectl gate")
 
 
 if __name__ == "__main__":

@@ -60,8 +60,8 @@ def main(argv: list[str]) -> None:
     faults.kill_own_cgroup = kill_self
     mode, target = argv
     if mode == "vacuum":
-        from volutectl.schema import enable_incremental_vacuum
-        from volutectl.store import Store
+        from volutectl.store.queue import Store
+        from volutectl.store.schema import enable_incremental_vacuum
 
         store = Store(Path(target))
         # The point is reached while the VACUUM copies the rows out; the kill waits until
@@ -72,9 +72,9 @@ def main(argv: list[str]) -> None:
         print(enable_incremental_vacuum(store.db, store.path))
         return
     from tests.unit.fake_systemd import FakeManager
-    from volutectl import retention
-    from volutectl.config import load_settings
-    from volutectl.gate import Gate
+    from volutectl.config.settings import load_settings
+    from volutectl.gate.loop import Gate
+    from volutectl.store import retention
 
     retention.PACING = retention.Pacing(start_delay=0.0, busy_gap=0.01)
     gate = Gate(load_settings(target).settings, manager=FakeManager())

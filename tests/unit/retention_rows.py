@@ -15,9 +15,9 @@ import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from volutectl.core import AfterFailure
+from volutectl.core.admission import AfterFailure
 from volutectl.states import Outcome, QueueState
-from volutectl.store import NewDelivery, Store
+from volutectl.store.queue import NewDelivery, Store
 
 DAY = 86400.0
 KEEP_DAYS = 7.0

@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 
 from tests.unit.fake_gate import remove_tree, short_socket_dir
-from volutectl import activation
-from volutectl.config import Settings
+from volutectl.config.settings import Settings
 from volutectl.errors import EX_CONFIG, ConfigError
-from volutectl.journal import Journal
-from volutectl.server import Server
+from volutectl.gate.server import Server
+from volutectl.systemd import activation
+from volutectl.systemd.journal import Journal
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,7 +52,7 @@ def listening(path: Path) -> socket.socket:
 CHILD = textwrap.dedent(
     """
     import fcntl, json, os, sys
-    from volutectl import activation
+    from volutectl.systemd import activation
     from volutectl.errors import ConfigError
     before = {name: os.environ.get(name) for name in activation.VARIABLES}
     try:
@@ -206,7 +206,7 @@ class RecordingJournal(Journal):
 def server_for(
     socket_path: Path, listener: socket.socket | None
 ) -> tuple[Server, RecordingJournal]:
-    """The gate's socket side (volutectl/server.py), as the gate builds it."""
+    """The gate's socket side (volutectl/gate/server.py), as the gate builds it."""
     settings = Settings(gate={"socket": socket_path})  # type: ignore[arg-type]
     journal = RecordingJournal()
     server = Server(settings, selectors.DefaultSelector(), journal, inherited=listener)

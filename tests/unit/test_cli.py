@@ -14,8 +14,8 @@ from pathlib import Path
 import click
 import pytest
 
-from volutectl import cli, options
-from volutectl.cli import COMMANDS
+from volutectl import cli
+from volutectl.cli import COMMANDS, options
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"
 
@@ -150,7 +150,7 @@ def _commands_with_config() -> dict[str, click.Command]:
 
 
 def test_one_config_option_everywhere() -> None:
-    """--config is defined once (volutectl.options) and means the same in every command."""
+    """--config is defined once (volutectl.cli.options) and means the same in every command."""
     found = _commands_with_config()
     assert sorted(found) == [
         "config check", "config show", "doctor", "gate", "logs", "pause", "queue", "resume",

@@ -19,8 +19,9 @@ from types import MappingProxyType
 
 import pytest
 
-from volutectl import cli, config
-from volutectl.config import flatten, load_settings
+from volutectl import cli
+from volutectl.config import settings as config
+from volutectl.config.settings import flatten, load_settings
 from volutectl.errors import EX_CONFIG, ConfigError
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"

@@ -9,7 +9,7 @@ import pytest
 
 from tests import contract
 from tests.unit.fake_systemd import FakeManager
-from volutectl.units import SystemdManager
+from volutectl.systemd.port import SystemdManager
 
 
 @pytest.fixture

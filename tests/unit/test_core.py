@@ -16,8 +16,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from volutectl import core
-from volutectl.core import Admission, Delivery, Fold, Hold, Limits, LiveTurn, Start
+from volutectl.core import admission
+from volutectl.core.admission import Admission, Delivery, Fold, Hold, Limits, LiveTurn, Start
 from volutectl.states import HoldReason, Outcome
 
 NOW = 1_000_000.0
@@ -97,7 +97,7 @@ def scenario(draw: st.DrawFn) -> Case:
 
 
 def run(case: Case) -> Admission:
-    return core.admit(
+    return admission.admit(
         case.pending,
         case.live,
         case.limits,
@@ -259,7 +259,7 @@ def fan_out(minds: int, per_mind: int, session: str = "main") -> list[Delivery]:
 
 def test_fan_out_33_minds_3_deliveries_cap_2_starts_exactly_2() -> None:
     pending = fan_out(33, 3)
-    decision = core.admit(pending, [], Limits(global_cap=2), now=NOW)
+    decision = admission.admit(pending, [], Limits(global_cap=2), now=NOW)
     assert decision.starts == [
         Start("mind00", "main", (1, 34, 67)),
         Start("mind01", "main", (2, 35, 68)),
@@ -275,34 +275,34 @@ def test_fan_out_33_minds_3_deliveries_cap_2_starts_exactly_2() -> None:
 def test_fan_out_release_goes_to_the_oldest_held_mind() -> None:
     pending = [d for d in fan_out(33, 3) if d.mind not in ("mind00", "mind01")]
     live = [LiveTurn(2, "mind01", "main")]  # mind00's turn ended, mind01's still runs
-    decision = core.admit(pending, live, Limits(global_cap=2), now=NOW)
+    decision = admission.admit(pending, live, Limits(global_cap=2), now=NOW)
     assert decision.starts == [Start("mind02", "main", (3, 36, 69))]
 
 
 def test_three_aligned_heartbeats_queue_behind_a_cap_of_1() -> None:
     pending = [Delivery(i, mind, "heartbeat") for i, mind in enumerate(("a", "b", "c"), 1)]
-    decision = core.admit(pending, [], Limits(global_cap=1), now=NOW)
+    decision = admission.admit(pending, [], Limits(global_cap=1), now=NOW)
     assert decision.starts == [Start("a", "heartbeat", (1,))]
     assert decision.holds == [Hold(2, HoldReason.GLOBAL_CAP), Hold(3, HoldReason.GLOBAL_CAP)]
 
 
 def test_unset_cap_is_unlimited_but_per_mind_serializes() -> None:
     pending = [Delivery(1, "a", "x"), Delivery(2, "a", "y"), Delivery(3, "b", "x")]
-    decision = core.admit(pending, [], Limits(), now=NOW)
+    decision = admission.admit(pending, [], Limits(), now=NOW)
     assert decision.starts == [Start("a", "x", (1,)), Start("b", "x", (3,))]
     assert decision.holds == [Hold(2, HoldReason.MIND_BUSY)]
 
 
 def test_per_mind_override_allows_more_turns_for_that_mind() -> None:
     pending = [Delivery(1, "a", "x"), Delivery(2, "a", "y"), Delivery(3, "b", "x")]
-    decision = core.admit(pending, [], Limits(per_mind={"a": 2}), now=NOW)
+    decision = admission.admit(pending, [], Limits(per_mind={"a": 2}), now=NOW)
     assert [s.delivery_ids for s in decision.starts] == [(1,), (2,), (3,)]
 
 
 def test_delivery_to_a_session_mid_turn_folds_in() -> None:
     live = [LiveTurn(7, "a", "main")]
     pending = [Delivery(1, "a", "main"), Delivery(2, "a", "side"), Delivery(3, "a", "main")]
-    decision = core.admit(pending, live, Limits(global_cap=1), now=NOW)
+    decision = admission.admit(pending, live, Limits(global_cap=1), now=NOW)
     assert decision.starts == []
     assert decision.folds == [Fold(7, (1, 3), interrupt=False)]
     assert decision.holds == [Hold(2, HoldReason.MIND_BUSY)]
@@ -310,7 +310,7 @@ def test_delivery_to_a_session_mid_turn_folds_in() -> None:
 
 def test_fold_in_adds_no_concurrency_even_at_the_cap_or_under_pressure() -> None:
     live = [LiveTurn(7, "a", "main")]
-    decision = core.admit(
+    decision = admission.admit(
         [Delivery(1, "a", "main")], live, Limits(global_cap=1), now=NOW, pressure=True
     )
     assert decision.folds == [Fold(7, (1,), interrupt=False)]
@@ -323,12 +323,12 @@ def test_an_interrupting_delivery_marks_its_fold() -> None:
         Delivery(2, "a", "main", interrupt=True),
         Delivery(3, "b", "main"),
     ]
-    decision = core.admit(pending, live, Limits(), now=NOW)
+    decision = admission.admit(pending, live, Limits(), now=NOW)
     assert decision.folds == [Fold(7, (1, 2), interrupt=True), Fold(8, (3,), interrupt=False)]
 
 
 def test_an_interrupt_to_an_idle_session_just_starts_a_turn() -> None:
-    decision = core.admit([Delivery(1, "a", "main", interrupt=True)], [], Limits(), now=NOW)
+    decision = admission.admit([Delivery(1, "a", "main", interrupt=True)], [], Limits(), now=NOW)
     assert decision.starts == [Start("a", "main", (1,))]
     assert decision.folds == []
 
@@ -339,7 +339,7 @@ def test_rows_behind_a_backing_off_row_wait_in_id_order() -> None:
         Delivery(2, "a", "main"),
         Delivery(3, "a", "side"),
     ]
-    decision = core.admit(pending, [], Limits(), now=NOW)
+    decision = admission.admit(pending, [], Limits(), now=NOW)
     assert decision.starts == [Start("a", "side", (3,))]
     assert decision.holds == [Hold(2, HoldReason.BEHIND_BACKOFF)]
 
@@ -347,19 +347,19 @@ def test_rows_behind_a_backing_off_row_wait_in_id_order() -> None:
 def test_rows_behind_a_backing_off_row_do_not_fold_either() -> None:
     live = [LiveTurn(7, "a", "main")]
     pending = [Delivery(1, "a", "main", not_before=NOW + 5), Delivery(2, "a", "main")]
-    decision = core.admit(pending, live, Limits(), now=NOW)
+    decision = admission.admit(pending, live, Limits(), now=NOW)
     assert decision == Admission([], [], [Hold(2, HoldReason.BEHIND_BACKOFF)])
 
 
 def test_a_backoff_that_has_expired_is_eligible() -> None:
     pending = [Delivery(1, "a", "main", not_before=NOW), Delivery(2, "a", "main")]
-    decision = core.admit(pending, [], Limits(), now=NOW)
+    decision = admission.admit(pending, [], Limits(), now=NOW)
     assert decision.starts == [Start("a", "main", (1, 2))]
 
 
 def test_other_busy_counts_against_the_cap_with_its_own_reason() -> None:
     pending = [Delivery(1, "a", "main"), Delivery(2, "b", "main")]
-    decision = core.admit(
+    decision = admission.admit(
         pending,
         [],
         Limits(global_cap=2),
@@ -374,7 +374,7 @@ def test_other_busy_counts_against_the_cap_with_its_own_reason() -> None:
 
 def test_turns_alone_filling_the_cap_are_a_global_cap_hold() -> None:
     live = [LiveTurn(1, "a", "main"), LiveTurn(2, "b", "main")]
-    decision = core.admit(
+    decision = admission.admit(
         [Delivery(3, "c", "main")],
         live,
         Limits(global_cap=2),
@@ -387,7 +387,7 @@ def test_turns_alone_filling_the_cap_are_a_global_cap_hold() -> None:
 
 def test_pressure_holds_a_second_turn() -> None:
     pending = [Delivery(1, "a", "main"), Delivery(2, "b", "main")]
-    decision = core.admit(pending, [], Limits(), now=NOW, pressure=True)
+    decision = admission.admit(pending, [], Limits(), now=NOW, pressure=True)
     assert decision.starts == [Start("a", "main", (1,))]
     assert decision.holds == [Hold(2, HoldReason.IO_PRESSURE)]
 
@@ -397,7 +397,7 @@ def test_two_live_turns_of_one_session_fold_into_the_oldest_whatever_the_order()
     pending = [Delivery(5, "a", "main")]
     for live in ([LiveTurn(3, "a", "main"), LiveTurn(4, "a", "main")],
                  [LiveTurn(4, "a", "main"), LiveTurn(3, "a", "main")]):  # fmt: skip
-        decision = core.admit(pending, live, Limits(turns_per_mind=2), now=NOW)
+        decision = admission.admit(pending, live, Limits(turns_per_mind=2), now=NOW)
         assert decision.folds == [Fold(3, (5,), interrupt=False)]
 
 
@@ -408,7 +408,7 @@ def test_backoff_doubles_up_to_the_ceiling_then_dead_at_max_attempts() -> None:
     delays = []
     attempts = 0
     while True:
-        after = core.after_failure(attempts, now=NOW, max_attempts=10, initial=5, ceiling=300)
+        after = admission.after_failure(attempts, now=NOW, max_attempts=10, initial=5, ceiling=300)
         assert after.attempts == attempts + 1
         attempts = after.attempts
         if after.state == "dead":
@@ -422,8 +422,8 @@ def test_backoff_doubles_up_to_the_ceiling_then_dead_at_max_attempts() -> None:
 
 
 def test_max_attempts_1_is_dead_at_the_first_failure() -> None:
-    after = core.after_failure(0, now=NOW, max_attempts=1, initial=5, ceiling=300)
-    assert after == core.AfterFailure("dead", 1, None)
+    after = admission.after_failure(0, now=NOW, max_attempts=1, initial=5, ceiling=300)
+    assert after == admission.AfterFailure("dead", 1, None)
 
 
 @given(
@@ -435,19 +435,19 @@ def test_max_attempts_1_is_dead_at_the_first_failure() -> None:
 def test_after_failure_counts_one_attempt_and_never_waits_past_the_ceiling(
     attempts: int, max_attempts: int, initial: float, ceiling: float
 ) -> None:
-    after = core.after_failure(
+    after = admission.after_failure(
         attempts, now=0.0, max_attempts=max_attempts, initial=initial, ceiling=ceiling
     )
     assert after.attempts == attempts + 1
     if attempts + 1 >= max_attempts:
-        assert after == core.AfterFailure("dead", attempts + 1, None)
+        assert after == admission.AfterFailure("dead", attempts + 1, None)
         return
     assert after.state == "pending" and after.not_before is not None
     delay = after.not_before
     assert min(initial, ceiling) <= delay <= ceiling
     # Never shorter than the previous failure's wait.
     if attempts >= 1:
-        before = core.after_failure(
+        before = admission.after_failure(
             attempts - 1, now=0.0, max_attempts=max_attempts, initial=initial, ceiling=ceiling
         )
         assert before.not_before is not None and before.not_before <= after.not_before
@@ -472,7 +472,7 @@ def test_after_failure_counts_one_attempt_and_never_waits_past_the_ceiling(
 def test_turn_outcome_table(
     exit_status: int | None, started_marker: bool, released: bool, kind: str, status: int | None
 ) -> None:
-    outcome = core.turn_outcome(
+    outcome = admission.turn_outcome(
         exit_status=exit_status, started_marker=started_marker, released=released
     )
     assert (outcome.kind, outcome.exit_status) == (kind, status)
@@ -483,7 +483,7 @@ def test_turn_outcome_table(
     ("exit_status", "code"), [(0, 0), (3, 3), (255, 255), (256, 1), (-2, 1), (None, 1)]
 )
 def test_wait_exit_code(exit_status: int | None, code: int) -> None:
-    assert core.wait_exit_code(exit_status) == code
+    assert admission.wait_exit_code(exit_status) == code
 
 
 @pytest.mark.parametrize(
@@ -499,7 +499,7 @@ def test_wait_exit_code(exit_status: int | None, code: int) -> None:
 def test_a_timed_out_turn_is_a_timeout_unless_it_never_ran(
     exit_status: int | None, started: bool, released: bool, interrupted: bool, kind: str
 ) -> None:
-    outcome = core.turn_outcome(
+    outcome = admission.turn_outcome(
         exit_status=exit_status,
         started_marker=started,
         released=released,
@@ -511,16 +511,16 @@ def test_a_timed_out_turn_is_a_timeout_unless_it_never_ran(
 
 
 def test_an_interrupted_turn_that_exits_non_zero_carries_its_deliveries() -> None:
-    outcome = core.turn_outcome(
+    outcome = admission.turn_outcome(
         exit_status=130, started_marker=True, released=True, interrupted=True
     )
     assert outcome.kind == "interrupted"
 
 
 def test_a_timeout_waits_with_124_as_timeout1_does() -> None:
-    assert core.wait_exit_code(143, Outcome.TIMEOUT) == 124
-    assert core.wait_exit_code(None, Outcome.TIMEOUT) == 124
-    assert core.wait_exit_code(143, Outcome.FAILED) == 143
+    assert admission.wait_exit_code(143, Outcome.TIMEOUT) == 124
+    assert admission.wait_exit_code(None, Outcome.TIMEOUT) == 124
+    assert admission.wait_exit_code(143, Outcome.FAILED) == 143
 
 
 @pytest.mark.parametrize(
@@ -541,7 +541,10 @@ def test_timed_out_from_the_gates_record_or_the_turns_end(
     now: float,
     timed_out: bool,
 ) -> None:
-    assert core.timed_out(deadline, stopped_at=stopped_at, ended_at=ended_at, now=now) is timed_out
+    assert (
+        admission.timed_out(deadline, stopped_at=stopped_at, ended_at=ended_at, now=now)
+        is timed_out
+    )
 
 
 def test_a_paused_mind_starts_nothing_but_its_running_session_still_folds() -> None:
@@ -550,12 +553,12 @@ def test_a_paused_mind_starts_nothing_but_its_running_session_still_folds() -> N
         Delivery(2, "a", "dm"),  # a new turn of a: held, paused
         Delivery(3, "b", "main"),  # b is not paused
     ]
-    decision = core.admit(
-        pending, [core.LiveTurn(7, "a", "chat")], Limits(turns_per_mind=2), now=0.0,
+    decision = admission.admit(
+        pending, [admission.LiveTurn(7, "a", "chat")], Limits(turns_per_mind=2), now=0.0,
         paused={"a"},
     )  # fmt: skip
-    assert decision.folds == [core.Fold(7, (1,), False)]
+    assert decision.folds == [admission.Fold(7, (1,), False)]
     assert decision.holds == [Hold(2, HoldReason.PAUSED)]
-    assert decision.starts == [core.Start("b", "main", (3,))]
-    everyone = core.admit(pending, [], Limits(), now=0.0, paused=core.EVERY_MIND)
+    assert decision.starts == [admission.Start("b", "main", (3,))]
+    everyone = admission.admit(pending, [], Limits(), now=0.0, paused=admission.EVERY_MIND)
     assert everyone.starts == [] and {h.reason for h in everyone.holds} == {HoldReason.PAUSED}

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.unit.fake_gate import FakeGate, remove_tree, short_socket_dir
-from volutectl import deliver
+from volutectl.cli import deliver
 from volutectl.errors import VoluteError
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"
@@ -487,6 +487,6 @@ def test_the_hot_path_imports_no_heavy_module(socket_dir: Path) -> None:
         )
     assert result.returncode == 0, result.stderr
     loaded = set(result.stderr.decode().split())
-    assert "volutectl.deliver" in loaded
+    assert "volutectl.cli.deliver" in loaded
     heavy = {"click", "pydantic", "pydantic_settings", "typing", "dataclasses", "secrets", "random"}
     assert not heavy & loaded, sorted(heavy & loaded)

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from volutectl import doctor, preflight
-from volutectl.doctor import Check
 from volutectl.errors import EX_CONFIG, EX_OK, EX_UNAVAILABLE
+from volutectl.host import doctor
+from volutectl.host.doctor import Check
+from volutectl.launcher import preflight
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"
 PI_CONTROLLERS = "cpuset cpu io pids"  # a stock Raspberry Pi: cgroup_disable=memory
@@ -390,7 +391,7 @@ def test_text_report_is_one_line_per_check(tmp_path: Path) -> None:
 
 
 def test_psi_trigger_check_says_where_a_trigger_can_be_armed() -> None:
-    from volutectl.doctor import check_psi_triggers
+    from volutectl.host.doctor import check_psi_triggers
 
     none = {"slice_trigger": "no: the slice has no cgroup yet", "system_trigger": "no",
             "slice_path": "/s/io.pressure", "system_path": "/proc/pressure/io"}  # fmt: skip

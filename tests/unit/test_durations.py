@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from volutectl import slotcore
+from volutectl.core import slotmath
+from volutectl.core.slotmath import InFlight
 from volutectl.durations import format_duration
-from volutectl.slotcore import InFlight
 
 
 @pytest.mark.parametrize(
@@ -22,5 +22,5 @@ def test_format_duration(seconds: float, text: str) -> None:
 
 
 def test_the_test_wait_line_uses_the_same_format() -> None:
-    line = slotcore.wait_line(1, [InFlight("u.scope", "/srv/wt1", "make", 45.23)], 185_000, "/r")
+    line = slotmath.wait_line(1, [InFlight("u.scope", "/srv/wt1", "make", 45.23)], 185_000, "/r")
     assert "`make` for 45.2s;" in line and "typically takes 3m05s" in line

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from volutectl import envfile, launcher
-from volutectl.config import Settings
+from volutectl.config.settings import Settings
 from volutectl.errors import ConfigError
+from volutectl.launcher import envfile, fork
 
 NOBODY = 65534
 SECRET = "sk-live-0123456789"
@@ -209,8 +209,8 @@ def test_every_check_but_the_read_is_open_to_other_users(secrets: Path) -> None:
 def test_the_file_overrides_the_configs_environment(secrets: Path) -> None:
     path = write(secrets / "alpha.env", f"API_KEY={SECRET}\n")
     configured = {"API_KEY": "placeholder", "MODEL": "small"}
-    assert launcher.mind_environment(configured, path) == {"API_KEY": SECRET, "MODEL": "small"}
-    assert launcher.mind_environment(configured, None) == configured
+    assert fork.mind_environment(configured, path) == {"API_KEY": SECRET, "MODEL": "small"}
+    assert fork.mind_environment(configured, None) == configured
 
 
 def test_the_config_takes_only_an_absolute_path() -> None:

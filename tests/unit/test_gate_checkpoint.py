@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from tests.unit.gate_harness import Harness
-from volutectl import indexedstore
+from volutectl.store import indexed
 
 
 def test_the_gate_checkpoints_after_a_quiet_second_not_on_each_commit(tmp_path: Path) -> None:
@@ -14,7 +14,7 @@ def test_the_gate_checkpoints_after_a_quiet_second_not_on_each_commit(tmp_path: 
     store = harness.gate.state.store
     database = store.path
     try:
-        harness.run_for(indexedstore.CHECKPOINT_QUIET_SECONDS + 0.5)  # start's commits
+        harness.run_for(indexed.CHECKPOINT_QUIET_SECONDS + 0.5)  # start's commits
         assert store.checkpoint_deadline() is None
         peer = harness.connect()
         size = database.stat().st_size
@@ -24,7 +24,7 @@ def test_the_gate_checkpoints_after_a_quiet_second_not_on_each_commit(tmp_path: 
         assert database.stat().st_size == size  # every page still in the WAL
         deadline = store.checkpoint_deadline()
         assert deadline is not None and deadline > time.monotonic()
-        harness.run_for(indexedstore.CHECKPOINT_QUIET_SECONDS + 0.5)
+        harness.run_for(indexed.CHECKPOINT_QUIET_SECONDS + 0.5)
         assert store.checkpoint_deadline() is None
         assert database.stat().st_size > size + 40 * 2000  # the rows reached the database
     finally:

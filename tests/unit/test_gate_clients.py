@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from tests.unit.gate_harness import Harness
-from volutectl import indexedstore, protocol, server, status
 from volutectl.errors import EX_TEMPFAIL
-from volutectl.messages import StatusReply
+from volutectl.gate import server, status
+from volutectl.store import indexed
+from volutectl.wire import protocol
+from volutectl.wire.messages import StatusReply
 
 IDLE = 0.3
 
@@ -47,7 +49,7 @@ def until_closed(harness: Harness, peer_closed: object) -> float:
 def test_a_partial_line_that_never_ends_is_dropped_after_the_idle_time(harness: Harness) -> None:
     # No client: once its first pass is made and its start's commits checkpointed, the
     # gate sleeps until retention's deadline, days away (an empty queue).
-    harness.run_for(indexedstore.CHECKPOINT_QUIET_SECONDS + 0.3)
+    harness.run_for(indexed.CHECKPOINT_QUIET_SECONDS + 0.3)
     assert (harness.gate.timeout() or 0) > 6 * 86400
     peer = harness.connect()
     peer.send(b'{"v":1,"op":"pi')

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from tests.unit.gate_harness import Harness, Peer, settled
-from volutectl import protocol
 from volutectl.errors import EX_TEMPFAIL, VoluteError
 from volutectl.states import QueueState
+from volutectl.wire import protocol
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="connects as other uids: needs root")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.gate_harness import Harness
-from volutectl.store import Store
+from volutectl.store.queue import Store
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 fold-in, interrupts, retries and dead letters, time limits, scopes around dead
 processes, and a crash at each step of a turn's start.
 
-The gate is volutectl.gate.Gate on real sockets and a real SQLite file, its turns real
+The gate is volutectl.gate.loop.Gate on real sockets and a real SQLite file, its turns real
 processes (a shell probe that logs what each turn received and how it exited); systemd
 is tests/unit/fake_systemd.py, held to systemd's promises by tests/contract.py. The
 system tier proves the same against real systemd; this tier reaches the moments that
@@ -23,8 +23,8 @@ import pytest
 from tests.unit.gate_harness import Harness, settled
 from volutectl import faults, names
 from volutectl.states import QueueState
-from volutectl.store import NewDelivery, Store
-from volutectl.units import ScopeProperties
+from volutectl.store.queue import NewDelivery, Store
+from volutectl.systemd.port import ScopeProperties
 
 # probe HOLD [EXIT]: log the turn and its deliveries, take the inbox while holding, then
 # exit EXIT (0). Deliveries folded in are logged as "took". Builtins where a SIGINT sent

@@ -21,10 +21,10 @@ import pytest
 
 from tests.unit.gate_harness import Harness, gate_settings, settled
 from tests.unit.test_gate_loop import PROBE, Turns
-from volutectl import core
+from volutectl.core import admission
 from volutectl.errors import EX_DATAERR, EX_NOUSER, EX_TEMPFAIL
+from volutectl.gate.status import status_line
 from volutectl.states import HoldReason, QueueState
-from volutectl.status import status_line
 
 
 @pytest.fixture
@@ -227,7 +227,7 @@ def test_the_status_line_names_every_hold_reason_the_cap_and_what_is_paused() ->
     )
     assert line == "2/2 turns, 3 held (2 global_cap, 1 paused), 1 backing off, 4 dead, 1 paused"
     line = status_line(
-        turns=1, cap=None, test_runs=1, holds={}, backing_off=0, dead=0, paused=core.EVERY_MIND
+        turns=1, cap=None, test_runs=1, holds={}, backing_off=0, dead=0, paused=admission.EVERY_MIND
     )
     assert line == "1 turn (no cap) + 1 test run, 0 held, 0 backing off, 0 dead, all paused"
 

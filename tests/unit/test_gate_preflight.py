@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from tests.unit.gate_harness import ME, Harness
-from volutectl import preflight
-from volutectl.config import MindSettings
-from volutectl.messages import StatusReply
-from volutectl.statusview import format_status
-from volutectl.store import Row
+from volutectl.cli.statusview import format_status
+from volutectl.config.settings import MindSettings
+from volutectl.launcher import preflight
+from volutectl.store.queue import Row
+from volutectl.wire.messages import StatusReply
 
 
 @pytest.fixture

@@ -25,7 +25,8 @@ import pytest
 from tests.unit.fake_gate import remove_tree, short_socket_dir
 from tests.unit.gate_harness import ME
 from volute_testbed.gate import gate_config
-from volutectl import launcher, messages, protocol
+from volutectl.launcher import fork
+from volutectl.wire import messages, protocol
 
 REPO = Path(__file__).resolve().parents[2]
 SIGPIPE_BIT = 1 << (signal.SIGPIPE - 1)
@@ -212,17 +213,17 @@ def test_a_forked_child_resets_signals_and_limits_before_it_waits_for_release(
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert hard > 256
     handled: list[int] = []
-    monkeypatch.setattr(launcher, "_inherited_nofile", None)
+    monkeypatch.setattr(fork, "_inherited_nofile", None)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: handled.append(signum))
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
     try:
         # As the gate does at start: raise the limit, remember the original.
-        assert launcher.raise_nofile_limit() == (256, hard)
+        assert fork.raise_nofile_limit() == (256, hard)
         assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
-        account = launcher.resolve_account(ME)
-        turn_dir = launcher.make_turn_dir(tmp_path, 1, account)
-        child = launcher.fork_turn(["true"], {}, account, turn_dir, str(tmp_path), stdin=b"")
+        account = fork.resolve_account(ME)
+        turn_dir = fork.make_turn_dir(tmp_path, 1, account)
+        child = fork.fork_turn(["true"], {}, account, turn_dir, str(tmp_path), stdin=b"")
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
@@ -230,7 +231,7 @@ def test_a_forked_child_resets_signals_and_limits_before_it_waits_for_release(
     try:
         # Forked and not released: it blocks on its pipe with nothing of the gate's, and
         # ignores only the signals that stop the gate's unit.
-        stops = sum(1 << (s - 1) for s in launcher.STOP_SIGNALS)
+        stops = sum(1 << (s - 1) for s in fork.STOP_SIGNALS)
         deadline = time.monotonic() + 5
         # It blocks every signal across the fork, then resets: wait until it has.
         while signal_masks(child.pid)["SigCgt"] & OURS or signal_masks(child.pid)["SigBlk"]:

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from tests.unit.gate_harness import Harness
-from volutectl import handlers, protocol
 from volutectl.errors import (
     EX_DATAERR,
     EX_NOPERM,
@@ -29,7 +28,9 @@ from volutectl.errors import (
     EX_TEMPFAIL,
     EX_USAGE,
 )
-from volutectl.messages import Op, Reply
+from volutectl.gate import handlers
+from volutectl.wire import protocol
+from volutectl.wire.messages import Op, Reply
 
 
 @pytest.fixture
@@ -328,7 +329,8 @@ def test_register_repo_refusals_past_a_bound_or_where_the_gate_may_not_look(
 ) -> None:
     """Past the registry's bound: 75, nothing kept. A repository the gate may not enter
     (run unprivileged): 77, and `status` lists it with why."""
-    from volutectl import pathwalk, slotwatch
+    from volutectl.kernel import pathwalk
+    from volutectl.slots import watch
 
     git = tmp_path / "repo" / ".git"
     for name in ("objects", "refs"):
@@ -336,7 +338,7 @@ def test_register_repo_refusals_past_a_bound_or_where_the_gate_may_not_look(
     (git / "HEAD").write_text("ref: refs/heads/main\n")
     peer = harness.connect()
     register = {"op": "register_repo", "path": str(git)}
-    monkeypatch.setattr(slotwatch, "MAX_REPOSITORIES", 0)
+    monkeypatch.setattr(watch, "MAX_REPOSITORIES", 0)
     reply = peer.request(register)
     assert (reply["ok"], reply["code"]) == (False, EX_TEMPFAIL)
     assert "0 repositories registered" in reply["error"]

@@ -18,10 +18,10 @@ from tests.unit.gate_harness import ME, Harness
 from tests.unit.retention_child import run_child
 from tests.unit.retention_rows import DAY, KEEP_DAYS, Seeded, seed, snapshot
 from volute_testbed.gate import gate_config
-from volutectl import retention
-from volutectl.retention import Pacing
 from volutectl.states import QueueState
-from volutectl.store import Store
+from volutectl.store import retention
+from volutectl.store.queue import Store
+from volutectl.store.retention import Pacing
 
 SECOND = 1 / 86400  # gate.retention_days of one second
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.unit.gate_harness import ME, Harness
-from volutectl.config import MindSettings
-from volutectl.store import Row
+from volutectl.config.settings import MindSettings
+from volutectl.store.queue import Row
 
 SECRET = "sk-keyed-42"
 

@@ -2,7 +2,7 @@
 in-process: the op's events, its refusals, and a client that outlives a crash of the
 gate by reconnecting and sending `wait` again for what has not settled.
 
-The clients under test are volutectl's own (volutectl/waiting.py, volutectl/deliver.py),
+The clients under test are volutectl's own (volutectl/cli/waiting.py, volutectl/cli/deliver.py),
 run in a thread while this one drives the gate (tests/unit/gate_harness.py).
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from tests.unit.gate_harness import Harness
-from volutectl import deliver, waiting
+from volutectl.cli import deliver, waiting
 from volutectl.errors import EX_DATAERR, EX_TEMPFAIL, EX_UNAVAILABLE, VoluteError
-from volutectl.messages import MAX_WAIT_IDS, DeliveryDead, DeliveryDropped, TurnEnded
 from volutectl.states import Outcome, QueueState
+from volutectl.wire.messages import MAX_WAIT_IDS, DeliveryDead, DeliveryDropped, TurnEnded
 
 
 def deliver_to(harness: Harness, mind: str) -> int:

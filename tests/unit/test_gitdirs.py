@@ -1,4 +1,4 @@
-"""volutectl.gitdirs: a repository's common dir from git's own files, the same as git says."""
+"""volutectl.slots.gitdirs: a repository's common dir from git's own files, the same as git says."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from volutectl import gitdirs, slots
-from volutectl.gitdirs import Checkout, find_checkout, parse_gitdir_file, resolve_common_dir
+from volutectl.slots import gitdirs, slotfiles
+from volutectl.slots.gitdirs import Checkout, find_checkout, parse_gitdir_file, resolve_common_dir
 
 
 def git(*args: str, cwd: Path) -> str:
@@ -45,7 +45,7 @@ def test_resolve_common_dir_from_checkout_worktree_and_git_dir(repo: Path, tmp_p
     assert resolve_common_dir(tmp_path) is None
     assert resolve_common_dir(tmp_path / "missing") is None
     # The same answer as git's own, without running git:
-    found = slots.find_repository(tmp_path / "wt1")
+    found = slotfiles.find_repository(tmp_path / "wt1")
     assert found is not None and found.common_dir.resolve() == common
     assert parse_gitdir_file("gitdir: ../x/.git\n") == "../x/.git"
     assert parse_gitdir_file("nonsense") is None
@@ -130,7 +130,7 @@ def test_a_huge_sparse_git_file_is_refused_by_its_size_unread(tmp_path: Path) ->
         handle.truncate(2 * 1024**3)
     code = (
         "import resource, sys, time\n"
-        "from volutectl.gitdirs import resolve_common_dir\n"
+        "from volutectl.slots.gitdirs import resolve_common_dir\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "started = time.monotonic()\n"
         "found = resolve_common_dir(sys.argv[1])\n"

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from volutectl.core import AfterFailure
-from volutectl.indexedstore import IndexedStore
-from volutectl.queueindex import PendingIndex
+from volutectl.core.admission import AfterFailure
 from volutectl.states import HoldReason, Outcome, QueueState
-from volutectl.store import NewDelivery
+from volutectl.store.index import PendingIndex
+from volutectl.store.indexed import IndexedStore
+from volutectl.store.queue import NewDelivery
 
 NOW = 1_700_000_000.0
 

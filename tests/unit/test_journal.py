@@ -1,4 +1,4 @@
-"""volutectl/journal.py: the fields of the gate's entries, and the turns' output streams.
+"""volutectl/systemd/journal.py: the fields of the gate's entries, and the turns' output streams.
 
 The fields are pure (`entry_fields`); libsystemd frames them, which the system tier
 proves against a real journald (tests/system/test_logs.py). A turn's stream is proved
@@ -22,9 +22,9 @@ import pytest
 
 from tests.unit.fake_gate import remove_tree, short_socket_dir
 from tests.unit.gate_harness import Harness, settled
-from volutectl import journal
-from volutectl.journal import MESSAGE_IDS, Event, Journal, TurnStream, entry_fields
 from volutectl.states import QueueState
+from volutectl.systemd import journal
+from volutectl.systemd.journal import MESSAGE_IDS, Event, Journal, TurnStream, entry_fields
 
 
 def as_dict(items: list[bytes]) -> dict[str, str]:
@@ -319,7 +319,7 @@ def logged_fields() -> set[str]:
     """VOLUTE_* fields the code can send: the keywords of every journal.log, log_turn and
     log_row call in volutectl/ (log_turn and log_row pass theirs on to journal.log)."""
     found: set[str] = set()
-    for path in (REPO / "volutectl").glob("*.py"):
+    for path in (REPO / "volutectl").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if (
                 isinstance(node, ast.Call)

@@ -1,5 +1,5 @@
 """The split gate in-process: the gate gives its orders to the launcher's order loop
-(volutectl/launcherd.py, in a thread) over a real socket (volutectl/orders.py), and
+(volutectl/launcher/service.py, in a thread) over a real socket (volutectl/wire/orders.py), and
 what the launcher refuses, and what the gate does when the launcher is lost or away.
 
 Turns are real processes; systemd is tests/unit/fake_systemd.py. The same in a real
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from tests.unit.gate_harness import Harness, settled
-from volutectl import orders
 from volutectl.errors import VoluteError
-from volutectl.hands import Launched, LauncherLost, RemoteHands
-from volutectl.launcherd import ReloadingSettings, allowed_uids, bind_listener, peer_uid
+from volutectl.launcher.hands import Launched, LauncherLost, RemoteHands
+from volutectl.launcher.service import ReloadingSettings, allowed_uids, bind_listener, peer_uid
+from volutectl.wire import orders
 
 # -- the channel's types ----------------------------------------------------------------
 

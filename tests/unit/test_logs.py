@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from volutectl import logs
-from volutectl.journal import MESSAGE_IDS, Event
+from volutectl.cli import logs
 from volutectl.names import turn_scope_name
+from volutectl.systemd.journal import MESSAGE_IDS, Event
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"
 

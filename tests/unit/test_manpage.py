@@ -9,9 +9,10 @@ from pathlib import Path
 
 import click
 
-from volutectl import core, errors
+from volutectl import errors
 from volutectl.cli import COMMANDS
-from volutectl.deliver import _deliver_parser
+from volutectl.cli.deliver import _deliver_parser
+from volutectl.core import admission
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 MANPAGE = CHECKOUT / "packaging" / "volutectl.1"
@@ -104,7 +105,7 @@ def exit_codes_of_the_program() -> set[int]:
     """Every code volutectl can exit with on its own: each error class's, each EX_* name
     the code uses, success, a --wait's time limit, and an interrupt."""
     classes: list[type[errors.VoluteError]] = [errors.VoluteError]
-    for module in {entry[0] for entry in COMMANDS.values()} | {"volutectl.records"}:
+    for module in {entry[0] for entry in COMMANDS.values()} | {"volutectl.wire.records"}:
         importlib.import_module(module)
     codes = set()
     while classes:
@@ -112,10 +113,10 @@ def exit_codes_of_the_program() -> set[int]:
         codes.add(cls.exit_code)
         classes += cls.__subclasses__()
     source = "".join(
-        p.read_text() for p in (CHECKOUT / "volutectl").glob("*.py") if p.name != "errors.py"
+        p.read_text() for p in (CHECKOUT / "volutectl").rglob("*.py") if p.name != "errors.py"
     )
     codes |= {getattr(errors, name) for name in set(re.findall(r"\bEX_[A-Z]+\b", source))}
-    return codes | {0, core.EXIT_TIMEOUT, 130}
+    return codes | {0, admission.EXIT_TIMEOUT, 130}
 
 
 def test_exit_status_lists_every_exit_code() -> None:

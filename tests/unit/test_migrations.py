@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from tests.unit.retention_child import run_child
-from volutectl import schema as queue_schema
 from volutectl.errors import UnavailableError
-from volutectl.indexedstore import IndexedStore
-from volutectl.quotas import Usage
-from volutectl.schema import (
+from volutectl.store import schema as queue_schema
+from volutectl.store.indexed import IndexedStore
+from volutectl.store.queue import NewDelivery, Store
+from volutectl.store.quotas import Usage
+from volutectl.store.schema import (
     MIGRATIONS,
     SCHEMA_VERSION,
     enable_incremental_vacuum,
@@ -27,7 +28,6 @@ from volutectl.schema import (
     statements,
     vacuum_attempts,
 )
-from volutectl.store import NewDelivery, Store
 
 V1_DUMP = Path(__file__).parent / "data" / "queue-v1.sql"
 

@@ -1,4 +1,4 @@
-"""volutectl.pathwalk: what the gate opens in trees users control, on real files."""
+"""volutectl.kernel.pathwalk: what the gate opens in trees users control, on real files."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from volutectl import pathwalk
+from volutectl.kernel import pathwalk
 
 
 def test_a_walk_opens_the_directory_itself_and_names_it(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The faces of `volutectl pause`, `resume` and `wait` (volutectl/client.py): what each
+"""The faces of `volutectl pause`, `resume` and `wait` (volutectl/cli/client.py): what each
 sends, what it prints, how it exits, and the arguments refused before any I/O. The
 gate is a scripted peer on a real socket (tests/unit/fake_gate.py); the gate's side of
 these ops is tests/unit/test_gate_pause.py and test_gate_wait.py."""
@@ -17,7 +17,7 @@ import pytest
 
 from tests.unit.fake_gate import FakeGate, remove_tree, short_socket_dir
 from tests.unit.test_deliver_client import clean_environment
-from volutectl.messages import MAX_WAIT_IDS
+from volutectl.wire.messages import MAX_WAIT_IDS
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"
 

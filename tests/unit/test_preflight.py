@@ -1,5 +1,5 @@
-"""Preflight of each mind (volutectl/preflight.py, volutectl/access.py): will its turns
-start, as its user, with its command, in its working directory?
+"""Preflight of each mind (volutectl/launcher/preflight.py, volutectl/kernel/access.py):
+will its turns start, as its user, with its command, in its working directory?
 
 The checks run against real files in a directory every user may search, for a mind user
 that is made up (`MIND`, a uid no file here belongs to), so that permissions are
@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from volutectl import access, preflight
-from volutectl.access import EXECUTE, READ, WRITE, Who, permits
-from volutectl.config import Settings
-from volutectl.launcher import TURN_PATH, Account
+from volutectl.config.settings import Settings
+from volutectl.kernel import access
+from volutectl.kernel.access import EXECUTE, READ, WRITE, Who, permits
+from volutectl.launcher import preflight
+from volutectl.launcher.fork import TURN_PATH, Account
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"
 ME = pwd.getpwuid(os.getuid()).pw_name

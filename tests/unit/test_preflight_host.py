@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_preflight import ME, MY_GROUP, OWNER, VOLUTECTL
-from volutectl import access, preflight
-from volutectl.access import Who
-from volutectl.config import Settings
+from volutectl.config.settings import Settings
 from volutectl.errors import EX_CONFIG
-from volutectl.launcher import TURN_PATH
+from volutectl.kernel import access
+from volutectl.kernel.access import Who
+from volutectl.launcher import preflight
+from volutectl.launcher.fork import TURN_PATH
 
 
 @pytest.fixture

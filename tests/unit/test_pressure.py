@@ -11,11 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from volutectl import core, pressurecore, probes
-from volutectl.config import IoPressureSettings, Settings, load_settings
+from volutectl.config.settings import IoPressureSettings, Settings, load_settings
+from volutectl.core import admission as core
+from volutectl.core import psi
+from volutectl.core.psi import Trigger
 from volutectl.errors import ConfigError
-from volutectl.pressure import PressureWatch
-from volutectl.pressurecore import Trigger
+from volutectl.gate.pressure import PressureWatch
+from volutectl.kernel import probes
 from volutectl.states import HoldReason
 
 PSI = Path("/proc/pressure/io")
@@ -29,7 +31,7 @@ def settings(**overrides: object) -> IoPressureSettings:
 
 
 def test_trigger_line_is_what_the_kernel_parses() -> None:
-    assert pressurecore.trigger_line("some", 150000, 1000000) == "some 150000 1000000"
+    assert psi.trigger_line("some", 150000, 1000000) == "some 150000 1000000"
     assert Trigger("full", 300000, 2000000).line() == "full 300000 2000000"
 
 
@@ -40,30 +42,26 @@ def test_trigger_line_is_what_the_kernel_parses() -> None:
 )  # fmt: skip
 def test_trigger_line_refuses_what_the_kernel_would(kind: str, threshold: int, window: int) -> None:
     with pytest.raises(ValueError):
-        pressurecore.trigger_line(kind, threshold, window)
+        psi.trigger_line(kind, threshold, window)
 
 
 def test_coarse_trigger_rounds_the_window_up_and_keeps_the_ratio() -> None:
-    assert pressurecore.coarse_trigger(Trigger("some", 150000, 1000000)) == Trigger(
-        "some", 300000, 2000000
-    )
-    assert pressurecore.coarse_trigger(Trigger("some", 500000, 3000000)) == Trigger(
-        "some", 666667, 4000000
-    )
-    assert pressurecore.coarse_trigger(Trigger("some", 150000, 2000000)) is None
+    assert psi.coarse_trigger(Trigger("some", 150000, 1000000)) == Trigger("some", 300000, 2000000)
+    assert psi.coarse_trigger(Trigger("some", 500000, 3000000)) == Trigger("some", 666667, 4000000)
+    assert psi.coarse_trigger(Trigger("some", 150000, 2000000)) is None
 
 
 @given(
     threshold=st.integers(1, 9_999_999),
-    window=st.integers(pressurecore.MIN_WINDOW_US, pressurecore.MAX_WINDOW_US),
+    window=st.integers(psi.MIN_WINDOW_US, psi.MAX_WINDOW_US),
 )
 def test_coarse_trigger_is_always_registrable(threshold: int, window: int) -> None:
     if threshold >= window:
         return
-    coarse = pressurecore.coarse_trigger(Trigger("some", threshold, window))
+    coarse = psi.coarse_trigger(Trigger("some", threshold, window))
     trigger = coarse or Trigger("some", threshold, window)
-    assert trigger.window_us % pressurecore.UNPRIVILEGED_WINDOW_US == 0
-    pressurecore.trigger_line(trigger.kind, trigger.threshold_us, trigger.window_us)  # valid
+    assert trigger.window_us % psi.UNPRIVILEGED_WINDOW_US == 0
+    psi.trigger_line(trigger.kind, trigger.threshold_us, trigger.window_us)  # valid
     assert abs(trigger.fraction - threshold / window) < 1e-3 or trigger.threshold_us in (
         1,
         trigger.window_us - 1,
@@ -79,17 +77,17 @@ SAMPLE = (
 
 
 def test_parse_total_reads_some_and_full() -> None:
-    assert pressurecore.parse_total(SAMPLE) == 10686162
-    assert pressurecore.parse_total(SAMPLE, "full") == 5728245
+    assert psi.parse_total(SAMPLE) == 10686162
+    assert psi.parse_total(SAMPLE, "full") == 5728245
     with pytest.raises(ValueError):
-        pressurecore.parse_total("garbage\n")
+        psi.parse_total("garbage\n")
 
 
 def test_stall_fraction() -> None:
-    assert pressurecore.stall_fraction(0, 500_000, 1.0) == pytest.approx(0.5)
-    assert pressurecore.stall_fraction(0, 5_000_000, 1.0) == 1.0  # clamped
-    assert pressurecore.stall_fraction(10, 5, 1.0) == 0.0  # a reset counter is no stall
-    assert pressurecore.stall_fraction(0, 10, 0.0) == 0.0
+    assert psi.stall_fraction(0, 500_000, 1.0) == pytest.approx(0.5)
+    assert psi.stall_fraction(0, 5_000_000, 1.0) == 1.0  # clamped
+    assert psi.stall_fraction(10, 5, 1.0) == 0.0  # a reset counter is no stall
+    assert psi.stall_fraction(0, 10, 0.0) == 0.0
 
 
 # -- hysteresis ---------------------------------------------------------------------------------
@@ -97,11 +95,11 @@ def test_stall_fraction() -> None:
 
 def test_next_state_has_hysteresis() -> None:
     s = settings(threshold_us=150_000, window_us=1_000_000, resume_below_percent=5.0)
-    assert pressurecore.next_state(False, 0.10, s) is False  # below the trigger's 15 %
-    assert pressurecore.next_state(False, 0.15, s) is True
-    assert pressurecore.next_state(True, 0.10, s) is True  # between: stays high
-    assert pressurecore.next_state(True, 0.05, s) is True
-    assert pressurecore.next_state(True, 0.049, s) is False  # below resume: released
+    assert psi.next_state(False, 0.10, s) is False  # below the trigger's 15 %
+    assert psi.next_state(False, 0.15, s) is True
+    assert psi.next_state(True, 0.10, s) is True  # between: stays high
+    assert psi.next_state(True, 0.05, s) is True
+    assert psi.next_state(True, 0.049, s) is False  # below resume: released
 
 
 @given(
@@ -115,7 +113,7 @@ def test_next_state_never_flaps_inside_the_band(
     s = settings(threshold_us=threshold, window_us=1_000_000, resume_below_percent=resume)
     high = False
     for fraction in fractions:
-        new = pressurecore.next_state(high, fraction, s)
+        new = psi.next_state(high, fraction, s)
         if resume / 100 <= fraction < threshold / 1_000_000:
             assert new == high  # inside the band nothing changes
         if fraction >= threshold / 1_000_000:

@@ -1,4 +1,4 @@
-"""volutectl.processes: the one way volutectl starts a program and reads how it ended."""
+"""volutectl.kernel.processes: the one way volutectl starts a program and reads how it ended."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from volutectl import processes
+from volutectl.kernel import processes
 
 
 def test_exit_code_is_the_code_or_128_plus_the_signal() -> None:

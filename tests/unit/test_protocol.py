@@ -21,7 +21,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.unit.fake_gate import FakeGate, remove_tree, short_socket_dir
-from volutectl import messages, protocol
 from volutectl.errors import (
     EX_DATAERR,
     EX_NOPERM,
@@ -33,8 +32,9 @@ from volutectl.errors import (
     UnavailableError,
     VoluteError,
 )
-from volutectl.messages import DeliverAck, ErrorReply
-from volutectl.protocol import ProtocolError
+from volutectl.wire import messages, protocol
+from volutectl.wire.messages import DeliverAck, ErrorReply
+from volutectl.wire.protocol import ProtocolError
 
 
 @pytest.fixture
@@ -211,7 +211,7 @@ def connect_as_nobody(path: Path) -> subprocess.CompletedProcess[str]:
     script = textwrap.dedent(
         f"""
         import os, sys
-        from volutectl import protocol
+        from volutectl.wire import protocol
         from volutectl.errors import VoluteError
         os.setgroups([])
         os.setgid(65534)

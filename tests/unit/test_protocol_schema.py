@@ -1,4 +1,4 @@
-"""docs/protocol.schema.json against the message classes of volutectl/messages.py.
+"""docs/protocol.schema.json against the message classes of volutectl/wire/messages.py.
 
 Programs that are not Python (volute's own daemon is TypeScript) read the JSON Schemas
 and docs/protocol.md; the gate and volutectl read the record classes. These tests hold
@@ -26,11 +26,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests import protocol_schema as schema
-from volutectl import messages, names, protocol
+from volutectl import names
 from volutectl.errors import EX_DATAERR, EX_PROTOCOL, EX_USAGE, VoluteError
-from volutectl.messages import Op, Reply, Request
-from volutectl.records import Record
 from volutectl.states import HoldReason, Outcome, QueueState
+from volutectl.wire import messages, protocol
+from volutectl.wire.messages import Op, Reply, Request
+from volutectl.wire.records import Record
 
 RECORDS: dict[str, type[Record]] = {
     name: value

@@ -17,7 +17,7 @@ import pytest
 
 from tests.unit.fake_gate import FakeGate, remove_tree, short_socket_dir
 from tests.unit.gate_harness import Harness
-from volutectl.store import NewDelivery
+from volutectl.store.queue import NewDelivery
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"
 

@@ -1,4 +1,4 @@
-"""The incremental index decides exactly what core.admit decides over the same rows.
+"""The incremental index decides exactly what admission.admit decides over the same rows.
 
 Random histories: deliveries arrive (some backing off after a failure, some returned to
 the queue with their old ids), turns start and fold as decided, turns end, time passes,
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from volutectl import core
-from volutectl.core import Delivery, Limits, LiveTurn
-from volutectl.queueindex import PendingIndex
+from volutectl.core import admission
+from volutectl.core.admission import Delivery, Limits, LiveTurn
 from volutectl.states import HoldReason
+from volutectl.store.index import PendingIndex
 
 MINDS = ["a", "b", "c", "d"]
 SESSIONS = ["x", "y", "z"]
@@ -54,13 +54,13 @@ class World:
 
     def step(self) -> None:
         """One admission pass both ways; they must agree; then carry out its decisions."""
-        paused = core.EVERY_MIND if self.all_paused else frozenset(self.paused)
+        paused = admission.EVERY_MIND if self.all_paused else frozenset(self.paused)
         arguments = dict(
             now=self.now, other_busy=self.other_busy, pressure=self.pressure,
             other_busy_reason=self.other_reason, max_starts=self.max_starts,
         )  # fmt: skip
         live = list(self.live.values())
-        full = core.admit(self.pending.values(), live, self.limits, paused=paused, **arguments)  # type: ignore[arg-type]
+        full = admission.admit(self.pending.values(), live, self.limits, paused=paused, **arguments)  # type: ignore[arg-type]
         fast, _ = self.index.admit(
             live,
             self.limits,
@@ -171,7 +171,7 @@ def test_an_index_loaded_from_the_store_decides_what_full_admission_decides(
     history: list[tuple[str, int]],
 ) -> None:
     # The gate's start: the store's pending rows, with the reasons it recorded, are
-    # loaded in bulk into a new index; its first pass must agree with core.admit.
+    # loaded in bulk into a new index; its first pass must agree with admission.admit.
     world = World()
     for op, seed in history:
         apply(world, op, seed)

@@ -17,9 +17,9 @@ import pytest
 
 from tests.unit.gate_harness import RecordingJournal
 from tests.unit.retention_rows import DAY, KEEP_DAYS, add, run_turn, seed, snapshot
-from volutectl import retention, schema
-from volutectl.retention import Pacing, Retention, delete_batch, next_expiry, reclaim
-from volutectl.store import Store
+from volutectl.store import retention, schema
+from volutectl.store.queue import Store
+from volutectl.store.retention import Pacing, Retention, delete_batch, next_expiry, reclaim
 
 NOW = 1_800_000_000.0
 CUTOFF = NOW - KEEP_DAYS * DAY
@@ -87,7 +87,7 @@ def test_a_turn_stays_while_any_of_its_rows_does(store: Store) -> None:
 
 
 def test_a_retried_request_id_is_new_once_its_row_is_gone(store: Store) -> None:
-    from volutectl.store import NewDelivery
+    from volutectl.store.queue import NewDelivery
 
     item = NewDelivery("m", "s", b"hi", request_id="ab" * 16)
     [first] = store.add_deliveries([item], now=NOW - 30 * DAY)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from inotify_simple import flags
 
-from volutectl import slots
 from volutectl.errors import TemporaryError
+from volutectl.slots import slotfiles
 
 # A fallback so long that a prompt wake can only have come from inotify.
 NO_FALLBACK = 60.0
@@ -34,7 +34,7 @@ def holder(path: Path, seconds: float) -> subprocess.Popen[bytes]:
 
 
 def test_takes_slot_one_and_creates_it(tmp_path: Path) -> None:
-    slot = slots.acquire_slot(tmp_path, 3)
+    slot = slotfiles.acquire_slot(tmp_path, 3)
     assert slot is not None
     try:
         assert slot.index == 1
@@ -49,23 +49,23 @@ def test_takes_slot_one_and_creates_it(tmp_path: Path) -> None:
 
 
 def test_slots_exclude_within_one_process(tmp_path: Path) -> None:
-    with slots.hold_slot(tmp_path, 2) as first, slots.hold_slot(tmp_path, 2) as second:
+    with slotfiles.hold_slot(tmp_path, 2) as first, slotfiles.hold_slot(tmp_path, 2) as second:
         assert first is not None and second is not None
         assert {first.index, second.index} == {1, 2}
         with pytest.raises(TemporaryError, match="no test slot came free within 0.2s"):
-            slots.acquire_slot(tmp_path, 2, timeout=0.2)
+            slotfiles.acquire_slot(tmp_path, 2, timeout=0.2)
     # Released on leaving the block.
-    again = slots.acquire_slot(tmp_path, 1, timeout=0)
+    again = slotfiles.acquire_slot(tmp_path, 1, timeout=0)
     assert again is not None and again.index == 1
     again.release()
 
 
 def test_a_freed_slot_wakes_the_waiter_at_once(tmp_path: Path) -> None:
-    slot_path = slots.slot_directory(tmp_path) / "slot-1"
+    slot_path = slotfiles.slot_directory(tmp_path) / "slot-1"
     proc = holder(slot_path, 0.3)
     waited: list[bool] = []
     start = time.monotonic()
-    slot = slots.acquire_slot(
+    slot = slotfiles.acquire_slot(
         tmp_path, 1, on_wait=lambda: waited.append(True), fallback_seconds=NO_FALLBACK
     )
     woke = time.monotonic()
@@ -77,12 +77,12 @@ def test_a_freed_slot_wakes_the_waiter_at_once(tmp_path: Path) -> None:
 
 
 def test_any_slot_freeing_wakes_the_waiter(tmp_path: Path) -> None:
-    directory = slots.slot_directory(tmp_path)
+    directory = slotfiles.slot_directory(tmp_path)
     long = holder(directory / "slot-1", 30)
     short = holder(directory / "slot-2", 0.3)
     try:
         start = time.monotonic()
-        slot = slots.acquire_slot(tmp_path, 2, fallback_seconds=NO_FALLBACK)
+        slot = slotfiles.acquire_slot(tmp_path, 2, fallback_seconds=NO_FALLBACK)
         assert slot is not None
         assert slot.index == 2
         assert time.monotonic() - start < 0.3 + 0.2
@@ -94,11 +94,11 @@ def test_any_slot_freeing_wakes_the_waiter(tmp_path: Path) -> None:
 
 
 def test_waiting_does_not_spin(tmp_path: Path) -> None:
-    proc = holder(slots.slot_directory(tmp_path) / "slot-1", 30)
+    proc = holder(slotfiles.slot_directory(tmp_path) / "slot-1", 30)
     try:
         cpu = time.process_time()
         with pytest.raises(TemporaryError):
-            slots.acquire_slot(tmp_path, 1, timeout=1.0, fallback_seconds=NO_FALLBACK)
+            slotfiles.acquire_slot(tmp_path, 1, timeout=1.0, fallback_seconds=NO_FALLBACK)
         # A busy spin on our own IN_CLOSE events would burn the whole second.
         assert time.process_time() - cpu < 0.1
     finally:
@@ -110,10 +110,10 @@ def test_fallback_reprobe_covers_a_missed_event(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Watch for an event that never comes, so only the fallback re-probe can wake us.
-    monkeypatch.setattr(slots, "CLOSE_EVENTS", flags.DELETE_SELF)
-    proc = holder(slots.slot_directory(tmp_path) / "slot-1", 0.2)
+    monkeypatch.setattr(slotfiles, "CLOSE_EVENTS", flags.DELETE_SELF)
+    proc = holder(slotfiles.slot_directory(tmp_path) / "slot-1", 0.2)
     start = time.monotonic()
-    slot = slots.acquire_slot(tmp_path, 1, fallback_seconds=0.5)
+    slot = slotfiles.acquire_slot(tmp_path, 1, fallback_seconds=0.5)
     elapsed = time.monotonic() - start
     proc.wait()
     assert slot is not None
@@ -124,8 +124,8 @@ def test_fallback_reprobe_covers_a_missed_event(
 HOLD_AND_SPAWN = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from volutectl import slots
-    slot = slots.acquire_slot(sys.argv[1], 1)
+    from volutectl.slots import slotfiles
+    slot = slotfiles.acquire_slot(sys.argv[1], 1)
     child = subprocess.Popen(["sleep", "30"], pass_fds=[slot.fd])
     print(child.pid, flush=True)
     time.sleep(60)
@@ -144,10 +144,10 @@ def test_slot_lives_as_long_as_any_process_of_the_run(tmp_path: Path) -> None:
         run.wait()
         # The command inherited the slot's descriptor, so the slot is still held.
         with pytest.raises(TemporaryError):
-            slots.acquire_slot(tmp_path, 1, timeout=0.3)
+            slotfiles.acquire_slot(tmp_path, 1, timeout=0.3)
         start = time.monotonic()
         os.kill(child, signal.SIGKILL)
-        slot = slots.acquire_slot(tmp_path, 1, fallback_seconds=NO_FALLBACK)
+        slot = slotfiles.acquire_slot(tmp_path, 1, fallback_seconds=NO_FALLBACK)
         assert slot is not None
         assert time.monotonic() - start < 0.2
         slot.release()
@@ -167,7 +167,7 @@ def test_unusable_slot_directory_fails_open_with_one_line(tmp_path: Path) -> Non
     (tmp_path / "volute").mkdir()
     (tmp_path / "volute" / "test-slots").write_text("not a directory\n")
     notices: list[str] = []
-    with slots.hold_slot(tmp_path, 1, notice=notices.append) as slot:
+    with slotfiles.hold_slot(tmp_path, 1, notice=notices.append) as slot:
         assert slot is None
     assert len(notices) == 1
     assert "\n" not in notices[0]
@@ -176,23 +176,23 @@ def test_unusable_slot_directory_fails_open_with_one_line(tmp_path: Path) -> Non
 
 
 def test_unopenable_slot_file_fails_open(tmp_path: Path) -> None:
-    directory = slots.slot_directory(tmp_path)
+    directory = slotfiles.slot_directory(tmp_path)
     directory.mkdir(parents=True)
     (directory / "slot-2").symlink_to(tmp_path / "missing" / "target")
     notices: list[str] = []
-    assert slots.acquire_slot(tmp_path, 2, notice=notices.append) is None
+    assert slotfiles.acquire_slot(tmp_path, 2, notice=notices.append) is None
     assert len(notices) == 1 and "slot-2" in notices[0]
     # Slot 1 was opened and must not stay locked behind our back.
-    slot = slots.acquire_slot(tmp_path, 1, timeout=0)
+    slot = slotfiles.acquire_slot(tmp_path, 1, timeout=0)
     assert slot is not None
     slot.release()
 
 
 def test_nesting_marker_and_cap_zero_take_nothing(tmp_path: Path) -> None:
     environ = {"VOLUTE_TEST_SLOT": "/somewhere/slot-1"}
-    with slots.hold_slot(tmp_path, 1, environ=environ) as slot:
+    with slotfiles.hold_slot(tmp_path, 1, environ=environ) as slot:
         assert slot is None
-    with slots.hold_slot(tmp_path, 0, environ={}) as slot:
+    with slotfiles.hold_slot(tmp_path, 0, environ={}) as slot:
         assert slot is None
     assert not (tmp_path / "volute").exists()
 
@@ -216,13 +216,13 @@ def test_worktrees_share_the_common_dir_and_its_setting(tmp_path: Path) -> None:
     git("worktree", "add", "-q", str(tmp_path / "wt1"), cwd=main)
     git("config", "volute.testSlots", "2", cwd=tmp_path / "wt1")
     (tmp_path / "wt1" / "sub").mkdir()
-    found_main = slots.find_repository(main)
-    found_wt = slots.find_repository(tmp_path / "wt1" / "sub")
+    found_main = slotfiles.find_repository(main)
+    found_wt = slotfiles.find_repository(tmp_path / "wt1" / "sub")
     assert found_main is not None and found_wt is not None
     assert found_main.common_dir == found_wt.common_dir == main / ".git"
     assert found_wt.worktree == tmp_path / "wt1"
     assert found_main.cap_setting == found_wt.cap_setting == "2"
-    assert slots.find_repository(tmp_path) is None
+    assert slotfiles.find_repository(tmp_path) is None
 
 
 # -- who may lock a slot (issue 18, finding 9a) -------------------------------------------
@@ -238,10 +238,10 @@ def test_slot_files_are_for_the_owner_and_group_only(tmp_path: Path) -> None:
     common = tmp_path / "repo.git"
     common.mkdir(mode=0o755)
     os.chmod(common, 0o755)
-    slot = slots.acquire_slot(common, 2)
+    slot = slotfiles.acquire_slot(common, 2)
     assert slot is not None
     slot.release()
-    directory = slots.slot_directory(common)
+    directory = slotfiles.slot_directory(common)
     assert mode_of(directory.parent) == mode_of(directory) == 0o755
     for name in ("slot-1", "slot-2"):
         assert mode_of(directory / name) == 0o660
@@ -250,18 +250,18 @@ def test_slot_files_are_for_the_owner_and_group_only(tmp_path: Path) -> None:
     shared = tmp_path / "shared.git"
     shared.mkdir()
     os.chmod(shared, 0o2775)
-    slots.acquire_slot(shared, 1).release()  # type: ignore[union-attr]
-    assert mode_of(slots.slot_directory(shared)) & 0o777 == 0o775
-    assert mode_of(slots.slot_directory(shared) / "slot-1") == 0o660
+    slotfiles.acquire_slot(shared, 1).release()  # type: ignore[union-attr]
+    assert mode_of(slotfiles.slot_directory(shared)) & 0o777 == 0o775
+    assert mode_of(slotfiles.slot_directory(shared) / "slot-1") == 0o660
 
 
 def test_the_owners_next_run_tightens_old_slot_files(tmp_path: Path) -> None:
-    directory = slots.slot_directory(tmp_path)
+    directory = slotfiles.slot_directory(tmp_path)
     directory.mkdir(parents=True)
     os.chmod(directory, 0o777)
     (directory / "slot-1").touch()
     os.chmod(directory / "slot-1", 0o644)  # as every version before made them
-    slot = slots.acquire_slot(tmp_path, 1)
+    slot = slotfiles.acquire_slot(tmp_path, 1)
     assert slot is not None
     slot.release()
     assert mode_of(directory / "slot-1") == 0o660
@@ -273,15 +273,15 @@ def test_a_slot_that_is_a_link_is_not_followed_nor_changed(tmp_path: Path) -> No
     precious = tmp_path / "precious"
     precious.write_text("keep\n")
     os.chmod(precious, 0o644)
-    directory = slots.slot_directory(tmp_path / "repo")
+    directory = slotfiles.slot_directory(tmp_path / "repo")
     directory.mkdir(parents=True)
     (directory / "slot-1").symlink_to(precious)
     notices: list[str] = []
-    assert slots.acquire_slot(tmp_path / "repo", 1, notice=notices.append) is None
+    assert slotfiles.acquire_slot(tmp_path / "repo", 1, notice=notices.append) is None
     assert len(notices) == 1 and "slot-1" in notices[0]
     (directory / "slot-1").unlink()
     os.link(precious, directory / "slot-1")  # a hard link: the same inode, two names
-    slot = slots.acquire_slot(tmp_path / "repo", 1)
+    slot = slotfiles.acquire_slot(tmp_path / "repo", 1)
     assert slot is not None
     slot.release()
     assert mode_of(precious) == 0o644 and precious.read_text() == "keep\n"
@@ -290,6 +290,6 @@ def test_a_slot_that_is_a_link_is_not_followed_nor_changed(tmp_path: Path) -> No
     os.rename(directory.parent, tmp_path / "old-volute")
     (tmp_path / "repo" / "volute").symlink_to(tmp_path / "elsewhere")
     notices.clear()
-    assert slots.acquire_slot(tmp_path / "repo", 1, notice=notices.append) is None
+    assert slotfiles.acquire_slot(tmp_path / "repo", 1, notice=notices.append) is None
     assert len(notices) == 1 and "volute" in notices[0]
     assert list((tmp_path / "elsewhere").iterdir()) == []

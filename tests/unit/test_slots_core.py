@@ -8,48 +8,48 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from volutectl import slotcore
+from volutectl.core import slotmath
+from volutectl.core.slotmath import InFlight, RunRecord
 from volutectl.errors import ConfigError
 from volutectl.names import UNIT_NAME_MAX
-from volutectl.slotcore import InFlight, RunRecord
 
 
 def test_cap_flag_wins_over_repository_and_config() -> None:
-    assert slotcore.resolve_cap(3, "1", 2) == slotcore.Cap(3, "--slots")
-    assert slotcore.resolve_cap(0, "1", 2).slots == 0
+    assert slotmath.resolve_cap(3, "1", 2) == slotmath.Cap(3, "--slots")
+    assert slotmath.resolve_cap(0, "1", 2).slots == 0
 
 
 def test_cap_repository_setting_wins_over_config() -> None:
-    cap = slotcore.resolve_cap(None, " 2\n", 5, "file /etc/volute/volutectl.toml")
-    assert cap == slotcore.Cap(2, "git config volute.testSlots")
+    cap = slotmath.resolve_cap(None, " 2\n", 5, "file /etc/volute/volutectl.toml")
+    assert cap == slotmath.Cap(2, "git config volute.testSlots")
 
 
 def test_cap_falls_back_to_config_and_names_its_source() -> None:
-    cap = slotcore.resolve_cap(None, None, 4, "env VOLUTE_TESTS__CONCURRENT_RUNS")
+    cap = slotmath.resolve_cap(None, None, 4, "env VOLUTE_TESTS__CONCURRENT_RUNS")
     assert cap.slots == 4
     assert cap.source == "tests.concurrent_runs (env VOLUTE_TESTS__CONCURRENT_RUNS)"
-    assert slotcore.resolve_cap(None, "", 0).slots == 0
+    assert slotmath.resolve_cap(None, "", 0).slots == 0
 
 
 @pytest.mark.parametrize("value", ["two", "-1", "1.5"])
 def test_cap_bad_repository_setting_is_a_config_error_naming_the_key(value: str) -> None:
     with pytest.raises(ConfigError, match="volute.testSlots"):
-        slotcore.resolve_cap(None, value, 1)
+        slotmath.resolve_cap(None, value, 1)
 
 
 def test_cap_negative_flag_is_refused() -> None:
     with pytest.raises(ConfigError, match="--slots"):
-        slotcore.resolve_cap(-1, None, 1)
+        slotmath.resolve_cap(-1, None, 1)
 
 
 def test_slot_names_count_from_one() -> None:
-    assert slotcore.slot_names(3) == ["slot-1", "slot-2", "slot-3"]
-    assert slotcore.slot_names(0) == []
+    assert slotmath.slot_names(3) == ["slot-1", "slot-2", "slot-3"]
+    assert slotmath.slot_names(0) == []
 
 
 @given(st.lists(st.booleans(), max_size=12))
 def test_choose_slot_takes_the_lowest_free_slot(free: list[bool]) -> None:
-    chosen = slotcore.choose_slot(free)
+    chosen = slotmath.choose_slot(free)
     if True in free:
         assert chosen == free.index(True)
     else:
@@ -61,26 +61,26 @@ def test_choose_slot_takes_the_lowest_free_slot(free: list[bool]) -> None:
     st.lists(st.text(min_size=1), min_size=1, max_size=5),
 )
 def test_scope_description_round_trips(worktree: str, argv: list[str]) -> None:
-    description = slotcore.scope_description(worktree, argv)
-    assert slotcore.parse_scope_description(description) == (
+    description = slotmath.scope_description(worktree, argv)
+    assert slotmath.parse_scope_description(description) == (
         worktree,
-        slotcore.join_command(argv),
+        slotmath.join_command(argv),
     )
 
 
 def test_foreign_descriptions_are_not_ours() -> None:
-    assert slotcore.parse_scope_description("/usr/bin/foo") is None
-    assert slotcore.parse_scope_description("volutectl test in /srv/wt") is None
+    assert slotmath.parse_scope_description("/usr/bin/foo") is None
+    assert slotmath.parse_scope_description("volutectl test in /srv/wt") is None
 
 
 def test_join_command_quotes_what_a_shell_would_split() -> None:
-    assert slotcore.join_command(["pytest", "-x", "tests/unit"]) == "pytest -x tests/unit"
-    assert slotcore.join_command(["sh", "-c", "echo it's"]) == "sh -c 'echo it'\"'\"'s'"
+    assert slotmath.join_command(["pytest", "-x", "tests/unit"]) == "pytest -x tests/unit"
+    assert slotmath.join_command(["sh", "-c", "echo it's"]) == "sh -c 'echo it'\"'\"'s'"
 
 
 def test_wait_line_names_cap_in_flight_runs_and_typical_duration() -> None:
     runs = [InFlight("volute-test-wt1-7.scope", "/srv/wt1", "pytest -x", 125.0)]
-    line = slotcore.wait_line(1, runs, 160_000, "/srv/repo/.git")
+    line = slotmath.wait_line(1, runs, 160_000, "/srv/repo/.git")
     assert "\n" not in line
     assert "1 run at a time in /srv/repo/.git" in line
     assert "in flight: /srv/wt1 `pytest -x` for 2m05s" in line
@@ -88,13 +88,13 @@ def test_wait_line_names_cap_in_flight_runs_and_typical_duration() -> None:
 
 
 def test_wait_line_without_history_or_scopes_still_says_why() -> None:
-    line = slotcore.wait_line(2, [], None, "/r/.git")
+    line = slotmath.wait_line(2, [], None, "/r/.git")
     assert line == "volutectl test: waiting for a test slot (2 runs at a time in /r/.git)"
 
 
 def test_wait_info_carries_the_same_facts() -> None:
     runs = [InFlight("u.scope", "/srv/wt1", "make check", 3.14159)]
-    info = slotcore.wait_info(1, "--slots", runs, 900)
+    info = slotmath.wait_info(1, "--slots", runs, 900)
     assert info == {
         "cap": 1,
         "cap_source": "--slots",
@@ -117,24 +117,24 @@ def test_typical_duration_prefers_same_command_and_ignores_failures() -> None:
         RunRecord("/w", "make", 10, 1),
         RunRecord("/w", "pytest", 50_000, 0),
     ]
-    assert slotcore.typical_duration_ms(records, "make") == 2000
-    assert slotcore.typical_duration_ms(records, "pytest") == 50_000
-    assert slotcore.typical_duration_ms(records, "other") == 3000
-    assert slotcore.typical_duration_ms([RunRecord("/w", "x", 5, 2)], "x") is None
-    assert slotcore.typical_duration_ms([], None) is None
+    assert slotmath.typical_duration_ms(records, "make") == 2000
+    assert slotmath.typical_duration_ms(records, "pytest") == 50_000
+    assert slotmath.typical_duration_ms(records, "other") == 3000
+    assert slotmath.typical_duration_ms([RunRecord("/w", "x", 5, 2)], "x") is None
+    assert slotmath.typical_duration_ms([], None) is None
 
 
 def test_typical_duration_looks_at_recent_runs_only() -> None:
     old = [RunRecord("/w", "t", 100_000, 0)] * 50
-    recent = [RunRecord("/w", "t", 1_000, 0)] * slotcore.HISTORY_WINDOW
-    assert slotcore.typical_duration_ms(old + recent, "t") == 1_000
+    recent = [RunRecord("/w", "t", 1_000, 0)] * slotmath.HISTORY_WINDOW
+    assert slotmath.typical_duration_ms(old + recent, "t") == 1_000
 
 
 def test_history_round_trips_and_skips_torn_lines() -> None:
     record = RunRecord("/srv/wt1", "pytest -x", 1234, 0)
-    line = slotcore.history_line(record, 1700000000.0)
+    line = slotmath.history_line(record, 1700000000.0)
     assert line.endswith("\n") and line.count("\n") == 1
-    assert slotcore.parse_history([line, '{"worktree": "/x"', "junk", "[]", line]) == [
+    assert slotmath.parse_history([line, '{"worktree": "/x"', "junk", "[]", line]) == [
         record,
         record,
     ]
@@ -142,7 +142,7 @@ def test_history_round_trips_and_skips_torn_lines() -> None:
 
 @given(st.text(min_size=0, max_size=300), st.integers(min_value=1, max_value=4_194_304))
 def test_scope_name_is_a_valid_unit_name(worktree: str, pid: int) -> None:
-    name = slotcore.test_scope_name(worktree, pid)
+    name = slotmath.test_scope_name(worktree, pid)
     assert len(name) <= UNIT_NAME_MAX
     assert name.startswith("volute-test-") and name.endswith(f"-{pid}.scope")
     assert re.fullmatch(r"[A-Za-z0-9:_.\\-]+", name)
@@ -151,5 +151,5 @@ def test_scope_name_is_a_valid_unit_name(worktree: str, pid: int) -> None:
 
 
 def test_scope_name_escapes_the_worktree() -> None:
-    assert slotcore.test_scope_name("wt1", 42) == "volute-test-wt1-42.scope"
-    assert slotcore.test_scope_name("my-wt", 42) == "volute-test-my\\x2dwt-42.scope"
+    assert slotmath.test_scope_name("wt1", 42) == "volute-test-wt1-42.scope"
+    assert slotmath.test_scope_name("my-wt", 42) == "volute-test-my\\x2dwt-42.scope"

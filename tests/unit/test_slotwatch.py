@@ -23,9 +23,11 @@ from pathlib import Path
 import pytest
 from inotify_simple import INotify, flags
 
-from volutectl import slotcore, slots, slotwatch
-from volutectl.slotwatch import HeldSlot, SlotWatch
-from volutectl.testrun import register_with_gate
+from volutectl.core import slotmath
+from volutectl.slots import slotfiles
+from volutectl.slots import watch as slotwatch
+from volutectl.slots.testrun import register_with_gate
+from volutectl.slots.watch import HeldSlot, SlotWatch
 
 F_OFD_GETLK = 36  # linux/fcntl.h; Python's fcntl module does not name it before 3.13
 FLOCK_STRUCT = "hhqqi4x"  # struct flock on 64-bit Linux: type, whence, start, len, pid
@@ -92,8 +94,8 @@ def hold_in_child(common_dir: Path, cap: int) -> subprocess.Popen[str]:
     """A separate process that takes a slot (through the real acquire_slot) and holds it
     until its stdin closes; it prints the slot path once held."""
     code = (
-        "import sys; from volutectl import slots\n"
-        f"slot = slots.acquire_slot({str(common_dir)!r}, {cap})\n"
+        "import sys; from volutectl.slots import slotfiles\n"
+        f"slot = slotfiles.acquire_slot({str(common_dir)!r}, {cap})\n"
         "print(slot.path, flush=True); sys.stdin.read(); slot.release()\n"
     )
     return subprocess.Popen(
@@ -119,7 +121,7 @@ def test_ofd_getlk_does_not_see_a_flock_but_proc_locks_does(tmp_path: Path) -> N
         answer = struct.unpack(FLOCK_STRUCT, fcntl.fcntl(prober, F_OFD_GETLK, query))
         assert answer[0] == fcntl.F_UNLCK  # "no conflicting lock": wrong for us
         info = os.stat(path)
-        locks = slotcore.parse_proc_locks(Path("/proc/locks").read_text())
+        locks = slotmath.parse_proc_locks(Path("/proc/locks").read_text())
         assert (os.major(info.st_dev), os.minor(info.st_dev), info.st_ino) in locks
         # and the flock really is exclusive against a second description:
         with pytest.raises(BlockingIOError):
@@ -140,7 +142,7 @@ def test_parse_proc_locks_keeps_granted_flocks_only() -> None:
         "garbage\n"
         "6: FLOCK  ADVISORY  WRITE 1 zz:00:1 0 EOF\n"
     )
-    assert slotcore.parse_proc_locks(text) == {(0xFE, 0, 5309070), (0, 0x6D, 51)}
+    assert slotmath.parse_proc_locks(text) == {(0xFE, 0, 5309070), (0, 0x6D, 51)}
 
 
 def test_parse_mount_device_takes_the_longest_then_the_topmost_mount() -> None:
@@ -151,11 +153,11 @@ def test_parse_mount_device_takes_the_longest_then_the_topmost_mount() -> None:
         "32 31 254:2 / /srv rw - ext4 /dev/vdc rw\n"
         "33 22 254:3 / /mnt/with\\040space rw - ext4 /dev/vdd rw\n"
     )
-    assert slotcore.parse_mount_device(mountinfo, "/work/main/.git") == (254, 0)
-    assert slotcore.parse_mount_device(mountinfo, "/workshop") == (0, 109)
-    assert slotcore.parse_mount_device(mountinfo, "/srv/repo") == (254, 2)  # on top
-    assert slotcore.parse_mount_device(mountinfo, "/mnt/with space/r") == (254, 3)
-    assert slotcore.parse_mount_device("", "/x") is None
+    assert slotmath.parse_mount_device(mountinfo, "/work/main/.git") == (254, 0)
+    assert slotmath.parse_mount_device(mountinfo, "/workshop") == (0, 109)
+    assert slotmath.parse_mount_device(mountinfo, "/srv/repo") == (254, 2)  # on top
+    assert slotmath.parse_mount_device(mountinfo, "/mnt/with space/r") == (254, 3)
+    assert slotmath.parse_mount_device("", "/x") is None
 
 
 # -- the watch -----------------------------------------------------------------------------
@@ -179,7 +181,7 @@ def test_sees_a_slot_taken_and_freed_without_holding_it(repo: Path, tmp_path: Pa
     watch = make_watch([repo], tmp_path, Log())
     try:
         assert watch.repositories() == [common]
-        slot = slots.acquire_slot(common, 2)
+        slot = slotfiles.acquire_slot(common, 2)
         assert slot is not None
         # The directories appeared after the watch began: it follows them down.
         assert pump(watch, lambda: seen(watch) == ["slot-1"]) >= 1
@@ -203,7 +205,7 @@ def test_sees_a_slot_taken_and_freed_without_holding_it(repo: Path, tmp_path: Pa
 def test_a_waiter_taking_a_freed_slot_is_seen(repo: Path, tmp_path: Path) -> None:
     """Taking a flock raises no event; acquire_slot's announce makes the handoff visible."""
     common = (repo / ".git").resolve()
-    first = slots.acquire_slot(common, 1)
+    first = slotfiles.acquire_slot(common, 1)
     assert first is not None
     watch = make_watch([common], tmp_path, Log())
     try:
@@ -231,10 +233,10 @@ def test_a_waiter_taking_a_freed_slot_is_seen(repo: Path, tmp_path: Path) -> Non
 def test_the_watch_never_touches_a_slot_file(repo: Path, tmp_path: Path) -> None:
     """No open, no close, no event: waiters are never woken by the gate's probing."""
     common = (repo / ".git").resolve()
-    slot = slots.acquire_slot(common, 3)
+    slot = slotfiles.acquire_slot(common, 3)
     assert slot is not None
     spy = INotify()
-    slot_dir = slots.slot_directory(common)
+    slot_dir = slotfiles.slot_directory(common)
     for path in slot_dir.iterdir():
         spy.add_watch(path, flags.OPEN | flags.CLOSE_WRITE | flags.CLOSE_NOWRITE | flags.ACCESS)
     watch = make_watch([repo], tmp_path, Log())
@@ -344,13 +346,13 @@ def test_status_groups_runs_by_repository(repo: Path, tmp_path: Path) -> None:
     other = tmp_path / "other"
     other.mkdir()
     git("init", "-q", cwd=other)
-    slot = slots.acquire_slot(common, 2)
+    slot = slotfiles.acquire_slot(common, 2)
     assert slot is not None
     watch = make_watch([repo], tmp_path, Log())
     try:
         runs = [
-            slotcore.InFlight("volute-test-wt1-10.scope", str(tmp_path / "wt1"), "pytest", 3.25),
-            slotcore.InFlight("volute-test-other-11.scope", str(other), "make", None),
+            slotmath.InFlight("volute-test-wt1-10.scope", str(tmp_path / "wt1"), "pytest", 3.25),
+            slotmath.InFlight("volute-test-other-11.scope", str(other), "make", None),
         ]
         assert watch.status(runs) == sorted(
             [
@@ -423,15 +425,15 @@ def test_taking_a_flock_raises_no_event_so_the_taker_announces_it(
     repo: Path, tmp_path: Path
 ) -> None:
     common = (repo / ".git").resolve()
-    slots.acquire_slot(common, 1).release()  # type: ignore[union-attr]  # make slot-1
-    path = slots.slot_directory(common) / "slot-1"
+    slotfiles.acquire_slot(common, 1).release()  # type: ignore[union-attr]  # make slot-1
+    path = slotfiles.slot_directory(common) / "slot-1"
     fd = os.open(path, os.O_RDONLY)  # a waiter's descriptor, opened before the watch
     watch = make_watch([repo], tmp_path, Log())
     try:
         assert seen(watch) == []
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a waiter does on wake-up
         assert not readable(watch.fileno(), 0.2)  # the kernel says nothing
-        slots.announce_held(path)
+        slotfiles.announce_held(path)
         assert readable(watch.fileno(), 1.0)
         assert watch.on_ready() is True
         assert seen(watch) == ["slot-1"]
@@ -456,9 +458,9 @@ def test_one_watch_per_repository_and_slot_files_past_the_cap_cost_nothing(
     """Finding 8c: 145,000 slot files took one watch each. Now one watch per directory,
     and only slot-1 .. slot-<max> are looked at."""
     common = (repo / ".git").resolve()
-    slot = slots.acquire_slot(common, 2)
+    slot = slotfiles.acquire_slot(common, 2)
     assert slot is not None
-    directory = slots.slot_directory(common)
+    directory = slotfiles.slot_directory(common)
     for index in range(3, 3001):
         (directory / f"slot-{index}").touch()
     log = Log()
@@ -546,7 +548,7 @@ def test_the_watched_inode_is_the_checked_one(repo: Path, tmp_path: Path) -> Non
     is on the descriptor checked, and a re-attach checks again."""
     common = (repo / ".git").resolve()
     os.chown(common, 65534, 65534)
-    slots.acquire_slot(common, 1).release()  # type: ignore[union-attr]
+    slotfiles.acquire_slot(common, 1).release()  # type: ignore[union-attr]
     log = Log()
     watch = make_watch([], tmp_path, log)
     try:
@@ -562,7 +564,7 @@ def test_the_watched_inode_is_the_checked_one(repo: Path, tmp_path: Path) -> Non
         assert watch.held() == []  # the other user's slot is not the one watched
         # The watched directory changes; looking it up by its path finds another inode:
         # it is attached afresh, and checked again.
-        (slots.slot_directory(moved) / "slot-2").touch()
+        (slotfiles.slot_directory(moved) / "slot-2").touch()
         pump(watch, lambda: not watch.summary()[0].watching)
         assert "belongs to uid 65533" in str(watch.summary()[0].problem)
         assert watch.held() == []

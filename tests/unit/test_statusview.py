@@ -1,17 +1,17 @@
-"""`volutectl status` for people (volutectl/statusview.py): the aligned table of minds,
+"""`volutectl status` for people (volutectl/cli/statusview.py): the aligned table of minds,
 idle ones counted rather than listed, then the totals, in the one duration format."""
 
 from __future__ import annotations
 
-from volutectl.messages import (
+from volutectl.cli.statusview import format_status, table
+from volutectl.states import Outcome
+from volutectl.wire.messages import (
     MindStatus,
     PausedMind,
     PressureStatus,
     Status,
     TurnStatus,
 )
-from volutectl.states import Outcome
-from volutectl.statusview import format_status, table
 
 NOW = 1_800_000_000.0
 

@@ -20,12 +20,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from volutectl import core
-from volutectl.core import AfterFailure
+from volutectl.core import admission
+from volutectl.core.admission import AfterFailure
 from volutectl.errors import UnavailableError
-from volutectl.indexedstore import IndexedStore
 from volutectl.states import HoldReason, Outcome, QueueState
-from volutectl.store import NewDelivery, RequestIdReused, Row, Store
+from volutectl.store.indexed import IndexedStore
+from volutectl.store.queue import NewDelivery, RequestIdReused, Row, Store
 
 NOW = 1_700_000_000.0
 
@@ -185,9 +185,9 @@ def test_acknowledged_rows_survive_sigkill_of_the_writer(tmp_path: Path) -> None
         f"""
         import sys, time
         from pathlib import Path
-        from volutectl.store import Store
+        from volutectl.store.queue import Store
         store = Store(Path({str(path)!r}))
-        from volutectl.store import NewDelivery
+        from volutectl.store.queue import NewDelivery
         ids = store.add_deliveries([NewDelivery("m", "s", b"x" * 100)] * 50)
         print(" ".join(map(str, ids)), flush=True)
         time.sleep(60)  # never closes: the kill comes first
@@ -482,7 +482,7 @@ def test_a_row_that_backed_off_starts_clean(store: Store) -> None:
     [a] = add(store, ("a", "main"))
     store.start_turn("a", "main", unit_for, [a], NOW)
     store.fail_rows(failures((a, QueueState.PENDING, 1, NOW + 5)), "exited 1", NOW)
-    assert one(store, a).as_delivery() == core.Delivery(a, "a", "main", False, NOW + 5)
+    assert one(store, a).as_delivery() == admission.Delivery(a, "a", "main", False, NOW + 5)
     store.start_turn("a", "main", unit_for, [a], NOW + 6)
     row = one(store, a)
     assert (row.state, row.attempts, row.not_before) == ("running", 1, None)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from volutectl import slotcore, testrun
-from volutectl.testrun import Outcome, read_history, record_history
+from volutectl.core import slotmath
+from volutectl.slots import testrun
+from volutectl.slots.testrun import Outcome, read_history, record_history
 
 
 @pytest.fixture
@@ -26,8 +27,8 @@ def finish(common_dir: Path, execution_ms: int, exit_status: int = 0) -> None:
 
 def typical_ms(common_dir: Path) -> int | None:
     """What the next waiter's wait line and --json carry."""
-    typical = slotcore.typical_duration_ms(read_history(common_dir), "pytest -x")
-    return slotcore.wait_info(1, "--slots", [], typical)["typical_ms"]  # type: ignore[return-value]
+    typical = slotmath.typical_duration_ms(read_history(common_dir), "pytest -x")
+    return slotmath.wait_info(1, "--slots", [], typical)["typical_ms"]  # type: ignore[return-value]
 
 
 def test_no_history_no_estimate(common_dir: Path) -> None:

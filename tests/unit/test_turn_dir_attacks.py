@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from volutectl import dirfds, launcher, turndir
+from volutectl.kernel import dirfds
+from volutectl.launcher import fork as launcher
+from volutectl.launcher import turndir
 
 ROOT = os.geteuid() == 0
 MIND = pwd.getpwnam("nobody") if ROOT else pwd.getpwuid(os.getuid())

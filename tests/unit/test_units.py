@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from volutectl import orders
-from volutectl.config import Settings, flatten, load_settings
+from volutectl.config.settings import Settings, flatten, load_settings
+from volutectl.wire import orders
 
 REPO = Path(__file__).resolve().parents[2]
 UNITS = REPO / "units"

@@ -11,12 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from volutectl import messages, validate
-from volutectl.config import Settings
+from volutectl.config.settings import Settings
 from volutectl.errors import EX_DATAERR, EX_NOUSER, EX_USAGE, VoluteError
-from volutectl.messages import DeliverRequest, Op
+from volutectl.gate import validate
 from volutectl.states import QueueState
-from volutectl.store import NewDelivery
+from volutectl.store.queue import NewDelivery
+from volutectl.wire import messages
+from volutectl.wire.messages import DeliverRequest, Op
 
 SETTINGS = Settings(
     minds={"mimsy": {"command": "true"}, "pip": {"command": ["true"]}},  # type: ignore[dict-item]

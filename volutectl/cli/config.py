@@ -1,0 +1,149 @@
+"""`volutectl config show|check`: the effective configuration, and where each value came from.
+
+Both read the config exactly as every other command does (volutectl.config.settings.load_settings),
+so what `check` accepts is what the gate and `volutectl test` will run with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from volutectl.cli.options import config_option
+from volutectl.config.settings import DEFAULT_CONFIG_PATH, LoadedSettings, Settings, flatten
+from volutectl.config.settings import load_settings as _load_settings
+from volutectl.config.sources import ENV_NESTED, ENV_PREFIX
+from volutectl.errors import ConfigError
+from volutectl.launcher import preflight
+
+
+@click.group("config")
+def config_command() -> None:
+    """Show or check the configuration.
+
+    Precedence, lowest first: defaults, the TOML file, VOLUTE_SECTION__KEY variables.
+    """
+
+
+@config_command.command("show")
+@config_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead.")
+def show_command(config_path: str | None, as_json: bool) -> None:
+    """Print every key's effective value and where it came from."""
+    loaded = _load_settings(config_path)
+    flat = flatten(loaded.settings)
+    if as_json:
+        document = {
+            key: {"value": _plain(value), "source": loaded.source_of(key)}
+            for key, value in flat.items()
+        }
+        click.echo(json.dumps(document, indent=2))
+        return
+    click.echo(f"# {_file_line(loaded)}")
+    announced: set[str] = set()
+    for key, value in flat.items():
+        mind = _mind_of(loaded.settings, key)
+        if mind is not None and mind not in announced:
+            announced.add(mind)
+            sources = ", ".join(loaded.table_sources(f"minds.{mind}"))
+            click.echo(f"# [minds.{mind}] from {sources}")
+        click.echo(f"{key} = {_render(value)}  # {loaded.source_of(key)}")
+
+
+@config_command.command("check")
+@config_option
+def check_command(config_path: str | None) -> None:
+    """Validate the configuration, and check that every mind's turns can start here.
+
+    Exits 78 naming the bad key and its file or variable, or the minds that fail
+    preflight: a user that does not exist, a command that is missing or not executable
+    by that user, a working directory that is missing or closed to it, an environment
+    file that is not root's alone or does not parse. Warns (exit 0) when minds share a
+    user, or a mind's user is root or in the socket's group.
+    """
+    loaded = _load_settings(config_path)
+    settings = loaded.settings
+    click.echo(f"ok: {loaded.path if loaded.path is not None else _file_line(loaded)}")
+    reports = {report.mind: report for report in preflight.check_minds(settings)}
+    for mind in settings.minds:
+        sources = ", ".join(loaded.table_sources(f"minds.{mind}"))
+        limit = settings.mind_limit(mind)
+        click.echo(f"  mind {mind}: from {sources} (at most {limit} turn(s) at once)")
+        for problem in reports[mind].problems:
+            click.echo(f"    fail: {problem}")
+        for warning in reports[mind].warnings:
+            click.echo(f"    warn: {warning}")
+        for note in reports[mind].notes:
+            click.echo(f"    note: {note}")
+    for name in unused_variables(loaded):
+        click.echo(f"volutectl: warning: {name} names no config section; it is ignored", err=True)
+    apart = [mind for mind in settings.minds if reports[mind].warnings]
+    if apart:
+        which = f"mind {apart[0]} is" if len(apart) == 1 else f"minds {', '.join(apart)} are"
+        click.echo(
+            f"volutectl: warning: {which} not kept apart (see the warn lines)\n"
+            f"  hint: {preflight.APART_HINT}",
+            err=True,
+        )
+    status, found, change = preflight.check_cap(settings)
+    if status != "ok":
+        click.echo(f"volutectl: warning: {found}\n  hint: {change}", err=True)
+    failing = [mind for mind in settings.minds if reports[mind].problems]
+    if failing:
+        if len(failing) == 1:
+            which = f"mind {failing[0]} fails preflight: its turns"
+        else:
+            which = f"minds {', '.join(failing)} fail preflight: their turns"
+        raise ConfigError(
+            f"{which} cannot start on this host",
+            hint="fix what each fail line says; until then every turn fails and goes dead",
+        )
+
+
+def unused_variables(loaded: LoadedSettings, environ: dict[str, str] | None = None) -> list[str]:
+    """VOLUTE_X__Y variables whose X is no section: most likely a typo of one."""
+    environ = dict(os.environ) if environ is None else environ
+    return sorted(
+        name
+        for name in environ
+        if name.upper().startswith(ENV_PREFIX)
+        and ENV_NESTED in name
+        and name not in loaded.variables
+    )
+
+
+def _file_line(loaded: LoadedSettings) -> str:
+    if loaded.path is not None:
+        return f"config file: {loaded.path}"
+    return f"no config file ({DEFAULT_CONFIG_PATH} not found): defaults and environment only"
+
+
+def _mind_of(settings: Settings, key: str) -> str | None:
+    if not key.startswith("minds."):
+        return None
+    rest = key.removeprefix("minds.")
+    # Mind names may contain dots: take the longest mind name that the key starts with.
+    matches = [name for name in settings.minds if rest.startswith(f"{name}.")]
+    return max(matches, key=len) if matches else None
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-ready copy: paths become strings."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    return value
+
+
+def _render(value: Any) -> str:
+    # TOML-like: what you would write in the file to get this value. TOML has no null.
+    if value is None:
+        return "(unset)"
+    return json.dumps(_plain(value))

@@ -1,0 +1,176 @@
+"""`volutectl deliver`: the hot path, with nothing imported that it does not need.
+
+`deliver` runs from cron-aligned timers and chat fan-outs, so `deliver_main`
+parses its own arguments with argparse and imports neither click nor pydantic: it
+finds the socket (flag, $VOLUTE_GATE__SOCKET, the config file's [gate] socket, the
+default), sends one request and prints the id once the gate has committed the row.
+The gate validates mind, session and size against its config; the client checks the
+names too, so a typo fails before any I/O.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from volutectl.cli import waiting
+from volutectl.errors import EX_DATAERR, EX_TEMPFAIL, UsageError, VoluteError
+from volutectl.names import NameError_, check_mind, check_session
+from volutectl.wire import messages, protocol
+from volutectl.wire.messages import DeliverAck, DeliverRequest, Request
+
+# Not `import typing`: this module is on deliver's hot path (~6 ms).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, TypeVar
+
+    R = TypeVar("R", bound=messages.Reply)
+
+DEFAULT_SOCKET = "/run/volute/gate.sock"
+DEFAULT_CONFIG = "/etc/volute/volutectl.toml"
+
+
+def socket_path(explicit: str | None, config: str | None) -> str:
+    """The gate socket: flag, env, config file, default (same precedence as config)."""
+    if explicit:
+        return explicit
+    from_env = os.environ.get("VOLUTE_GATE__SOCKET")
+    if from_env:
+        return from_env
+    path = config or os.environ.get("VOLUTE_CONFIG") or DEFAULT_CONFIG
+    try:
+        import tomllib
+
+        with open(path, "rb") as handle:
+            value = tomllib.load(handle).get("gate", {}).get("socket")
+        if isinstance(value, str) and value:
+            return value
+    except FileNotFoundError:
+        if config or os.environ.get("VOLUTE_CONFIG"):
+            raise VoluteError(f"{path}: config file not found", exit_code=78) from None
+    except PermissionError:
+        pass
+    except ValueError as error:  # TOMLDecodeError
+        raise VoluteError(f"{path}: not valid TOML: {error}", exit_code=78) from None
+    return DEFAULT_SOCKET
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        raise UsageError(f"deliver: {message}", hint="see: volutectl deliver --help")
+
+
+def _deliver_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="volutectl deliver",
+        description="Queue a message for MIND. Prints the delivery id once it is durably "
+        "queued. Reads the message from stdin unless --message is given.",
+    )
+    parser.add_argument("mind")
+    parser.add_argument("--session", "-s", default="main", help="session (default: main)")
+    parser.add_argument("--message", "-m", help="the message (default: read stdin)")
+    parser.add_argument(
+        "--interrupt", action="store_true", help="interrupt the session's running turn"
+    )
+    parser.add_argument(
+        "--wait", action="store_true", help="wait for the turn that carries it; exit with its code"
+    )
+    parser.add_argument("--socket", help=f"gate socket (default: {DEFAULT_SOCKET})")
+    parser.add_argument("--config", help="config file, to find the socket")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds the gate may take to acknowledge, retrying while it restarts; with "
+        "--wait, also to answer again after a restart (default: 30)",
+    )
+    return parser
+
+
+def deliver_main(argv: list[str]) -> int:
+    args = _deliver_parser().parse_args(argv)
+    try:
+        check_mind(args.mind)
+        check_session(args.session)
+    except NameError_ as error:
+        raise VoluteError(str(error), exit_code=EX_DATAERR) from None
+    message = _message(args.message)
+    request_ = DeliverRequest(
+        args.mind, message, args.session, args.interrupt, args.wait, os.urandom(16).hex()
+    )
+    path = socket_path(args.socket, args.config)
+    connection, ack = acknowledged(path, request_, args.timeout)
+    try:
+        print(ack.id, flush=True)
+    except BaseException:
+        connection.close()
+        raise
+    if not args.wait:
+        connection.close()
+        return 0
+    # The event comes on this connection; after a gate restart, on a new one (`wait`).
+    events = waiting.settle(path, (ack.id,), args.timeout, connection, waiting.report)
+    return waiting.exit_code((ack.id,), events)
+
+
+def _message(given: str | None) -> str:
+    """The message: --message, else stdin; UTF-8 text either way."""
+    if given is not None:
+        try:
+            # Bytes that are not UTF-8 reach argv as lone surrogates; JSON would carry
+            # them to the gate as text it cannot store.
+            given.encode("utf-8")
+        except UnicodeEncodeError:
+            raise VoluteError("the --message is not UTF-8 text", exit_code=EX_DATAERR) from None
+        return given
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UsageError("no message: pass --message TEXT or pipe it on stdin")
+    raw = sys.stdin.buffer.read()
+    if not raw:
+        raise UsageError("no message: stdin was empty; pass --message TEXT or pipe it in")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise VoluteError("the message on stdin is not UTF-8 text", exit_code=EX_DATAERR) from None
+
+
+def acknowledged(
+    path: str, message: DeliverRequest, timeout: float
+) -> tuple[protocol.Connection, DeliverAck]:
+    """Send a deliver request until the gate acknowledges it; the connection and the ack.
+
+    A connection lost before the ack (EOF, ECONNRESET: the gate restarted or died, maybe
+    after committing the row) is retried with the same request id after a short backoff:
+    the gate keeps request ids unique, so a retry gets the original delivery id back and
+    nothing is queued twice. A gate that is absent on the first try (no socket file, or a
+    refused connection) fails at once with 69. After a lost connection the gate was there
+    a moment ago and the request may be queued, so failing to connect is retried too.
+    Running out of `timeout` seconds is 75: the request may or may not have been queued.
+    """
+    return protocol.request_through_restarts(
+        path,
+        message.to_wire(),
+        lambda reply: messages.expect(DeliverAck, reply),
+        timeout,
+        lambda lost: _out_of_time(timeout, lost),
+    )
+
+
+def _out_of_time(timeout: float, lost: protocol.ConnectionLost | None) -> VoluteError:
+    why = f" (last: {lost.message})" if lost is not None else ""
+    return VoluteError(
+        f"the gate did not acknowledge the delivery within {timeout:g} s{why}",
+        hint="it may have been queued all the same: see `volutectl queue list`",
+        exit_code=EX_TEMPFAIL,
+    )
+
+
+def call(request_: Request, reply: type[R], socket: str | None, config: str | None) -> R:
+    """One request to the gate, and its reply as `reply` (a refusal is raised)."""
+    connection = protocol.Connection(socket_path(socket, config))
+    try:
+        connection.send(request_.to_wire())
+        return messages.expect(reply, connection.receive())
+    finally:
+        connection.close()

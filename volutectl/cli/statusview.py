@@ -1,0 +1,126 @@
+"""`volutectl status` for people: one aligned table of minds, then the totals.
+
+A row per mind that has something to show: a running turn, pending or dead deliveries,
+or a pause. Idle minds are counted in one line instead (30 idle minds would bury the
+few that matter); `--all` lists every mind. `volutectl status --json` carries every
+configured mind either way. Durations are volutectl/durations.py's one format.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from volutectl.durations import format_duration
+from volutectl.wire.messages import MindStatus, PausedMind, Status
+
+COLUMNS = ("MIND", "RUNNING", "PENDING", "ATTEMPTS", "NEXT RETRY", "LAST TURN", "DEAD", "PAUSED")
+NUMERIC = {"PENDING", "ATTEMPTS", "DEAD"}  # right-aligned
+
+
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else format_duration(seconds)
+
+
+def has_news(mind: MindStatus) -> bool:
+    """A row worth a line: it runs, waits, has dead deliveries, or is paused."""
+    return bool(mind.running_sessions or mind.pending or mind.dead) or mind.paused_since is not None
+
+
+def _row(name: str, mind: MindStatus, running: dict[str, list[str]], now: float) -> list[str]:
+    last = "-"
+    if mind.last_turn_id is not None:
+        outcome = mind.last_outcome or "?"
+        last = f"{mind.last_turn_id} {outcome}, {_age(mind.last_turn_s)} ago"
+    paused = "-" if mind.paused_since is None else _age(now - mind.paused_since)
+    return [
+        name,
+        ", ".join(running.get(name, [])) or "-",
+        str(mind.pending),
+        str(mind.attempts),
+        _age(mind.next_retry_s),
+        last,
+        str(mind.dead),
+        paused,
+    ]
+
+
+def table(rows: Sequence[Sequence[str]], header: Sequence[str] = COLUMNS) -> list[str]:
+    """Aligned columns, two spaces apart; numbers to the right."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for row in [header, *rows]:
+        cells = [
+            cell.rjust(width) if name in NUMERIC else cell.ljust(width)
+            for cell, width, name in zip(row, widths, header, strict=True)
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _pauses(paused: Sequence[PausedMind], now: float) -> str:
+    def since(pause: PausedMind) -> str:
+        clock = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(pause.since))
+        return f"since {clock} ({format_duration(now - pause.since)})"
+
+    every = [pause for pause in paused if pause.mind == "*"]
+    named = [f"{pause.mind} {since(pause)}" for pause in paused if pause.mind != "*"]
+    if every:
+        return f"paused: every mind, those configured later included, {since(every[0])}" + (
+            f"; by name before that: {', '.join(named)}" if named else ""
+        )
+    return f"paused: {', '.join(named)}"
+
+
+def format_status(status: Status, *, every_mind: bool = False, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    running: dict[str, list[str]] = {}
+    for turn in status.turns:
+        running.setdefault(turn.mind, []).append(f"{turn.session} {_age(turn.running_s)}")
+    shown = {name: m for name, m in status.minds.items() if every_mind or has_news(m)}
+    lines = table([_row(name, mind, running, now) for name, mind in shown.items()])
+    if not shown:
+        lines = ["no mind runs, waits, has dead deliveries or is paused"]
+    idle = len(status.minds) - len(shown)
+    if idle:
+        lines.append(f"({idle} idle mind{'s' if idle != 1 else ''} not shown: --all shows them)")
+    return "\n".join(lines + [""] + _totals(status, now))
+
+
+def _totals(status: Status, now: float) -> list[str]:
+    cap = status.global_cap if status.global_cap is not None else "no cap"
+    other = f", {status.foreign_scopes} of them other scopes" if status.foreign_scopes else ""
+    lines = [
+        f"turns: {status.active_turns} running of {cap}{other} "
+        f"({status.turns_per_mind} per mind, in {status.slice})"
+    ]
+    held = ", ".join(f"{n} {reason}" for reason, n in sorted(status.holds.items()))
+    lines.append(
+        f"queue: {status.queue_depth} pending" + (f" (held: {held})" if held else "")
+        + f", oldest hold {_age(status.oldest_held_s)}; {status.dead} dead"
+    )  # fmt: skip
+    if status.paused:
+        lines.append(_pauses(status.paused, now))
+    for mind, problems in sorted(status.preflight.items()):
+        lines.append(f"preflight: mind {mind} cannot start turns: {'; '.join(problems)}")
+    pressure = status.io_pressure
+    if pressure.enabled:
+        state = f"HIGH ({pressure.reason}): holding new turns" if pressure.high else "ok"
+        lines.append(f"io pressure: {state}; {pressure.trigger}")
+    for repo in status.test_runs:
+        held_slots = repo.slots_held if repo.slots_held is not None else "?"
+        slots = repo.slots if repo.slots is not None else "?"
+        counted = " (count as turns)" if status.test_runs_count_as_turns else ""
+        if repo.slots_held is None and repo.problem:
+            lines.append(f"test slots: cannot watch {repo.repository}: {repo.problem}")
+        else:
+            problem = f" ({repo.problem})" if repo.problem else ""
+            lines.append(
+                f"test slots: {held_slots} of {slots} held in {repo.repository}{counted}{problem}"
+            )
+        for run in repo.runs:
+            lines.append(
+                f"  test run: {run.worktree} `{run.command}` "
+                f"running {_age(run.running_s)}  ({run.unit})"
+            )
+    return lines

@@ -1,0 +1,9 @@
+"""Pure cores: the decisions, with no I/O, no clock and no imports beyond the leaves.
+
+- `admission`: which deliveries start now (`admit`), from the queue, the live turns and
+  the limits.
+- `slotmath`: a test run's cap and its wait line, from slot states and history.
+- `psi`: PSI trigger lines, the stalled share of an interval, and the hysteresis.
+
+Each module is the package's surface: import it by name. Nothing is re-exported here.
+"""

@@ -1,0 +1,478 @@
+"""The gate: one event loop over file descriptors, no polling.
+
+It waits in one select() on: the listening socket and its clients (volutectl/gate/server.py),
+the D-Bus connection (scope-ended signals), a pidfd per turn's main process, the
+test-slot watch, the PSI trigger when enabled, and a stop fd. A timeout is used only for
+real deadlines: a failed delivery's backoff, a turn's time limit, a question to systemd
+to ask again, an idle client, the watchdog, and retention's next batch.
+
+Each pass (`step`): take in requests (deliveries share one durable commit, then are
+acknowledged: volutectl/gate/handlers.py), learn which turns ended (volutectl/gate/liveness.py),
+then run admission (admission.admit) against the scopes that hold a place, and carry out its
+decisions (volutectl/gate/turns.py). Retention's batch (volutectl/store/retention.py) comes last,
+and only in a pass that started no turn.
+
+`Gate.open(settings)` builds every part, or fails having opened nothing that stays;
+`run(stop_fd)` serves until told to stop. Tests build it with a fake systemd
+(tests/unit/fake_systemd.py) and drive `step()` themselves. The CLI edge (signals,
+sd_notify) is volutectl/cli/gate.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import selectors
+import socket
+import sqlite3
+import time
+from collections.abc import Callable
+from typing import Any
+
+from volutectl.config.settings import Settings
+from volutectl.core import admission
+from volutectl.errors import VoluteError
+from volutectl.gate import handlers, status
+from volutectl.gate.handlers import Caller, GateState
+from volutectl.gate.liveness import Liveness
+from volutectl.gate.pressure import open_for_turns
+from volutectl.gate.server import Client, Server
+from volutectl.gate.turns import Turn, Turns
+from volutectl.launcher import preflight
+from volutectl.launcher.hands import LocalHands, RemoteHands, TurnHands
+from volutectl.slots.watch import SlotWatch
+from volutectl.states import HoldReason
+from volutectl.store.indexed import IndexedStore
+from volutectl.store.retention import Retention
+from volutectl.systemd.journal import Journal, sd_notify, watchdog_interval
+from volutectl.systemd.port import SystemdManager
+from volutectl.wire.messages import (
+    DeliverAck,
+    DeliverRequest,
+    ErrorReply,
+    Reply,
+    Request,
+    WaitReply,
+)
+
+ADMIT_RETRY_SECONDS = 1.0
+
+
+def limits_of(settings: Settings) -> admission.Limits:
+    return admission.Limits(
+        global_cap=settings.limits.global_concurrent_turns,
+        turns_per_mind=settings.limits.turns_per_mind,
+        per_mind={
+            name: mind.turns_per_mind
+            for name, mind in settings.minds.items()
+            if mind.turns_per_mind is not None
+        },
+    )
+
+
+class Gate:
+    """Built whole by its constructor (or not at all: what it opened is closed again)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        manager: SystemdManager | None = None,
+        journal: Journal | None = None,
+        listener: socket.socket | None = None,
+        hands: TurnHands | None = None,
+    ) -> None:
+        """Open the store, connect to systemd (subscribed before anything is listed, so no
+        turn can end unseen), take the socket, then take back the open turns."""
+        self.settings = settings
+        self.journal = journal or Journal("volute-gate")
+        self.selector = selectors.DefaultSelector()
+        self.stopping = False
+        self.watchdog: float | None = None
+        self.next_ping: float | None = None
+        self.backoff_wake: float | None = None
+        self.admit_retry: float | None = None  # monotonic: admission failed, try again then
+        self.admit_failing = False
+        self.notifier = status.StatusNotifier()  # STATUS= for systemd, when it changes
+        self.started = False  # this pass started a turn
+        self._opened: list[Any] = [self.selector]
+        try:
+            self.state = self._build_state(manager, hands)
+            handlers.load_pauses(self.state)  # a pause outlives the gate that took it
+            self.server = Server(settings, self.selector, self.journal, inherited=listener)
+            self._opened.append(self.server)
+            self.state.liveness.recover()
+            self.state.store.sync()
+            self.retention = Retention(self.state.store, settings.gate.retention_days, self.journal)
+            self.retention.prepare(progress=self._starting)
+            self.selector.register(self.state.manager.fileno(), selectors.EVENT_READ, ("bus", None))
+            self.selector.register(self.state.slots.fileno(), selectors.EVENT_READ, ("slots", None))
+            self._open_pressure()
+            preflight.log_failing(settings, self.journal.log)  # status shows it too
+            # What start loaded (a deep queue's index, the imports) lives as long as the
+            # gate: keep the cyclic collector from scanning it again and again.
+            gc.freeze()
+        except BaseException:
+            for part in reversed(self._opened):
+                with contextlib.suppress(Exception):
+                    part.close()
+            raise
+
+    def _build_state(self, manager: SystemdManager | None, hands: TurnHands | None) -> GateState:
+        settings, journal = self.settings, self.journal
+        store = IndexedStore(settings.gate.state_dir / "queue.sqlite3")
+        self._opened.append(store)
+        if manager is None:
+            from volutectl.systemd.adapter import Manager
+
+            manager = Manager.connect(user=settings.gate.manager == "user")
+            self._opened.append(manager)  # one we were given is its giver's to close
+        manager.watch_units()
+        if hands is None:
+            hands = self._hands(store, manager)
+        self._opened.append(hands)
+        turns = Turns(
+            settings,
+            store,
+            hands,
+            journal,
+            notify=self._notify,
+            watch_fd=self._watch,
+            unwatch_fd=self._unwatch,
+            wake=self.mark_dirty,
+        )
+        liveness = Liveness(settings, store, manager, turns, wake=self.mark_dirty)
+        slots = SlotWatch(
+            settings.tests.repositories,
+            settings.gate.state_dir / "repositories.json",
+            lambda level, message: journal.log(level, message),
+            max_slot_files=settings.tests.max_slot_files,
+        )
+        self._opened.append(slots)
+        return GateState(settings, store, manager, turns, liveness, slots, None, journal,
+                         limits_of(settings), notify=self._notify)  # fmt: skip
+
+    def _hands(self, store: IndexedStore, manager: SystemdManager) -> TurnHands:
+        """volute-launcher's socket when one is configured (the gate is unprivileged),
+        else this process's own hands (a root gate run by hand)."""
+        path = self.settings.gate.launcher_socket
+        if path is None:
+            settings = self.settings
+            return LocalHands(lambda: settings, manager, self.journal)
+        return RemoteHands(path, lambda: [row.id for row in store.open_turns()])
+
+    # Callbacks for the parts: they run only once the constructor has finished.
+
+    def _notify(self, delivery_id: int, event: Reply) -> None:
+        self.server.notify(delivery_id, event)
+
+    def _watch(self, fd: int, turn: Turn) -> None:
+        self.selector.register(fd, selectors.EVENT_READ, ("pidfd", turn))
+
+    def _unwatch(self, fd: int) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(fd)
+
+    def _open_pressure(self) -> None:
+        pressure = open_for_turns(self.settings, self.state.manager, self.journal.log)
+        if pressure is not None:
+            self.selector.register(pressure.fileno(), selectors.EVENT_READ, ("pressure", None))
+        self.state.pressure = pressure
+
+    def _starting(self) -> None:
+        """Still busy starting (retention's first pass over an old database)."""
+        sd_notify("EXTEND_TIMEOUT_USEC=30000000\nSTATUS=deleting expired rows, then "
+                  "reclaiming the queue's free pages (once)")  # fmt: skip
+
+    def mark_dirty(self) -> None:
+        self.state.dirty = True
+
+    def close(self) -> None:
+        """Stop serving. Turns keep running in their scopes; a restarted gate adopts them."""
+        self.server.close()
+        for turn in self.state.turns.all():
+            self.state.turns.close_pidfd(turn)
+        self.state.slots.close()
+        if self.state.pressure is not None:
+            self.state.pressure.close()
+        self.state.store.close()
+        self.state.turns.hands.close()
+        self.state.manager.close()
+        self.selector.close()
+
+    def run(self, stop_fd: int | None = None, ready: Callable[[], None] | None = None) -> None:
+        """Serve until `stop_fd` becomes readable, then close."""
+        if stop_fd is not None:
+            self.selector.register(stop_fd, selectors.EVENT_READ, ("stop", None))
+        if ready is not None:
+            ready()
+        limits = self.state.limits
+        self.journal.log(
+            "info",
+            f"gate ready on {self.settings.gate.socket}: cap "
+            f"{limits.global_cap or 'unlimited'}, {limits.turns_per_mind} per mind",
+            socket=self.settings.gate.socket,
+        )
+        self.watchdog = watchdog_interval() if self.settings.gate.watchdog else None
+        self.next_ping = time.monotonic() + self.watchdog if self.watchdog else None
+        try:
+            while not self.stopping:
+                self.step(self.timeout())
+        finally:
+            self.close()
+
+    # -- deadlines ----------------------------------------------------------------------
+
+    def timeout(self) -> float | None:
+        """How long select() may sleep: only until a real deadline, else forever."""
+        if self.state.manager.has_pending_events() or self.server.backlog or self.state.dirty:
+            return 0.0  # a pass is owed (a new gate's first one included): no sleep
+        now, mono = time.time(), time.monotonic()
+        waits = []
+        # The next backoff to end; one that ended unseen by a pass is due now.
+        self.backoff_wake = self.state.store.next_backoff_deadline(after=now)
+        if self.backoff_wake is not None:
+            waits.append(self.backoff_wake - now)
+        waits += [deadline - mono for deadline in self._deadlines()]
+        return max(0.0, min(waits)) if waits else None
+
+    def _deadlines(self) -> list[float]:
+        """Monotonic deadlines of the loop's timers."""
+        deadlines = [self.next_ping] if self.next_ping is not None else []
+        pressure = self.state.pressure
+        if pressure is not None and pressure.deadline() is not None:
+            deadlines.append(pressure.deadline() or 0.0)
+        if self.admit_retry is not None:
+            deadlines.append(self.admit_retry)
+        checkpoint = self.state.store.checkpoint_deadline()
+        if checkpoint is not None:
+            deadlines.append(checkpoint)
+        if self.retention.deadline() is not None:
+            deadlines.append(self.retention.deadline() or 0.0)
+        turn_deadline = self.state.liveness.next_deadline()
+        if turn_deadline is not None:
+            deadlines.append(time.monotonic() + turn_deadline - time.time())
+        return deadlines + self.server.deadlines()
+
+    def _on_deadlines(self) -> None:
+        mono = time.monotonic()
+        if self.next_ping is not None and self.watchdog and mono >= self.next_ping:
+            sd_notify("WATCHDOG=1")
+            self.next_ping = mono + self.watchdog
+        if self.state.pressure is not None and self.state.pressure.on_deadline(mono):
+            self.state.dirty = True  # pressure fell below the resume threshold
+        if self.backoff_wake is not None and time.time() >= self.backoff_wake:
+            self.backoff_wake = None
+            self.state.dirty = True
+        if self.admit_retry is not None and mono >= self.admit_retry:
+            self.admit_retry = None
+            self.state.dirty = True
+        checkpoint = self.state.store.checkpoint_deadline()
+        if checkpoint is not None and mono >= checkpoint:
+            # Off the handoff path: the gate has been quiet for a second.
+            self._guarded("a checkpoint of the queue", self.state.store.checkpoint)
+        due = self.state.liveness.next_deadline()
+        if due is not None and time.time() >= due:
+            self._guarded("a turn's deadline", self.state.liveness.on_deadline, time.time())
+        self.server.on_deadlines(mono)
+
+    # -- one pass ---------------------------------------------------------------------------
+
+    def step(self, timeout: float | None) -> None:
+        """One pass of the loop: wait, take in what arrived, then admit."""
+        incoming: list[tuple[Client, Request | ErrorReply]] = []
+        ready = self.selector.select(timeout)
+        self.started = False
+        for key, mask in ready:
+            kind, data = key.data
+            if kind == "accept":
+                self.server.accept()
+            elif kind == "client":
+                incoming += self.server.on_client(data, mask)
+            elif kind == "hangup":
+                self.server.on_hangups()
+            elif kind == "pidfd":
+                self._guarded(f"the end of turn {data.id}", self.state.liveness.reap, data)
+            elif kind == "slots":
+                if self.state.slots.on_ready():
+                    self.state.dirty = True  # a test run started or ended: the budget moved
+            elif kind == "pressure":
+                assert self.state.pressure is not None
+                if self.state.pressure.on_ready(time.monotonic()):
+                    self.state.dirty = True
+            elif kind == "stop":
+                self.stopping = True
+        incoming += self.server.backlogged()
+        if incoming:
+            self._serve(incoming)
+        events = self.state.manager.process_events()
+        for event in events:
+            news = f"systemd's news of {event.name}"
+            self._guarded(news, self.state.liveness.unit_ended, event.name)
+        self._on_deadlines()
+        if self.state.dirty and not self.stopping:
+            self.state.dirty = False
+            self.admit()
+        # A turn's settlement is durable before the gate sleeps; if the disk refuses,
+        # the next pass tries again (what was not synced is still in the WAL).
+        self._guarded("syncing the queue", self.state.store.sync)
+        idle = not (ready or incoming or events)  # woke for deadlines alone
+        mono = time.monotonic()
+        self._guarded("retention", self.retention.on_pass, mono, idle, self.started)
+
+    def _serve(self, incoming: list[tuple[Client, Request | ErrorReply]]) -> None:
+        """Answer every request that came in this pass, each client's in its order.
+
+        Deliveries that came together share one durable commit. Another request after
+        them waits for that commit first, so that it sees what came before it."""
+        replies: list[Reply | None] = [None] * len(incoming)
+        batch: list[int] = []  # indexes of deliveries not yet committed
+        for index, (client, request) in enumerate(incoming):
+            if isinstance(request, ErrorReply):
+                replies[index] = request
+            elif client.closed:
+                continue
+            elif isinstance(request, DeliverRequest):
+                batch.append(index)
+            else:
+                self._commit(incoming, batch, replies)
+                replies[index] = self._handle(client, request)
+        self._commit(incoming, batch, replies)
+        for (client, request), reply in zip(incoming, replies, strict=True):
+            if reply is None or client.closed:
+                continue
+            if isinstance(request, DeliverRequest) and request.wait:
+                if isinstance(reply, DeliverAck):
+                    # A retried request's delivery may have run already: look, then.
+                    self._wait(client, (reply.id,), reply, request.request_id is not None)
+                    continue
+            if isinstance(reply, WaitReply):
+                self._wait(client, reply.ids, reply, True)
+                continue
+            self.server.reply(client, reply)
+
+    def _commit(
+        self,
+        incoming: list[tuple[Client, Request | ErrorReply]],
+        batch: list[int],
+        replies: list[Reply | None],
+    ) -> None:
+        """Commit the pending deliveries (one commit for all), their replies in place."""
+        if not batch:
+            return
+        requests = [incoming[index][1] for index in batch]
+        acks = self._deliver(
+            [incoming[index][0] for index in batch],
+            [request for request in requests if isinstance(request, DeliverRequest)],
+        )
+        for index, ack in zip(batch, acks, strict=True):
+            replies[index] = ack
+        batch.clear()
+
+    def _handle(self, client: Client, request: Request) -> Reply | None:
+        try:
+            return handlers.handle(self.state, request, Caller(client.peer_uid()))
+        except Exception as error:  # noqa: BLE001 - a bug: it ends this client only
+            self.server.client_failed(client, f"handling a {request.OP} request", error)
+            return None
+
+    def _deliver(self, clients: list[Client], batch: list[DeliverRequest]) -> list[Reply | None]:
+        try:
+            callers = [Caller(client.peer_uid()) for client in clients]
+            return list(handlers.accept_deliveries(self.state, batch, callers))
+        except Exception as error:  # noqa: BLE001 - nothing was stored: end these clients
+            for client in clients:
+                self.server.client_failed(client, "storing deliveries", error)
+            return [None] * len(batch)
+
+    def _wait(self, client: Client, ids: tuple[int, ...], reply: Reply, look: bool) -> None:
+        """Keep the client for the events of `ids`, after `reply`; with `look`, tell it
+        at once of those that have already settled."""
+        for delivery_id in ids:
+            self.server.wait_for(client, delivery_id)
+        self.server.reply(client, reply)
+        for delivery_id in ids if look else ():
+            finished = handlers.finished_event(self.state, delivery_id)
+            if finished is not None:
+                self.server.notify(delivery_id, finished)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def _guarded(self, what: str, handler: Callable[..., None], *args: Any) -> None:
+        """Run one event's handler; a failure there must not take the loop down.
+
+        Its state stays as it was: a turn keeps its place, a row its state. systemd or
+        the disk failing is logged; anything else is a bug, logged with its type."""
+        try:
+            handler(*args)
+        except (VoluteError, sqlite3.Error, OSError) as error:
+            text = error.message if isinstance(error, VoluteError) else str(error)
+            self.journal.log("error", f"handling {what} failed: {text}")
+            self.state.dirty = True
+        except Exception as error:  # noqa: BLE001 - the loop must outlive a bug
+            self.journal.log("error", f"handling {what} failed: {type(error).__name__}: {error}")
+            self.state.dirty = True
+
+    def admit(self) -> None:
+        """Run admission; if systemd or the store fails, say so once and retry in a second.
+
+        Nothing is started on a guess: without systemd's listing, no turn starts."""
+        try:
+            self._admit()
+        except (VoluteError, sqlite3.Error, OSError) as error:
+            text = error.message if isinstance(error, VoluteError) else str(error)
+            if not self.admit_failing:
+                self.journal.log(
+                    "error",
+                    f"admission failed, no turn starts until it works: {text}; retrying "
+                    f"every {ADMIT_RETRY_SECONDS:.0f} s",
+                )
+            self.admit_failing = True
+            self.admit_retry = time.monotonic() + ADMIT_RETRY_SECONDS
+            self.notifier.update(f"admission failing, no turn starts: {text}")
+            return
+        if self.admit_failing:
+            self.journal.log("info", "admission works again")
+            self.admit_failing = False
+
+    def _admit(self) -> None:
+        """One admission pass over the store's index of pending rows (O(what changed):
+        volutectl/store/index.py), then carry out what it decided."""
+        state = self.state
+        if state.store.index.rows:
+            # Starts and folds need the launcher: without it, decide nothing (and say so).
+            state.turns.hands.ensure()
+        live, state.foreign_live = state.liveness.count_live()
+        # With limits.test_runs_count_as_turns, each held test slot takes one unit of the
+        # global budget; test runs are never held here, only turns.
+        test_runs = 0
+        if self.settings.limits.test_runs_count_as_turns:
+            test_runs = len(state.slots.held())
+        now = time.time()
+        pressure = state.pressure
+        decision, changes = state.store.index.admit(
+            live,
+            state.limits,
+            now=now,
+            other_busy=state.foreign_live + test_runs,
+            other_busy_reason=HoldReason.TEST_RUN if test_runs else HoldReason.GLOBAL_CAP,
+            pressure=pressure is not None and pressure.high,
+            paused=() if isinstance(state.paused, admission.EveryMind) else state.paused,
+            all_paused=isinstance(state.paused, admission.EveryMind),
+            # PSI is reactive: start at most one turn per pass, and let it settle.
+            max_starts=pressure.may_start() if pressure is not None else None,
+        )
+        for fold in decision.folds:
+            state.turns.fold(fold, now)
+        for start in decision.starts:
+            if state.turns.systemd_silent:
+                break  # the rest stay pending, decided again in the next pass
+            self.started = True
+            state.turns.start(start, now)
+        if state.turns.systemd_silent:
+            state.turns.systemd_silent = False
+            self.admit_retry = time.monotonic() + ADMIT_RETRY_SECONDS
+        if pressure is not None and decision.starts:
+            pressure.note_started(time.monotonic())
+        state.turns.record_holds(changes, now)
+        self.notifier.update(status.gate_line(state, now, test_runs))

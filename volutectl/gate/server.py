@@ -1,0 +1,557 @@
+"""The gate's socket: its listener, its clients, and the lines between them.
+
+`Server` owns the listening socket (systemd's when socket-activated, else one it binds)
+and every client connection. It reads lines, decodes each into a typed request (or
+answers the refusal at once), queues replies without ever blocking the loop, and keeps
+the clients that wait for a delivery's outcome. It registers its sockets in the gate's
+selector with ("accept", None) and ("client", Client) as data; the gate routes those
+events here.
+
+Limits, so that no client can hurt the gate: gate.max_clients connections at once (then
+new ones wait unaccepted in the backlog), a listener that rests when accept() lacks
+descriptors instead of spinning, clients idle mid-request for gate.client_idle_seconds
+dropped, clients that never read their replies dropped, and a failure while serving
+one client ends that client only.
+
+Fair shares, as every member of the socket's group may connect: a uid other than root
+holds at most gate.max_clients_per_uid connections, and the last
+gate.clients_reserved_for_root places are root's; a connection past either is refused
+with 75 as soon as it is accepted (its uid is known only then). A client that waits for
+an outcome after its end of requests is watched for hang-up (`hangups`, an epoll set
+that reports nothing else): once its peer has closed, nobody can read the outcome, and
+it is dropped at once instead of holding its place until the delivery settles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import os
+import select
+import selectors
+import socket
+import struct
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from volutectl.config.settings import Settings
+from volutectl.errors import EX_SOFTWARE, DataError, TemporaryError, UnavailableError, VoluteError
+from volutectl.systemd import activation
+from volutectl.systemd.journal import Journal
+from volutectl.wire import messages, protocol
+from volutectl.wire.messages import ErrorReply, Reply, Request
+
+# Replies queued for a client that does not read them: beyond this it is dropped. The
+# largest reply (a queue listing of 200 rows, without messages) is some 50 KiB.
+MAX_OUTBOX = 1 << 20
+# After accept() failed for want of descriptors or memory, the listener rests until a
+# client leaves or this long has passed (the descriptors may be held by turns instead).
+ACCEPT_RETRY_SECONDS = 1.0
+# Lines of one client taken in one pass of the loop; the rest wait for the next pass.
+MAX_LINES_PER_PASS = 1024
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+# The peer has closed its socket (or shut both ways), or reset it: nothing sent reaches it.
+_GONE = select.POLLHUP | select.POLLERR
+
+
+@dataclass(eq=False)
+class Client:
+    sock: socket.socket
+    fd: int  # the key in Server.clients and Server.idle; sock.fileno() is -1 once closed
+    uid: int  # SO_PEERCRED of the connection: fixed at connect()
+    buffer: bytearray = field(default_factory=bytearray)  # a request line still partial
+    outbox: bytearray = field(default_factory=bytearray)
+    events: int = selectors.EVENT_READ  # what the selector watches it for; 0: not at all
+    closed: bool = False
+    eof: bool = False  # it shut its writing side: no more requests, but it may wait
+    waiting: set[int] = field(default_factory=set)  # delivery ids it waits for
+    # Monotonic time of the last complete line, of the accept, or of a wait's end: the
+    # client is dropped gate.client_idle_seconds later, unless it is waiting.
+    idle_since: float = 0.0
+
+    def peer_uid(self) -> int:
+        """The uid of the process that connected."""
+        return self.uid
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The (effective) uid of the process that connected: SO_PEERCRED, fixed at connect()."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    return int(_PEERCRED.unpack(raw)[1])
+
+
+class Server:
+    def __init__(
+        self,
+        settings: Settings,
+        selector: selectors.BaseSelector,
+        journal: Journal,
+        *,
+        inherited: socket.socket | None = None,
+    ) -> None:
+        self.settings = settings
+        self.selector = selector
+        self.journal = journal
+        self.bound_socket: Path | None = None  # a socket file we bound, to unlink on close
+        self.clients: dict[int, Client] = {}
+        self.per_uid: Counter[int] = Counter()  # connections open, by uid
+        self.refusing: set[int] = set()  # uids refused (as logged) since last accepted
+        # Clients that wait for an outcome after their end of requests, by fd: polled for
+        # nothing but hang-up (EPOLLHUP and EPOLLERR are always reported), and itself
+        # in the selector, so a hang-up wakes the loop.
+        self.hangups = select.epoll()
+        # The clients that can go idle (not waiting), oldest idle_since first: insertion
+        # order is that order, so the next idle deadline is the first entry's, in O(1).
+        self.idle: dict[int, Client] = {}
+        self.waiters: dict[int, list[Client]] = {}
+        self.backlog: dict[int, Client] = {}  # clients with complete lines not yet taken
+        self.accept_retry: float | None = None  # monotonic, after accept() lacked fds
+        self.accept_problem: str | None = None  # why accepting paused, as last logged
+        self.stopping = False
+        self.listener = self._listen(inherited)
+        self.selector.register(self.listener, selectors.EVENT_READ, ("accept", None))
+        self.selector.register(self.hangups.fileno(), selectors.EVENT_READ, ("hangup", None))
+        self.accepting = True  # the listener is in the selector (see _pause_accepting)
+
+    # -- the listener -----------------------------------------------------------------
+
+    def _listen(self, inherited: socket.socket | None) -> socket.socket:
+        """The listening socket: systemd's when socket-activated, else one bound here.
+
+        When volute-gate.socket listens somewhere other than gate.socket, the inherited
+        socket wins: it is where systemd queues connections while the gate restarts, and
+        a gate that bound a second socket would leave those unserved. The mismatch is
+        logged with both paths, and `volutectl doctor` reports it.
+        """
+        path, group = self.settings.gate.socket, self.settings.gate.socket_group
+        if inherited is not None:
+            served = activation.served_path(inherited)
+            if served != str(path):
+                self.journal.log(
+                    "warning",
+                    f"serving {served}, the socket systemd passed (volute-gate.socket), not "
+                    f"gate.socket = {path}: clients that read the config connect to {path}",
+                    socket=served,
+                    configured_socket=path,
+                )
+            inherited.setblocking(False)
+            return inherited
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.connect(str(path))
+                except OSError:
+                    path.unlink()
+                else:
+                    raise UnavailableError(f"another gate is already serving {path}")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o117)
+        try:
+            listener.bind(str(path))
+        finally:
+            os.umask(old_umask)
+        self._give_to_group(path, group)
+        listener.listen(128)
+        listener.setblocking(False)
+        self.bound_socket = path
+        return listener
+
+    def _give_to_group(self, path: Path, group: str) -> None:
+        try:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+        except KeyError:
+            self.journal.log(
+                "warning", f"socket group {group!r} does not exist: only root can use {path}"
+            )
+        except PermissionError:
+            pass
+        os.chmod(path, 0o660)
+
+    def accept(self) -> None:
+        while len(self.clients) < self.settings.gate.max_clients:
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                self.accept_problem = None  # nobody is left waiting: a new episode may log
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as error:
+                # EMFILE, ENFILE, ENOBUFS, ENOMEM: accepting again at once would spin.
+                self._pause_accepting(
+                    f"cannot accept connections: {error.strerror or error}", retry=True
+                )
+                return
+            try:
+                uid = peer_uid(sock)
+                refusal = self._refusal(uid)
+                if refusal is not None:
+                    self._refuse(sock, uid, refusal)
+                    continue
+                self._add_client(sock, uid)
+            except Exception as error:  # noqa: BLE001 - one connection, not the gate
+                sock.close()
+                self.log_failure("taking a new connection", error)
+                self._pause_accepting(f"cannot take connections: {error}", retry=True)
+                return
+        self._pause_accepting(
+            f"{self.settings.gate.max_clients} connections are open (gate.max_clients); "
+            "new ones wait until one closes"
+        )
+
+    def _add_client(self, sock: socket.socket, uid: int) -> None:
+        sock.setblocking(False)
+        client = Client(sock, sock.fileno(), uid)
+        self.selector.register(sock, selectors.EVENT_READ, ("client", client))
+        self.clients[client.fd] = client
+        self.per_uid[uid] += 1
+        self.refusing.discard(uid)
+        self._mark_active(client)
+
+    def _refusal(self, uid: int) -> TemporaryError | None:
+        """Why a new connection of `uid` may not have a place, if it may not: root may
+        take every place; any other uid its share, out of what root's reserve leaves."""
+        if uid == 0:
+            return None
+        gate = self.settings.gate
+        mine = self.per_uid[uid]
+        if mine >= gate.max_clients_per_uid:
+            return TemporaryError(
+                f"uid {uid} has {mine} connections open to the gate, its most "
+                f"(gate.max_clients_per_uid = {gate.max_clients_per_uid})",
+                hint="each `volutectl wait` and `deliver --wait` holds one until its "
+                "deliveries settle: end some, or wait for them, and try again",
+            )
+        others = len(self.clients) - self.per_uid[0]
+        if others >= gate.max_clients - gate.clients_reserved_for_root:
+            return TemporaryError(
+                f"{others} connections are open to the gate; the other "
+                f"{gate.clients_reserved_for_root} places are root's "
+                "(gate.clients_reserved_for_root)",
+                hint="try again once fewer are open",
+            )
+        return None
+
+    def _refuse(self, sock: socket.socket, uid: int, refusal: TemporaryError) -> None:
+        """Say why (one line, which a new socket's buffer always takes), and close. The
+        request it may have sent is never read: the client takes this as its answer."""
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            sock.send(protocol.encode(ErrorReply.of(refusal).to_wire()))
+        sock.close()
+        if uid not in self.refusing:  # once, until one of its connections is taken again
+            self.refusing.add(uid)
+            self.journal.log(
+                "warning",
+                f"refusing connections: {refusal.message}",
+                uid=uid,
+                clients=len(self.clients),
+            )
+
+    def _pause_accepting(self, reason: str, *, retry: bool = False) -> None:
+        """Take the listener out of the selector: connections wait in its backlog, and
+        the loop does not wake for them. A client leaving (or, after a lack of
+        descriptors, ACCEPT_RETRY_SECONDS) puts it back."""
+        if self.accepting:
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(self.listener)
+            self.accepting = False
+        if retry:
+            self.accept_retry = time.monotonic() + ACCEPT_RETRY_SECONDS
+        if reason != self.accept_problem:  # once per episode, not once per retry
+            self.accept_problem = reason
+            self.journal.log(
+                "warning", f"not accepting for now: {reason}", clients=len(self.clients)
+            )
+
+    def _resume_accepting(self) -> None:
+        self.accept_retry = None
+        if self.accepting or self.stopping:
+            return
+        if len(self.clients) >= self.settings.gate.max_clients:
+            return
+        self.selector.register(self.listener, selectors.EVENT_READ, ("accept", None))
+        self.accepting = True
+
+    # -- deadlines ----------------------------------------------------------------------
+
+    def deadlines(self) -> list[float]:
+        """Monotonic: the oldest idle client's, and a rested listener's retry."""
+        deadlines = []
+        oldest = next(iter(self.idle.values()), None)
+        if oldest is not None:
+            deadlines.append(oldest.idle_since + self.settings.gate.client_idle_seconds)
+        if self.accept_retry is not None:
+            deadlines.append(self.accept_retry)
+        return deadlines
+
+    def on_deadlines(self, now: float) -> None:
+        self._drop_idle_clients(now)
+        if self.accept_retry is not None and now >= self.accept_retry:
+            self._resume_accepting()
+
+    def _mark_active(self, client: Client) -> None:
+        """Restart the client's idle clock; a client that waits on a turn has none."""
+        self.idle.pop(client.fd, None)
+        if not client.closed and not client.waiting:
+            client.idle_since = time.monotonic()
+            self.idle[client.fd] = client
+
+    def _drop_idle_clients(self, now: float) -> None:
+        limit = self.settings.gate.client_idle_seconds
+        while self.idle:
+            client = next(iter(self.idle.values()))
+            if now < client.idle_since + limit:
+                return
+            if client.buffer:  # a request that never ended: say why it is cut off
+                refusal = TemporaryError(
+                    f"no complete request in {limit:g} s: closing the connection"
+                )
+                self.reply(client, ErrorReply.of(refusal))
+            self.drop(client)  # which takes it out of self.idle
+
+    # -- reading --------------------------------------------------------------------------
+
+    def on_client(self, client: Client, mask: int) -> list[tuple[Client, Request | ErrorReply]]:
+        """Serve one client's readiness: its requests, in the order they came, each
+        decoded or already refused (the gate replies to all of them in that order).
+        Whatever fails ends that client, not the loop."""
+        try:
+            if mask & selectors.EVENT_WRITE:
+                self._flush(client)
+            # A client with lines still waiting in its backlog is not read further
+            # until they are taken: its buffer stays within one read.
+            if mask & selectors.EVENT_READ and not client.closed and client.fd not in self.backlog:
+                return self._read(client)
+        except Exception as error:  # noqa: BLE001 - see client_failed
+            self.client_failed(client, "reading a request", error)
+        return []
+
+    def _read(self, client: Client) -> list[tuple[Client, Request | ErrorReply]]:
+        try:
+            chunk = client.sock.recv(1 << 20)
+        except BlockingIOError:
+            return []
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._end_of_requests(client)
+            return []
+        client.buffer += chunk  # a bytearray: a line that trickles in is not recopied
+        if b"\n" not in chunk:
+            if len(client.buffer) > protocol.MAX_LINE:
+                self._refuse_oversized(client)
+            return []
+        return self._lines(client)
+
+    def _lines(self, client: Client) -> list[tuple[Client, Request | ErrorReply]]:
+        """The complete lines in the client's buffer, at most MAX_LINES_PER_PASS of them:
+        a client that sends a flood of lines gets them answered over several passes,
+        while the others are served (and its unread replies may end it first). The rest
+        waits in `backlog`, which the gate serves without waiting for the socket."""
+        parts = bytes(client.buffer).split(b"\n", MAX_LINES_PER_PASS)  # one pass: linear
+        client.buffer = bytearray(parts.pop())
+        if b"\n" in client.buffer:
+            self.backlog[client.fd] = client
+        else:
+            self.backlog.pop(client.fd, None)
+        self._mark_active(client)  # a complete line: the idle clock starts again
+        requests: list[tuple[Client, Request | ErrorReply]] = []
+        for line in parts:
+            if len(line) > protocol.MAX_LINE:
+                self._refuse_oversized(client)
+            elif not client.closed:
+                try:
+                    requests.append((client, messages.decode_request(protocol.decode(line))))
+                except VoluteError as error:
+                    requests.append((client, ErrorReply.of(error)))
+            if client.closed:
+                return []
+        if client.fd not in self.backlog and len(client.buffer) > protocol.MAX_LINE:
+            self._refuse_oversized(client)
+        return requests
+
+    def backlogged(self) -> list[tuple[Client, Request | ErrorReply]]:
+        """The next lines of clients that sent more than one pass takes."""
+        requests: list[tuple[Client, Request | ErrorReply]] = []
+        for client in list(self.backlog.values()):
+            try:
+                requests += self._lines(client)
+            except Exception as error:  # noqa: BLE001 - see client_failed
+                self.client_failed(client, "reading a request", error)
+        return requests
+
+    def _refuse_oversized(self, client: Client) -> None:
+        limit = self.settings.gate.max_message_bytes
+        refusal = DataError(
+            f"request too large: a line holds at most {protocol.MAX_LINE} bytes",
+            hint=f"a message holds at most {limit} bytes (gate.max_message_bytes)",
+        )
+        self.reply(client, ErrorReply.of(refusal))
+        self.drop(client)
+
+    def _end_of_requests(self, client: Client) -> None:
+        """It shut its side: drop it, unless it waits for an outcome it should still get
+        (or has replies still to read): then stop reading, and close once it has them.
+
+        An end of requests is also what a client that has gone looks like (closed, or
+        its process dead): then nothing can reach it any more, and it goes at once. One
+        that only shut its writing side may still read: it stays, watched for the
+        hang-up that its going later brings."""
+        client.eof = True
+        if (not client.waiting and not client.outbox) or _gone(client.sock):
+            self.drop(client)
+            return
+        self.idle.pop(client.fd, None)
+        self._watch(client)
+        if client.waiting:
+            with contextlib.suppress(FileExistsError):
+                self.hangups.register(client.fd, 0)
+
+    def on_hangups(self) -> None:
+        """Drop the waiting clients whose peers have gone since their end of requests."""
+        for fd, _ in self.hangups.poll(0):
+            client = self.clients.get(fd)
+            if client is not None:
+                self.drop(client)
+            else:  # not ours any more (never so: drop unregisters it)
+                with contextlib.suppress(OSError):
+                    self.hangups.unregister(fd)
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def reply(self, client: Client, reply: Reply) -> None:
+        """Queue a reply and send what the socket takes now; never block the loop."""
+        if client.closed:
+            return
+        client.outbox += protocol.encode(reply.to_wire())
+        if client.waiting:
+            self.idle.pop(client.fd, None)  # it waits on a turn: not idle
+        elif client.fd not in self.idle:
+            self._mark_active(client)  # its wait just ended
+        self._flush(client)
+
+    def _flush(self, client: Client) -> None:
+        try:
+            while client.outbox:
+                sent = client.sock.send(client.outbox)
+                del client.outbox[:sent]
+        except BlockingIOError:
+            if len(client.outbox) > MAX_OUTBOX:
+                self.drop(client)  # a client that never reads
+                return
+        except OSError:
+            self.drop(client)
+            return
+        if client.eof and not client.outbox and not client.waiting:
+            self.drop(client)  # it asked for nothing more, and has everything
+            return
+        self._watch(client)
+
+    def _watch(self, client: Client) -> None:
+        """Watch it for reading (until its EOF) and, while replies wait, for writing."""
+        events = 0 if client.eof else selectors.EVENT_READ
+        events |= selectors.EVENT_WRITE if client.outbox else 0
+        if events == client.events:
+            return
+        if client.events == 0:
+            self.selector.register(client.sock, events, ("client", client))
+        elif events == 0:
+            self.selector.unregister(client.sock)
+        else:
+            self.selector.modify(client.sock, events, ("client", client))
+        client.events = events
+
+    # -- waiting for an outcome ----------------------------------------------------------------
+
+    def wait_for(self, client: Client, delivery_id: int) -> None:
+        """The client stays for `delivery_id`'s outcome (`notify`); it is not idle meanwhile."""
+        client.waiting.add(delivery_id)
+        self.waiters.setdefault(delivery_id, []).append(client)
+        self.idle.pop(client.fd, None)
+
+    def notify(self, delivery_id: int, event: Reply) -> None:
+        for client in self.waiters.pop(delivery_id, []):
+            client.waiting.discard(delivery_id)
+            self.reply(client, event)
+            if client.eof and not client.waiting and not client.outbox:
+                self.drop(client)
+
+    # -- failures and closing ----------------------------------------------------------------
+
+    def client_failed(self, client: Client, what: str, error: Exception) -> None:
+        """A bug met while serving one client: log it once, tell the client (70) if it
+        still listens, and close it. The gate carries on with everyone else."""
+        self.log_failure(what, error)
+        with contextlib.suppress(Exception):
+            self.reply(
+                client,
+                ErrorReply.of(
+                    VoluteError(
+                        f"internal error in the gate while {what}",
+                        hint="see: journalctl -u volute-gate",
+                        exit_code=EX_SOFTWARE,
+                    )
+                ),
+            )
+        self.drop(client)
+
+    def log_failure(self, what: str, error: BaseException) -> None:
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else None
+        self.journal.log(
+            "error",
+            f"internal error while {what}: {type(error).__name__}: {error}",
+            exception=type(error).__name__,
+            where=where,
+        )
+
+    def drop(self, client: Client) -> None:
+        if client.closed:
+            return
+        client.closed = True
+        self.idle.pop(client.fd, None)
+        self.backlog.pop(client.fd, None)
+        if self.clients.get(client.fd) is client:
+            del self.clients[client.fd]
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(client.fd)
+            if client.eof:
+                with contextlib.suppress(OSError):
+                    self.hangups.unregister(client.fd)
+            self.per_uid[client.uid] -= 1
+            if not self.per_uid[client.uid]:
+                del self.per_uid[client.uid]
+        for delivery_id in client.waiting:
+            waiting = self.waiters.get(delivery_id, [])
+            if client in waiting:
+                waiting.remove(client)
+            if not waiting:
+                self.waiters.pop(delivery_id, None)
+        with contextlib.suppress(OSError):
+            client.sock.close()
+        self._resume_accepting()  # one place free, or one descriptor
+
+    def close(self) -> None:
+        """Drop every client and close the listener. A socket from systemd stays: its
+        backlog holds the connections that arrive until the next gate starts. Only a
+        socket the gate bound itself is removed."""
+        self.stopping = True
+        for client in list(self.clients.values()):
+            self.drop(client)
+        if self.bound_socket is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.bound_socket)
+        self.listener.close()
+        self.hangups.close()
+
+
+def _gone(sock: socket.socket) -> bool:
+    """Has the peer closed its socket (not only shut its writing side), or reset it?"""
+    poller = select.poll()
+    poller.register(sock, 0)
+    return any(mask & _GONE for _, mask in poller.poll(0))

@@ -1,0 +1,200 @@
+"""`volutectl status`'s answer, built by the gate: what runs, what waits and why; and
+the one line the gate gives systemd (sd_notify STATUS=, `systemctl status`).
+
+Live turns are counted as admission counts them (scopes that hold a process); if
+systemd does not answer, the status says what the gate last knew rather than failing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from volutectl.core import admission
+from volutectl.errors import VoluteError
+from volutectl.launcher import preflight
+from volutectl.slots.scopes import list_in_flight
+from volutectl.states import QueueState
+from volutectl.store.minds import EVERY_MIND
+from volutectl.systemd.journal import sd_notify
+from volutectl.wire.messages import (
+    MindStatus,
+    PausedMind,
+    PressureStatus,
+    RepositoryStatus,
+    Status,
+    TestRunStatus,
+    TurnStatus,
+)
+
+if TYPE_CHECKING:
+    from volutectl.gate.handlers import GateState
+
+
+def build(state: GateState) -> Status:
+    try:
+        live, foreign = state.liveness.count_live()
+    except VoluteError:
+        live, foreign = [], state.foreign_live  # systemd did not answer: what we know
+    live_ids = {turn.turn_id for turn in live}
+    now = time.time()
+    turns = tuple(
+        TurnStatus(turn.id, turn.mind, turn.session, turn.unit, round(now - turn.started_at, 3))
+        for turn in state.turns.all()
+        if turn.id in live_ids
+    )
+    index = state.store.index  # counts kept in step with every commit: no scan
+    holds = {str(reason): count for reason, count in index.counts.items()}
+    pauses = state.store.minds.pauses()
+    oldest = state.store.oldest_hold()
+    return Status(
+        active_turns=len(turns) + foreign,
+        global_cap=state.limits.global_cap,
+        turns_per_mind=state.limits.turns_per_mind,
+        turns=turns,
+        foreign_scopes=foreign,
+        minds=_minds(state, turns, pauses, now),
+        queue_depth=len(index),
+        holds=holds,
+        oldest_held_s=round(now - oldest, 3) if oldest is not None else None,
+        dead=state.store.counts().get(QueueState.DEAD, 0),
+        slice=state.settings.turns.slice,
+        test_runs=_test_runs(state),
+        io_pressure=_pressure(state),
+        test_runs_count_as_turns=state.settings.limits.test_runs_count_as_turns,
+        preflight=preflight.failing_recently(state.settings),  # a fix shows within 2 s
+        paused=tuple(PausedMind(mind, since) for mind, since in pauses.items()),
+    )
+
+
+def _minds(
+    state: GateState,
+    turns: Iterable[TurnStatus],
+    pauses: Mapping[str, float],
+    now: float,
+) -> dict[str, MindStatus]:
+    """Every configured mind, and any other that runs, waits, is paused or has dead
+    deliveries (one removed from the config since). Pending counts and next retries
+    come from the gate's index of pending rows, not a scan of the queue."""
+    running: dict[str, list[str]] = {}
+    for turn in turns:
+        running.setdefault(turn.mind, []).append(turn.session)
+    index = state.store.index
+    waiting = {name: index.pending_of(name) for name in index.minds}
+    retry_at: dict[str, float] = {}
+    for row in index.backing_off(now):
+        if row.not_before is not None:
+            retry_at[row.mind] = min(retry_at.get(row.mind, row.not_before), row.not_before)
+    attempts = state.store.minds.attempts_by_mind()
+    dead = state.store.minds.dead_counts()
+    every = pauses.get(EVERY_MIND)
+    named = set(state.settings.minds) | set(running) | set(waiting) | set(dead)
+    last = state.store.minds.last_turns(named | set(pauses) - {EVERY_MIND})
+    minds = {}
+    for name in sorted(named | set(pauses) - {EVERY_MIND}):
+        since = [t for t in (pauses.get(name), every) if t is not None]
+        ended = last.get(name)
+        minds[name] = MindStatus(
+            running_sessions=tuple(running.get(name, [])),
+            pending=waiting.get(name, 0),
+            paused_since=min(since) if since else None,
+            attempts=attempts.get(name, 0),
+            next_retry_s=round(retry_at[name] - now, 3) if name in retry_at else None,
+            last_turn_id=ended.turn_id if ended else None,
+            last_turn_s=round(now - ended.ended_at, 3) if ended else None,
+            last_outcome=ended.outcome if ended else None,
+            dead=dead.get(name, 0),
+        )
+    return minds
+
+
+def _test_runs(state: GateState) -> tuple[RepositoryStatus, ...]:
+    """Per repository: slots held of N, and its runs from the tests slice's scopes."""
+    try:
+        runs = list_in_flight(state.manager, state.settings.tests.slice)  # type: ignore[arg-type]
+    except VoluteError:
+        runs = []
+    return tuple(
+        RepositoryStatus(
+            repository=str(entry["repository"]),
+            slots_held=entry["slots_held"],  # type: ignore[arg-type]
+            slots=entry["slots"],  # type: ignore[arg-type]
+            runs=tuple(
+                TestRunStatus(str(r["unit"]), str(r["worktree"]), str(r["command"]), r["running_s"])
+                for r in entry["runs"]  # type: ignore[attr-defined]
+            ),
+            problem=entry["problem"],  # type: ignore[arg-type]
+        )
+        for entry in state.slots.status(runs)
+    )
+
+
+def _pressure(state: GateState) -> PressureStatus:
+    watch = state.pressure
+    if watch is None:
+        return PressureStatus(enabled=False, high=False, reason=None, trigger=None)
+    return PressureStatus(
+        enabled=True, high=watch.high, reason=watch.reason, trigger=watch.describe()
+    )
+
+
+def gate_line(state: GateState, now: float, tests: int) -> str:
+    """The status line after an admission pass, from the index's counts (no scan)."""
+    index = state.store.index
+    return status_line(
+        turns=len(state.turns.all()) + state.foreign_live,
+        cap=state.limits.global_cap,
+        test_runs=tests,
+        holds={str(reason): count for reason, count in index.counts.items()},
+        backing_off=len(index.backing_off(now)),
+        dead=sum(state.store.minds.dead_counts().values()),
+        paused=state.paused,
+    )
+
+
+def status_line(
+    *,
+    turns: int,
+    cap: int | None,
+    test_runs: int,
+    holds: Mapping[str, int],
+    backing_off: int,
+    dead: int,
+    paused: frozenset[str] | admission.EveryMind,
+) -> str:
+    """The gate's state in one line for systemd's STATUS=, e.g.
+    `2/2 turns, 5 held (global_cap), 0 backing off, 0 dead, 1 paused`."""
+    line = f"{turns}/{cap} turns" if cap is not None else f"{turns} turn{_s(turns)} (no cap)"
+    if test_runs:
+        line += f" + {test_runs} test run{_s(test_runs)}"
+    reasons = {reason: n for reason, n in holds.items() if n}
+    held = sum(reasons.values())
+    if len(reasons) == 1:  # 5 held (global_cap)
+        line += f", {held} held ({next(iter(reasons))})"
+    elif reasons:  # 5 held (3 global_cap, 2 paused)
+        shown = ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items()))
+        line += f", {held} held ({shown})"
+    else:
+        line += ", 0 held"
+    line += f", {backing_off} backing off, {dead} dead"
+    if isinstance(paused, admission.EveryMind):
+        return f"{line}, all paused"
+    return f"{line}, {len(paused)} paused"
+
+
+def _s(count: int) -> str:
+    return "" if count == 1 else "s"
+
+
+class StatusNotifier:
+    """Sends the gate's status line to systemd when it changes, not on every pass."""
+
+    def __init__(self, send: Callable[[str], object] = sd_notify) -> None:
+        self.send = send
+        self.last: str | None = None
+
+    def update(self, line: str) -> None:
+        if line != self.last:
+            self.last = line
+            self.send(f"STATUS={line}")

@@ -1,0 +1,109 @@
+"""The gate's checks of a request against its own settings and the filesystem.
+
+volutectl/wire/messages.py has already checked each field's type, range and name when the
+request was decoded; what is left needs the gate's configuration (is the mind
+configured, is the message within the limit) or a look at the disk (register_repo).
+Each refusal names the field and carries its exit code (65 bad data, 67 unknown mind).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from volutectl.config.settings import Settings
+from volutectl.errors import EX_NOUSER, DataError, VoluteError
+from volutectl.kernel import pathwalk
+from volutectl.slots import gitdirs
+from volutectl.store.queue import NewDelivery
+from volutectl.wire.messages import DeliverRequest
+
+
+def configured_mind(settings: Settings, name: str) -> str:
+    """`name`, if it is a configured mind; else the refusal (67) that lists them."""
+    if name not in settings.minds:
+        known = ", ".join(sorted(settings.minds)) or "none"
+        raise VoluteError(
+            f"unknown mind {name!r}",
+            hint=f"configured minds: {known} (add a [minds.{name}] table)",
+            exit_code=EX_NOUSER,
+        )
+    return name
+
+
+def delivery(settings: Settings, request: DeliverRequest) -> NewDelivery:
+    """The row to add for a deliver request: its mind is configured, its message fits."""
+    mind = configured_mind(settings, request.mind)
+    try:
+        data = request.message.encode()
+    except UnicodeEncodeError:
+        raise DataError(f"message: the message for {mind} is not valid UTF-8 text") from None
+    limit = settings.gate.max_message_bytes
+    if len(data) > limit:
+        raise DataError(
+            f"message: the message for {mind} is {len(data)} bytes, over the limit of {limit}",
+            hint="raise gate.max_message_bytes, or send a path instead of the content",
+        )
+    return NewDelivery(mind, request.session, data, request.interrupt, request.request_id)
+
+
+def git_common_dir(path: str, uid: int) -> Path:
+    """The git common directory that registering `path` would have the gate watch, if
+    the user `uid` may have it watched; its path as the kernel names it.
+
+    `path` is opened one component at a time, through no symlink a user controls; then
+    its `.git` (directory or file) and its `commondir` are followed, each read bounded
+    (volutectl.slots.gitdirs), and what they lead to is checked on its descriptor: a git common
+    dir (HEAD, objects/ and refs/), on none of the kernel's filesystems (/proc, /sys,
+    /dev), owned by `uid` or by root (root may register any repository). The gate
+    watches what it registers and persists it, so a group member must not make it
+    watch anyone else's tree, or the kernel's. Raises PermissionError when the gate may
+    not look there (run unprivileged, it cannot enter a private home), DataError else.
+    """
+    try:
+        top = pathwalk.open_directory(path)
+    except NotADirectoryError:
+        raise DataError(f"path: {path} is not a directory") from None
+    except PermissionError:
+        raise
+    except OSError as error:
+        raise DataError(f"path: {path}: {error.strerror}") from None
+    except pathwalk.KernelPath as error:
+        raise DataError(f"path: {path} is under {error.root}, not a git repository") from None
+    except pathwalk.UntrustedPath as error:
+        raise DataError(f"path: {path} is reached through {error}") from None
+    try:
+        where = pathwalk.kernel_filesystem(top)
+        if where is not None:
+            raise DataError(f"path: {path} is under {where}, not a git repository")
+        given = pathwalk.descriptor_path(top)
+        common = gitdirs.common_dir_of(top)
+    except gitdirs.NotARepository:
+        raise DataError(
+            f"path: {path} is not a git common directory (it needs HEAD, objects/ and refs/)",
+            hint="register the repository's .git directory (git rev-parse --git-common-dir)",
+        ) from None
+    except gitdirs.RepositoryRefused as refusal:
+        raise DataError(f"path: {path} {refusal}") from None
+    except PermissionError:
+        raise
+    except OSError as error:
+        raise DataError(f"path: {path}: {error.strerror}") from None
+    finally:
+        os.close(top)
+    try:
+        resolved = pathwalk.descriptor_path(common)
+        via = "" if resolved == given else f" leads to {resolved}, which"
+        try:
+            gitdirs.check_common_dir(common, uid)
+        except gitdirs.NotARepository:
+            raise DataError(
+                f"path: {path}{via} is not a git common directory "
+                "(it needs HEAD, objects/ and refs/)",
+                hint="register the repository's .git directory (git rev-parse --git-common-dir)",
+            ) from None
+        except gitdirs.RepositoryRefused as refusal:
+            raise DataError(f"path: {path}{via} {refusal}") from None
+    finally:
+        os.close(common)
+    return resolved

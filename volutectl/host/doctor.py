@@ -1,0 +1,429 @@
+"""`volutectl doctor`: which of volutectl's protections take effect on this host.
+
+A unit file or config key that sets a weight proves nothing by itself: IOWeight= is a
+no-op under mq-deadline (the SD card scheduler on a Raspberry Pi), MemoryHigh= is a
+no-op with the memory controller off (a stock Pi), and pressure holds need PSI. Each
+check here reads the kernel's own answer and says what to change. It also runs the
+minds' preflight (volutectl/launcher/preflight.py), and says whether the caller may use the socket.
+
+The probes are small functions over paths (a /sys, /proc or cgroup root, a device
+number), so tests point them at fake trees. Only the manager and socket checks reach
+out. A broken config or a mind that fails preflight (exit 78), or an unreachable
+systemd manager (exit 69) is a failure; everything else is advice and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from volutectl.config.settings import Settings, load_settings
+from volutectl.errors import EX_CONFIG, EX_OK, EX_UNAVAILABLE, VoluteError
+from volutectl.kernel.access import calling_user, socket_access
+from volutectl.kernel.probes import (
+    CGROUP_ROOT,
+    PSI_ENABLE,
+    block_device_dir,
+    cgroup_v2_root,
+    existing_ancestor,
+    psi_disabled,
+    psi_status,
+    slice_cgroup,
+)
+from volutectl.launcher import preflight
+
+Status = Literal["ok", "warn", "fail"]
+
+# Controllers a volute setting relies on: what has no effect without each.
+CONTROLLER_USES = {
+    "cpu": "CPUWeight=",
+    "io": "IOWeight=, IO*BandwidthMax=",
+    "memory": "MemoryHigh=, MemoryMax=",
+    "pids": "TasksMax=",
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report: what was found, and what to change if it falls short."""
+
+    check: str
+    status: Status
+    found: str
+    change: str = ""
+    exit_code: int = EX_OK  # non-zero only for failures that break volutectl itself
+
+    def line(self) -> str:
+        text = f"{self.status:<4} {self.check:<12} {self.found}"
+        return f"{text}; change: {self.change}" if self.change else text
+
+
+# -- cgroups -----------------------------------------------------------------------
+
+
+def check_cgroup_version(cgroup_root: Path = CGROUP_ROOT) -> Check:
+    v2 = cgroup_v2_root(cgroup_root)
+    if v2 == cgroup_root:
+        return Check("cgroup", "ok", f"cgroup v2, unified hierarchy at {cgroup_root}")
+    change = "boot with systemd.unified_cgroup_hierarchy=1 on the kernel command line"
+    if v2 is not None:
+        return Check(
+            "cgroup",
+            "warn",
+            f"hybrid hierarchy: controllers are on cgroup v1, so weights set on scopes "
+            f"and slices are accepted but not enforced ({v2} holds no controllers)",
+            change,
+        )
+    return Check("cgroup", "warn", f"no cgroup v2 hierarchy under {cgroup_root}", change)
+
+
+def read_words(path: Path) -> list[str]:
+    try:
+        return path.read_text().split()
+    except OSError:
+        return []
+
+
+def check_controllers(cgroup_root: Path = CGROUP_ROOT) -> Check:
+    v2 = cgroup_v2_root(cgroup_root)
+    if v2 is None:
+        return Check("controllers", "warn", "no cgroup v2 hierarchy, so no v2 controllers")
+    available = read_words(v2 / "cgroup.controllers")
+    enabled = read_words(v2 / "cgroup.subtree_control")
+    found = f"available: {' '.join(available) or '(none)'}"
+    found += f"; enabled below the root: {' '.join(enabled) or '(none)'}"
+    missing = [name for name in CONTROLLER_USES if name not in available]
+    if not missing:
+        return Check("controllers", "ok", found)
+    lost = ", ".join(f"{name} ({CONTROLLER_USES[name]})" for name in missing)
+    found += f"; missing, so without effect: {lost}"
+    if v2 != cgroup_root:
+        change = "see the cgroup line: on a hybrid hierarchy v2 gets no controllers"
+    elif "memory" in missing:
+        change = (
+            "add cgroup_enable=memory to the kernel command line "
+            "(/boot/firmware/cmdline.txt on Raspberry Pi OS) and reboot"
+        )
+    else:
+        change = "use a kernel with these controllers (CONFIG_CGROUP_*, CONFIG_BLK_CGROUP)"
+    return Check("controllers", "warn", found, change)
+
+
+# -- the IO scheduler of the state directory's disk ----------------------------------
+
+
+def parse_scheduler(text: str) -> tuple[str, list[str]]:
+    """'none [mq-deadline] bfq' -> ('mq-deadline', ['none', 'mq-deadline', 'bfq'])."""
+    words = text.split()
+    current = next((w.strip("[]") for w in words if w.startswith("[")), "none")
+    return current, [w.strip("[]") for w in words]
+
+
+def iocost_enabled(major: int, minor: int, cgroup_root: Path = CGROUP_ROOT) -> bool:
+    qos = (cgroup_v2_root(cgroup_root) or cgroup_root) / "io.cost.qos"
+    try:
+        lines = qos.read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.startswith(f"{major}:{minor} ") and "enable=1" in line for line in lines)
+
+
+def check_io_scheduler(
+    state_dir: Path,
+    *,
+    device: tuple[int, int] | None = None,
+    sys_root: Path = Path("/sys"),
+    cgroup_root: Path = CGROUP_ROOT,
+    io_controller: bool = True,
+) -> Check:
+    if device is None:
+        st_dev = existing_ancestor(state_dir).stat().st_dev
+        device = (os.major(st_dev), os.minor(st_dev))
+    major, minor = device
+    disk = block_device_dir(major, minor, sys_root)
+    if disk is None:
+        return Check(
+            "io-scheduler",
+            "warn",
+            f"{state_dir} is on device {major}:{minor}, which is no block device "
+            "(tmpfs, overlay or a network filesystem); IO weights and caps cannot be checked",
+        )
+    name = disk.name
+    try:
+        current, available = parse_scheduler((disk / "queue" / "scheduler").read_text())
+    except OSError:
+        current, available = "unknown", []
+    disk_major_minor = (disk / "dev").read_text().strip() if (disk / "dev").exists() else ""
+    whole = tuple(int(part) for part in disk_major_minor.split(":")) if disk_major_minor else ()
+    iocost = iocost_enabled(*whole, cgroup_root) if len(whole) == 2 else False
+    where = f"{state_dir} is on {name} (scheduler {current})"
+    if not io_controller:
+        found = f"{where}, but the io controller is off: neither IOWeight= nor io.max caps apply"
+        return Check("io-scheduler", "warn", found, "see the controllers line")
+    if current == "bfq":
+        return Check("io-scheduler", "ok", f"{where}: IOWeight= is enforced by BFQ")
+    if iocost:
+        return Check("io-scheduler", "ok", f"{where}: IOWeight= is enforced by iocost")
+    found = (
+        f"{where}: IOWeight= has no effect (it needs BFQ or iocost); "
+        "IOReadBandwidthMax=/IOWriteBandwidthMax= caps (io.max) work"
+    )
+    cap = f'set turns.io_write_bandwidth_max = ["/dev/{name} 8M"] to cap each turn'
+    if "bfq" in available:
+        change = (
+            f"{cap}, or switch to BFQ with a udev rule: "
+            f'ACTION=="add|change", KERNEL=="{name}", ATTR{{queue/scheduler}}="bfq"'
+        )
+    else:
+        change = f"{cap} (this kernel offers no BFQ: {' '.join(available) or 'none'})"
+    return Check("io-scheduler", "warn", found, change)
+
+
+# -- pressure stall information ------------------------------------------------------
+
+
+def check_psi(proc_root: Path = Path("/proc")) -> Check:
+    path = proc_root / "pressure" / "io"
+    try:
+        first = path.read_text().splitlines()[0]
+    except FileNotFoundError:
+        return Check(
+            "psi",
+            "warn",
+            f"{path} is missing: the kernel has no PSI, so turns cannot be held under IO pressure",
+            "use a kernel built with CONFIG_PSI=y",
+        )
+    except OSError as error:
+        if psi_disabled(error):
+            return Check(
+                "psi",
+                "warn",
+                f"{path} exists but PSI is disabled (psi=0), so no pressure holds",
+                PSI_ENABLE,
+            )
+        return Check("psi", "warn", f"{path}: {error.strerror}")
+    except IndexError:
+        first = ""
+    return Check("psi", "ok", f"{path}: {first}")
+
+
+def check_psi_triggers(status: dict[str, object], enabled: bool) -> Check:
+    """Can the gate arm a PSI trigger, on the turns slice or system-wide?
+
+    `status` is volutectl.kernel.probes.psi_status(); kept pure so tests can feed it."""
+    slice_trigger = str(status.get("slice_trigger", "no"))
+    system_trigger = str(status.get("system_trigger", "no"))
+    state = "on" if enabled else "off (limits.io_pressure.enabled = false)"
+    what = (
+        f"pressure gate {state}; trigger on the turns slice ({status.get('slice_path')}): "
+        f"{slice_trigger}; on {status.get('system_path')}: {system_trigger}"
+    )
+    if slice_trigger.startswith("no") and system_trigger.startswith("no"):
+        return Check(
+            "psi-trigger",
+            "warn" if enabled else "ok",
+            what,
+            "run the gate as root with CAP_SYS_RESOURCE for any window; without it only "
+            "2 s windows are accepted, on cgroup v2 io.pressure files",
+        )
+    if "2 s" in slice_trigger or "2 s" in system_trigger:
+        return Check("psi-trigger", "ok", what, "windows round up to 2 s without CAP_SYS_RESOURCE")
+    return Check("psi-trigger", "ok", what)
+
+
+# -- reachability ---------------------------------------------------------------------
+
+
+def check_manager(probe: Callable[[], str | None], which: str) -> Check:
+    problem = probe()
+    if problem is None:
+        return Check("manager", "ok", f"the {which} systemd manager answers over D-Bus")
+    change = (
+        "run on a host booted with systemd, with dbus running"
+        if which == "system"
+        else "start the user manager (loginctl enable-linger USER) and set XDG_RUNTIME_DIR"
+    )
+    return Check("manager", "fail", problem, change, EX_UNAVAILABLE)
+
+
+def check_socket(path: Path, timeout: float = 2.0) -> Check:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(str(path))
+    except FileNotFoundError:
+        return Check(
+            "socket",
+            "warn",
+            f"{path} does not exist: the gate is not running, so deliveries cannot be queued",
+            "systemctl enable --now volute-gate.socket volute-gate.service",
+        )
+    except PermissionError:
+        return Check(
+            "socket",
+            "warn",
+            f"{path}: permission denied",
+            "add this user to group volute (usermod -aG volute USER) and log in again",
+        )
+    except ConnectionRefusedError:
+        return Check(
+            "socket",
+            "warn",
+            f"{path} exists but nothing accepts on it (a stale socket)",
+            "systemctl restart volute-gate.service",
+        )
+    except OSError as error:
+        return Check("socket", "warn", f"{path}: {error.strerror or error}")
+    finally:
+        sock.close()
+    return Check("socket", "ok", f"the gate accepts connections on {path}")
+
+
+SOCKET_UNIT = "volute-gate.socket"
+
+
+def check_socket_unit(
+    configured: Path, load_state: str, active_state: str, listen: list[tuple[str, str]]
+) -> Check:
+    """Does systemd hold the gate's socket, at the path that clients read from the config?
+
+    The gate serves the socket systemd passes it, wherever that is (see Gate._listen),
+    while `deliver` and the other clients connect to gate.socket: the two must agree."""
+    enable = f"systemctl enable --now {SOCKET_UNIT}"
+    if load_state != "loaded":
+        return Check(
+            "socket-unit",
+            "warn",
+            f"{SOCKET_UNIT} is {load_state}: the gate binds {configured} itself, so "
+            "deliveries are refused while it restarts",
+            f"install {SOCKET_UNIT} (units/ of volutectl), then {enable}",
+        )
+    paths = [address for kind, address in listen if kind == "Stream"]
+    if len(listen) != 1 or len(paths) != 1:
+        shown = ", ".join(f"{address} ({kind})" for kind, address in listen) or "nothing"
+        return Check(
+            "socket-unit",
+            "warn",
+            f"{SOCKET_UNIT} listens on {shown}; the gate serves exactly one ListenStream=",
+            f"systemctl edit {SOCKET_UNIT}: one ListenStream={configured}",
+        )
+    [path] = paths
+    if path != str(configured):
+        return Check(
+            "socket-unit",
+            "warn",
+            f"gate.socket is {configured} but {SOCKET_UNIT} listens on {path}: the gate "
+            f"serves {path}, the socket systemd passes it, while clients that read the "
+            f"config connect to {configured}",
+            f'set gate.socket = "{path}" in the config, or move the socket with '
+            f"systemctl edit {SOCKET_UNIT} ([Socket] ListenStream= then "
+            f"ListenStream={configured})",
+        )
+    if active_state != "active":
+        return Check(
+            "socket-unit",
+            "warn",
+            f"{SOCKET_UNIT} is {active_state}: nothing holds {path} while the gate restarts",
+            enable,
+        )
+    return Check(
+        "socket-unit",
+        "ok",
+        f"{SOCKET_UNIT} listens on {path}: deliveries wait there while the gate restarts",
+    )
+
+
+def _socket_unit_check(configured: Path, user: bool) -> Check:
+    try:
+        from volutectl.systemd.adapter import Manager
+
+        with Manager.connect(user=user) as manager:
+            unit = manager.socket_unit(SOCKET_UNIT)
+    except ImportError as error:
+        return Check("socket-unit", "warn", f"cannot load the systemd adapter: {error}")
+    except VoluteError as error:
+        return Check("socket-unit", "warn", f"cannot ask systemd about {SOCKET_UNIT}: {error}")
+    return check_socket_unit(configured, unit.load_state, unit.active_state, list(unit.listen))
+
+
+# -- the report ------------------------------------------------------------------------
+
+
+def run_checks(config_path: str | None) -> list[Check]:
+    checks: list[Check] = []
+    try:
+        loaded = load_settings(config_path)
+    except VoluteError as error:
+        settings = Settings()
+        change = error.hint or "fix the key named, then `volutectl config check`"
+        checks.append(Check("config", "fail", error.message, change, EX_CONFIG))
+    else:
+        settings = loaded.settings
+        source = str(loaded.path) if loaded.path else "defaults (no config file)"
+        checks.append(Check("config", "ok", f"valid: {source}"))
+    checks.append(check_cgroup_version())
+    checks.append(check_controllers())
+    # On a hybrid or legacy hierarchy systemd maps IO*= onto blkio: the scheduler still decides.
+    cgroup_root = CGROUP_ROOT
+    unified = cgroup_v2_root(cgroup_root) == cgroup_root
+    io_controller = not unified or "io" in read_words(cgroup_root / "cgroup.controllers")
+    checks.append(check_io_scheduler(settings.gate.state_dir, io_controller=io_controller))
+    checks.append(check_psi())
+    status = psi_status(slice_cgroup(settings.turns.slice))
+    checks.append(check_psi_triggers(status, settings.limits.io_pressure.enabled))
+    which = settings.gate.manager
+    checks.append(check_manager(lambda: _manager_problem(which == "user"), which))
+    checks.append(check_socket(settings.gate.socket))
+    checks.append(_socket_unit_check(settings.gate.socket, which == "user"))
+    checks.append(check_socket_access(settings))
+    checks.append(Check("turn-cap", *preflight.check_cap(settings)))
+    checks.extend(check_mind(report) for report in preflight.check_minds(settings))
+    return checks
+
+
+def check_socket_access(settings: Settings) -> Check:
+    """May the calling user connect to the gate's socket (root, or in its group)?"""
+    path, group = str(settings.gate.socket), settings.gate.socket_group
+    return Check("socket-access", *socket_access(path, group, *calling_user()))
+
+
+def check_mind(report: preflight.MindReport) -> Check:
+    """One mind: its user, its command and its working directory, as its turns need them;
+    a warning where it is not kept apart from other minds or from the socket."""
+    notes = "".join(f"; {note}" for note in report.notes)
+    if not report.problems:
+        found = f"runs as {report.user}: user, command and working directory pass{notes}"
+        if report.warnings:
+            found = "; ".join(report.warnings) + f"; {found}"
+            return Check(f"mind {report.mind}", "warn", found, preflight.APART_HINT)
+        return Check(f"mind {report.mind}", "ok", found)
+    change = (
+        "fix it (a config change needs a restart of the gate); "
+        "until then every turn of this mind fails"
+    )
+    found = "; ".join((*report.problems, *report.warnings)) + notes
+    return Check(f"mind {report.mind}", "fail", found, change, EX_CONFIG)
+
+
+def _manager_problem(user: bool) -> str | None:
+    try:
+        from volutectl.systemd.adapter import Manager
+    except ImportError as error:  # pystemd missing: the manager is out of reach too
+        return f"cannot load the systemd adapter: {error}"
+    try:
+        Manager.connect(user=user).close()
+    except VoluteError as error:  # unreachable, refused, or failing: each says why
+        return error.message
+    return None
+
+
+def exit_code(checks: list[Check]) -> int:
+    """The first required failure's code, config before manager; else 0."""
+    codes = [check.exit_code for check in checks if check.status == "fail" and check.exit_code]
+    if EX_CONFIG in codes:
+        return EX_CONFIG
+    return codes[0] if codes else EX_OK

@@ -1,0 +1,9 @@
+"""Starting turns: everything done as root, and the checks that a turn can start.
+
+- `hands`: `TurnHands`, the port the gate gives its orders through: `LocalHands` does
+  them here, `RemoteHands` sends them to volute-launcher.service.
+- `service`: the launcher's server (volute-launcher.service), which runs `LocalHands`.
+- `fork` (a turn's process, released into its scope), `turndir` (its directory, by
+  descriptor), `envfile` (a mind's secrets), `preflight` (will a mind's turns start?).
+- `turn-wrapper.sh`: the scope's main process.
+"""

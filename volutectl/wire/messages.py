@@ -1,0 +1,447 @@
+"""Every message on the gate's socket, typed, and the one step that checks each on arrival.
+
+The gate and every client (`volutectl deliver` included) import this module, so an op,
+a field or a reply is defined here once. docs/protocol.md documents the same messages for
+programs in other languages; tests/unit/test_protocol_schema.py holds its JSON Schemas
+against these classes. Framing (one JSON object per line, the version, the connection)
+is volutectl/wire/protocol.py.
+
+Light on purpose: `volutectl deliver` imports it on its hot path, so a message is a
+volutectl.wire.records.Record (a frozen record that needs neither `typing` nor `dataclasses`).
+
+- Requests check their fields on the way in (`decode_request`, with volutectl/wire/fields.py),
+  each refusal a DataError (65) that names the field: types, ranges, names, flags that
+  are booleans.
+  What needs the gate's settings (is the mind configured, is the message too long) is
+  checked by the gate's handler, volutectl/gate/validate.py.
+- Replies are decoded by the client from their declared field types; a reply that does
+  not fit is a ProtocolError (76).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from volutectl.errors import EX_PROTOCOL, EX_USAGE, DataError, VoluteError
+from volutectl.states import HoldReason, Outcome, QueueState
+from volutectl.wire import fields
+from volutectl.wire.fields import QUEUE_LIMIT as QUEUE_LIMIT
+from volutectl.wire.fields import QUEUE_LIMIT_MAX as QUEUE_LIMIT_MAX
+from volutectl.wire.fields import REQUEST_ID_LENGTH as REQUEST_ID_LENGTH
+from volutectl.wire.fields import delivery_ids, flag, mind_names, queue_states, request_id, text
+from volutectl.wire.records import Record, WireError, kind_of, register_enum
+
+TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: no `typing` import at run time
+if TYPE_CHECKING:
+    from typing import Any, ClassVar, Self, TypeVar
+
+    R = TypeVar("R", bound="Reply")
+
+
+class Op(StrEnum):
+    DELIVER = "deliver"
+    STATUS = "status"
+    QUEUE = "queue"
+    RETRY = "retry"
+    DROP = "drop"
+    REGISTER_REPO = "register_repo"
+    PING = "ping"
+    PAUSE = "pause"
+    RESUME = "resume"
+    WAIT = "wait"
+
+
+for _enum in (QueueState, HoldReason, Outcome, Op):
+    register_enum(_enum)
+
+
+def op_of(obj: dict[str, Any]) -> Op:
+    value = obj.get("op")
+    if value is None:
+        raise DataError("op: missing: the request names no operation")
+    if not isinstance(value, str):
+        raise DataError(f"op: must be a string, not {kind_of(value)}")
+    try:
+        return Op(value)
+    except ValueError:
+        raise VoluteError(
+            f"op: unknown request {value[:40]!r}",
+            hint=f"this gate knows: {', '.join(op.value for op in Op)}",
+            exit_code=EX_USAGE,
+        ) from None
+
+
+# -- requests -----------------------------------------------------------------------------
+
+
+class Request(Record):
+    """A request: its op is a class constant, sent as the "op" field."""
+
+    OP: ClassVar[Op]
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls()
+
+
+class DeliverRequest(Request):
+    """Queue `message` for `mind`'s session; with `wait`, stay for the turn's outcome."""
+
+    OP = Op.DELIVER
+    WIRE = {"op": Op.DELIVER.value}
+    mind: str
+    message: str
+    session: str = "main"
+    interrupt: bool = False
+    wait: bool = False
+    request_id: str | None = None
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        mind, session = text(obj, "mind"), text(obj, "session", "main")
+        message = text(obj, "message")
+        request = cls(
+            mind, message, session, flag(obj, "interrupt"), flag(obj, "wait"), request_id(obj)
+        )
+        fields.names(mind, session)
+        return request
+
+
+class StatusRequest(Request):
+    OP = Op.STATUS
+    WIRE = {"op": Op.STATUS.value}
+
+
+class PingRequest(Request):
+    OP = Op.PING
+    WIRE = {"op": Op.PING.value}
+
+
+class QueueRequest(Request):
+    """List the newest `limit` deliveries in `states` (none given: pending, running and
+    dead), newest first."""
+
+    OP = Op.QUEUE
+    WIRE = {"op": Op.QUEUE.value}
+    states: tuple[QueueState, ...] = ()
+    limit: int = QUEUE_LIMIT
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls(queue_states(obj), fields.queue_limit(obj))
+
+
+class RetryRequest(Request):
+    """Make dead deliveries pending again, with their attempts reset."""
+
+    OP = Op.RETRY
+    WIRE = {"op": Op.RETRY.value}
+    ids: tuple[int, ...]
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls(delivery_ids(obj))
+
+
+class DropRequest(Request):
+    """Drop pending or dead deliveries."""
+
+    OP = Op.DROP
+    WIRE = {"op": Op.DROP.value}
+    ids: tuple[int, ...]
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls(delivery_ids(obj))
+
+
+class RegisterRepoRequest(Request):
+    """Watch the test slots of the repository whose git common directory is `path`."""
+
+    OP = Op.REGISTER_REPO
+    WIRE = {"op": Op.REGISTER_REPO.value}
+    path: str
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        path = text(obj, "path")
+        if "\0" in path:
+            raise DataError("path: contains a NUL byte")
+        if not path.startswith("/"):
+            raise DataError(
+                f"path: {path[:80]!r} is relative; register_repo needs an absolute path"
+            )
+        return cls(path)
+
+
+class PauseRequest(Request):
+    """Hold new turns of `minds` (null: every mind, minds configured later included) until
+    they are resumed; their running turns go on, and deliveries are still queued."""
+
+    OP = Op.PAUSE
+    WIRE = {"op": Op.PAUSE.value}
+    minds: tuple[str, ...] | None = None
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls(mind_names(obj))
+
+
+class ResumeRequest(Request):
+    """Lift the pauses of `minds` (null: every pause); their held deliveries go through."""
+
+    OP = Op.RESUME
+    WIRE = {"op": Op.RESUME.value}
+    minds: tuple[str, ...] | None = None
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls(mind_names(obj))
+
+
+# At most this many deliveries in one wait: each is a waiter the gate keeps in memory.
+MAX_WAIT_IDS = 1000
+
+
+class WaitRequest(Request):
+    """Stay until deliveries `ids` settle: WaitReply, then one Event for each."""
+
+    OP = Op.WAIT
+    WIRE = {"op": Op.WAIT.value}
+    ids: tuple[int, ...]
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        ids = delivery_ids(obj)
+        if len(ids) > MAX_WAIT_IDS:
+            raise DataError(f"ids: at most {MAX_WAIT_IDS} deliveries in one wait, not {len(ids)}")
+        return cls(ids)
+
+
+REQUESTS: dict[Op, type[Request]] = {
+    cls.OP: cls
+    for cls in (
+        DeliverRequest, StatusRequest, PingRequest, QueueRequest, RetryRequest, DropRequest,
+        RegisterRepoRequest, PauseRequest, ResumeRequest, WaitRequest,
+    )
+}  # fmt: skip
+
+
+def decode_request(obj: dict[str, Any]) -> Request:
+    """A decoded line (protocol.decode) as its typed request, or a refusal naming the field.
+    Fields an op does not know are ignored, so that a newer client can add an optional
+    one; an incompatible change bumps the protocol version instead."""
+    return REQUESTS[op_of(obj)].decode(obj)
+
+
+# -- replies ------------------------------------------------------------------------------
+
+
+class Reply(Record):
+    WIRE = {"ok": True}
+
+
+class ErrorReply(Reply):
+    """The request was refused: `code` is the exit code the client exits with."""
+
+    WIRE = {"ok": False}
+    error: str
+    code: int
+    hint: str | None = None
+
+    @classmethod
+    def of(cls, error: VoluteError) -> ErrorReply:
+        return cls(error.message, error.exit_code, error.hint)
+
+    def raise_it(self) -> None:
+        raise VoluteError(
+            self.error,
+            hint=self.hint,
+            # A code out of range must not turn a refusal into a traceback.
+            exit_code=self.code if 1 <= self.code <= 255 else EX_PROTOCOL,
+        )
+
+
+class Pong(Reply):
+    pass
+
+
+class DeliverAck(Reply):
+    """The delivery is durably queued as `id` (or was already: a retried request id)."""
+
+    id: int
+
+
+class ChangedReply(Reply):
+    """The ids a retry or drop changed; the others were in no state to change."""
+
+    changed: tuple[int, ...]
+
+
+class RegisterReply(Reply):
+    new: bool  # false: the gate already watched it
+
+
+class QueueRow(Record):
+    id: int
+    mind: str
+    session: str
+    state: QueueState
+    attempts: int
+    hold_reason: HoldReason | None
+    held_ms: int
+    turn_id: int | None
+    created_at: float
+    last_error: str | None
+    bytes: int
+
+
+class QueueReply(Reply):
+    rows: tuple[QueueRow, ...]
+    not_shown: int = 0  # rows in those states beyond the limit (0 from a gate before it)
+
+
+class PausedMind(Record):
+    mind: str  # "*": every mind, minds configured later included
+    since: float  # seconds since the epoch
+
+
+class PauseReply(Reply):
+    """After a pause or resume: the minds it paused or resumed ("*": every mind), and
+    every pause now."""
+
+    changed: tuple[str, ...]
+    paused: tuple[PausedMind, ...]
+
+
+class WaitReply(Reply):
+    """The deliveries a wait stays for, each once. One Event for each follows, at once
+    for one that has already settled."""
+
+    ids: tuple[int, ...]
+
+
+class TurnStatus(Record):
+    turn_id: int
+    mind: str
+    session: str
+    unit: str
+    running_s: float
+
+
+class MindStatus(Record):
+    running_sessions: tuple[str, ...]
+    pending: int
+    paused_since: float | None = None  # seconds since the epoch: its pause, or every mind's
+    attempts: int = 0  # the most failed attempts of one of its pending deliveries
+    next_retry_s: float | None = None  # until the earliest backoff of its deliveries ends
+    last_turn_id: int | None = None  # its latest turn that ended
+    last_turn_s: float | None = None  # since that turn ended
+    last_outcome: Outcome | None = None
+    dead: int = 0
+
+
+class TestRunStatus(Record):
+    unit: str
+    worktree: str
+    command: str
+    running_s: float | None
+
+
+class RepositoryStatus(Record):
+    repository: str
+    slots_held: int | None  # None: a repository the gate does not watch
+    slots: int | None
+    runs: tuple[TestRunStatus, ...]
+    # Why the gate does not watch it ("permission denied"), or what of it it does not
+    # count (slot files past tests.max_slot_files); None when all is well.
+    problem: str | None = None
+
+
+class PressureStatus(Record):
+    enabled: bool
+    high: bool
+    reason: str | None
+    trigger: str | None
+
+
+class Status(Record):
+    active_turns: int  # turn scopes that hold a process, ours and others in the slice
+    global_cap: int | None
+    turns_per_mind: int
+    turns: tuple[TurnStatus, ...]
+    foreign_scopes: int
+    minds: dict[str, MindStatus]
+    queue_depth: int
+    holds: dict[str, int]
+    oldest_held_s: float | None
+    dead: int
+    slice: str
+    test_runs: tuple[RepositoryStatus, ...]
+    io_pressure: PressureStatus
+    test_runs_count_as_turns: bool
+    # Minds whose turns cannot start (volutectl/launcher/preflight.py): mind -> what is wrong.
+    preflight: dict[str, tuple[str, ...]] = {}
+    paused: tuple[PausedMind, ...] = ()
+
+
+class StatusReply(Reply):
+    status: Status
+
+
+# Events: what a waiting client is told once its delivery settles (done, dead or
+# dropped); a failed turn whose delivery will be tried again tells it nothing yet.
+
+
+class TurnEnded(Reply):
+    """Delivery `id` is done: the turn that carried it ended (ok, or interrupted as asked);
+    `exit_code` is what `--wait` exits with."""
+
+    WIRE = {"ok": True, "event": "turn_ended"}
+    id: int
+    turn_id: int
+    outcome: Outcome
+    exit_status: int | None
+    exit_code: int
+
+
+class DeliveryDead(Reply):
+    """Delivery `id` ran out of attempts; `exit_code` is its last turn's, for `--wait`."""
+
+    WIRE = {"ok": True, "event": "dead"}
+    id: int
+    error: str
+    exit_code: int = 1
+    turn_id: int | None = None  # the turn of its last attempt (None: none started)
+    outcome: Outcome | None = None
+
+
+class DeliveryDropped(Reply):
+    WIRE = {"ok": True, "event": "dropped"}
+    id: int
+
+
+Event = TurnEnded | DeliveryDead | DeliveryDropped
+EVENTS: dict[object, type[Reply]] = {
+    "turn_ended": TurnEnded,
+    "dead": DeliveryDead,
+    "dropped": DeliveryDropped,
+}
+
+
+def expect(cls: type[R], obj: dict[str, Any]) -> R:
+    """The reply `obj` as `cls`, or the refusal it is raised; a WireError if it is neither."""
+    if obj.get("ok") is False:
+        ErrorReply.from_wire(obj).raise_it()
+    if obj.get("ok") is not True:
+        raise WireError(f"the gate's reply has no ok field: {str(obj)[:200]}")
+    return cls.from_wire(obj)
+
+
+def decode_event(obj: dict[str, Any]) -> Event:
+    if obj.get("ok") is False:
+        ErrorReply.from_wire(obj).raise_it()
+    cls = EVENTS.get(obj.get("event"))
+    if cls is None:
+        raise WireError(f"unexpected reply from the gate: {str(obj)[:200]}")
+    return cls.from_wire(obj)  # type: ignore[return-value]

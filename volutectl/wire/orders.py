@@ -1,0 +1,368 @@
+"""The launcher's channel: the orders the gate gives volute-launcher, and its replies.
+
+The gate (unprivileged, volute-gate.service) decides; the launcher (root,
+volute-launcher.service) carries out. Both sides import this module, so an order is one
+dataclass here, never a string built on either side.
+
+On the wire: one JSON object per line, `{"v": 1, "order": NAME, ...fields}`, the same
+framing and value checks as the gate's own socket (volutectl/wire/protocol.py), with a much
+smaller bound on a line (MAX_LINE). Bytes that are not the launcher's to read (a turn's
+stdin, a folded delivery's record) never travel in a line: the gate writes them into a
+sealed memfd and passes its descriptor beside the line (SCM_RIGHTS); the launcher copies
+them, bounded, into the turn's directory, unparsed. A started turn's pidfd comes back
+the same way, so the gate watches the process it was told of, without a PID race.
+
+An order names a turn by its id and mind only: the launcher derives the scope's name,
+the turn's directory, the user, the command, the working directory and the environment
+from its own copy of the configuration.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import select
+import socket
+import stat
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from volutectl import names
+from volutectl.errors import DataError, VoluteError
+from volutectl.wire import protocol
+
+VERSION = protocol.VERSION
+# Orders carry ids and names only (payloads go by descriptor): 2 MiB holds MAX_IDS ids
+# of 19 digits. A turn's folded ids (an inspect) and the open turns (a sweep) are the
+# longest lists; the queue would have to hold 100,000 deliveries folded into one turn.
+MAX_LINE = 2 * 1024 * 1024
+MAX_IDS = 100_000
+MAX_FDS = 1  # at most one descriptor beside a line
+MAX_TEXT = 4096  # the longest string a field may hold (a refusal's reason)
+# The payload a start may carry (a batch of deliveries) and an offer (one record).
+MAX_STDIN_BYTES = 1 << 30
+MAX_RECORD_BYTES = 64 * 1024 * 1024
+# The one user besides root that the launcher takes orders from.
+GATE_USER = "volute-gate"
+DEFAULT_SOCKET = "/run/volute-launcher/launcher.sock"
+
+
+class OrderError(DataError):
+    """An order or reply that does not fit its type: the connection is closed."""
+
+
+# -- orders -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StartTurn:
+    """Start turn `turn_id` of `mind` for `session`; its stdin comes as the payload."""
+
+    ORDER: ClassVar[str] = "start"
+    PAYLOAD: ClassVar[int] = MAX_STDIN_BYTES
+    turn_id: int
+    mind: str
+    session: str
+    delivery_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Offer:
+    """Put a folded delivery (its record is the payload) into a running turn's inbox."""
+
+    ORDER: ClassVar[str] = "offer"
+    PAYLOAD: ClassVar[int] = MAX_RECORD_BYTES
+    turn_id: int
+    mind: str
+    delivery_id: int
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """SIGINT to every process of the turn's scope."""
+
+    ORDER: ClassVar[str] = "interrupt"
+    PAYLOAD: ClassVar[int] = 0
+    turn_id: int
+    mind: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop the turn's scope (SIGTERM, SIGKILL after its stop timeout); no wait."""
+
+    ORDER: ClassVar[str] = "stop"
+    PAYLOAD: ClassVar[int] = 0
+    turn_id: int
+    mind: str
+
+
+@dataclass(frozen=True)
+class Inspect:
+    """What the turn's directory says of how it ran; `folded`: ids offered to it."""
+
+    ORDER: ClassVar[str] = "inspect"
+    PAYLOAD: ClassVar[int] = 0
+    turn_id: int
+    folded: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Remove:
+    """Remove a settled turn's directory."""
+
+    ORDER: ClassVar[str] = "remove"
+    PAYLOAD: ClassVar[int] = 0
+    turn_id: int
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Remove the directory of every turn not in `open_ids` (settled ones left behind)."""
+
+    ORDER: ClassVar[str] = "sweep"
+    PAYLOAD: ClassVar[int] = 0
+    open_ids: tuple[int, ...]
+
+
+Order = StartTurn | Offer | Interrupt | Stop | Inspect | Remove | Sweep
+ORDERS: dict[str, type[Order]] = {
+    kind.ORDER: kind for kind in (StartTurn, Offer, Interrupt, Stop, Inspect, Remove, Sweep)
+}
+
+# -- replies ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Done:
+    REPLY: ClassVar[str] = "done"
+
+
+@dataclass(frozen=True)
+class Started:
+    """The turn runs in its scope, released; its pidfd comes beside the line."""
+
+    REPLY: ClassVar[str] = "started"
+    pid: int
+
+
+@dataclass(frozen=True)
+class Report:
+    REPLY: ClassVar[str] = "report"
+    started: bool  # the wrapper got as far as running the command
+    exit_status: int | None  # recorded by the wrapper, or reaped by the launcher
+    ended_at: float | None
+    not_taken: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The order was not carried out; `error` says why. For a start: the turn never
+    ran (its child, if forked, exited unreleased)."""
+
+    REPLY: ClassVar[str] = "refused"
+    error: str
+    # systemd gave no answer: nothing of the order took effect that matters (a start's
+    # child exited unreleased), and the same order may work in a moment.
+    no_answer: bool = False
+
+
+Reply = Done | Started | Report | Refused
+REPLIES: dict[str, type[Reply]] = {kind.REPLY: kind for kind in (Done, Started, Report, Refused)}
+
+
+# -- encoding and strict decoding -------------------------------------------------------
+
+
+def encode(message: Order | Reply) -> bytes:
+    tag: str | None = getattr(message, "ORDER", None)
+    body: dict[str, Any] = {"order": tag} if tag is not None else {"reply": message.REPLY}  # type: ignore[union-attr]
+    for field in fields(message):
+        value = getattr(message, field.name)
+        body[field.name] = list(value) if isinstance(value, tuple) else value
+    return protocol.encode(body)
+
+
+def _check_field(kind: str, name: str, value: Any, annotation: str) -> Any:
+    where = f"{kind}.{name}"
+    if annotation == "int":
+        if type(value) is not int or value < 0:
+            raise OrderError(f"{where}: expected a non-negative integer, got {value!r:.40}")
+        return value
+    if annotation == "bool":
+        if type(value) is not bool:
+            raise OrderError(f"{where}: expected true or false, got {value!r:.40}")
+        return value
+    if annotation == "str":
+        if type(value) is not str or len(value) > MAX_TEXT:
+            raise OrderError(f"{where}: expected a string, got {value!r:.40}")
+        return value
+    if annotation == "int | None":
+        return None if value is None else _check_field(kind, name, value, "int")
+    if annotation == "float | None":
+        if value is None:
+            return None
+        if type(value) not in (int, float):
+            raise OrderError(f"{where}: expected a number, got {value!r:.40}")
+        return float(value)
+    if annotation == "tuple[int, ...]":
+        if type(value) is not list or len(value) > MAX_IDS:
+            raise OrderError(f"{where}: expected a list of at most {MAX_IDS} ids")
+        return tuple(_check_field(kind, f"{name}[]", item, "int") for item in value)
+    raise AssertionError(f"no check for {annotation}")  # pragma: no cover - a bug here
+
+
+def _build(kind: str, cls: type[Any], body: dict[str, Any]) -> Any:
+    wanted = {field.name: str(field.type) for field in fields(cls)}
+    extra = sorted(set(body) - set(wanted))
+    missing = sorted(set(wanted) - set(body))
+    if extra or missing:
+        raise OrderError(f"{kind}: unexpected fields {extra}, missing fields {missing}")
+    values = {name: _check_field(kind, name, body[name], wanted[name]) for name in wanted}
+    for name in ("mind",):
+        if name in values:
+            try:
+                names.check_mind(values[name])
+            except names.NameError_ as error:
+                raise OrderError(f"{kind}.mind: {error}") from None
+    if "session" in values:
+        try:
+            names.check_session(values["session"])
+        except names.NameError_ as error:
+            raise OrderError(f"{kind}.session: {error}") from None
+    return cls(**values)
+
+
+def _body(line: bytes, tag: str) -> tuple[str, dict[str, Any]]:
+    try:
+        body = protocol.decode(line)
+    except VoluteError as error:
+        raise OrderError(error.message) from None
+    body.pop("v")
+    kind = body.pop(tag, None)
+    if type(kind) is not str:
+        raise OrderError(f"a line without its {tag!r} name")
+    return kind, body
+
+
+def decode_order(line: bytes) -> Order:
+    kind, body = _body(line, "order")
+    cls = ORDERS.get(kind)
+    if cls is None:
+        raise OrderError(f"unknown order {kind!r:.40}")
+    order: Order = _build(kind, cls, body)
+    return order
+
+
+def decode_reply(line: bytes) -> Reply:
+    kind, body = _body(line, "reply")
+    cls = REPLIES.get(kind)
+    if cls is None:
+        raise OrderError(f"unknown reply {kind!r:.40}")
+    reply: Reply = _build(kind, cls, body)
+    return reply
+
+
+# -- lines with descriptors -------------------------------------------------------------
+
+
+def send_line(sock: socket.socket, line: bytes, fds: tuple[int, ...] = ()) -> None:
+    """Send one whole line, its descriptors with its first byte."""
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    sent = sock.sendmsg([line], ancillary)
+    while sent < len(line):
+        sent += sock.send(line[sent:])
+
+
+class LineReader:
+    """Lines and the descriptors that came with them, from one stream connection.
+
+    The sender attaches a line's descriptors to its first byte, so they arrive no later
+    than the line; each line says how many it claims (`take_fds`). Descriptors left
+    unclaimed are closed with the reader."""
+
+    def __init__(self, max_line: int = MAX_LINE) -> None:
+        self.max_line = max_line
+        self.buffer = b""
+        self.fds: deque[int] = deque()
+        self.eof = False
+
+    def receive(self, sock: socket.socket) -> None:
+        """One recvmsg: raises BlockingIOError on a non-blocking socket with nothing."""
+        size = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+        data, ancillary, flags, _ = sock.recvmsg(1 << 16, size, socket.MSG_CMSG_CLOEXEC)
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+                self.fds.extend(got)
+        if flags & socket.MSG_CTRUNC:
+            raise OrderError("more descriptors than a line may carry")
+        if not data:
+            self.eof = True
+        self.buffer += data
+        if b"\n" not in self.buffer and len(self.buffer) > self.max_line:
+            raise OrderError(f"a line longer than {self.max_line} bytes")
+
+    def line(self) -> bytes | None:
+        if b"\n" not in self.buffer:
+            return None
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        if len(line) > self.max_line:
+            raise OrderError(f"a line longer than {self.max_line} bytes")
+        return line
+
+    def take_fd(self) -> int:
+        if not self.fds:
+            raise OrderError("a payload was announced but no descriptor came with it")
+        return self.fds.popleft()
+
+    def close(self) -> None:
+        while self.fds:
+            os.close(self.fds.popleft())
+
+
+def peer_gone(sock: socket.socket) -> bool:
+    """The other end hung up (what it sent before may still be unread)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLRDHUP)
+    return any(event & (select.POLLRDHUP | select.POLLHUP) for _, event in poller.poll(0))
+
+
+# -- payloads ---------------------------------------------------------------------------
+
+
+def payload_fd(data: bytes, name: str) -> int:
+    """A sealed memfd holding `data`, to pass beside a line."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        import fcntl
+
+        seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_payload(fd: int, limit: int) -> bytes:
+    """The bytes of a payload descriptor: a regular file (a memfd) of at most `limit`
+    bytes, read from offset 0 and never blocking; anything else is refused."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise OrderError("a payload descriptor that is not a regular file")
+    if st.st_size > limit:
+        raise OrderError(f"a payload of {st.st_size} bytes, more than {limit}")
+    chunks, offset = [], 0
+    while offset < st.st_size:
+        chunk = os.pread(fd, min(1 << 20, st.st_size - offset), offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
