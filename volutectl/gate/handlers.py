@@ -91,6 +91,7 @@ class Caller:
 
 
 def status_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+    state.liveness.recount(known_foreign=state.foreign_live)  # settles what ended
     return StatusReply(status.build(state))
 
 

@@ -13,28 +13,38 @@ Evidence that a turn still runs costs nothing on the handoff path: the gate hold
 pidfd on each turn's main process (the wrapper), its own child or, after a restart,
 the PID recorded at release. While that process lives, the scope is not empty.
 
-Also here: counting what holds a place under the cap, re-adopting turns at start, and
-each turn's time limit.
+Liveness turns systemd's evidence (and the clock's) into the events of
+volutectl/gate/lifecycle.py, which volutectl/gate/turns.py applies. Also here: counting
+what holds a place under the cap, re-adopting turns at start, and each turn's time limit.
 """
 
 from __future__ import annotations
 
 import os
-import sqlite3
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from volutectl import names
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import VoluteError
+from volutectl.gate import lifecycle
 from volutectl.gate.turns import Turn, Turns
 from volutectl.store.queue import Store, TurnRow
 from volutectl.systemd.journal import Event
 from volutectl.systemd.port import ENDED_STATES, SystemdManager
 
 TURN_PATTERN = "volute-turn-*.scope"
-RECHECK_SECONDS = 1.0  # after a failed question to systemd, ask again this much later
+
+
+@dataclass(frozen=True)
+class Census:
+    """What holds a place in the turns slice, as last counted: our live turns' ids, and
+    how many other scopes hold a process."""
+
+    live_ids: frozenset[int] = frozenset()
+    foreign: int = 0
 
 
 class Liveness:
@@ -52,9 +62,7 @@ class Liveness:
         self.manager = manager
         self.turns = turns
         self.wake = wake
-        # Scopes of turns we settled that systemd may still list as live for a moment
-        # (settled on seeing them empty): not counted, not asked about again.
-        self.settled_units: set[str] = set()
+        self.census = Census()  # for status: what the last count for it found
 
     # -- what holds a place -------------------------------------------------------------
 
@@ -66,24 +74,34 @@ class Liveness:
         ours = {turn.unit: turn for turn in self.turns.all()}
         listed = self.manager.list_units(self.settings.turns.slice, [TURN_PATTERN], known=ours)
         names_listed = {unit.name for unit in listed}
-        self.settled_units &= names_listed
+        self.turns.settled_units &= names_listed
         for turn in ours.values():
-            if turn.unit not in names_listed and not turn.main_alive():
-                self.check(turn)  # systemd lists it as not live: confirm, then settle
+            if turn.unit not in names_listed:
+                self._learn(turn, lifecycle.Listed(listed=False))
         foreign = 0
         for name in sorted(names_listed):
             own = ours.get(name)
             if own is not None:
-                if not (own.main_alive() or own.verified or own.recheck_at is not None):
-                    self.check(own)
-            elif name not in self.settled_units and self._foreign_holds_process(name):
+                self._learn(own, lifecycle.Listed(listed=True))
+            elif name not in self.turns.settled_units and self._foreign_holds_process(name):
                 foreign += 1
         live = [
             admission.LiveTurn(turn.id, turn.mind, turn.session)
             for turn in self.turns.all()
-            if turn.unit in names_listed or turn.main_alive() or turn.recheck_at is not None
+            if lifecycle.holds_place(turn.state, turn.unit in names_listed)
         ]
         return live, foreign
+
+    def recount(self, known_foreign: int) -> Census:
+        """Count for `volutectl status` (settling what systemd says ended), and keep the
+        count for status to read. If systemd does not answer: no turn of ours, and the
+        `known_foreign` other scopes last counted."""
+        try:
+            live, foreign = self.count_live()
+        except VoluteError:
+            live, foreign = [], known_foreign  # systemd did not answer: what we know
+        self.census = Census(frozenset(turn.turn_id for turn in live), foreign)
+        return self.census
 
     def _foreign_holds_process(self, unit: str) -> bool:
         """A scope in our slice that is not one of our turns: count it unless it is empty.
@@ -104,20 +122,16 @@ class Liveness:
             unit=unit,
             event=Event.EMPTY_SCOPE,
         )
-        self._stop_quietly(unit)
-        self.settled_units.add(unit)
+        self.turns.stop_quietly(unit)
+        self.turns.settled_units.add(unit)
         return False
 
-    def _stop_quietly(self, unit: str) -> None:
-        parsed = names.parse_turn_scope_name(unit)
-        if parsed is None:
-            return  # not a name the launcher would derive: not ours to stop
-        try:
-            self.turns.hands.stop(parsed[1], parsed[0])
-        except VoluteError as error:
-            self.turns.journal.log("warning", f"could not stop {unit}: {error.message}", unit=unit)
-
     # -- the evidence ------------------------------------------------------------------------
+
+    def _learn(self, turn: Turn, event: lifecycle.Event) -> None:
+        """Apply what was learnt of a turn the gate holds; ask systemd, if that is next."""
+        if self.turns.holds(turn) and self.turns.apply(turn, event):
+            self.check(turn)
 
     def check(self, turn: Turn) -> None:
         """Ask systemd whether the turn still runs; settle it only if systemd says no.
@@ -126,75 +140,46 @@ class Liveness:
         at adoption, and when a question failed before. The answers that settle: the
         unit is not loaded, is inactive or failed, or holds no process (then, if it was
         never seen holding one, it is stopped too: it would stay active for ever). Any
-        failed question: ask again in RECHECK_SECONDS."""
+        failed question: ask again in lifecycle.ASK_AGAIN_SECONDS."""
         if not self.turns.holds(turn):
             return
-        if turn.unknown:
+        if isinstance(turn.state, lifecycle.Unconfirmed):
             # The launcher was lost mid-start. Its next connection is served only once
             # that order is done (or died with it): until then systemd's answer could
             # come before the scope does.
             try:
                 self.turns.hands.ensure()
             except VoluteError:
-                turn.recheck_at = time.time() + RECHECK_SECONDS
+                self.turns.apply(turn, lifecycle.LauncherAway(now=time.time()))
                 return
-            turn.unknown = False
-        try:
-            state = self.manager.active_state(turn.unit)
-            pids = (
-                None if state is None or state in ENDED_STATES
-                else self.manager.unit_processes(turn.unit)
-            )  # fmt: skip
-        except VoluteError as error:
-            if turn.recheck_at is None:
-                self.turns.log_turn(
-                    "warning",
-                    turn,
-                    f"cannot tell whether it still runs ({error.message}): it keeps its "
-                    f"place; asking again in {RECHECK_SECONDS:.0f} s",
-                )
-            turn.recheck_at = time.time() + RECHECK_SECONDS
-            return
-        turn.recheck_at = None
-        if pids:
-            turn.verified = True
-            return
-        if pids is not None:  # live, but empty
-            if not turn.verified:
-                # Never seen holding a process: started around one that had died. It
-                # will never end by itself.
-                self.turns.log_turn(
-                    "warning",
-                    turn,
-                    f"{turn.unit} is {state} but holds no process: stopping it",
-                    event=Event.EMPTY_SCOPE,
-                )
-                self._stop_quietly(turn.unit)
-            # Otherwise its last process just left, and systemd is about to say so.
-            self.settled_units.add(turn.unit)
-        self._settle(turn)
+            self.turns.apply(turn, lifecycle.LauncherBack())
+        self.turns.apply(turn, self._ask(turn.unit))
 
-    def _settle(self, turn: Turn) -> None:
+    def _ask(self, unit: str) -> lifecycle.Event:
+        """systemd's answer about a turn's scope, as an event."""
         try:
-            self.turns.finish(turn)
-        except (VoluteError, sqlite3.Error, OSError) as error:
-            # The settlement's commit failed (a full disk), or its directory could not be
-            # read (the launcher is away): nothing of it happened. The turn keeps its
-            # place until it can be settled.
-            text = error.message if isinstance(error, VoluteError) else str(error)
-            self.turns.log_turn("error", turn, f"could not be settled: {text}; retrying")
-            turn.recheck_at = time.time() + RECHECK_SECONDS
+            state = self.manager.active_state(unit)
+            if state is None or state in ENDED_STATES:
+                return lifecycle.ScopeGone()
+            pids = self.manager.unit_processes(unit)
+        except VoluteError as error:
+            return lifecycle.QuestionFailed(error=error.message, now=time.time())
+        if pids is None:
+            return lifecycle.ScopeGone()
+        return lifecycle.ScopeHolds() if pids else lifecycle.ScopeEmpty(active_state=state)
 
     def reap(self, turn: Turn) -> None:
         """The turn's main process exited (its pidfd is readable): find out whether the
         scope is done (its hands collect the exit status)."""
-        self.turns.close_pidfd(turn)
-        self.check(turn)
+        if not self.turns.holds(turn):
+            self.turns.close_pidfd(turn)
+            return
+        self._learn(turn, lifecycle.MainExited())
 
     def unit_ended(self, unit: str) -> None:
         """systemd says a turn scope left the live states (or was removed)."""
-        if unit in self.settled_units:
-            self.settled_units.discard(unit)
+        if unit in self.turns.settled_units:
+            self.turns.settled_units.discard(unit)
             return
         parsed = names.parse_turn_scope_name(unit)
         if parsed is None:
@@ -203,11 +188,7 @@ class Liveness:
         if turn is None or turn.unit != unit:
             self.wake()  # a foreign scope ended: the budget may have freed
             return
-        if turn.main_alive():
-            # systemd also announces a scope's initial "inactive" while creating it; and
-            # a scope cannot have ended while its main process lives. Its pidfd will say.
-            return
-        self.check(turn)
+        self._learn(turn, lifecycle.ScopeEnded())
 
     # -- time limits and questions to ask again -------------------------------------------------
 
@@ -218,37 +199,15 @@ class Liveness:
         for turn in self.turns.all():
             if turn.recheck_at is not None:
                 times.append(turn.recheck_at)
-            if turn.deadline is not None and turn.timed_out_at is None:
+            if turn.deadline is not None and turn.limit_pending():
                 times.append(turn.deadline)
         return min(times, default=None)
 
     def on_deadline(self, now: float) -> None:
         for turn in self.turns.all():
-            if turn.deadline is not None and turn.timed_out_at is None and now >= turn.deadline:
-                self.time_out(turn, now)
-            if turn.recheck_at is not None and now >= turn.recheck_at:
-                self.check(turn)
-
-    def time_out(self, turn: Turn, now: float) -> None:
-        """The turn ran past its limit: record it, then have systemd stop the scope
-        (SIGTERM to every process, SIGKILL after turns.timeout_grace_seconds)."""
-        turn.timed_out_at = now
-        self.store.mark_timed_out(turn.id, now)
-        limit = turn.deadline - turn.started_at if turn.deadline is not None else 0.0
-        self.turns.log_turn(
-            "warning",
-            turn,
-            f"ran past its limit of {limit:.0f} s: stopping it (SIGTERM, then SIGKILL after "
-            f"{self.settings.turns.timeout_grace_seconds:g} s)",
-            event=Event.TIMEOUT,
-        )
-        try:
-            self.turns.hands.stop(turn.id, turn.mind)
-        except VoluteError as error:
-            # Stopping it is still owed: systemd's RuntimeMaxSec= backstop will, and
-            # so will the next check.
-            self.turns.log_turn("warning", turn, f"could not stop it: {error.message}")
-            turn.recheck_at = now + RECHECK_SECONDS
+            if turn.deadline is not None and turn.limit_pending() and now >= turn.deadline:
+                self.turns.apply(turn, lifecycle.TimeLimit(now=now))
+            self._learn(turn, lifecycle.Due(now=now))
 
     # -- recovery ----------------------------------------------------------------------------
 
@@ -263,10 +222,11 @@ class Liveness:
         open_turns = self.store.open_turns()
         self._remove_stale_dirs({row.id for row in open_turns})
         for row in open_turns:
-            turn = self._turn_from_row(row)
+            pidfd = self._adopted_pidfd(row)
+            turn = self._turn_from_row(row, lifecycle.adopted(pidfd))
             self.turns.add(turn)
-            if row.pid is not None:
-                self._watch_adopted(turn, row.pid)
+            if pidfd is not None:
+                self.turns.watch_fd(pidfd, turn)
             self.check(turn)
             if self.turns.holds(turn) and turn.recheck_at is None:
                 self.turns.log_turn("info", turn, "is still running: adopted", event=Event.ADOPT)
@@ -281,13 +241,14 @@ class Liveness:
         except VoluteError as error:
             self.turns.journal.log("warning", f"turn directories not swept yet: {error.message}")
 
-    def _turn_from_row(self, row: TurnRow) -> Turn:
+    def _turn_from_row(self, row: TurnRow, state: lifecycle.State) -> Turn:
         return Turn(
             id=row.id,
             mind=row.mind,
             session=row.session,
             unit=row.unit,
             started_at=row.started_at,
+            state=state,
             released=row.released,
             pid=row.pid,
             interrupted=row.interrupted,
@@ -295,18 +256,20 @@ class Liveness:
             timed_out_at=row.timed_out_at,
         )
 
-    def _watch_adopted(self, turn: Turn, pid: int) -> None:
-        """Watch an adopted turn's main process, if that PID still belongs to its scope."""
+    def _adopted_pidfd(self, row: TurnRow) -> int | None:
+        """A pidfd on an adopted turn's main process, if the PID recorded at its release
+        still belongs to its scope."""
+        if row.pid is None:
+            return None
         try:
-            fd = os.pidfd_open(pid)
+            fd = os.pidfd_open(row.pid)
         except OSError:
-            return  # exited (or the PID is gone): nothing to watch
+            return None  # exited (or the PID is gone): nothing to watch
         try:
-            in_scope = pid in (self.manager.unit_processes(turn.unit) or [])
+            in_scope = row.pid in (self.manager.unit_processes(row.unit) or [])
         except VoluteError:
             in_scope = False
         if not in_scope:
             os.close(fd)  # reused by an unrelated process, or the question failed
-            return
-        turn.pidfd = fd
-        self.turns.watch_fd(fd, turn)
+            return None
+        return fd

@@ -1,8 +1,10 @@
 """`volutectl status`'s answer, built by the gate: what runs, what waits and why; and
 the one line the gate gives systemd (sd_notify STATUS=, `systemctl status`).
 
-Live turns are counted as admission counts them (scopes that hold a process); if
-systemd does not answer, the status says what the gate last knew rather than failing.
+Live turns are counted as admission counts them (scopes that hold a process), by the
+status handler just before `build` (volutectl/gate/liveness.py's `recount`: counting can
+settle a turn that ended); if systemd does not answer, the status says what the gate
+last knew rather than failing. `build` itself only reads.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ if TYPE_CHECKING:
 
 
 def build(state: GateState) -> Status:
-    try:
-        live, foreign = state.liveness.count_live()
-    except VoluteError:
-        live, foreign = [], state.foreign_live  # systemd did not answer: what we know
-    live_ids = {turn.turn_id for turn in live}
+    """The status from what the gate holds: it reads, and changes nothing. The live
+    turns are those of the last count for status (`Liveness.recount`, which the
+    handler runs first)."""
+    live_ids = state.liveness.census.live_ids
+    foreign = state.liveness.census.foreign
     now = time.time()
     turns = tuple(
         TurnStatus(turn.id, turn.mind, turn.session, turn.unit, round(now - turn.started_at, 3))

@@ -1,17 +1,20 @@
 """The turns the gate runs: start, fold-in, and settle.
 
-`Turns` carries out admission's decisions (admission.admit): it commits a turn's row, has
-its hands (volutectl/launcher/hands.py: volute-launcher, or this process) start it in its scope,
+`Turns` carries out admission's decisions (`PendingIndex.admit`, volutectl/store/index.py,
+over volutectl/core/admission.py): it commits a turn's row, has its hands
+(volutectl/launcher/hands.py: volute-launcher, or this process) start it in its scope,
 and, once volutectl/gate/liveness.py has systemd's word that nothing of the turn runs any
-more, settles its deliveries in one commit. It owns no sockets and no event loop: the gate
-gives it callbacks, to watch a pidfd, to tell waiting clients how their delivery ended,
-and to say that admission should run again.
+more, settles its deliveries in one commit. Each turn moves through the states of
+volutectl/gate/lifecycle.py; `apply` steps it and carries out the effects. It owns no
+sockets and no event loop: the gate gives it callbacks, to watch a pidfd, to tell waiting
+clients how their delivery ended, and to say that admission should run again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import SystemdNoAnswer, VoluteError
 from volutectl.faults import crash_point
+from volutectl.gate import lifecycle
 from volutectl.launcher import fork
 from volutectl.launcher.hands import LauncherLost, LauncherUnavailable, TurnHands
 from volutectl.states import HoldReason, Outcome, QueueState
@@ -34,29 +38,38 @@ from volutectl.wire.messages import DeliveryDead, Reply, TurnEnded
 
 @dataclass
 class Turn:
-    """A turn the gate knows is (or may be) running."""
+    """A turn the gate knows is (or may be) running: what the store records of it, and
+    its state (volutectl/gate/lifecycle.py), which says what the gate knows of whether it
+    still runs. The record stays the same object from its start to its settlement."""
 
     id: int
     mind: str
     session: str
     unit: str
     started_at: float
-    released: bool
+    state: lifecycle.State
+    released: bool = False  # the store recorded its release into the scope
     pid: int | None = None  # the main process, when known (started by this gate)
-    pidfd: int = -1  # watched: the main process's pidfd, while it lives
     interrupted: bool = False
     deadline: float | None = None  # wall clock; None: no time limit
-    timed_out_at: float | None = None
-    # systemd showed the scope holding a process (or its main process is ours and
-    # alive): from then on, systemd reports when it empties.
-    verified: bool = False
-    recheck_at: float | None = None  # a question to systemd failed; ask again then
-    # The launcher was lost while it started this turn: whether it runs, only systemd
-    # can say, once the launcher has finished (or abandoned) that order.
-    unknown: bool = False
+    timed_out_at: float | None = None  # when the gate stopped it for running past that
 
     def main_alive(self) -> bool:
-        return self.pidfd >= 0
+        return isinstance(self.state, lifecycle.Running)
+
+    @property
+    def pidfd(self) -> int:
+        """The main process's pidfd, while it lives and is watched; else -1."""
+        return self.state.pidfd if isinstance(self.state, lifecycle.Running) else -1
+
+    @property
+    def recheck_at(self) -> float | None:
+        """When a question to systemd about it is owed, if one is."""
+        return lifecycle.ask_at(self.state)
+
+    def limit_pending(self) -> bool:
+        """It has a time limit it has not yet been stopped for."""
+        return self.deadline is not None and self.timed_out_at is None
 
 
 class Turns:
@@ -84,6 +97,9 @@ class Turns:
         # A start found systemd silent (a daemon-reexec): the gate's admission stops
         # starting turns in this pass and tries again a second later.
         self.systemd_silent = False
+        # Scopes of turns we settled that systemd may still list as live for a moment
+        # (settled on seeing them empty): not counted, not asked about again.
+        self.settled_units: set[str] = set()
 
     # -- the registry -----------------------------------------------------------------------
 
@@ -177,10 +193,7 @@ class Turns:
             ids = " ".join(str(r.id) for r in rows)
             self.log_turn("info", turn, f"took deliveries {ids} in its inbox", delivery_ids=ids)
         if fold.interrupt:
-            turn.interrupted = True
-            with contextlib.suppress(VoluteError):
-                self.hands.interrupt(turn.id, turn.mind)
-            self.log_turn("info", turn, "interrupted (SIGINT to its scope)")
+            self.apply(turn, lifecycle.Interrupt())
 
     def start(self, start: admission.Start, now: float) -> None:
         """Commit the turn, then have its hands start it (directory, fork, scope, release)."""
@@ -195,7 +208,15 @@ class Turns:
             deadline=deadline,
         )
         crash_point("start_committed")
-        unit = names.turn_scope_name(start.mind, turn_id)
+        turn = Turn(
+            id=turn_id,
+            mind=start.mind,
+            session=start.session,
+            unit=names.turn_scope_name(start.mind, turn_id),
+            started_at=now,
+            state=lifecycle.Starting(),
+            deadline=deadline,
+        )
         self.log_released(taken, now, f"starting turn {turn_id}")
         stdin = b"".join(
             fork.delivery_record(r.id, r.session, r.message, r.interrupt) for r in taken
@@ -209,122 +230,189 @@ class Turns:
         try:
             launched = self.hands.start(order, stdin)
         except (LauncherLost, LauncherUnavailable) as error:
-            self._start_unknown(start, turn_id, unit, now, deadline, error)
+            self._start_unknown(turn, error)
             return
         except SystemdNoAnswer as error:
-            self._start_unanswered(start, turn_id, unit, taken, error)
-            self.systemd_silent = True  # the gate starts nothing more for a second
+            self._start_unanswered(turn, taken, error)
             return
         except (VoluteError, OSError) as error:
-            self._start_failed(start, turn_id, unit, taken, error)
+            self._start_failed(turn, taken, error)
             return
         self.store.mark_released(turn_id, launched.pid)
         crash_point("release_recorded")
-        turn = Turn(
-            id=turn_id,
-            mind=start.mind,
-            session=start.session,
-            unit=unit,
-            started_at=now,
-            released=True,
-            pid=launched.pid,
-            pidfd=launched.pidfd,
-            deadline=deadline,
-            verified=True,
-        )
-        self._turns[turn_id] = turn
-        self.watch_fd(launched.pidfd, turn)
+        turn.released, turn.pid = True, launched.pid
+        self._after_start(turn, lifecycle.Started(pidfd=launched.pidfd), taken, "")
         ids = " ".join(str(row.id) for row in taken)
-        self.log_turn("info", turn, f"started with deliveries {ids}", delivery_ids=ids,
-                      event=Event.START)  # fmt: skip
+        self.log_turn(
+            "info", turn, f"started with deliveries {ids}", delivery_ids=ids, event=Event.START
+        )
 
-    def _start_unknown(
-        self,
-        start: admission.Start,
-        turn_id: int,
-        unit: str,
-        now: float,
-        deadline: float | None,
-        error: VoluteError,
-    ) -> None:
+    def _start_unknown(self, turn: Turn, error: VoluteError) -> None:
         """The launcher was lost during the start: the turn may run, or may never have.
         It keeps its place, as an adopted turn does, until systemd says which."""
-        turn = Turn(
-            id=turn_id,
-            mind=start.mind,
-            session=start.session,
-            unit=unit,
-            started_at=now,
-            released=False,
-            deadline=deadline,
-            recheck_at=time.time(),
-            unknown=True,
-        )
-        self._turns[turn_id] = turn
         self.log_turn(
             "warning", turn, f"may or may not have started ({error.message}): asking systemd"
         )
-        self.wake()
+        self._after_start(turn, lifecycle.LauncherLost(now=time.time()), [], error.message)
 
-    def _start_unanswered(
-        self,
-        start: admission.Start,
-        turn_id: int,
-        unit: str,
-        taken: list[Row],
-        error: SystemdNoAnswer,
-    ) -> None:
+    def _start_unanswered(self, turn: Turn, taken: list[Row], error: SystemdNoAnswer) -> None:
         """systemd gave no answer about the scope (a daemon-reexec drops every call in
         flight): the child exited unreleased, so the command never ran. Not the
         deliveries' failure: they go back with no attempt counted, as a hold does."""
         self.journal.log(
             "warning",
-            f"turn {turn_id} of {start.mind}/{start.session} did not start, systemd gave "
+            f"turn {turn.id} of {turn.mind}/{turn.session} did not start, systemd gave "
             f"no answer ({error.message}); its deliveries wait for the next pass",
-            mind=start.mind,
-            session=start.session,
-            unit=unit,
-            turn_id=turn_id,
+            mind=turn.mind,
+            session=turn.session,
+            unit=turn.unit,
+            turn_id=turn.id,
             outcome=Outcome.NEVER_RAN,
             event=Event.END,
         )
-        ids = [row.id for row in taken]
-        self.store.settle_turn(
-            turn_id,
-            outcome=Outcome.NEVER_RAN,
-            exit_status=None,
-            detail=f"never ran: {error.message}",
-            done=[],
-            returned=ids,
-            failed={},
-            error=error.message,
-            now=time.time(),
-        )
+        self._after_start(turn, lifecycle.NoAnswer(), taken, error.message)
 
-    def _start_failed(
-        self,
-        start: admission.Start,
-        turn_id: int,
-        unit: str,
-        taken: list[Row],
-        error: Exception,
-    ) -> None:
+    def _start_failed(self, turn: Turn, taken: list[Row], error: Exception) -> None:
         """The command never ran (its hands say so, having removed what they made): the
         turn's deliveries count one failed attempt (a missing user fails every time)."""
         message = error.message if isinstance(error, VoluteError) else str(error)
         self.journal.log(
             "error",
-            f"turn {turn_id} of {start.mind}/{start.session} failed to start: {message}",
-            mind=start.mind,
-            session=start.session,
-            unit=unit,
-            turn_id=turn_id,
+            f"turn {turn.id} of {turn.mind}/{turn.session} failed to start: {message}",
+            mind=turn.mind,
+            session=turn.session,
+            unit=turn.unit,
+            turn_id=turn.id,
             outcome=Outcome.START_FAILED,
             event=Event.END,
         )
-        self.store.end_turn(turn_id, Outcome.START_FAILED, None, message, time.time())
-        self.fail(taken, message)
-        self.wake()
+        self._after_start(turn, lifecycle.StartFailed(), taken, message)
+
+    def _after_start(
+        self, turn: Turn, event: lifecycle.Event, taken: list[Row], error: str
+    ) -> None:
+        """Step a starting turn by how its start went, and carry out the effects: those
+        of a turn that never ran settle `taken`, its deliveries, with `error`."""
+        turn.state, effects = lifecycle.step(turn.state, event)
+        for effect in effects:
+            if isinstance(effect, lifecycle.ReturnDeliveries):
+                self.store.settle_turn(
+                    turn.id,
+                    outcome=Outcome.NEVER_RAN,
+                    exit_status=None,
+                    detail=f"never ran: {error}",
+                    done=[],
+                    returned=[row.id for row in taken],
+                    failed={},
+                    error=error,
+                    now=time.time(),
+                )
+                self.systemd_silent = True  # the gate starts nothing more for a second
+            elif isinstance(effect, lifecycle.FailDeliveries):
+                self.store.end_turn(turn.id, Outcome.START_FAILED, None, error, time.time())
+                self.fail(taken, error)
+            else:
+                self._carry_out(turn, effect)
+
+    # -- the lifecycle ---------------------------------------------------------------------
+
+    def apply(self, turn: Turn, event: lifecycle.Event) -> bool:
+        """Step the turn by `event` (volutectl/gate/lifecycle.py) and carry out the effects
+        in order. Returns whether systemd is to be asked about it: liveness asks."""
+        turn.state, effects = lifecycle.step(turn.state, event)
+        ask = False
+        for effect in effects:
+            if isinstance(effect, lifecycle.Ask):
+                ask = True
+            else:
+                self._carry_out(turn, effect)
+        return ask
+
+    def _carry_out(self, turn: Turn, effect: lifecycle.Effect) -> None:
+        match effect:
+            case lifecycle.Hold():
+                self._turns[turn.id] = turn
+            case lifecycle.WatchMainFd(pidfd):
+                self.watch_fd(pidfd, turn)
+            case lifecycle.CloseMainFd(pidfd):
+                self._close_fd(pidfd)
+            case lifecycle.Wake():
+                self.wake()
+            case lifecycle.LogCannotTell(error):
+                self.log_turn(
+                    "warning",
+                    turn,
+                    f"cannot tell whether it still runs ({error}): it keeps its place; "
+                    f"asking again in {lifecycle.ASK_AGAIN_SECONDS:.0f} s",
+                )
+            case lifecycle.StopEmptyScope(active_state):
+                self.log_turn(
+                    "warning",
+                    turn,
+                    f"{turn.unit} is {active_state} but holds no process: stopping it",
+                    event=Event.EMPTY_SCOPE,
+                )
+                self.stop_quietly(turn.unit)
+            case lifecycle.ForgetUnit():
+                self.settled_units.add(turn.unit)
+            case lifecycle.Settle():
+                self._settle(turn)
+            case lifecycle.RecordTimeout(now):
+                self._record_timeout(turn, now)
+            case lifecycle.StopOverrun(now):
+                self._stop_overrun(turn, now)
+            case lifecycle.RecordInterrupt():
+                turn.interrupted = True
+                with contextlib.suppress(VoluteError):
+                    self.hands.interrupt(turn.id, turn.mind)
+                self.log_turn("info", turn, "interrupted (SIGINT to its scope)")
+            case _:
+                raise AssertionError(f"{effect} comes only from a start")
+
+    def _settle(self, turn: Turn) -> None:
+        try:
+            self.finish(turn)
+        except (VoluteError, sqlite3.Error, OSError) as error:
+            # The settlement's commit failed (a full disk), or its directory could not be
+            # read (the launcher is away): nothing of it happened. The turn keeps its
+            # place until it can be settled.
+            text = error.message if isinstance(error, VoluteError) else str(error)
+            self.log_turn("error", turn, f"could not be settled: {text}; retrying")
+            self.apply(turn, lifecycle.SettleFailed(now=time.time()))
+
+    def _record_timeout(self, turn: Turn, now: float) -> None:
+        """The turn ran past its limit: record it (its scope is stopped next)."""
+        turn.timed_out_at = now
+        self.store.mark_timed_out(turn.id, now)
+        limit = turn.deadline - turn.started_at if turn.deadline is not None else 0.0
+        self.log_turn(
+            "warning",
+            turn,
+            f"ran past its limit of {limit:.0f} s: stopping it (SIGTERM, then SIGKILL after "
+            f"{self.settings.turns.timeout_grace_seconds:g} s)",
+            event=Event.TIMEOUT,
+        )
+
+    def _stop_overrun(self, turn: Turn, now: float) -> None:
+        """Have systemd stop the scope (SIGTERM to every process, SIGKILL after
+        turns.timeout_grace_seconds)."""
+        try:
+            self.hands.stop(turn.id, turn.mind)
+        except VoluteError as error:
+            # Stopping it is still owed: systemd's RuntimeMaxSec= backstop will, and
+            # so will the next check.
+            self.log_turn("warning", turn, f"could not stop it: {error.message}")
+            self.apply(turn, lifecycle.StopFailed(now=now))
+
+    def stop_quietly(self, unit: str) -> None:
+        """Stop a turn scope, by the name the launcher derives; a failure is only logged."""
+        parsed = names.parse_turn_scope_name(unit)
+        if parsed is None:
+            return  # not a name the launcher would derive: not ours to stop
+        try:
+            self.hands.stop(parsed[1], parsed[0])
+        except VoluteError as error:
+            self.journal.log("warning", f"could not stop {unit}: {error.message}", unit=unit)
 
     # -- failures ---------------------------------------------------------------------------
 
@@ -362,20 +450,25 @@ class Turns:
             after = failed.get(row.id)
             if after is not None and after.state is QueueState.DEAD:
                 self.log_row(
-                    "warning", row, f"is dead after {after.attempts} attempts: {error}",
+                    "warning",
+                    row,
+                    f"is dead after {after.attempts} attempts: {error}",
                     event=Event.DEAD,
-                )  # fmt: skip
+                )
                 if notify:
                     self.notify(row.id, DeliveryDead(row.id, error))
 
     # -- settling -------------------------------------------------------------------------
 
     def close_pidfd(self, turn: Turn) -> None:
+        """Stop watching the turn's main process, if it is watched, and close its pidfd."""
         if turn.pidfd >= 0:
-            self.unwatch_fd(turn.pidfd)
-            with contextlib.suppress(OSError):
-                os.close(turn.pidfd)
-            turn.pidfd = -1
+            self._close_fd(turn.pidfd)
+
+    def _close_fd(self, pidfd: int) -> None:
+        self.unwatch_fd(pidfd)
+        with contextlib.suppress(OSError):
+            os.close(pidfd)
 
     def finish(self, turn: Turn) -> None:
         """Nothing of the turn runs any more: settle its deliveries and free its place."""
@@ -416,6 +509,7 @@ class Turns:
         self.tell_dead(carried, failed, error, notify=False)  # _tell_settled tells them
         self._turns.pop(turn.id, None)
         self.close_pidfd(turn)
+        turn.state, _ = lifecycle.step(turn.state, lifecycle.Ended(outcome.kind))
         try:
             self.hands.remove(turn.id)
         except VoluteError as kept:  # the next sweep removes it
