@@ -429,7 +429,8 @@ def _from_unconfirmed(state: Unconfirmed, event: Event) -> Step:
         return Asking(verified=False, ask_at=state.ask_at), (Ask(),)
     if isinstance(event, LauncherAway):
         return Unconfirmed(ask_at=event.now + ASK_AGAIN_SECONDS), ()
-    if isinstance(event, ScopeHolds | ScopeEmpty | ScopeGone | QuestionFailed | SettleFailed):
+    answers = ScopeHolds | ScopeEmpty | ScopeGone | QuestionFailed | SettleFailed | Ended
+    if isinstance(event, answers):
         raise IllegalEvent(state, event)
     return _from_held(state, event)
 

@@ -1,0 +1,301 @@
+"""The turn lifecycle's transitions (volutectl/gate/lifecycle.py), walked as a table.
+
+Each row: a state, an event, the next state, and the effects, in order. A row whose
+next state is its state and whose effects are none is an event that is ignored in that
+state. The pairs that cannot happen (a bug in the caller) are named below them: `step`
+raises IllegalEvent. Every sample state meets every sample event in exactly one of the
+two tables.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from volutectl.gate.lifecycle import (
+    Ask,
+    Asking,
+    CloseMainFd,
+    Due,
+    Effect,
+    Ended,
+    Event,
+    FailDeliveries,
+    ForgetUnit,
+    Hold,
+    IllegalEvent,
+    Interrupt,
+    LauncherAway,
+    LauncherBack,
+    LauncherLost,
+    Lingering,
+    Listed,
+    LogCannotTell,
+    MainExited,
+    NoAnswer,
+    QuestionFailed,
+    RecordInterrupt,
+    RecordTimeout,
+    ReturnDeliveries,
+    Running,
+    ScopeEmpty,
+    ScopeEnded,
+    ScopeGone,
+    ScopeHolds,
+    Settle,
+    Settled,
+    SettleFailed,
+    Started,
+    StartFailed,
+    Starting,
+    State,
+    StopEmptyScope,
+    StopFailed,
+    StopOverrun,
+    TimeLimit,
+    Unconfirmed,
+    Unseen,
+    Wake,
+    WatchMainFd,
+    adopted,
+    holds_place,
+    step,
+)
+from volutectl.states import Outcome
+
+DUE = 5.0  # when a question owed is to be asked again
+NOW = 10.0  # when the events below happen
+AGAIN = 11.0  # NOW + ASK_AGAIN_SECONDS
+
+# -- sample states --------------------------------------------------------------------------
+STARTING = Starting()
+UNCONFIRMED = Unconfirmed(ask_at=DUE)
+RUNNING = Running(pidfd=7, verified=True)
+RUNNING_UNSEEN = Running(pidfd=7, verified=False)  # adopted, not yet asked
+RUNNING_ASKING = Running(pidfd=7, verified=True, ask_at=DUE)
+LINGERING = Lingering()
+UNSEEN = Unseen()
+ASKING = Asking(verified=True, ask_at=DUE)
+ASKING_UNSEEN = Asking(verified=False, ask_at=DUE)
+SETTLED = Settled(outcome=Outcome.OK)
+
+# -- sample events --------------------------------------------------------------------------
+STARTED = Started(pidfd=9)
+LAUNCHER_LOST = LauncherLost(now=NOW)
+LISTED = Listed(listed=True)
+UNLISTED = Listed(listed=False)
+NOT_DUE = Due(now=DUE - 1)
+DUE_NOW = Due(now=DUE)
+LAUNCHER_AWAY = LauncherAway(now=NOW)
+EMPTY = ScopeEmpty(active_state="active")
+QUESTION_FAILED = QuestionFailed(error="timeout", now=NOW)
+SETTLE_FAILED = SettleFailed(now=NOW)
+TIME_LIMIT = TimeLimit(now=NOW)
+STOP_FAILED = StopFailed(now=NOW)
+ENDED = Ended(outcome=Outcome.OK)
+
+# -- effects that recur ---------------------------------------------------------------------
+SETTLE_EMPTY = (ForgetUnit(), Settle())
+STOP_AND_SETTLE_EMPTY = (StopEmptyScope(active_state="active"), ForgetUnit(), Settle())
+TIME_OUT = (RecordTimeout(now=NOW), StopOverrun(now=NOW))
+TELL_ONCE = (LogCannotTell(error="timeout"),)
+
+Row = tuple[State, Event, State, tuple[Effect, ...]]
+
+ROWS: list[Row] = [
+    # Starting: how its start went.
+    (STARTING, STARTED, Running(pidfd=9, verified=True), (Hold(), WatchMainFd(pidfd=9))),
+    (STARTING, LAUNCHER_LOST, Unconfirmed(ask_at=NOW), (Hold(), Wake())),
+    (STARTING, NoAnswer(), Settled(outcome=Outcome.NEVER_RAN), (ReturnDeliveries(),)),
+    (STARTING, StartFailed(), Settled(outcome=Outcome.START_FAILED), (FailDeliveries(), Wake())),
+    # Unconfirmed: nothing is asked of systemd before the launcher is back.
+    (UNCONFIRMED, MainExited(), UNCONFIRMED, (Ask(),)),
+    (UNCONFIRMED, ScopeEnded(), UNCONFIRMED, (Ask(),)),
+    (UNCONFIRMED, LISTED, UNCONFIRMED, ()),
+    (UNCONFIRMED, UNLISTED, UNCONFIRMED, (Ask(),)),
+    (UNCONFIRMED, NOT_DUE, UNCONFIRMED, ()),
+    (UNCONFIRMED, DUE_NOW, UNCONFIRMED, (Ask(),)),
+    (UNCONFIRMED, LauncherBack(), ASKING_UNSEEN, (Ask(),)),
+    (UNCONFIRMED, LAUNCHER_AWAY, Unconfirmed(ask_at=AGAIN), ()),
+    (UNCONFIRMED, TIME_LIMIT, UNCONFIRMED, TIME_OUT),
+    (UNCONFIRMED, STOP_FAILED, Unconfirmed(ask_at=AGAIN), ()),
+    (UNCONFIRMED, Interrupt(), UNCONFIRMED, (RecordInterrupt(),)),
+    # Running, seen holding a process (a turn this gate started).
+    (RUNNING, MainExited(), LINGERING, (CloseMainFd(pidfd=7), Ask())),
+    (RUNNING, ScopeEnded(), RUNNING, ()),  # systemd's initial "inactive": its pidfd says
+    (RUNNING, LISTED, RUNNING, ()),
+    (RUNNING, UNLISTED, RUNNING, ()),
+    (RUNNING, NOT_DUE, RUNNING, ()),
+    (RUNNING, DUE_NOW, RUNNING, ()),
+    (RUNNING, ScopeHolds(), RUNNING, ()),
+    (RUNNING, EMPTY, RUNNING, SETTLE_EMPTY),
+    (RUNNING, ScopeGone(), RUNNING, (Settle(),)),
+    (RUNNING, QUESTION_FAILED, Running(pidfd=7, verified=True, ask_at=AGAIN), TELL_ONCE),
+    (RUNNING, SETTLE_FAILED, Running(pidfd=7, verified=True, ask_at=AGAIN), ()),
+    (RUNNING, TIME_LIMIT, RUNNING, TIME_OUT),
+    (RUNNING, STOP_FAILED, Running(pidfd=7, verified=True, ask_at=AGAIN), ()),
+    (RUNNING, Interrupt(), RUNNING, (RecordInterrupt(),)),
+    (RUNNING, ENDED, SETTLED, ()),
+    # Running, adopted and not yet seen holding a process.
+    (RUNNING_UNSEEN, MainExited(), UNSEEN, (CloseMainFd(pidfd=7), Ask())),
+    (RUNNING_UNSEEN, ScopeEnded(), RUNNING_UNSEEN, ()),
+    (RUNNING_UNSEEN, LISTED, RUNNING_UNSEEN, ()),
+    (RUNNING_UNSEEN, UNLISTED, RUNNING_UNSEEN, ()),
+    (RUNNING_UNSEEN, NOT_DUE, RUNNING_UNSEEN, ()),
+    (RUNNING_UNSEEN, DUE_NOW, RUNNING_UNSEEN, ()),
+    (RUNNING_UNSEEN, ScopeHolds(), RUNNING, ()),
+    (RUNNING_UNSEEN, EMPTY, RUNNING_UNSEEN, STOP_AND_SETTLE_EMPTY),
+    (RUNNING_UNSEEN, ScopeGone(), RUNNING_UNSEEN, (Settle(),)),
+    (RUNNING_UNSEEN, QUESTION_FAILED, Running(pidfd=7, verified=False, ask_at=AGAIN), TELL_ONCE),
+    (RUNNING_UNSEEN, SETTLE_FAILED, Running(pidfd=7, verified=False, ask_at=AGAIN), ()),
+    (RUNNING_UNSEEN, TIME_LIMIT, RUNNING_UNSEEN, TIME_OUT),
+    (RUNNING_UNSEEN, STOP_FAILED, Running(pidfd=7, verified=False, ask_at=AGAIN), ()),
+    (RUNNING_UNSEEN, Interrupt(), RUNNING_UNSEEN, (RecordInterrupt(),)),
+    (RUNNING_UNSEEN, ENDED, SETTLED, ()),
+    # Running, a question about it owed (a stop after its time limit failed).
+    (RUNNING_ASKING, MainExited(), ASKING, (CloseMainFd(pidfd=7), Ask())),
+    (RUNNING_ASKING, ScopeEnded(), RUNNING_ASKING, ()),
+    (RUNNING_ASKING, LISTED, RUNNING_ASKING, ()),
+    (RUNNING_ASKING, UNLISTED, RUNNING_ASKING, ()),
+    (RUNNING_ASKING, NOT_DUE, RUNNING_ASKING, ()),
+    (RUNNING_ASKING, DUE_NOW, RUNNING_ASKING, (Ask(),)),
+    (RUNNING_ASKING, ScopeHolds(), RUNNING, ()),
+    (RUNNING_ASKING, EMPTY, RUNNING, SETTLE_EMPTY),
+    (RUNNING_ASKING, ScopeGone(), RUNNING, (Settle(),)),
+    (RUNNING_ASKING, QUESTION_FAILED, Running(pidfd=7, verified=True, ask_at=AGAIN), ()),
+    (RUNNING_ASKING, SETTLE_FAILED, Running(pidfd=7, verified=True, ask_at=AGAIN), ()),
+    (RUNNING_ASKING, TIME_LIMIT, RUNNING_ASKING, TIME_OUT),
+    (RUNNING_ASKING, STOP_FAILED, Running(pidfd=7, verified=True, ask_at=AGAIN), ()),
+    (RUNNING_ASKING, Interrupt(), RUNNING_ASKING, (RecordInterrupt(),)),
+    (RUNNING_ASKING, ENDED, SETTLED, ()),
+    # Lingering: systemd reports when its scope empties.
+    (LINGERING, MainExited(), LINGERING, (Ask(),)),
+    (LINGERING, ScopeEnded(), LINGERING, (Ask(),)),
+    (LINGERING, LISTED, LINGERING, ()),
+    (LINGERING, UNLISTED, LINGERING, (Ask(),)),
+    (LINGERING, NOT_DUE, LINGERING, ()),
+    (LINGERING, DUE_NOW, LINGERING, ()),
+    (LINGERING, ScopeHolds(), LINGERING, ()),
+    (LINGERING, EMPTY, LINGERING, SETTLE_EMPTY),  # its last process just left
+    (LINGERING, ScopeGone(), LINGERING, (Settle(),)),
+    (LINGERING, QUESTION_FAILED, Asking(verified=True, ask_at=AGAIN), TELL_ONCE),
+    (LINGERING, SETTLE_FAILED, Asking(verified=True, ask_at=AGAIN), ()),
+    (LINGERING, TIME_LIMIT, LINGERING, TIME_OUT),
+    (LINGERING, STOP_FAILED, Asking(verified=True, ask_at=AGAIN), ()),
+    (LINGERING, Interrupt(), LINGERING, (RecordInterrupt(),)),
+    (LINGERING, ENDED, SETTLED, ()),
+    # Unseen: adopted, not watched; a listing that shows it has it asked about.
+    (UNSEEN, MainExited(), UNSEEN, (Ask(),)),
+    (UNSEEN, ScopeEnded(), UNSEEN, (Ask(),)),
+    (UNSEEN, LISTED, UNSEEN, (Ask(),)),
+    (UNSEEN, UNLISTED, UNSEEN, (Ask(),)),
+    (UNSEEN, NOT_DUE, UNSEEN, ()),
+    (UNSEEN, DUE_NOW, UNSEEN, ()),
+    (UNSEEN, ScopeHolds(), LINGERING, ()),
+    (UNSEEN, EMPTY, UNSEEN, STOP_AND_SETTLE_EMPTY),  # it would stay active for ever
+    (UNSEEN, ScopeGone(), UNSEEN, (Settle(),)),
+    (UNSEEN, QUESTION_FAILED, Asking(verified=False, ask_at=AGAIN), TELL_ONCE),
+    (UNSEEN, SETTLE_FAILED, Asking(verified=False, ask_at=AGAIN), ()),
+    (UNSEEN, TIME_LIMIT, UNSEEN, TIME_OUT),
+    (UNSEEN, STOP_FAILED, Asking(verified=False, ask_at=AGAIN), ()),
+    (UNSEEN, Interrupt(), UNSEEN, (RecordInterrupt(),)),
+    (UNSEEN, ENDED, SETTLED, ()),
+    # Asking, seen holding a process before: a failed question is told of only once.
+    (ASKING, MainExited(), ASKING, (Ask(),)),
+    (ASKING, ScopeEnded(), ASKING, (Ask(),)),
+    (ASKING, LISTED, ASKING, ()),
+    (ASKING, UNLISTED, ASKING, (Ask(),)),
+    (ASKING, NOT_DUE, ASKING, ()),
+    (ASKING, DUE_NOW, ASKING, (Ask(),)),
+    (ASKING, ScopeHolds(), LINGERING, ()),
+    (ASKING, EMPTY, LINGERING, SETTLE_EMPTY),
+    (ASKING, ScopeGone(), LINGERING, (Settle(),)),
+    (ASKING, QUESTION_FAILED, Asking(verified=True, ask_at=AGAIN), ()),
+    (ASKING, SETTLE_FAILED, Asking(verified=True, ask_at=AGAIN), ()),
+    (ASKING, TIME_LIMIT, ASKING, TIME_OUT),
+    (ASKING, STOP_FAILED, Asking(verified=True, ask_at=AGAIN), ()),
+    (ASKING, Interrupt(), ASKING, (RecordInterrupt(),)),
+    (ASKING, ENDED, SETTLED, ()),
+    # Asking, never seen holding a process.
+    (ASKING_UNSEEN, MainExited(), ASKING_UNSEEN, (Ask(),)),
+    (ASKING_UNSEEN, ScopeEnded(), ASKING_UNSEEN, (Ask(),)),
+    (ASKING_UNSEEN, LISTED, ASKING_UNSEEN, ()),
+    (ASKING_UNSEEN, UNLISTED, ASKING_UNSEEN, (Ask(),)),
+    (ASKING_UNSEEN, NOT_DUE, ASKING_UNSEEN, ()),
+    (ASKING_UNSEEN, DUE_NOW, ASKING_UNSEEN, (Ask(),)),
+    (ASKING_UNSEEN, ScopeHolds(), LINGERING, ()),
+    (ASKING_UNSEEN, EMPTY, UNSEEN, STOP_AND_SETTLE_EMPTY),
+    (ASKING_UNSEEN, ScopeGone(), UNSEEN, (Settle(),)),
+    (ASKING_UNSEEN, QUESTION_FAILED, Asking(verified=False, ask_at=AGAIN), ()),
+    (ASKING_UNSEEN, SETTLE_FAILED, Asking(verified=False, ask_at=AGAIN), ()),
+    (ASKING_UNSEEN, TIME_LIMIT, ASKING_UNSEEN, TIME_OUT),
+    (ASKING_UNSEEN, STOP_FAILED, Asking(verified=False, ask_at=AGAIN), ()),
+    (ASKING_UNSEEN, Interrupt(), ASKING_UNSEEN, (RecordInterrupt(),)),
+    (ASKING_UNSEEN, ENDED, SETTLED, ()),
+]
+
+HELD: list[State] = [UNCONFIRMED, RUNNING, RUNNING_UNSEEN, RUNNING_ASKING, LINGERING, UNSEEN]
+HELD += [ASKING, ASKING_UNSEEN]
+START_RESULTS: list[Event] = [STARTED, LAUNCHER_LOST, NoAnswer(), StartFailed()]
+LAUNCHER: list[Event] = [LauncherBack(), LAUNCHER_AWAY]
+ANSWERS: list[Event] = [ScopeHolds(), EMPTY, ScopeGone(), QUESTION_FAILED, SETTLE_FAILED]
+LATER: list[Event] = [MainExited(), ScopeEnded(), LISTED, UNLISTED, NOT_DUE, DUE_NOW]
+LATER += [*LAUNCHER, *ANSWERS, TIME_LIMIT, STOP_FAILED, Interrupt(), ENDED]
+EVENTS = START_RESULTS + LATER
+
+ILLEGAL: list[tuple[State, Event]] = [
+    # A starting turn is with its hands: the gate holds no place for it, and only how
+    # its start went can come.
+    *((STARTING, event) for event in LATER),
+    # A settled turn has left the gate: nothing more comes to it.
+    *((SETTLED, event) for event in EVENTS),
+    # A start's result comes once, to a starting turn.
+    *((state, event) for state in HELD for event in START_RESULTS),
+    # Nothing is asked of systemd about an unconfirmed turn before the launcher is
+    # back, so no answer comes (and nothing is settled).
+    *((UNCONFIRMED, event) for event in [*ANSWERS, ENDED]),
+    # The launcher is waited for only by an unconfirmed turn.
+    *((state, event) for state in HELD if state != UNCONFIRMED for event in LAUNCHER),
+]
+
+
+@pytest.mark.parametrize(("state", "event", "after", "effects"), ROWS)
+def test_each_state_and_event_gives_the_next_state_and_effects(
+    state: State, event: Event, after: State, effects: tuple[Effect, ...]
+) -> None:
+    assert step(state, event) == (after, effects)
+
+
+@pytest.mark.parametrize(("state", "event"), ILLEGAL)
+def test_an_event_that_cannot_come_in_a_state_raises(state: State, event: Event) -> None:
+    with pytest.raises(IllegalEvent):
+        step(state, event)
+
+
+def test_every_state_meets_every_event_in_exactly_one_table() -> None:
+    legal = [(state, event) for state, event, _, _ in ROWS]
+    assert len(legal) == len(set(legal)) and len(ILLEGAL) == len(set(ILLEGAL))
+    every = {(state, event) for state in [STARTING, *HELD, SETTLED] for event in EVENTS}
+    assert set(legal) | set(ILLEGAL) == every
+    assert not set(legal) & set(ILLEGAL)
+
+
+def test_an_adopted_turn_starts_watched_if_its_main_process_lives() -> None:
+    assert adopted(7) == RUNNING_UNSEEN
+    assert adopted(None) == UNSEEN
+
+
+@pytest.mark.parametrize(
+    ("state", "listed", "holds"),
+    [
+        (RUNNING, False, True),  # its main process lives
+        (LINGERING, True, True),
+        (LINGERING, False, False),  # systemd no longer lists it
+        (UNSEEN, False, False),
+        (ASKING, False, True),  # systemd could not say: it keeps its place
+        (UNCONFIRMED, False, True),
+    ],
+)
+def test_a_turn_holds_a_place_if_listed_running_or_in_doubt(
+    state: State, listed: bool, holds: bool
+) -> None:
+    assert holds_place(state, listed) is holds
