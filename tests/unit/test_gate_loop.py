@@ -317,8 +317,9 @@ def test_scopes_around_dead_processes_are_stopped_and_settled_at_start(
     # turn, and a scope started around its dead child; plus one nobody knows.
     store = Store(harness.settings.gate.state_dir / "queue.sqlite3")
     [stranded] = store.add_deliveries([NewDelivery("m", "main", b"x")])
+    assert isinstance(stranded, int), stranded
     turn, _ = store.start_turn("m", "main", lambda t: names.turn_scope_name("m", t),
-                               [int(stranded)], time.time())  # fmt: skip
+                               [stranded], time.time())  # fmt: skip
     store.close()
     unit = names.turn_scope_name("m", turn)
     slice_ = harness.settings.turns.slice
@@ -331,7 +332,7 @@ def test_scopes_around_dead_processes_are_stopped_and_settled_at_start(
     harness.restart()
     other = deliver(harness, "other")  # the orphan must not hold the cap of 1
     harness.pump(lambda: settled(harness), timeout=10)
-    assert log.runs() == {int(stranded): 1, other: 1}  # type: ignore[dict-item]
+    assert log.runs() == {stranded: 1, other: 1}
     assert all(row.attempts == 0 for row in rows(harness, QueueState.DONE))
     assert harness.manager.list_units(slice_, ["volute-turn-*"]) == []
     stopped = [m for m in harness.journal.messages("warning") if "holds no process" in m]

@@ -49,7 +49,7 @@ def notified(monkeypatch: pytest.MonkeyPatch) -> Iterator[socket.socket]:
 
 
 def statuses(sock: socket.socket) -> list[str]:
-    found = []
+    found: list[str] = []
     while True:
         try:
             datagram = sock.recv(4096).decode()
@@ -144,7 +144,7 @@ def test_pause_and_resume_refuse_bad_names_and_say_what_changed(
     harness = Harness(tmp_path, minds={"m": "true", "n": "true"})
     harnesses.append(harness)
     peer = harness.connect()
-    refused = [
+    refused: list[tuple[dict[str, object], int, str]] = [
         ({"op": "pause", "minds": ["ghost"]}, EX_NOUSER, "unknown mind 'ghost'"),
         ({"op": "pause", "minds": ["m", "ghost"]}, EX_NOUSER, "unknown mind 'ghost'"),
         ({"op": "pause", "minds": []}, EX_DATAERR, "minds: empty"),
@@ -221,7 +221,11 @@ def test_the_status_line_is_sent_when_it_changes_not_on_every_pass(
 
 
 def test_the_status_line_names_every_hold_reason_the_cap_and_what_is_paused() -> None:
-    holds = {HoldReason.GLOBAL_CAP: 2, HoldReason.PAUSED: 1, HoldReason.MIND_BUSY: 0}
+    holds: dict[str, int] = {
+        HoldReason.GLOBAL_CAP: 2,
+        HoldReason.PAUSED: 1,
+        HoldReason.MIND_BUSY: 0,
+    }
     line = status_line(
         turns=2, cap=2, test_runs=0, holds=holds, backing_off=1, dead=4, paused=frozenset({"m"})
     )
