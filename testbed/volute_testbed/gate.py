@@ -7,10 +7,12 @@ import json
 import sys
 import time
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 
 from volute_testbed.machine import Machine
 from volute_testbed.paths import CHECKOUT, PYTHON, SCRIPTS
+from volute_testbed.scope_sampler import Samples
 
 UNITS = CHECKOUT / "units"
 DEFAULT_SOCKET = "/run/volute/gate.sock"  # volute-gate.socket's ListenStream=
@@ -221,16 +223,17 @@ class Sampler:
         self.proc = machine.popen(
             [PYTHON, "-m", "volute_testbed.scope_sampler", self.stop_file, self.out_file]
         )
-        self.result: dict[str, object] = {}
+        self.result: Samples | None = None
 
-    def stop(self) -> dict[str, object]:
+    def stop(self) -> Samples:
         self.machine.write(self.stop_file, "")
         self.proc.wait(timeout=30)
-        self.result = json.loads(self.machine.host_path(self.out_file).read_text())
-        return self.result
+        result: Samples = json.loads(self.machine.host_path(self.out_file).read_text())
+        self.result = result
+        return result
 
 
-def gate_config(minds: dict[str, str], **sections: dict[str, object]) -> str:
+def gate_config(minds: Mapping[str, str], **sections: Mapping[str, object]) -> str:
     """A config TOML: `minds` maps name -> command string; sections add [limits] etc."""
     lines = []
     for section, values in sections.items():

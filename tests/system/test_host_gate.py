@@ -32,6 +32,7 @@ from volute_testbed.gate import (
 )
 from volute_testbed.machine import Machine
 from volute_testbed.paths import CHECKOUT, PYTHON
+from volute_testbed.scope_sampler import Samples
 
 pytestmark = pytest.mark.system
 
@@ -98,7 +99,7 @@ def stop_stream(machine: Machine, stream: subprocess.Popen[str]) -> None:
     stream.wait(timeout=30)
 
 
-def timeline(seen: dict[str, object]) -> list[tuple[float, int, int]]:
+def timeline(seen: Samples) -> list[tuple[float, int, int]]:
     raw = seen["timeline"]
     assert isinstance(raw, list)
     return [(float(t), int(turns), int(tests)) for t, turns, tests in raw]
@@ -163,7 +164,7 @@ def test_a_test_run_takes_one_place_and_hands_it_back_at_once(machine: Machine) 
     assert runs[0]["worktree"] == WORKTREE
     assert "sleep 4" in str(runs[0]["command"])
     assert str(runs[0]["unit"]).startswith("volute-test-wt1-")
-    assert float(runs[0]["running_s"]) >= 0  # type: ignore[arg-type]
+    assert float(runs[0]["running_s"]) >= 0
     stream = start_stream(machine, minds)
     wait_for(
         lambda: any(r["hold_reason"] == "test_run" for r in queue_rows(machine, "pending")),
