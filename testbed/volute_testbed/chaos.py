@@ -3,7 +3,7 @@
 Used by tests/system/test_faults.py (30 kills) and by bench/gate_kills.py (50, by hand).
 Inside a booted container with the gate installed (volute_testbed.gate):
 
-- N minds run fault-probe (volute_testbed.faults): each turn holds a while,
+- N minds run the turn probe (volute_testbed.turn_probe): each turn holds a while,
   takes its inbox, and exits 1 once in `fail_one_in` turns, so failures are retried;
 - C clients deliver in closed loops (`volutectl deliver`, its default --timeout),
   logging each exit code and acknowledged id;
@@ -25,7 +25,6 @@ from typing import TypedDict
 
 from volute_testbed.faults import (
     fast_restarts,
-    install_fault_probe,
     successful_runs,
     unit_pid,
 )
@@ -33,6 +32,7 @@ from volute_testbed.gate import (
     VOLUTECTL,
     Sampler,
     gate_config,
+    install_probe,
     live_turn_scopes,
     queue_rows,
     start_gate,
@@ -105,10 +105,11 @@ class Storm:
 
 def run(machine: Machine, storm: Storm, drain_timeout: float = 120.0) -> Record:
     rng = random.Random(storm.seed)
-    install_fault_probe(machine)
+    install_probe(machine)
     machine.write("/usr/local/bin/chaos-client", CLIENT.format(volutectl=VOLUTECTL), mode=0o755)
     fast_restarts(machine)
-    minds = {f"m{i}": f"fault-probe {storm.hold} {storm.fail_one_in}" for i in range(storm.minds)}
+    command = f"turn-probe {storm.hold} take 1/{storm.fail_one_in}"
+    minds = {f"m{i}": command for i in range(storm.minds)}
     start_gate(
         machine,
         gate_config(

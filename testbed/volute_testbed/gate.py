@@ -10,9 +10,11 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
+from volute_testbed import turn_probe
 from volute_testbed.machine import Machine
 from volute_testbed.paths import CHECKOUT, PYTHON, SCRIPTS
 from volute_testbed.scope_sampler import Samples
+from volute_testbed.turn_probe import TURNS_LOG
 
 UNITS = CHECKOUT / "units"
 DEFAULT_SOCKET = "/run/volute/gate.sock"  # volute-gate.socket's ListenStream=
@@ -156,49 +158,15 @@ def journal(machine: Machine, unit: str = "volute-gate.service") -> str:
     return machine.run(["journalctl", "--no-pager", "-o", "cat", "-u", unit], check=False).stdout
 
 
-# A turn command for tests: logs what it got (from stdin and the inbox) to a shared log.
-TURN_PROBE = r"""#!/bin/sh
-# turn-probe SECONDS [take|leave|take-until-int]: record the turn, hold it open (at most
-# SECONDS), maybe take the inbox; take-until-int ends once it has taken what was in its
-# inbox when a SIGINT came (the gate offers an interrupt's delivery before its SIGINT).
-log=/var/tmp/turns.log
-hold=${1:-0.1}
-mode=${2:-take}
-ids=$(sed -n 's/.*"id": *\([0-9][0-9]*\).*/\1/p' | tr '\n' ' ')
-echo "start $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $(id -un) $ids" >> $log
-interrupted=
-trap 'interrupted=1; echo "sigint $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID" >> $log' INT
-# Milliseconds: mawk's printf %d stops at 2^31, so nanoseconds would cap holds at 2.1 s.
-end=$(( $(date +%s%3N) + $(echo "$hold" | awk '{printf "%d", $1 * 1000}') ))
-# A SIGINT to the scope also kills whichever child runs then (date, rm): an empty clock
-# reading goes round again, the file's id comes from builtins, and a file is taken once
-# it is gone, whatever rm's status.
-while now=$(date +%s%3N); [ -z "$now" ] || [ "$now" -lt "$end" ]; do
-  before=$interrupted
-  if [ "$mode" = take ] || [ "$mode" = take-until-int ]; then
-    for f in "$VOLUTE_INBOX"/*.json; do
-      [ -e "$f" ] || continue
-      id=${f##*/}
-      id=${id%.json}
-      rm -f "$f"
-      [ -e "$f" ] || echo "took $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $id" >> $log
-    done
-  fi
-  [ "$mode" = take-until-int ] && [ -n "$before" ] && break
-  sleep 0.02
-done
-echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID" >> $log
-exit ${TURN_EXIT:-0}
-"""
-
-
 def install_probe(machine: Machine) -> None:
-    machine.write("/usr/local/bin/turn-probe", TURN_PROBE, mode=0o755)
-    machine.run(["sh", "-c", ": > /var/tmp/turns.log; chmod 666 /var/tmp/turns.log"])
+    """/usr/local/bin/turn-probe (volute_testbed.turn_probe), and an empty log for it."""
+    machine.write("/usr/local/bin/turn-probe", turn_probe.script(), mode=0o755)
+    machine.run(["sh", "-c", f": > {TURNS_LOG}; chmod 666 {TURNS_LOG}"])
 
 
 def turn_log(machine: Machine) -> list[list[str]]:
-    text = machine.host_path("/var/tmp/turns.log").read_text()
+    """The turn probe's log, each line split into its words."""
+    text = machine.host_path(TURNS_LOG).read_text()
     return [line.split() for line in text.splitlines() if line.strip()]
 
 

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from tests.unit.gate_harness import Harness, gate_settings, settled
-from tests.unit.test_gate_loop import PROBE, Turns
+from tests.unit.test_gate_loop import Turns
+from volute_testbed import turn_probe
 from volutectl.core import admission
 from volutectl.errors import EX_DATAERR, EX_NOUSER, EX_TEMPFAIL
 from volutectl.gate.status import status_line
@@ -31,7 +32,7 @@ from volutectl.states import HoldReason, QueueState
 def probe(tmp_path: Path) -> tuple[str, Turns]:
     log = tmp_path / "turns.log"
     script = tmp_path / "probe"
-    script.write_text(PROBE.replace("LOG", str(log)))
+    script.write_text(turn_probe.script(str(log)))
     script.chmod(0o755)
     return str(script), Turns(log)
 
@@ -102,7 +103,7 @@ def test_a_paused_mind_holds_new_turns_folds_into_its_running_one_and_resumes_in
     reply = request(harness, op="resume", minds=["m"])
     assert reply == {"v": 1, "ok": True, "changed": ["m"], "paused": []}
     harness.pump(lambda: settled(harness), timeout=15)
-    starts = [[int(x) for x in fields[4:]] for fields in log.lines() if fields[0] == "start"]
+    starts = [[int(x) for x in fields[5:]] for fields in log.lines() if fields[0] == "start"]
     assert starts[-2:] == [[a1, a2], [b1]]  # the wake flush: in id order, a batch a session
     assert log.runs() == dict.fromkeys([first, folded, other, a1, a2, b1], 1)
     done = harness.gate.state.store.list_rows([QueueState.DONE])
