@@ -7,8 +7,9 @@ import json
 import sys
 import time
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from volute_testbed import turn_probe
 from volute_testbed.machine import Machine
@@ -120,9 +121,10 @@ def delivery_states(machine: Machine) -> dict[int, str]:
     return {int(key): str(value) for key, value in json.loads(out).items()}
 
 
-def status(machine: Machine) -> dict[str, object]:
+def status(machine: Machine) -> dict[str, Any]:
+    """`status --json`'s object, as JSON has it."""
     out = machine.run([VOLUTECTL, "status", "--json"]).stdout
-    result: dict[str, object] = json.loads(out)
+    result: dict[str, Any] = json.loads(out)
     return result
 
 
@@ -145,7 +147,12 @@ def live_turn_scopes(machine: Machine) -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05) -> None:  # type: ignore[no-untyped-def]
+def wait_for(
+    # Called with no arguments; `...` lets a lambda bind a loop variable as a default.
+    predicate: Callable[..., object],
+    timeout: float = 30.0,
+    interval: float = 0.05,
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -219,11 +226,12 @@ def all_settled(machine: Machine) -> bool:
     return not queue_rows(machine, "pending", "running")
 
 
-def queue_rows(machine: Machine, *states: str) -> list[dict[str, object]]:
+def queue_rows(machine: Machine, *states: str) -> list[dict[str, Any]]:
     """The rows in `states` (default: pending, running, dead) in id order: all of them,
-    up to the gate's most (10,000), not the newest 50 that `queue list` shows by default."""
+    up to the gate's most (10,000), not the newest 50 that `queue list` shows by default.
+    Each is `queue list --json`'s object, as JSON has it (docs/protocol.schema.json)."""
     args = [VOLUTECTL, "queue", "list", "--json", "--limit", "10000"]
     for state in states:
         args += ["--state", state]
-    rows: list[dict[str, object]] = json.loads(machine.run(args).stdout)
-    return sorted(rows, key=lambda row: int(row["id"]))  # type: ignore[call-overload]
+    rows: list[dict[str, Any]] = json.loads(machine.run(args).stdout)
+    return sorted(rows, key=lambda row: int(row["id"]))

@@ -89,7 +89,7 @@ def test_a_sigkill_of_the_gates_cgroup_at_each_step_loses_nothing(
 
     assert_exactly_once(turn_log(machine), acked)
     rows = queue_rows(machine, "done")
-    assert sorted(int(r["id"]) for r in rows) == sorted(acked)  # type: ignore[call-overload]
+    assert sorted(int(r["id"]) for r in rows) == sorted(acked)
     assert all(r["attempts"] == 0 for r in rows), rows  # a crash is never the turn's failure
     assert seen["max_turns"] <= 1
     assert_no_live_turn_scopes(machine)
@@ -149,7 +149,7 @@ def test_a_scope_around_a_dead_process_is_stopped_and_its_turn_settled(
     wait_for(lambda: all_settled(machine), timeout=30, interval=0.2)
 
     assert_exactly_once(turn_log(machine), [stranded, other])
-    rows = {int(r["id"]): r for r in queue_rows(machine, "done")}  # type: ignore[call-overload]
+    rows = {int(r["id"]): r for r in queue_rows(machine, "done")}
     assert rows[stranded]["attempts"] == 0  # its command never ran: not a failure
     assert_no_live_turn_scopes(machine)
     log = journal(machine)
@@ -187,7 +187,7 @@ def test_a_turn_over_its_time_limit_is_stopped_retried_and_reported_as_timeout(
     for row in queue_rows(machine, "dead"):
         assert row["attempts"] == 2
         assert "ran past its time limit" in str(row["last_error"]), row
-    by_id = {int(r["id"]): r for r in queue_rows(machine, "dead")}  # type: ignore[call-overload]
+    by_id = {int(r["id"]): r for r in queue_rows(machine, "dead")}
     assert "exit status 143" in str(by_id[polite]["last_error"])
     # The stubborn one was SIGKILLed with its wrapper: 128 + 9, from the gate's waitpid.
     stubborn = next(r for i, r in by_id.items() if i != polite)
@@ -239,7 +239,7 @@ def test_an_interrupted_turn_still_counts_as_interrupted_after_a_gate_restart(
     [(ids, code)] = turns.values()
     assert sorted(ids) == [first, second] and code == 130
     rows = queue_rows(machine, "done")
-    assert sorted(int(r["id"]) for r in rows) == [first, second]  # type: ignore[call-overload]
+    assert sorted(int(r["id"]) for r in rows) == [first, second]
     assert all(r["attempts"] == 0 for r in rows)
     assert "interrupted, exited 130" in journal(machine)
 

@@ -270,7 +270,7 @@ def test_a_missing_repository_is_logged_once_and_the_gate_works(machine: Machine
         assert run.returncode == 0
     first = deliver(machine, "a", "hello")
     wait_for(lambda: all_settled(machine), timeout=30)
-    assert [int(r["id"]) for r in queue_rows(machine, "done")] == [first]  # type: ignore[call-overload]
+    assert [int(r["id"]) for r in queue_rows(machine, "done")] == [first]
     log = journal(machine)
     assert log.count("/srv/nowhere") == 1, log
     assert "Traceback" not in log
