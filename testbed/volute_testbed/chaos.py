@@ -3,7 +3,7 @@
 Used by tests/system/test_faults.py (30 kills) and by bench/gate_kills.py (50, by hand).
 Inside a booted container with the gate installed (volute_testbed.gate):
 
-- N minds run fault-probe (volute_testbed.faults): each turn holds a while,
+- N minds run the turn probe (volute_testbed.turn_probe): each turn holds a while,
   takes its inbox, and exits 1 once in `fail_one_in` turns, so failures are retried;
 - C clients deliver in closed loops (`volutectl deliver`, its default --timeout),
   logging each exit code and acknowledged id;
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TypedDict
 
 from volute_testbed.faults import (
     fast_restarts,
-    install_fault_probe,
     successful_runs,
     unit_pid,
 )
@@ -32,12 +32,14 @@ from volute_testbed.gate import (
     VOLUTECTL,
     Sampler,
     gate_config,
+    install_probe,
     live_turn_scopes,
     queue_rows,
     start_gate,
     turn_log,
 )
 from volute_testbed.machine import Machine
+from volute_testbed.scope_sampler import Samples
 
 CLIENT = """#!/bin/sh
 # chaos-client K N: deliver to mind m(i % N), session cK, until /var/tmp/chaos.stop exists.
@@ -49,6 +51,39 @@ while [ ! -e /var/tmp/chaos.stop ]; do
   sleep 0.05
 done
 """
+
+
+class Record(TypedDict):
+    """What run() saw: the raw figures, for verdict() and for bench/gate_kills.py."""
+
+    kills: int
+    pids: int  # distinct PIDs of the unit killed: kills + 1 if each kill took it down
+    storm_seconds: float
+    drain_seconds: float | None  # None: the queue did not drain in time
+    client_results: list[tuple[int, int | None]]
+    samples: Samples
+    turn_log: list[list[str]]
+    dead: list[dict[str, object]]
+    live_scopes_after: list[str]
+    empty_scopes_stopped: int
+
+
+class Verdict(TypedDict):
+    kills: int
+    acknowledged: int
+    refused: int
+    refusal_codes: list[int]
+    lost: list[int]
+    ran_twice: list[int]
+    dead: int
+    drain_seconds: float | None
+    max_turns: int
+    max_per_mind: int
+    samples: int
+    empty_scopes_seen: int
+    longest_empty_seconds: float
+    empty_scopes_stopped_by_gate: int
+    live_scopes_after: list[str]
 
 
 @dataclass
@@ -65,15 +100,16 @@ class Storm:
     # `systemctl restart` (SIGTERM, the order under way finished) instead of SIGKILL.
     unit: str = "volute-gate.service"
     restart: bool = False
-    record: dict[str, object] = field(default_factory=dict)
+    record: Record | None = None  # run()'s, once it returned
 
 
-def run(machine: Machine, storm: Storm, drain_timeout: float = 120.0) -> dict[str, object]:
+def run(machine: Machine, storm: Storm, drain_timeout: float = 120.0) -> Record:
     rng = random.Random(storm.seed)
-    install_fault_probe(machine)
+    install_probe(machine)
     machine.write("/usr/local/bin/chaos-client", CLIENT.format(volutectl=VOLUTECTL), mode=0o755)
     fast_restarts(machine)
-    minds = {f"m{i}": f"fault-probe {storm.hold} {storm.fail_one_in}" for i in range(storm.minds)}
+    command = f"turn-probe {storm.hold} take 1/{storm.fail_one_in}"
+    minds = {f"m{i}": command for i in range(storm.minds)}
     start_gate(
         machine,
         gate_config(
@@ -154,14 +190,14 @@ def _client_results(machine: Machine, clients: int) -> list[tuple[int, int | Non
     return results
 
 
-def verdict(record: dict[str, object]) -> dict[str, object]:
-    results: list[tuple[int, int | None]] = record["client_results"]  # type: ignore[assignment]
+def verdict(record: Record) -> Verdict:
+    results = record["client_results"]
     acked = [delivery for code, delivery in results if code == 0 and delivery is not None]
     refused = [code for code, _ in results if code != 0]
-    counts = successful_runs(record["turn_log"])  # type: ignore[arg-type]
-    samples: dict[str, object] = record["samples"]  # type: ignore[assignment]
-    per_mind: dict[str, int] = samples["max_per_mind"]  # type: ignore[assignment]
-    empty: dict[str, list[float]] = samples["empty_seen"]  # type: ignore[assignment]
+    counts = successful_runs(record["turn_log"])
+    samples = record["samples"]
+    per_mind = samples["max_per_mind"]
+    empty = samples["empty_seen"]
     return {
         "kills": record["kills"],
         "acknowledged": len(acked),
@@ -169,7 +205,7 @@ def verdict(record: dict[str, object]) -> dict[str, object]:
         "refusal_codes": sorted(set(refused)),
         "lost": sorted(i for i in acked if counts[i] == 0),
         "ran_twice": sorted(i for i in acked if counts[i] > 1),
-        "dead": len(record["dead"]),  # type: ignore[arg-type]
+        "dead": len(record["dead"]),
         "drain_seconds": record["drain_seconds"],
         "max_turns": samples["max_turns"],
         "max_per_mind": max(per_mind.values(), default=0),

@@ -1,5 +1,5 @@
-"""Helpers for the fault tests: a turn command that logs its exit code, drop-ins that arm
-crash points and speed up restarts, and the exactly-once check over the turn log."""
+"""Helpers for the fault tests: drop-ins that arm crash points and speed up restarts, and
+the exactly-once check over the turn probe's log (volute_testbed.turn_probe)."""
 
 from __future__ import annotations
 
@@ -9,33 +9,6 @@ import time
 from volute_testbed.gate import VOLUTECTL, live_turn_scopes, wait_for
 from volute_testbed.machine import Machine
 
-# fault-probe SECONDS [FAIL_ONE_IN]: hold the turn, take the inbox, then exit 0, or 1
-# once in FAIL_ONE_IN turns (random). Logs "start M S T ids", "took M S T id" and
-# "end M S T rc" to /var/tmp/turns.log.
-FAULT_PROBE = r"""#!/bin/sh
-log=/var/tmp/turns.log
-hold=${1:-0.2}
-one_in=${2:-0}
-ids=$(sed -n 's/.*"id": *\([0-9][0-9]*\).*/\1/p' | tr '\n' ' ')
-echo "start $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $ids" >> $log
-end=$(( $(date +%s%3N) + $(echo "$hold" | awk '{printf "%d", $1 * 1000}') ))
-take() {
-  for f in "$VOLUTE_INBOX"/*.json; do
-    [ -e "$f" ] || continue
-    id=$(basename "$f" .json)
-    rm -f "$f" && echo "took $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $id" >> $log
-  done
-}
-while [ "$(date +%s%3N)" -lt "$end" ]; do take; sleep 0.02; done
-take
-rc=0
-if [ "$one_in" -gt 0 ] && [ $(( $(od -An -N2 -tu2 /dev/urandom) % one_in )) -eq 0 ]; then
-  rc=1
-fi
-echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $rc" >> $log
-exit $rc
-"""
-
 DROPINS = (
     "/etc/systemd/system/volute-gate.service.d/faults.conf",
     "/etc/systemd/system/volute-launcher.service.d/faults.conf",
@@ -43,11 +16,6 @@ DROPINS = (
 # Where a crash point armed with VOLUTE_CRASH_ONCE leaves its mark: a path both the gate
 # (whose sandbox writes its state directory alone) and the launcher can create.
 CRASHED = "/var/lib/volute/crashed"
-
-
-def install_fault_probe(machine: Machine) -> None:
-    machine.write("/usr/local/bin/fault-probe", FAULT_PROBE, mode=0o755)
-    machine.run(["sh", "-c", ": > /var/tmp/turns.log; chmod 666 /var/tmp/turns.log"])
 
 
 def fast_restarts(machine: Machine, **environment: str) -> None:
@@ -89,7 +57,7 @@ def turns_by_outcome(log: list[list[str]]) -> dict[int, tuple[list[int], int | N
     ended: dict[int, int] = {}
     for fields in log:
         if fields[0] == "start":
-            received[int(fields[3])] += [int(x) for x in fields[4:]]
+            received[int(fields[3])] += [int(x) for x in fields[5:]]
         elif fields[0] == "took":
             received[int(fields[3])].append(int(fields[4]))
         elif fields[0] == "end":

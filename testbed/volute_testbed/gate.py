@@ -7,10 +7,15 @@ import json
 import sys
 import time
 import tomllib
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
+from volute_testbed import turn_probe
 from volute_testbed.machine import Machine
 from volute_testbed.paths import CHECKOUT, PYTHON, SCRIPTS
+from volute_testbed.scope_sampler import Samples
+from volute_testbed.turn_probe import TURNS_LOG
 
 UNITS = CHECKOUT / "units"
 DEFAULT_SOCKET = "/run/volute/gate.sock"  # volute-gate.socket's ListenStream=
@@ -116,9 +121,10 @@ def delivery_states(machine: Machine) -> dict[int, str]:
     return {int(key): str(value) for key, value in json.loads(out).items()}
 
 
-def status(machine: Machine) -> dict[str, object]:
+def status(machine: Machine) -> dict[str, Any]:
+    """`status --json`'s object, as JSON has it."""
     out = machine.run([VOLUTECTL, "status", "--json"]).stdout
-    result: dict[str, object] = json.loads(out)
+    result: dict[str, Any] = json.loads(out)
     return result
 
 
@@ -141,7 +147,12 @@ def live_turn_scopes(machine: Machine) -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05) -> None:  # type: ignore[no-untyped-def]
+def wait_for(
+    # Called with no arguments; `...` lets a lambda bind a loop variable as a default.
+    predicate: Callable[..., object],
+    timeout: float = 30.0,
+    interval: float = 0.05,
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -154,49 +165,15 @@ def journal(machine: Machine, unit: str = "volute-gate.service") -> str:
     return machine.run(["journalctl", "--no-pager", "-o", "cat", "-u", unit], check=False).stdout
 
 
-# A turn command for tests: logs what it got (from stdin and the inbox) to a shared log.
-TURN_PROBE = r"""#!/bin/sh
-# turn-probe SECONDS [take|leave|take-until-int]: record the turn, hold it open (at most
-# SECONDS), maybe take the inbox; take-until-int ends once it has taken what was in its
-# inbox when a SIGINT came (the gate offers an interrupt's delivery before its SIGINT).
-log=/var/tmp/turns.log
-hold=${1:-0.1}
-mode=${2:-take}
-ids=$(sed -n 's/.*"id": *\([0-9][0-9]*\).*/\1/p' | tr '\n' ' ')
-echo "start $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $(id -un) $ids" >> $log
-interrupted=
-trap 'interrupted=1; echo "sigint $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID" >> $log' INT
-# Milliseconds: mawk's printf %d stops at 2^31, so nanoseconds would cap holds at 2.1 s.
-end=$(( $(date +%s%3N) + $(echo "$hold" | awk '{printf "%d", $1 * 1000}') ))
-# A SIGINT to the scope also kills whichever child runs then (date, rm): an empty clock
-# reading goes round again, the file's id comes from builtins, and a file is taken once
-# it is gone, whatever rm's status.
-while now=$(date +%s%3N); [ -z "$now" ] || [ "$now" -lt "$end" ]; do
-  before=$interrupted
-  if [ "$mode" = take ] || [ "$mode" = take-until-int ]; then
-    for f in "$VOLUTE_INBOX"/*.json; do
-      [ -e "$f" ] || continue
-      id=${f##*/}
-      id=${id%.json}
-      rm -f "$f"
-      [ -e "$f" ] || echo "took $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $id" >> $log
-    done
-  fi
-  [ "$mode" = take-until-int ] && [ -n "$before" ] && break
-  sleep 0.02
-done
-echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID" >> $log
-exit ${TURN_EXIT:-0}
-"""
-
-
 def install_probe(machine: Machine) -> None:
-    machine.write("/usr/local/bin/turn-probe", TURN_PROBE, mode=0o755)
-    machine.run(["sh", "-c", ": > /var/tmp/turns.log; chmod 666 /var/tmp/turns.log"])
+    """/usr/local/bin/turn-probe (volute_testbed.turn_probe), and an empty log for it."""
+    machine.write("/usr/local/bin/turn-probe", turn_probe.script(), mode=0o755)
+    machine.run(["sh", "-c", f": > {TURNS_LOG}; chmod 666 {TURNS_LOG}"])
 
 
 def turn_log(machine: Machine) -> list[list[str]]:
-    text = machine.host_path("/var/tmp/turns.log").read_text()
+    """The turn probe's log, each line split into its words."""
+    text = machine.host_path(TURNS_LOG).read_text()
     return [line.split() for line in text.splitlines() if line.strip()]
 
 
@@ -221,16 +198,17 @@ class Sampler:
         self.proc = machine.popen(
             [PYTHON, "-m", "volute_testbed.scope_sampler", self.stop_file, self.out_file]
         )
-        self.result: dict[str, object] = {}
+        self.result: Samples | None = None
 
-    def stop(self) -> dict[str, object]:
+    def stop(self) -> Samples:
         self.machine.write(self.stop_file, "")
         self.proc.wait(timeout=30)
-        self.result = json.loads(self.machine.host_path(self.out_file).read_text())
-        return self.result
+        result: Samples = json.loads(self.machine.host_path(self.out_file).read_text())
+        self.result = result
+        return result
 
 
-def gate_config(minds: dict[str, str], **sections: dict[str, object]) -> str:
+def gate_config(minds: Mapping[str, str], **sections: Mapping[str, object]) -> str:
     """A config TOML: `minds` maps name -> command string; sections add [limits] etc."""
     lines = []
     for section, values in sections.items():
@@ -248,11 +226,12 @@ def all_settled(machine: Machine) -> bool:
     return not queue_rows(machine, "pending", "running")
 
 
-def queue_rows(machine: Machine, *states: str) -> list[dict[str, object]]:
+def queue_rows(machine: Machine, *states: str) -> list[dict[str, Any]]:
     """The rows in `states` (default: pending, running, dead) in id order: all of them,
-    up to the gate's most (10,000), not the newest 50 that `queue list` shows by default."""
+    up to the gate's most (10,000), not the newest 50 that `queue list` shows by default.
+    Each is `queue list --json`'s object, as JSON has it (docs/protocol.schema.json)."""
     args = [VOLUTECTL, "queue", "list", "--json", "--limit", "10000"]
     for state in states:
         args += ["--state", state]
-    rows: list[dict[str, object]] = json.loads(machine.run(args).stdout)
-    return sorted(rows, key=lambda row: int(row["id"]))  # type: ignore[call-overload]
+    rows: list[dict[str, Any]] = json.loads(machine.run(args).stdout)
+    return sorted(rows, key=lambda row: int(row["id"]))

@@ -19,6 +19,8 @@ import os
 import re
 import sys
 import time
+from collections.abc import Sequence
+from typing import TypedDict
 
 from pystemd.dbuslib import DBus, apply_signature
 
@@ -26,6 +28,20 @@ DEST = b"org.freedesktop.systemd1"
 PATH = b"/org/freedesktop/systemd1"
 IFACE = b"org.freedesktop.systemd1.Manager"
 PATTERN = re.compile(r"volute-(turn|test)-(.+)-([0-9]+)\.scope")
+
+
+class Samples(TypedDict):
+    """The JSON summary the sampler writes (and gate.Sampler.stop() reads back)."""
+
+    samples: int
+    gaps: int  # listings systemd did not answer (e.g. while it re-executed)
+    max_turns: int
+    max_tests: int
+    max_per_mind: dict[str, int]
+    worst: list[str]  # the scopes live when max_turns was seen
+    seen: list[str]
+    empty_seen: dict[str, list[float]]  # name -> [first seen, last seen]
+    timeline: Sequence[Sequence[float]]  # (time, turns, tests) at each change
 
 
 def holds_process(bus: DBus, name: bytes) -> bool:
@@ -96,21 +112,19 @@ def main() -> None:
         if not timeline or timeline[-1][1:] != (count, tests):
             timeline.append((time.time(), count, tests))
         time.sleep(interval)
+    summary: Samples = {
+        "samples": samples,
+        "gaps": gaps,
+        "max_turns": max_turns,
+        "max_tests": max_tests,
+        "max_per_mind": max_per_mind,
+        "worst": worst,
+        "seen": sorted(seen),
+        "empty_seen": empty_seen,
+        "timeline": timeline,
+    }
     with open(out_file, "w") as handle:
-        json.dump(
-            {
-                "samples": samples,
-                "gaps": gaps,
-                "max_turns": max_turns,
-                "max_tests": max_tests,
-                "max_per_mind": max_per_mind,
-                "worst": worst,
-                "seen": sorted(seen),
-                "empty_seen": empty_seen,
-                "timeline": timeline,
-            },
-            handle,
-        )
+        json.dump(summary, handle)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def launch(
     os.close(read_fd)
     manager = Manager.connect()
     manager.watch_units()
-    bandwidth = ()
+    bandwidth: tuple[tuple[str, int], ...] = ()
     if write_bw:
         device, amount = write_bw.split()
         bandwidth = ((device, int(amount)),)

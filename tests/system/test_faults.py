@@ -21,7 +21,6 @@ from volute_testbed.faults import (
     assert_no_live_turn_scopes,
     fast_restarts,
     gate_pid,
-    install_fault_probe,
     launcher_pid,
     turns_by_outcome,
     wait_gate_up,
@@ -32,6 +31,7 @@ from volute_testbed.gate import (
     all_settled,
     deliver,
     gate_config,
+    install_probe,
     journal,
     live_turn_scopes,
     queue_rows,
@@ -67,9 +67,9 @@ LAUNCHER_POINTS = ("forked", "scope_started", "released")
 def test_a_sigkill_of_the_gates_cgroup_at_each_step_loses_nothing(
     machine: Machine, point: str
 ) -> None:
-    install_fault_probe(machine)
+    install_probe(machine)
     fast_restarts(machine, VOLUTE_CRASH_AT=point, VOLUTE_CRASH_ONCE=CRASHED)
-    start_gate(machine, gate_config({"m": "fault-probe 1.0"}, gate=FAST_RETRIES))
+    start_gate(machine, gate_config({"m": "turn-probe 1.0"}, gate=FAST_RETRIES))
     first = gate_pid(machine)
     wait_for(lambda: launcher_pid(machine) != 0)  # started by the gate's first order
     first_launcher = launcher_pid(machine)
@@ -89,7 +89,7 @@ def test_a_sigkill_of_the_gates_cgroup_at_each_step_loses_nothing(
 
     assert_exactly_once(turn_log(machine), acked)
     rows = queue_rows(machine, "done")
-    assert sorted(int(r["id"]) for r in rows) == sorted(acked)  # type: ignore[call-overload]
+    assert sorted(int(r["id"]) for r in rows) == sorted(acked)
     assert all(r["attempts"] == 0 for r in rows), rows  # a crash is never the turn's failure
     assert seen["max_turns"] <= 1
     assert_no_live_turn_scopes(machine)
@@ -130,9 +130,9 @@ print(delivery, turn, names.turn_scope_name("m", turn))
 def test_a_scope_around_a_dead_process_is_stopped_and_its_turn_settled(
     machine: Machine,
 ) -> None:
-    install_fault_probe(machine)
+    install_probe(machine)
     config = gate_config(
-        {"m": "fault-probe 0.2", "other": "fault-probe 0.2"},
+        {"m": "turn-probe 0.2", "other": "turn-probe 0.2"},
         limits={"global_concurrent_turns": 1},
     )
     start_gate(machine, config)
@@ -149,7 +149,7 @@ def test_a_scope_around_a_dead_process_is_stopped_and_its_turn_settled(
     wait_for(lambda: all_settled(machine), timeout=30, interval=0.2)
 
     assert_exactly_once(turn_log(machine), [stranded, other])
-    rows = {int(r["id"]): r for r in queue_rows(machine, "done")}  # type: ignore[call-overload]
+    rows = {int(r["id"]): r for r in queue_rows(machine, "done")}
     assert rows[stranded]["attempts"] == 0  # its command never ran: not a failure
     assert_no_live_turn_scopes(machine)
     log = journal(machine)
@@ -187,7 +187,7 @@ def test_a_turn_over_its_time_limit_is_stopped_retried_and_reported_as_timeout(
     for row in queue_rows(machine, "dead"):
         assert row["attempts"] == 2
         assert "ran past its time limit" in str(row["last_error"]), row
-    by_id = {int(r["id"]): r for r in queue_rows(machine, "dead")}  # type: ignore[call-overload]
+    by_id = {int(r["id"]): r for r in queue_rows(machine, "dead")}
     assert "exit status 143" in str(by_id[polite]["last_error"])
     # The stubborn one was SIGKILLed with its wrapper: 128 + 9, from the gate's waitpid.
     stubborn = next(r for i, r in by_id.items() if i != polite)
@@ -218,33 +218,14 @@ def test_systemds_runtime_limit_stops_a_turn_while_no_gate_runs(machine: Machine
     assert "ran past its time limit" in str(row["last_error"]), row
 
 
-INTERRUPTIBLE = r"""#!/bin/sh
-# Takes its inbox for 10 s; on SIGINT, logs it, takes what the interrupt brought, winds
-# down for 1.5 s, and exits 130.
-log=/var/tmp/turns.log
-ids=$(sed -n 's/.*"id": *\([0-9][0-9]*\).*/\1/p' | tr '\n' ' ')
-echo "start $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $ids" >> $log
-take() {
-  for f in "$VOLUTE_INBOX"/*.json; do
-    [ -e "$f" ] || continue
-    id=$(basename "$f" .json)
-    rm -f "$f" && echo "took $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $id" >> $log
-  done
-}
-trap 'echo "sigint $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID" >> $log; take; sleep 1.5;
-      echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID 130" >> $log; exit 130' INT
-i=0
-while [ $i -lt 500 ]; do take; sleep 0.02; i=$((i + 1)); done
-echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID 0" >> $log
-"""
-
-
 def test_an_interrupted_turn_still_counts_as_interrupted_after_a_gate_restart(
     machine: Machine,
 ) -> None:
-    machine.write("/usr/local/bin/interruptible", INTERRUPTIBLE, mode=0o755)
-    machine.run(["sh", "-c", ": > /var/tmp/turns.log; chmod 666 /var/tmp/turns.log"])
-    start_gate(machine, gate_config({"m": "interruptible"}, gate=FAST_RETRIES))
+    install_probe(machine)
+    # Takes its inbox for 10 s; a SIGINT takes what the interrupt brought, winds down
+    # for 1.5 s and ends the turn with 130.
+    interruptible = "turn-probe 10 exit-on-int 0 1.5"
+    start_gate(machine, gate_config({"m": interruptible}, gate=FAST_RETRIES))
     first = deliver(machine, "m", "carry on", "--session", "s")
     wait_for(lambda: any(f[0] == "start" for f in turn_log(machine)))
     second = deliver(machine, "m", "stop, read this", "--session", "s", "--interrupt")
@@ -258,14 +239,14 @@ def test_an_interrupted_turn_still_counts_as_interrupted_after_a_gate_restart(
     [(ids, code)] = turns.values()
     assert sorted(ids) == [first, second] and code == 130
     rows = queue_rows(machine, "done")
-    assert sorted(int(r["id"]) for r in rows) == [first, second]  # type: ignore[call-overload]
+    assert sorted(int(r["id"]) for r in rows) == [first, second]
     assert all(r["attempts"] == 0 for r in rows)
     assert "interrupted, exited 130" in journal(machine)
 
 
 def test_systemd_reexecuting_and_reloading_under_running_turns(machine: Machine) -> None:
-    install_fault_probe(machine)
-    minds = {f"m{i}": "fault-probe 0.8" for i in range(6)}
+    install_probe(machine)
+    minds = {f"m{i}": "turn-probe 0.8" for i in range(6)}
     start_gate(machine, gate_config(minds, limits={"global_concurrent_turns": 2}))
     pid = gate_pid(machine)
     sampler = Sampler(machine)

@@ -63,12 +63,12 @@ def test_fan_out_of_33_minds_never_exceeds_the_caps(machine: Machine) -> None:
     # From systemd: never more than 2 turns, never 2 of one mind.
     assert seen["samples"] > 100
     assert seen["max_turns"] == 2, seen["worst"]
-    assert max(seen["max_per_mind"].values()) == 1  # type: ignore[union-attr]
+    assert max(seen["max_per_mind"].values()) == 1
     # Every one of the 99 deliveries ran exactly once.
     rows = queue_rows(machine, "done")
     assert len(rows) == 99
     ids = delivered_ids(turn_log(machine))
-    assert sorted(ids) == sorted(int(row["id"]) for row in rows)  # type: ignore[call-overload]
+    assert sorted(ids) == sorted(int(row["id"]) for row in rows)
     assert len(ids) == len(set(ids))
     # FIFO per (mind, session): the order turns received ids is ascending.
     order: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
@@ -157,7 +157,7 @@ def test_held_delivery_keeps_attempts_at_zero_and_reports_hold(machine: Machine)
     assert now["queue_depth"] == 1
     assert now["holds"] == {"mind_busy": 1}
     assert now["oldest_held_s"] is not None
-    assert now["minds"]["busy"]["running_sessions"] == ["a"]  # type: ignore[index]
+    assert now["minds"]["busy"]["running_sessions"] == ["a"]
     text = machine.run([VOLUTECTL, "status"]).stdout
     assert "turns: 1 running of no cap (1 per mind, in volute-turns.slice)" in text
     assert "queue: 1 pending (held: 1 mind_busy)" in text
@@ -168,7 +168,7 @@ def test_held_delivery_keeps_attempts_at_zero_and_reports_hold(machine: Machine)
     machine.run(["touch", "/run/release"])
     wait_for(lambda: all_settled(machine), timeout=30)
     row = next(r for r in queue_rows(machine, "done") if r["id"] == held)
-    assert row["attempts"] == 0 and int(row["held_ms"]) > 500  # type: ignore[call-overload]
+    assert row["attempts"] == 0 and int(row["held_ms"]) > 500
     entries = machine.run(
         ["journalctl", "-u", "volute-gate", "-o", "verbose", "--no-pager", "VOLUTE_EVENT=hold_end"]
     ).stdout
@@ -203,11 +203,11 @@ def test_sigkill_of_the_gate_loses_nothing_and_runs_nothing_twice(machine: Machi
     wait_for(lambda: all_settled(machine), timeout=90, interval=0.3)
     seen = sampler.stop()
     assert seen["max_turns"] == 2
-    assert max(seen["max_per_mind"].values()) == 1  # type: ignore[union-attr]
+    assert max(seen["max_per_mind"].values()) == 1
     received = delivered_ids(turn_log(machine))
     assert sorted(received) == sorted(ids + more)  # none lost, none twice
     done = queue_rows(machine, "done")
-    assert sorted(int(r["id"]) for r in done) == sorted(ids + more)  # type: ignore[call-overload]
+    assert sorted(int(r["id"]) for r in done) == sorted(ids + more)
     assert all(r["attempts"] == 0 for r in done)
 
 
@@ -221,7 +221,7 @@ def test_restarting_the_service_does_not_kill_running_turns(machine: Machine) ->
     wait_for(lambda: all_settled(machine), timeout=30)
     log = turn_log(machine)
     assert [f[0] for f in log] == ["start", "end"]  # ran once, to the end
-    assert [int(r["id"]) for r in queue_rows(machine, "done")] == [first]  # type: ignore[call-overload]
+    assert [int(r["id"]) for r in queue_rows(machine, "done")] == [first]
 
 
 def test_turns_run_as_the_configured_user_with_weights(machine: Machine) -> None:

@@ -16,7 +16,6 @@ from volute_testbed.faults import (
     assert_no_live_turn_scopes,
     fast_restarts,
     gate_pid,
-    install_fault_probe,
     launcher_pid,
 )
 from volute_testbed.gate import (
@@ -174,13 +173,13 @@ def test_the_launcher_dying_during_a_fan_out_loses_and_repeats_nothing(
     assert result["drain_seconds"] is not None and result["drain_seconds"] < 60, result
     assert result["max_turns"] <= 2 and result["max_per_mind"] <= 1, result
     assert result["live_scopes_after"] == [], result
-    assert storm.record["pids"] == 11  # each kill really took it down
+    assert storm.record is not None and storm.record["pids"] == 11  # each kill really took it down
 
 
 def test_a_gate_restart_adopts_the_turns_the_launcher_started(machine: Machine) -> None:
-    install_fault_probe(machine)
+    install_probe(machine)
     fast_restarts(machine)
-    start_gate(machine, gate_config({f"m{i}": "fault-probe 3" for i in range(3)}))
+    start_gate(machine, gate_config({f"m{i}": "turn-probe 3" for i in range(3)}))
     acked = [deliver(machine, f"m{i}", "hold") for i in range(3)]
     wait_for(lambda: len(live_turn_scopes(machine)) == 3)
     first_gate, first_launcher = gate_pid(machine), launcher_pid(machine)

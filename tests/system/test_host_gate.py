@@ -32,6 +32,7 @@ from volute_testbed.gate import (
 )
 from volute_testbed.machine import Machine
 from volute_testbed.paths import CHECKOUT, PYTHON
+from volute_testbed.scope_sampler import Samples
 
 pytestmark = pytest.mark.system
 
@@ -98,7 +99,7 @@ def stop_stream(machine: Machine, stream: subprocess.Popen[str]) -> None:
     stream.wait(timeout=30)
 
 
-def timeline(seen: dict[str, object]) -> list[tuple[float, int, int]]:
+def timeline(seen: Samples) -> list[tuple[float, int, int]]:
     raw = seen["timeline"]
     assert isinstance(raw, list)
     return [(float(t), int(turns), int(tests)) for t, turns, tests in raw]
@@ -163,7 +164,7 @@ def test_a_test_run_takes_one_place_and_hands_it_back_at_once(machine: Machine) 
     assert runs[0]["worktree"] == WORKTREE
     assert "sleep 4" in str(runs[0]["command"])
     assert str(runs[0]["unit"]).startswith("volute-test-wt1-")
-    assert float(runs[0]["running_s"]) >= 0  # type: ignore[arg-type]
+    assert float(runs[0]["running_s"]) >= 0
     stream = start_stream(machine, minds)
     wait_for(
         lambda: any(r["hold_reason"] == "test_run" for r in queue_rows(machine, "pending")),
@@ -269,7 +270,7 @@ def test_a_missing_repository_is_logged_once_and_the_gate_works(machine: Machine
         assert run.returncode == 0
     first = deliver(machine, "a", "hello")
     wait_for(lambda: all_settled(machine), timeout=30)
-    assert [int(r["id"]) for r in queue_rows(machine, "done")] == [first]  # type: ignore[call-overload]
+    assert [int(r["id"]) for r in queue_rows(machine, "done")] == [first]
     log = journal(machine)
     assert log.count("/srv/nowhere") == 1, log
     assert "Traceback" not in log

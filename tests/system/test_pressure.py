@@ -100,10 +100,10 @@ def test_pressure_holds_new_turns_and_release_resumes_them_in_fifo_order(
     starts = [fields for fields in turn_log(machine) if fields[0] == "start"]
     assert [int(fields[5]) for fields in starts] == held  # FIFO
     assert [fields[1] for fields in starts] == quick
-    done = {int(r["id"]): r for r in queue_rows(machine, "done")}  # type: ignore[call-overload]
+    done = {int(r["id"]): r for r in queue_rows(machine, "done")}
     assert sorted(done) == sorted([hog, *held])
     assert all(done[i]["attempts"] == 0 for i in done)
-    assert all(int(done[i]["held_ms"]) > 0 for i in held)  # type: ignore[call-overload]
+    assert all(int(done[i]["held_ms"]) > 0 for i in held)
     entries = machine.run(
         ["journalctl", "-u", "volute-gate", "-o", "verbose", "--no-pager", "VOLUTE_EVENT=hold_end"]
     ).stdout

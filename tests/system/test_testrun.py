@@ -12,7 +12,8 @@ import select
 import shlex
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import pytest
 
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.system
 
 REPO = "/srv/repo"
 WORKTREES = 4
+T = TypeVar("T")
 
 
 def make_repository(machine: Machine) -> None:
@@ -88,10 +90,10 @@ def live_scopes(machine: Machine) -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def wait_for(predicate: object, timeout: float = 15, what: str = "condition") -> object:
+def wait_for(predicate: Callable[[], T], timeout: float = 15, what: str = "condition") -> T:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        value = predicate()  # type: ignore[operator]
+        value = predicate()
         if value:
             return value
         time.sleep(0.02)
@@ -152,7 +154,7 @@ def test_cap_two_from_git_config_runs_two_never_three(machine: Machine) -> None:
 def test_sigkill_of_the_holder_frees_the_slot_promptly(machine: Machine) -> None:
     make_repository(machine)
     holder = start_run(machine, "/srv/wt1", ["sleep", "60"], options=["--slots", "1"])
-    scope = wait_for(lambda: live_scopes(machine), what="the holder's scope")[0]  # type: ignore[index]
+    scope = wait_for(lambda: live_scopes(machine), what="the holder's scope")[0]
     holder_pid = int(scope.rsplit("-", 1)[1].removesuffix(".scope"))
     waiter = start_run(
         machine,
@@ -184,7 +186,7 @@ def test_wait_line_names_the_in_flight_run(machine: Machine) -> None:
     code, _, _ = finish(start_run(machine, "/srv/wt2", ["true"], options=["--slots", "1"]))
     assert code == 0  # leaves history behind for the estimate
     holder = start_run(machine, "/srv/wt1", ["sleep", "60"], options=["--slots", "1"])
-    scope = wait_for(lambda: live_scopes(machine), what="the holder's scope")[0]  # type: ignore[index]
+    scope = wait_for(lambda: live_scopes(machine), what="the holder's scope")[0]
     time.sleep(1.1)  # so "running for" has something to say
     waiter = start_run(machine, "/srv/wt2", ["true"], options=["--slots", "1", "--json"])
     line = read_line(waiter)
@@ -237,7 +239,7 @@ def test_scope_sits_in_the_tests_slice_with_its_weights(machine: Machine) -> Non
     env = {"VOLUTE_TESTS__CPU_WEIGHT": "30", "VOLUTE_TESTS__IO_WEIGHT": "40"}
     wait_go = "while [ ! -e /srv/go ]; do sleep 0.02; done; exit 7"
     proc = start_run(machine, "/srv/wt1", ["sh", "-c", wait_go], options=["--slots", "1"], env=env)
-    scope = wait_for(lambda: live_scopes(machine), what="the scope")[0]  # type: ignore[index]
+    scope = wait_for(lambda: live_scopes(machine), what="the scope")[0]
     assert scope.startswith("volute-test-wt1-")
     shown = machine.run(
         ["systemctl", "show", "-p", "Slice,CPUWeight,IOWeight,Description,CollectMode", scope]
@@ -257,7 +259,7 @@ def test_sigterm_stops_the_whole_run(machine: Machine) -> None:
     proc = start_run(
         machine, "/srv/wt1", ["sh", "-c", "sleep 300 & sleep 300"], options=["--slots", "1"]
     )
-    scope = wait_for(lambda: live_scopes(machine), what="the scope")[0]  # type: ignore[index]
+    scope = wait_for(lambda: live_scopes(machine), what="the scope")[0]
     pid = int(scope.rsplit("-", 1)[1].removesuffix(".scope"))
     machine.run(["kill", "-TERM", str(pid)])
     assert proc.wait(timeout=15) == 143

@@ -20,12 +20,13 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
 Reply = dict[str, Any] | bytes
-Script = list[Reply] | Literal["eof", "reset"]
+Script = Sequence[Reply] | Literal["eof", "reset"]
 
 
 def short_socket_dir() -> Path:
@@ -37,7 +38,7 @@ def short_socket_dir() -> Path:
 
 class FakeGate:
     def __init__(
-        self, path: Path, replies: list[Reply], *, scripts: list[Script] | None = None
+        self, path: Path, replies: Sequence[Reply], *, scripts: list[Script] | None = None
     ) -> None:
         self.path = path
         self.replies = replies

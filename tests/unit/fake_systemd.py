@@ -37,6 +37,7 @@ from volutectl.systemd.port import (
     LIVE_STATES,
     ScopeProperties,
     SocketUnit,
+    SystemdManager,
     UnitEnded,
     UnitInfo,
 )
@@ -243,6 +244,11 @@ class FakeManager:
                 pass
             os.close(pidfd)
         scope.pidfds = []
+
+
+# The fake fits the port, checked by mypy: a method added to SystemdManager, or one whose
+# signature changes there, fails the type check until the fake follows.
+_FITS_THE_PORT: type[SystemdManager] = FakeManager
 
 
 def _tree(pids: Sequence[int]) -> list[int]:

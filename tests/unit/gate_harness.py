@@ -58,9 +58,9 @@ def gate_settings(
     `limits` and `turns` are those sections, the other keywords the [gate] section."""
     commands = minds if minds is not None else {"mimsy": "true"}
     return Settings(
-        limits=limits or {},  # type: ignore[arg-type]
-        turns=turns or {},  # type: ignore[arg-type]
-        gate={  # type: ignore[arg-type]
+        limits=limits or {},
+        turns=turns or {},
+        gate={
             "socket": socket_path,
             "socket_group": ME,
             "state_dir": state / "state",
@@ -68,7 +68,7 @@ def gate_settings(
             "watchdog": False,
             **gate,
         },
-        minds={name: {"command": command, "user": ME} for name, command in commands.items()},  # type: ignore[misc]
+        minds={name: {"command": command, "user": ME} for name, command in commands.items()},
     )
 
 

@@ -207,7 +207,7 @@ def server_for(
     socket_path: Path, listener: socket.socket | None
 ) -> tuple[Server, RecordingJournal]:
     """The gate's socket side (volutectl/gate/server.py), as the gate builds it."""
-    settings = Settings(gate={"socket": socket_path})  # type: ignore[arg-type]
+    settings = Settings(gate={"socket": socket_path})
     journal = RecordingJournal()
     server = Server(settings, selectors.DefaultSelector(), journal, inherited=listener)
     return server, journal

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -161,7 +162,7 @@ def test_the_packaged_scripts_are_clicks_for_this_program(shell: str) -> None:
 
 # What each script sends as COMP_CWORD: zsh the index of the word being typed, fish the
 # word itself (`commandline -t`); and how each reads the answer.
-SHELLS = {
+SHELLS: dict[str, tuple[str, Callable[[str], list[str]]]] = {
     "zsh": ("2", lambda out: out.splitlines()[1::3]),  # type, value, help: 3 lines each
     "fish": ("", lambda out: [item.split(",", 1)[1] for item in out.split()]),
 }

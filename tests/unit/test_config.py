@@ -112,7 +112,7 @@ def test_file_values_and_their_source(tmp_path: Path) -> None:
 def test_settings_are_frozen(tmp_path: Path) -> None:
     settings = load_settings(write(tmp_path, GOOD), environ={}).settings
     with pytest.raises(ValueError):
-        settings.limits.turns_per_mind = 5
+        settings.limits.turns_per_mind = 5  # type: ignore[misc]  # frozen: it must refuse
 
 
 def test_env_beats_file(tmp_path: Path) -> None:

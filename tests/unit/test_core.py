@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from volutectl.core import admission
 from volutectl.core.admission import Admission, Delivery, Fold, Hold, Limits, LiveTurn, Start
-from volutectl.states import HoldReason, Outcome
+from volutectl.states import HoldReason, Outcome, QueueState
 
 NOW = 1_000_000.0
 MINDS = ("ada", "bob", "cyd", "dee")
@@ -79,7 +79,7 @@ class Case:
     limits: Limits
     other_busy: int
     pressure: bool
-    other_busy_reason: str
+    other_busy_reason: HoldReason
 
 
 @st.composite
@@ -423,7 +423,7 @@ def test_backoff_doubles_up_to_the_ceiling_then_dead_at_max_attempts() -> None:
 
 def test_max_attempts_1_is_dead_at_the_first_failure() -> None:
     after = admission.after_failure(0, now=NOW, max_attempts=1, initial=5, ceiling=300)
-    assert after == admission.AfterFailure("dead", 1, None)
+    assert after == admission.AfterFailure(QueueState.DEAD, 1, None)
 
 
 @given(
@@ -440,7 +440,7 @@ def test_after_failure_counts_one_attempt_and_never_waits_past_the_ceiling(
     )
     assert after.attempts == attempts + 1
     if attempts + 1 >= max_attempts:
-        assert after == admission.AfterFailure("dead", attempts + 1, None)
+        assert after == admission.AfterFailure(QueueState.DEAD, attempts + 1, None)
         return
     assert after.state == "pending" and after.not_before is not None
     delay = after.not_before

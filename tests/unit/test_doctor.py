@@ -16,6 +16,7 @@ import pytest
 from volutectl.errors import EX_CONFIG, EX_OK, EX_UNAVAILABLE
 from volutectl.host import doctor
 from volutectl.host.doctor import Check
+from volutectl.kernel.probes import existing_ancestor
 from volutectl.launcher import preflight
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"
@@ -174,7 +175,7 @@ def test_state_dir_on_no_block_device(tmp_path: Path) -> None:
 
 def test_missing_state_dir_is_judged_by_its_nearest_existing_parent(tmp_path: Path) -> None:
     missing = tmp_path / "not" / "yet" / "there"
-    assert doctor.existing_ancestor(missing) == tmp_path
+    assert existing_ancestor(missing) == tmp_path
     # The real device of tmp_path, looked up in a fake /sys that knows it as "disk0".
     st_dev = tmp_path.stat().st_dev
     major, minor = os.major(st_dev), os.minor(st_dev)
@@ -393,8 +394,12 @@ def test_text_report_is_one_line_per_check(tmp_path: Path) -> None:
 def test_psi_trigger_check_says_where_a_trigger_can_be_armed() -> None:
     from volutectl.host.doctor import check_psi_triggers
 
-    none = {"slice_trigger": "no: the slice has no cgroup yet", "system_trigger": "no",
-            "slice_path": "/s/io.pressure", "system_path": "/proc/pressure/io"}  # fmt: skip
+    none: dict[str, object] = {
+        "slice_trigger": "no: the slice has no cgroup yet",
+        "system_trigger": "no",
+        "slice_path": "/s/io.pressure",
+        "system_path": "/proc/pressure/io",
+    }
     assert check_psi_triggers(none, enabled=True).status == "warn"
     assert check_psi_triggers(none, enabled=False).status == "ok"  # nothing asked of it
     coarse = dict(none, system_trigger="ok, 2 s windows only ('some 300000 2000000')")

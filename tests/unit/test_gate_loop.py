@@ -21,45 +21,15 @@ from typing import Any
 import pytest
 
 from tests.unit.gate_harness import Harness, settled
+from volute_testbed import turn_probe
 from volutectl import faults, names
 from volutectl.states import QueueState
 from volutectl.store.queue import NewDelivery, Store
 from volutectl.systemd.port import ScopeProperties
 
-# probe HOLD [EXIT]: log the turn and its deliveries, take the inbox while holding, then
-# exit EXIT (0). Deliveries folded in are logged as "took". Builtins where a SIGINT sent
-# to the whole scope could kill a child: the id of a file taken.
-PROBE = r"""#!/bin/sh
-log=LOG
-hold=${1:-0.1}
-rc=${2:-0}
-ids=$(sed -n 's/.*"id": *\([0-9][0-9]*\).*/\1/p' | tr '\n' ' ')
-echo "start $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $ids" >> $log
-take() {
-  for f in "$VOLUTE_INBOX"/*.json; do
-    [ -e "$f" ] || continue
-    id=${f##*/}; id=${id%.json}
-    rm -f "$f" && echo "took $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $id" >> $log
-  done
-}
-trap 'take; echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID 130" >> $log; exit 130' INT
-end=$(( $(date +%s%3N) + $(echo "$hold" | awk '{printf "%d", $1 * 1000}') ))
-# A SIGINT goes to the whole scope: a `date` it kills reads as an empty clock, which
-# goes round again (it ended the loop as if the hold were over, and the turn exited 0).
-while :; do
-  now=$(date +%s%3N)
-  [ -n "$now" ] || continue
-  [ "$now" -lt "$end" ] || break
-  take; sleep 0.01
-done
-take
-echo "end $VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID $rc" >> $log
-exit $rc
-"""
-
 
 class Turns:
-    """The probe's log, read back."""
+    """The turn probe's log (volute_testbed.turn_probe), read back."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -75,7 +45,7 @@ class Turns:
         codes: dict[str, str] = {}
         for fields in self.lines():
             if fields[0] == "start":
-                got[fields[3]] += [int(x) for x in fields[4:]]
+                got[fields[3]] += [int(x) for x in fields[5:]]
             elif fields[0] == "took":
                 got[fields[3]].append(int(fields[4]))
             elif fields[0] == "end":
@@ -91,7 +61,7 @@ class Turns:
 def probe(tmp_path: Path) -> tuple[str, Turns]:
     log = tmp_path / "turns.log"
     script = tmp_path / "probe"
-    script.write_text(PROBE.replace("LOG", str(log)))
+    script.write_text(turn_probe.script(str(log)))
     script.chmod(0o755)
     return str(script), Turns(log)
 
@@ -144,7 +114,7 @@ def test_a_session_gets_its_deliveries_in_order_one_batch_per_turn(
     batch = [deliver(harness, "m", "chat") for _ in range(3)]  # held behind "other"
     harness.pump(lambda: settled(harness), timeout=30)
     starts = [fields for fields in log.lines() if fields[0] == "start"]
-    assert [[int(x) for x in fields[4:]] for fields in starts] == [[first], batch]
+    assert [[int(x) for x in fields[5:]] for fields in starts] == [[first], batch]
 
 
 # -- fold-in and interrupts --------------------------------------------------------------
@@ -201,7 +171,7 @@ def test_an_interrupt_signals_the_turn_and_counts_as_carried(
     tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness]
 ) -> None:
     command, log = probe
-    harness = gate(tmp_path, {"m": f"{command} 5"})
+    harness = gate(tmp_path, {"m": f"{command} 5 exit-on-int"})
     harnesses.append(harness)
     first = deliver(harness, "m", "s")
     harness.pump(lambda: log.started() == 1)
@@ -317,8 +287,9 @@ def test_scopes_around_dead_processes_are_stopped_and_settled_at_start(
     # turn, and a scope started around its dead child; plus one nobody knows.
     store = Store(harness.settings.gate.state_dir / "queue.sqlite3")
     [stranded] = store.add_deliveries([NewDelivery("m", "main", b"x")])
+    assert isinstance(stranded, int), stranded
     turn, _ = store.start_turn("m", "main", lambda t: names.turn_scope_name("m", t),
-                               [int(stranded)], time.time())  # fmt: skip
+                               [stranded], time.time())  # fmt: skip
     store.close()
     unit = names.turn_scope_name("m", turn)
     slice_ = harness.settings.turns.slice
@@ -331,7 +302,7 @@ def test_scopes_around_dead_processes_are_stopped_and_settled_at_start(
     harness.restart()
     other = deliver(harness, "other")  # the orphan must not hold the cap of 1
     harness.pump(lambda: settled(harness), timeout=10)
-    assert log.runs() == {int(stranded): 1, other: 1}  # type: ignore[dict-item]
+    assert log.runs() == {stranded: 1, other: 1}
     assert all(row.attempts == 0 for row in rows(harness, QueueState.DONE))
     assert harness.manager.list_units(slice_, ["volute-turn-*"]) == []
     stopped = [m for m in harness.journal.messages("warning") if "holds no process" in m]

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from tests.unit.gate_harness import Harness, gate_settings, settled
-from tests.unit.test_gate_loop import PROBE, Turns
+from tests.unit.test_gate_loop import Turns
+from volute_testbed import turn_probe
 from volutectl.core import admission
 from volutectl.errors import EX_DATAERR, EX_NOUSER, EX_TEMPFAIL
 from volutectl.gate.status import status_line
@@ -31,7 +32,7 @@ from volutectl.states import HoldReason, QueueState
 def probe(tmp_path: Path) -> tuple[str, Turns]:
     log = tmp_path / "turns.log"
     script = tmp_path / "probe"
-    script.write_text(PROBE.replace("LOG", str(log)))
+    script.write_text(turn_probe.script(str(log)))
     script.chmod(0o755)
     return str(script), Turns(log)
 
@@ -49,7 +50,7 @@ def notified(monkeypatch: pytest.MonkeyPatch) -> Iterator[socket.socket]:
 
 
 def statuses(sock: socket.socket) -> list[str]:
-    found = []
+    found: list[str] = []
     while True:
         try:
             datagram = sock.recv(4096).decode()
@@ -102,7 +103,7 @@ def test_a_paused_mind_holds_new_turns_folds_into_its_running_one_and_resumes_in
     reply = request(harness, op="resume", minds=["m"])
     assert reply == {"v": 1, "ok": True, "changed": ["m"], "paused": []}
     harness.pump(lambda: settled(harness), timeout=15)
-    starts = [[int(x) for x in fields[4:]] for fields in log.lines() if fields[0] == "start"]
+    starts = [[int(x) for x in fields[5:]] for fields in log.lines() if fields[0] == "start"]
     assert starts[-2:] == [[a1, a2], [b1]]  # the wake flush: in id order, a batch a session
     assert log.runs() == dict.fromkeys([first, folded, other, a1, a2, b1], 1)
     done = harness.gate.state.store.list_rows([QueueState.DONE])
@@ -144,7 +145,7 @@ def test_pause_and_resume_refuse_bad_names_and_say_what_changed(
     harness = Harness(tmp_path, minds={"m": "true", "n": "true"})
     harnesses.append(harness)
     peer = harness.connect()
-    refused = [
+    refused: list[tuple[dict[str, object], int, str]] = [
         ({"op": "pause", "minds": ["ghost"]}, EX_NOUSER, "unknown mind 'ghost'"),
         ({"op": "pause", "minds": ["m", "ghost"]}, EX_NOUSER, "unknown mind 'ghost'"),
         ({"op": "pause", "minds": []}, EX_DATAERR, "minds: empty"),
@@ -221,7 +222,11 @@ def test_the_status_line_is_sent_when_it_changes_not_on_every_pass(
 
 
 def test_the_status_line_names_every_hold_reason_the_cap_and_what_is_paused() -> None:
-    holds = {HoldReason.GLOBAL_CAP: 2, HoldReason.PAUSED: 1, HoldReason.MIND_BUSY: 0}
+    holds: dict[str, int] = {
+        HoldReason.GLOBAL_CAP: 2,
+        HoldReason.PAUSED: 1,
+        HoldReason.MIND_BUSY: 0,
+    }
     line = status_line(
         turns=2, cap=2, test_runs=0, holds=holds, backing_off=1, dead=4, paused=frozenset({"m"})
     )

@@ -127,8 +127,8 @@ def answered(
     """The peers whose ping got its reply within `timeout` s (or once `expect` have)."""
     done: set[socket.socket] = set()
     with selectors.DefaultSelector() as selector:
-        for peer in peers:
-            selector.register(peer, selectors.EVENT_READ)
+        for each in peers:
+            selector.register(each, selectors.EVENT_READ)
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0 and len(done) < (expect or len(peers)):
             for key, _ in selector.select(left):

@@ -19,7 +19,13 @@ from tests.unit.gate_harness import Harness
 from volutectl.cli import deliver, waiting
 from volutectl.errors import EX_DATAERR, EX_TEMPFAIL, EX_UNAVAILABLE, VoluteError
 from volutectl.states import Outcome, QueueState
-from volutectl.wire.messages import MAX_WAIT_IDS, DeliveryDead, DeliveryDropped, TurnEnded
+from volutectl.wire.messages import (
+    MAX_WAIT_IDS,
+    DeliveryDead,
+    DeliveryDropped,
+    Event,
+    TurnEnded,
+)
 
 
 def deliver_to(harness: Harness, mind: str) -> int:
@@ -166,7 +172,7 @@ def test_the_exit_code_of_several_is_the_first_failure_in_the_order_given() -> N
     ok = TurnEnded(1, 1, Outcome.OK, 0, 0)
     timeout = DeliveryDead(2, "turn 2 ran past its time limit", 124, 2, Outcome.TIMEOUT)
     failed = DeliveryDead(3, "turn 3 exited 9", 9, 3, Outcome.FAILED)
-    events = {1: ok, 2: timeout, 3: failed, 4: DeliveryDropped(4)}
+    events: dict[int, Event] = {1: ok, 2: timeout, 3: failed, 4: DeliveryDropped(4)}
     assert waiting.exit_code((1,), events) == 0
     assert waiting.exit_code((1, 3, 2), events) == 9
     assert waiting.exit_code((2, 3), events) == 124

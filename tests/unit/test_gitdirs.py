@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from volutectl.kernel import pathwalk
 from volutectl.slots import gitdirs, slotfiles
 from volutectl.slots.gitdirs import Checkout, find_checkout, parse_gitdir_file, resolve_common_dir
 
@@ -113,7 +114,7 @@ def test_find_checkout_stops_at_a_filesystem_boundary(
             return type(result)(values)
         return result
 
-    monkeypatch.setattr(gitdirs.Path, "stat", stat)
+    monkeypatch.setattr(Path, "stat", stat)
     assert find_checkout(mounted) is None
     assert find_checkout(repo) == Checkout(repo / ".git", repo)
 
@@ -213,7 +214,7 @@ def test_commondir_is_followed_and_the_owner_checked_where_it_leads(
     os.chown(fake, 65534, 65534)
     fd = gitdirs.open_common_dir(fake)
     try:
-        assert gitdirs.pathwalk.descriptor_path(fd) == victim
+        assert pathwalk.descriptor_path(fd) == victim
         with pytest.raises(gitdirs.RepositoryRefused, match="belongs to uid 65533"):
             gitdirs.check_common_dir(fd, 65534)
         gitdirs.check_common_dir(fd, 65533)  # its owner may

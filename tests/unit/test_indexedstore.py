@@ -105,12 +105,13 @@ def test_the_index_follows_every_commit(tmp_path: Path, history: list[tuple[str,
 def test_a_failed_hold_write_rebuilds_the_index_from_the_database(tmp_path: Path) -> None:
     store = IndexedStore(tmp_path / "queue.sqlite3")
     [row] = store.add_deliveries([NewDelivery("a", "x", b"m")], now=NOW)
-    store.index._record(int(row), HoldReason.GLOBAL_CAP)  # noqa: SLF001 - what admit does
+    assert isinstance(row, int), row
+    store.index._record(row, HoldReason.GLOBAL_CAP)  # noqa: SLF001 - what admit does
     store.db.execute("PRAGMA query_only = 1")  # the next write fails
     with pytest.raises(sqlite3.OperationalError):
-        store.mark_held([(int(row), HoldReason.GLOBAL_CAP)], NOW)
+        store.mark_held([(row, HoldReason.GLOBAL_CAP)], NOW)
     store.db.execute("PRAGMA query_only = 0")
-    assert store.index.recorded[int(row)] is None  # the database never got it
+    assert store.index.recorded[row] is None  # the database never got it
     store.close()
 
 

@@ -257,7 +257,7 @@ def test_the_space_a_vacuum_needs_is_its_live_pages_in_both_places(
         def statvfs(place: object) -> os.statvfs_result:
             return os.statvfs_result((4096, 1, 0, 0, free["same"], 0, 0, 0, 0, 255))
 
-        monkeypatch.setattr(queue_schema.os, "statvfs", statvfs)
+        monkeypatch.setattr(os, "statvfs", statvfs)
         assert "it needs" in (queue_schema.vacuum_space_missing(store.db, path) or "")
         free["same"] = 2 * need
         assert queue_schema.vacuum_space_missing(store.db, path) is None

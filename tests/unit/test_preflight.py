@@ -400,9 +400,12 @@ def test_the_environment_files_path_is_where_the_command_is_looked_up(
     assert os.geteuid() == 0, "run as root, as the gate's preflight does"
     executable(tree / "agent-turn")
     path = secret_file(tmp_path, f"PATH={tree}:/usr/bin\n")
-    command = {"command": ["agent-turn"], "working_directory": str(tree)}
-    assert apart_report(MIND, environment_file=str(path), **command).problems == ()
-    missing = apart_report(MIND, **command).problems
+    command, directory = ["agent-turn"], str(tree)
+    found = apart_report(
+        MIND, environment_file=str(path), command=command, working_directory=directory
+    )
+    assert found.problems == ()
+    missing = apart_report(MIND, command=command, working_directory=directory).problems
     assert missing == (f"command 'agent-turn' is not in the turn's PATH ({TURN_PATH})",)
 
 
@@ -410,7 +413,7 @@ def test_another_checker_than_root_checks_only_owner_and_mode(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = secret_file(tmp_path, "does not parse\n")
-    monkeypatch.setattr(preflight.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
     report = apart_report(MIND, environment_file=str(path))
     assert report.problems == ()
     unchecked = f"environment file {path}: contents not checked; run as root to check them"

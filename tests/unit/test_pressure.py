@@ -24,7 +24,7 @@ PSI = Path("/proc/pressure/io")
 
 
 def settings(**overrides: object) -> IoPressureSettings:
-    return IoPressureSettings(**{"enabled": True, **overrides})  # type: ignore[arg-type]
+    return IoPressureSettings(**{"enabled": True, **overrides})
 
 
 # -- trigger lines ---------------------------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
 
 from tests import protocol_schema as schema
 from volutectl import names
@@ -86,7 +87,7 @@ def wire(value: object) -> object:
 def test_the_schema_file_is_a_valid_draft_2020_12_schema() -> None:
     doc = schema.document()
     assert doc["$schema"] == "https://json-schema.org/draft/2020-12/schema"
-    schema.Draft202012Validator.check_schema(doc)
+    Draft202012Validator.check_schema(doc)
 
 
 def test_every_record_class_has_a_definition_and_every_definition_a_class() -> None:

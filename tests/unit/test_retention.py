@@ -17,6 +17,7 @@ import pytest
 
 from tests.unit.gate_harness import RecordingJournal
 from tests.unit.retention_rows import DAY, KEEP_DAYS, add, run_turn, seed, snapshot
+from volutectl.states import QueueState
 from volutectl.store import retention, schema
 from volutectl.store.queue import Store
 from volutectl.store.retention import Pacing, Retention, delete_batch, next_expiry, reclaim
@@ -57,14 +58,14 @@ def test_a_batch_deletes_old_done_and_dropped_rows_and_their_turns_and_keeps_the
     for table in after:  # what stays is untouched, column by column
         assert after[table] == {key: before[table][key] for key in after[table]}
     # The dead row's turn stays with it, and so does the still-open one from long ago.
-    assert len(seeded.kept_turns & {row.turn_id for row in store.list_rows(["dead"])}) == 1
+    assert len(seeded.kept_turns & {row.turn_id for row in store.list_rows([QueueState.DEAD])}) == 1
     assert len(store.open_turns()) == 1
     assert delete_batch(store.db, CUTOFF) == retention.Batch(0, 0)
 
 
 def test_a_dead_row_goes_only_after_it_is_dropped_and_then_kept_its_time(store: Store) -> None:
     seeded = seed(store, NOW, running=False)
-    [dead] = [row.id for row in store.list_rows(["dead"])]
+    [dead] = [row.id for row in store.list_rows([QueueState.DEAD])]
     delete_batch(store.db, CUTOFF)
     assert dead in ids(store, "deliveries")
     dropped_at = NOW - 2 * DAY  # dropped: its retention starts then
@@ -180,8 +181,8 @@ QUICK = Pacing(start_delay=1.0, busy_gap=2.0, quiet_floor=60.0, defer=0.5, max_w
 
 
 def clock_retention(store: Store, monkeypatch: pytest.MonkeyPatch, now: float) -> Retention:
-    monkeypatch.setattr(retention.time, "time", lambda: now)
-    monkeypatch.setattr(retention.time, "monotonic", lambda: 100.0)
+    monkeypatch.setattr(time, "time", lambda: now)
+    monkeypatch.setattr(time, "monotonic", lambda: 100.0)
     return Retention(store, KEEP_DAYS, RecordingJournal(), QUICK)
 
 
@@ -246,7 +247,7 @@ def test_a_disk_that_refuses_a_batch_is_said_once_and_tried_again_later(
     assert kept.deadline() == 161.0 + QUICK.error_gap
     assert len([m for m in journal.messages("warning") if "disk is full" in m]) == 1
     monkeypatch.undo()
-    monkeypatch.setattr(retention.time, "time", lambda: NOW)
+    monkeypatch.setattr(time, "time", lambda: NOW)
     kept.on_pass(221.0, idle=True, started=False)
     assert len(ids(store, "deliveries")) == 3
     assert "retention: the queue takes batches again" in journal.messages("info")

@@ -24,7 +24,7 @@ import pytest
 from inotify_simple import INotify, flags
 
 from volutectl.core import slotmath
-from volutectl.slots import slotfiles
+from volutectl.slots import gitdirs, proclocks, slotfiles
 from volutectl.slots import watch as slotwatch
 from volutectl.slots.testrun import register_with_gate
 from volutectl.slots.watch import HeldSlot, SlotWatch
@@ -354,39 +354,37 @@ def test_status_groups_runs_by_repository(repo: Path, tmp_path: Path) -> None:
             slotmath.InFlight("volute-test-wt1-10.scope", str(tmp_path / "wt1"), "pytest", 3.25),
             slotmath.InFlight("volute-test-other-11.scope", str(other), "make", None),
         ]
-        assert watch.status(runs) == sorted(
-            [
-                {
-                    "repository": str(common),
-                    "slots_held": 1,
-                    "slots": 2,
-                    "problem": None,
-                    "runs": [
-                        {
-                            "unit": "volute-test-wt1-10.scope",
-                            "worktree": str(tmp_path / "wt1"),
-                            "command": "pytest",
-                            "running_s": 3.25,
-                        }
-                    ],
-                },
-                {
-                    "repository": str((other / ".git").resolve()),
-                    "slots_held": None,
-                    "slots": None,
-                    "problem": None,
-                    "runs": [
-                        {
-                            "unit": "volute-test-other-11.scope",
-                            "worktree": str(other),
-                            "command": "make",
-                            "running_s": None,
-                        }
-                    ],
-                },
-            ],
-            key=lambda entry: str(entry["repository"]),
-        )
+        expected: list[dict[str, object]] = [
+            {
+                "repository": str(common),
+                "slots_held": 1,
+                "slots": 2,
+                "problem": None,
+                "runs": [
+                    {
+                        "unit": "volute-test-wt1-10.scope",
+                        "worktree": str(tmp_path / "wt1"),
+                        "command": "pytest",
+                        "running_s": 3.25,
+                    }
+                ],
+            },
+            {
+                "repository": str((other / ".git").resolve()),
+                "slots_held": None,
+                "slots": None,
+                "problem": None,
+                "runs": [
+                    {
+                        "unit": "volute-test-other-11.scope",
+                        "worktree": str(other),
+                        "command": "make",
+                        "running_s": None,
+                    }
+                ],
+            },
+        ]
+        assert watch.status(runs) == sorted(expected, key=lambda entry: str(entry["repository"]))
     finally:
         watch.close()
         slot.release()
@@ -437,7 +435,7 @@ def test_taking_a_flock_raises_no_event_so_the_taker_announces_it(
         assert readable(watch.fileno(), 1.0)
         assert watch.on_ready() is True
         assert seen(watch) == ["slot-1"]
-        assert fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB) is None  # still ours
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # still ours: raises if it is not
     finally:
         os.close(fd)
         watch.close()
@@ -473,9 +471,13 @@ def test_one_watch_per_repository_and_slot_files_past_the_cap_cost_nothing(
         assert (state.slots, state.held, state.watching) == (64, 1, True)
         assert state.problem == "slot files past slot-64 are not counted"
         assert len(log.matching("past slot-64")) == 1
-        readings = []
-        real_read = slotwatch.read_locks
-        monkeypatch.setattr(slotwatch, "read_locks", lambda: readings.append(1) or real_read())
+        readings: list[int] = []
+
+        def counted_read() -> str:
+            readings.append(1)
+            return proclocks.read_locks()
+
+        monkeypatch.setattr(slotwatch, "read_locks", counted_read)
         # Files past the cap, and other names, wake the gate but cost no probe.
         for name in ("slot-65", "slot-2999", "notes", "slot-007"):
             os.close(os.open(directory / name, os.O_RDONLY | os.O_CREAT, 0o600))
@@ -627,7 +629,7 @@ def test_a_repository_the_gate_may_not_enter_is_listed_with_why(
     log = Log()
     watch = make_watch([], tmp_path, log)
     try:
-        monkeypatch.setattr(slotwatch.gitdirs, "open_common_dir", refuse)
+        monkeypatch.setattr(gitdirs, "open_common_dir", refuse)
         assert watch.register(repo, 1000) is False
         assert watch.register(repo, 1000) is False  # said once
         [entry] = watch.status([])

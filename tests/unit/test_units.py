@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -369,7 +370,8 @@ def test_example_config_shows_every_key_with_its_default() -> None:
         table: dict[str, object] = {name: value}
         for section in reversed(sections[1:]):
             table = {section: table}
-        parsed: object = getattr(Settings(**{sections[0]: table}), sections[0])
+        section_table: dict[str, Any] = {sections[0]: table}  # Settings validates it
+        parsed: object = getattr(Settings(**section_table), sections[0])
         for section in sections[1:]:
             parsed = getattr(parsed, section)
         assert getattr(parsed, name) == default, key

@@ -16,12 +16,12 @@ from volutectl.errors import EX_DATAERR, EX_NOUSER, EX_USAGE, VoluteError
 from volutectl.gate import validate
 from volutectl.states import QueueState
 from volutectl.store.queue import NewDelivery
-from volutectl.wire import messages
+from volutectl.wire import fields, messages
 from volutectl.wire.messages import DeliverRequest, Op
 
 SETTINGS = Settings(
-    minds={"mimsy": {"command": "true"}, "pip": {"command": ["true"]}},  # type: ignore[dict-item]
-    gate={"max_message_bytes": 10},  # type: ignore[arg-type]
+    minds={"mimsy": {"command": "true"}, "pip": {"command": ["true"]}},
+    gate={"max_message_bytes": 10},
 )
 
 
@@ -92,10 +92,10 @@ def test_no_request_raises_anything_but_a_volute_error(request_: dict[str, Any])
     for check in (
         messages.decode_request,
         delivery,
-        messages.queue_states,
-        messages.delivery_ids,
+        fields.queue_states,
+        fields.delivery_ids,
         messages.RegisterRepoRequest.decode,
-        messages.request_id,
+        fields.request_id,
     ):
         try:
             check(request_)
@@ -104,16 +104,16 @@ def test_no_request_raises_anything_but_a_volute_error(request_: dict[str, Any])
 
 
 def test_queue_states_ids_and_paths() -> None:
-    assert messages.queue_states({}) == ()  # the default: states.DEFAULT_LISTED
-    assert messages.queue_states({"states": ["done"]}) == (QueueState.DONE,)
+    assert fields.queue_states({}) == ()  # the default: states.DEFAULT_LISTED
+    assert fields.queue_states({"states": ["done"]}) == (QueueState.DONE,)
     bad: object
     for bad in ([{}], "pending", ["nope"]):
         with pytest.raises(VoluteError):
-            messages.queue_states({"states": bad})
-    assert messages.delivery_ids({"ids": [3, 4]}) == (3, 4)
+            fields.queue_states({"states": bad})
+    assert fields.delivery_ids({"ids": [3, 4]}) == (3, 4)
     for bad_ids in (None, ["x"], [True], 3):
         with pytest.raises(VoluteError):
-            messages.delivery_ids({"ids": bad_ids})
+            fields.delivery_ids({"ids": bad_ids})
     register = messages.RegisterRepoRequest.decode
     assert register({"path": "/srv/repo/.git"}).path == "/srv/repo/.git"
     with pytest.raises(VoluteError):
@@ -137,23 +137,24 @@ def test_each_refusal_names_its_field() -> None:
             delivery(request_)
         assert raised.value.message.startswith(start), raised.value.message
     with pytest.raises(VoluteError, match=r"^states\[1\]: 'nope' is not one of"):
-        messages.queue_states({"states": ["done", "nope"]})
+        fields.queue_states({"states": ["done", "nope"]})
     with pytest.raises(VoluteError, match=r"^states: must be an array"):
-        messages.queue_states({"states": "done"})
+        fields.queue_states({"states": "done"})
     with pytest.raises(VoluteError, match=r"^ids\[1\]: a delivery id is an integer, not a number"):
-        messages.delivery_ids({"ids": [1, 2.0]})
+        fields.delivery_ids({"ids": [1, 2.0]})
     with pytest.raises(VoluteError, match=r"^ids\[0\]: delivery ids start at 1, not 0"):
-        messages.delivery_ids({"ids": [0]})
+        fields.delivery_ids({"ids": [0]})
 
 
 def test_the_op_is_a_known_string() -> None:
     assert [messages.op_of({"op": op.value}) for op in Op] == list(Op)
-    for request_, code_, start in [
+    cases: list[tuple[dict[str, Any], int, str]] = [
         ({}, EX_DATAERR, "op: missing"),
         ({"op": None}, EX_DATAERR, "op: missing"),
         ({"op": 5}, EX_DATAERR, "op: must be a string, not an integer"),
         ({"op": "frobnicate"}, EX_USAGE, "op: unknown request 'frobnicate'"),
-    ]:
+    ]
+    for request_, code_, start in cases:
         with pytest.raises(VoluteError) as raised:
             messages.op_of(request_)
         assert (raised.value.exit_code, raised.value.message[: len(start)]) == (code_, start)
@@ -231,11 +232,11 @@ def test_what_is_not_a_git_common_dir_is_refused(tmp_path: Path) -> None:
 
 def test_request_ids_are_128_bits_of_lowercase_hex_or_absent() -> None:
     good = "0123456789abcdef" * 2
-    assert messages.request_id({"request_id": good}) == good
-    assert messages.request_id({}) is None  # a client older than request ids
-    assert messages.request_id({"request_id": None}) is None
+    assert fields.request_id({"request_id": good}) == good
+    assert fields.request_id({}) is None  # a client older than request ids
+    assert fields.request_id({"request_id": None}) is None
     for bad in (good[:-1], good + "0", good.upper(), "g" * 32, 7, ["x"], "", True):
         with pytest.raises(VoluteError) as raised:
-            messages.request_id({"request_id": bad})
+            fields.request_id({"request_id": bad})
         assert raised.value.exit_code == EX_DATAERR
         assert "request_id" in raised.value.message
