@@ -24,13 +24,12 @@ import sqlite3
 import time
 from collections.abc import Callable
 
-from volutectl import names
+from volutectl import events, names
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import VoluteError
 from volutectl.gate.turns import Turn, Turns
 from volutectl.store.queue import Store, TurnRow
-from volutectl.systemd.journal import Event
 from volutectl.systemd.port import ENDED_STATES, SystemdManager
 
 TURN_PATTERN = "volute-turn-*.scope"
@@ -97,13 +96,7 @@ class Liveness:
             return False
         if pids:
             return True
-        self.turns.journal.log(
-            "warning",
-            f"{unit} is active but holds no process: stopping it (a turn started around a "
-            "process that had died)",
-            unit=unit,
-            event=Event.EMPTY_SCOPE,
-        )
+        self.turns.journal.emit(events.EmptyScopeFound(unit=unit))
         self._stop_quietly(unit)
         self.settled_units.add(unit)
         return False
@@ -115,7 +108,7 @@ class Liveness:
         try:
             self.turns.hands.stop(parsed[1], parsed[0])
         except VoluteError as error:
-            self.turns.journal.log("warning", f"could not stop {unit}: {error.message}", unit=unit)
+            self.turns.journal.emit(events.ScopeStopFailed(unit=unit, error=error.message))
 
     # -- the evidence ------------------------------------------------------------------------
 
@@ -147,11 +140,12 @@ class Liveness:
             )  # fmt: skip
         except VoluteError as error:
             if turn.recheck_at is None:
-                self.turns.log_turn(
-                    "warning",
-                    turn,
-                    f"cannot tell whether it still runs ({error.message}): it keeps its "
-                    f"place; asking again in {RECHECK_SECONDS:.0f} s",
+                self.turns.journal.emit(
+                    events.TurnUnanswered(
+                        **events.turn_fields(turn),
+                        error=error.message,
+                        recheck_seconds=RECHECK_SECONDS,
+                    )
                 )
             turn.recheck_at = time.time() + RECHECK_SECONDS
             return
@@ -163,11 +157,8 @@ class Liveness:
             if not turn.verified:
                 # Never seen holding a process: started around one that had died. It
                 # will never end by itself.
-                self.turns.log_turn(
-                    "warning",
-                    turn,
-                    f"{turn.unit} is {state} but holds no process: stopping it",
-                    event=Event.EMPTY_SCOPE,
+                self.turns.journal.emit(
+                    events.TurnScopeEmpty(**events.turn_fields(turn), state=str(state))
                 )
                 self._stop_quietly(turn.unit)
             # Otherwise its last process just left, and systemd is about to say so.
@@ -182,7 +173,7 @@ class Liveness:
             # read (the launcher is away): nothing of it happened. The turn keeps its
             # place until it can be settled.
             text = error.message if isinstance(error, VoluteError) else str(error)
-            self.turns.log_turn("error", turn, f"could not be settled: {text}; retrying")
+            self.turns.journal.emit(events.TurnNotSettled(**events.turn_fields(turn), error=text))
             turn.recheck_at = time.time() + RECHECK_SECONDS
 
     def reap(self, turn: Turn) -> None:
@@ -235,19 +226,20 @@ class Liveness:
         turn.timed_out_at = now
         self.store.mark_timed_out(turn.id, now)
         limit = turn.deadline - turn.started_at if turn.deadline is not None else 0.0
-        self.turns.log_turn(
-            "warning",
-            turn,
-            f"ran past its limit of {limit:.0f} s: stopping it (SIGTERM, then SIGKILL after "
-            f"{self.settings.turns.timeout_grace_seconds:g} s)",
-            event=Event.TIMEOUT,
+        grace = self.settings.turns.timeout_grace_seconds
+        self.turns.journal.emit(
+            events.TurnTimedOut(
+                **events.turn_fields(turn), limit_seconds=limit, grace_seconds=grace
+            )
         )
         try:
             self.turns.hands.stop(turn.id, turn.mind)
         except VoluteError as error:
             # Stopping it is still owed: systemd's RuntimeMaxSec= backstop will, and
             # so will the next check.
-            self.turns.log_turn("warning", turn, f"could not stop it: {error.message}")
+            self.turns.journal.emit(
+                events.TurnStopFailed(**events.turn_fields(turn), error=error.message)
+            )
             turn.recheck_at = now + RECHECK_SECONDS
 
     # -- recovery ----------------------------------------------------------------------------
@@ -269,7 +261,7 @@ class Liveness:
                 self._watch_adopted(turn, row.pid)
             self.check(turn)
             if self.turns.holds(turn) and turn.recheck_at is None:
-                self.turns.log_turn("info", turn, "is still running: adopted", event=Event.ADOPT)
+                self.turns.journal.emit(events.TurnAdopted(**events.turn_fields(turn)))
         self.wake()
 
     def _remove_stale_dirs(self, open_ids: set[int]) -> None:
@@ -279,7 +271,7 @@ class Liveness:
         try:
             self.turns.hands.sweep(sorted(open_ids))
         except VoluteError as error:
-            self.turns.journal.log("warning", f"turn directories not swept yet: {error.message}")
+            self.turns.journal.emit(events.TurnDirectoriesNotSwept(error=error.message))
 
     def _turn_from_row(self, row: TurnRow) -> Turn:
         return Turn(

@@ -15,9 +15,8 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from volutectl import names
+from volutectl import events, names
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import SystemdNoAnswer, VoluteError
@@ -27,7 +26,7 @@ from volutectl.launcher.hands import LauncherLost, LauncherUnavailable, TurnHand
 from volutectl.states import HoldReason, Outcome, QueueState
 from volutectl.store.indexed import IndexedStore
 from volutectl.store.queue import Row
-from volutectl.systemd.journal import Event, Journal
+from volutectl.systemd.journal import Journal
 from volutectl.wire import orders
 from volutectl.wire.messages import DeliveryDead, Reply, TurnEnded
 
@@ -102,40 +101,17 @@ class Turns:
 
     # -- logging ----------------------------------------------------------------------------
 
-    def log_row(self, level: str, row: Row | admission.Delivery, text: str, **fields: Any) -> None:
-        """Log about one delivery, with the journal fields that find it again."""
-        self.journal.log(
-            level,
-            f"delivery {row.id} for {row.mind}/{row.session} {text}",
-            mind=row.mind,
-            session=row.session,
-            delivery_id=row.id,
-            **fields,
-        )
-
-    def log_turn(self, level: str, turn: Turn, text: str, **fields: Any) -> None:
-        """Log about one turn, with the journal fields that find it again."""
-        self.journal.log(
-            level,
-            f"turn {turn.id} of {turn.mind}/{turn.session} {text}",
-            mind=turn.mind,
-            session=turn.session,
-            unit=turn.unit,
-            turn_id=turn.id,
-            **fields,
-        )
-
     def log_released(self, rows: Iterable[Row], now: float, how: str) -> None:
         for row in rows:
             if row.held_since is not None:
                 held_ms = int((now - row.held_since) * 1000)
-                self.log_row(
-                    "info",
-                    row,
-                    f"was held {held_ms} ms ({row.hold_reason}); {how}",
-                    reason=row.hold_reason,
-                    held_ms=held_ms,
-                    event=Event.HOLD_END,
+                self.journal.emit(
+                    events.HoldEnded(
+                        **events.delivery_fields(row),
+                        reason=row.hold_reason,
+                        held_ms=held_ms,
+                        how=how,
+                    )
                 )
 
     # -- admission's decisions -----------------------------------------------------------------
@@ -149,7 +125,7 @@ class Turns:
         for delivery_id, reason in holds:
             if delivery_id in new and delivery_id in rows:
                 row = rows[delivery_id]
-                self.log_row("info", row, f"held: {reason}", reason=reason, event=Event.HOLD)
+                self.journal.emit(events.DeliveryHeld(**events.delivery_fields(row), reason=reason))
 
     def fold(self, fold: admission.Fold, now: float) -> None:
         """Hand deliveries to a live turn of their session, through its inbox."""
@@ -165,22 +141,21 @@ class Turns:
                 # Not offered (no marker, or its staged file still there), or unknown (the
                 # launcher was lost): when the turn ends, its report says which, and a
                 # delivery it did not take goes to the session's next turn.
-                self.log_row(
-                    "warning",
-                    row,
-                    f"could not be offered into turn {turn.id}'s inbox ({error.message}): "
-                    "it goes to the session's next turn",
+                self.journal.emit(
+                    events.DeliveryNotOffered(
+                        **events.delivery_fields(row), turn_id=turn.id, error=error.message
+                    )
                 )
             crash_point("inbox_written")
         self.log_released(rows, now, f"folded into turn {turn.id}")
         if rows:
             ids = " ".join(str(r.id) for r in rows)
-            self.log_turn("info", turn, f"took deliveries {ids} in its inbox", delivery_ids=ids)
+            self.journal.emit(events.TurnFolded(**events.turn_fields(turn), delivery_ids=ids))
         if fold.interrupt:
             turn.interrupted = True
             with contextlib.suppress(VoluteError):
                 self.hands.interrupt(turn.id, turn.mind)
-            self.log_turn("info", turn, "interrupted (SIGINT to its scope)")
+            self.journal.emit(events.TurnInterrupted(**events.turn_fields(turn)))
 
     def start(self, start: admission.Start, now: float) -> None:
         """Commit the turn, then have its hands start it (directory, fork, scope, release)."""
@@ -235,8 +210,7 @@ class Turns:
         self._turns[turn_id] = turn
         self.watch_fd(launched.pidfd, turn)
         ids = " ".join(str(row.id) for row in taken)
-        self.log_turn("info", turn, f"started with deliveries {ids}", delivery_ids=ids,
-                      event=Event.START)  # fmt: skip
+        self.journal.emit(events.TurnStarted(**events.turn_fields(turn), delivery_ids=ids))
 
     def _start_unknown(
         self,
@@ -261,9 +235,7 @@ class Turns:
             unknown=True,
         )
         self._turns[turn_id] = turn
-        self.log_turn(
-            "warning", turn, f"may or may not have started ({error.message}): asking systemd"
-        )
+        self.journal.emit(events.TurnStartUnknown(**events.turn_fields(turn), error=error.message))
         self.wake()
 
     def _start_unanswered(
@@ -277,16 +249,14 @@ class Turns:
         """systemd gave no answer about the scope (a daemon-reexec drops every call in
         flight): the child exited unreleased, so the command never ran. Not the
         deliveries' failure: they go back with no attempt counted, as a hold does."""
-        self.journal.log(
-            "warning",
-            f"turn {turn_id} of {start.mind}/{start.session} did not start, systemd gave "
-            f"no answer ({error.message}); its deliveries wait for the next pass",
-            mind=start.mind,
-            session=start.session,
-            unit=unit,
-            turn_id=turn_id,
-            outcome=Outcome.NEVER_RAN,
-            event=Event.END,
+        self.journal.emit(
+            events.TurnNeverStarted(
+                mind=start.mind,
+                session=start.session,
+                unit=unit,
+                turn_id=turn_id,
+                error=error.message,
+            )
         )
         ids = [row.id for row in taken]
         self.store.settle_turn(
@@ -312,15 +282,10 @@ class Turns:
         """The command never ran (its hands say so, having removed what they made): the
         turn's deliveries count one failed attempt (a missing user fails every time)."""
         message = error.message if isinstance(error, VoluteError) else str(error)
-        self.journal.log(
-            "error",
-            f"turn {turn_id} of {start.mind}/{start.session} failed to start: {message}",
-            mind=start.mind,
-            session=start.session,
-            unit=unit,
-            turn_id=turn_id,
-            outcome=Outcome.START_FAILED,
-            event=Event.END,
+        self.journal.emit(
+            events.TurnStartFailed(
+                mind=start.mind, session=start.session, unit=unit, turn_id=turn_id, error=message
+            )
         )
         self.store.end_turn(turn_id, Outcome.START_FAILED, None, message, time.time())
         self.fail(taken, message)
@@ -361,10 +326,11 @@ class Turns:
         for row in rows:
             after = failed.get(row.id)
             if after is not None and after.state is QueueState.DEAD:
-                self.log_row(
-                    "warning", row, f"is dead after {after.attempts} attempts: {error}",
-                    event=Event.DEAD,
-                )  # fmt: skip
+                self.journal.emit(
+                    events.DeliveryDied(
+                        **events.delivery_fields(row), attempts=after.attempts, error=error
+                    )
+                )
                 if notify:
                     self.notify(row.id, DeliveryDead(row.id, error))
 
@@ -419,14 +385,16 @@ class Turns:
         try:
             self.hands.remove(turn.id)
         except VoluteError as kept:  # the next sweep removes it
-            self.log_turn("warning", turn, f"its directory stays for now: {kept.message}")
-        self.log_turn(
-            "warning" if outcome.kind.failed else "info",
-            turn,
-            f"ended: {outcome.detail}",
-            outcome=outcome.kind,
-            exit_status=outcome.exit_status,
-            event=Event.END,
+            self.journal.emit(
+                events.TurnDirectoryKept(**events.turn_fields(turn), error=kept.message)
+            )
+        self.journal.emit(
+            events.TurnEnded(
+                **events.turn_fields(turn),
+                outcome=outcome.kind,
+                exit_status=outcome.exit_status,
+                detail=outcome.detail,
+            )
         )
         self._tell_settled(turn, outcome, carried, failed, error)
         self.wake()
