@@ -154,6 +154,18 @@ def journal(machine: Machine, unit: str = "volute-gate.service") -> str:
     return machine.run(["journalctl", "--no-pager", "-o", "cat", "-u", unit], check=False).stdout
 
 
+def gate_events(
+    machine: Machine, *matches: str, unit: str = "volute-gate.service"
+) -> list[dict[str, object]]:
+    """The unit's journal entries (journalctl -o json) that carry every FIELD=value in
+    `matches`, e.g. "VOLUTE_EVENT=adopt": the events of volutectl/events.py as the
+    journal recorded them. Tests assert on their MESSAGE_ID and VOLUTE_* fields, which
+    docs/journal.md fixes, not on MESSAGE, which is free to change."""
+    command = ["journalctl", "--no-pager", "-o", "json", "-u", unit, *matches]
+    out = machine.run(command, check=False).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
 # A turn command for tests: logs what it got (from stdin and the inbox) to a shared log.
 TURN_PROBE = r"""#!/bin/sh
 # turn-probe SECONDS [take|leave|take-until-int]: record the turn, hold it open (at most
