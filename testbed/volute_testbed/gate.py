@@ -165,6 +165,18 @@ def journal(machine: Machine, unit: str = "volute-gate.service") -> str:
     return machine.run(["journalctl", "--no-pager", "-o", "cat", "-u", unit], check=False).stdout
 
 
+def gate_events(
+    machine: Machine, *matches: str, unit: str = "volute-gate.service"
+) -> list[dict[str, object]]:
+    """The unit's journal entries (journalctl -o json) that carry every FIELD=value in
+    `matches`, e.g. "VOLUTE_EVENT=adopt": the events of volutectl/events.py as the
+    journal recorded them. Tests assert on their MESSAGE_ID and VOLUTE_* fields, which
+    docs/journal.md fixes, not on MESSAGE, which is free to change."""
+    command = ["journalctl", "--no-pager", "-o", "json", "-u", unit, *matches]
+    out = machine.run(command, check=False).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
 def install_probe(machine: Machine) -> None:
     """/usr/local/bin/turn-probe (volute_testbed.turn_probe), and an empty log for it."""
     machine.write("/usr/local/bin/turn-probe", turn_probe.script(), mode=0o755)

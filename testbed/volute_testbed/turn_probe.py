@@ -42,7 +42,10 @@ status=${3:-${TURN_EXIT:-0}}
 wind_down=${4:-0}
 turn="$VOLUTE_MIND $VOLUTE_SESSION $VOLUTE_TURN_ID"
 # Only ever inside a turn: it deletes files from its inbox, so without one it stops.
-[ -n "$VOLUTE_INBOX" ] && [ -d "$VOLUTE_INBOX" ] || { echo "turn-probe: no VOLUTE_INBOX" >&2; exit 64; }
+if [ -z "$VOLUTE_INBOX" ] || [ ! -d "$VOLUTE_INBOX" ]; then
+  echo "turn-probe: no VOLUTE_INBOX: not in a turn" >&2
+  exit 64
+fi
 case $status in
   1/*)
     one_in=${status#1/}

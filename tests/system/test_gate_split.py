@@ -24,6 +24,7 @@ from volute_testbed.gate import (
     all_settled,
     deliver,
     gate_config,
+    gate_events,
     install_probe,
     install_units,
     journal,
@@ -186,7 +187,7 @@ def test_a_gate_restart_adopts_the_turns_the_launcher_started(machine: Machine) 
     machine.run(["systemctl", "restart", "volute-gate.service"], timeout=60)
     assert gate_pid(machine) != first_gate
     assert len(live_turn_scopes(machine)) == 3  # the turns ran on
-    assert journal(machine).count("adopted") >= 3
+    assert len(gate_events(machine, "VOLUTE_EVENT=adopt")) >= 3
     wait_for(lambda: all_settled(machine), timeout=30)
     assert_exactly_once(turn_log(machine), acked)
     assert all(r["attempts"] == 0 for r in queue_rows(machine, "done"))

@@ -22,6 +22,7 @@ from volute_testbed.gate import (
     all_settled,
     deliver,
     gate_config,
+    gate_events,
     install_probe,
     journal,
     live_turn_scopes,
@@ -202,7 +203,7 @@ def test_a_test_run_takes_one_place_and_hands_it_back_at_once(machine: Machine) 
     # Holds were holds: no delivery gained an attempt, and the reason said why.
     done = queue_rows(machine, "done")
     assert done and all(row["attempts"] == 0 for row in done)
-    assert "test_run" in journal(machine)
+    assert gate_events(machine, "VOLUTE_EVENT=hold", "VOLUTE_REASON=test_run")
 
 
 def test_sigkill_of_a_test_run_frees_the_budget_at_once(machine: Machine) -> None:

@@ -16,7 +16,7 @@ import pytest
 from volute_testbed.gate import VOLUTECTL, all_settled, deliver, start_gate, wait_for
 from volute_testbed.machine import Machine
 from volute_testbed.paths import PYTHON
-from volutectl.systemd.journal import MESSAGE_IDS, Event
+from volutectl.events import MESSAGE_IDS, Event
 
 pytestmark = pytest.mark.system
 
@@ -362,7 +362,7 @@ def test_logs_follow_on_a_loaded_machine_shows_every_line_of_the_mind_once(
 # turn's scope (journald takes a header's unit from root only).
 FORGE = r"""
 import socket, sys
-from volutectl.systemd.journal import MESSAGE_IDS, Event
+from volutectl.events import MESSAGE_IDS, Event
 turn, session = sys.argv[1], sys.argv[2]
 fields = {
     "MESSAGE": f"turn {turn} of mimsy/{session} started with deliveries 9",

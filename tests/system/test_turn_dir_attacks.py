@@ -20,6 +20,7 @@ from volute_testbed.gate import (
     VOLUTECTL,
     all_settled,
     deliver,
+    gate_events,
     journal,
     queue_rows,
     start_gate,
@@ -207,7 +208,7 @@ def test_a_fifo_at_status_never_blocks_the_gate(machine: Machine) -> None:
     delivery = deliver(machine, "evil", "x")
     wait_for(lambda: machine.host_path("/var/tmp/fifo").exists(), timeout=30)
     machine.run(["systemctl", "restart", "volute-gate"], timeout=60)
-    wait_for(lambda: "is still running: adopted" in journal(machine), timeout=30)
+    wait_for(lambda: bool(gate_events(machine, "VOLUTE_EVENT=adopt")), timeout=30)
     machine.write("/var/tmp/go", "")
     pid = gate_pid(machine)
     wait_for(lambda: not queue_rows(machine, "pending", "running"), timeout=30, interval=0.3)

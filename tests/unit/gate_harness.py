@@ -15,31 +15,44 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tests.unit.fake_gate import remove_tree, short_socket_dir
 from tests.unit.fake_systemd import FakeManager
 from volutectl.config.settings import Settings
+from volutectl.events import BaseEvent
 from volutectl.gate.loop import Gate
 from volutectl.launcher.hands import LocalHands
 from volutectl.launcher.service import Launcher
 from volutectl.states import QueueState
 from volutectl.systemd.journal import Journal
 
+E = TypeVar("E", bound=BaseEvent)
+
 ME = pwd.getpwuid(os.getuid()).pw_name
 
 
 class RecordingJournal(Journal):
-    """The gate's journal, kept in a list for the test to read."""
+    """The gate's journal, kept in lists for the test to read: the events emitted
+    (`events`, `of`), and every entry as (level, message, fields) (`entries`)."""
 
     def __init__(self) -> None:
         super().__init__("volute-gate-test")
         self.sender = None  # never the real journal
         self.stdout_socket = None  # turns keep the test's stdout and stderr
         self.entries: list[tuple[str, str, dict[str, Any]]] = []
+        self.events: list[BaseEvent] = []
+
+    def emit(self, event: BaseEvent) -> None:
+        self.events.append(event)
+        super().emit(event)
 
     def log(self, level: str, message: str, **fields: Any) -> None:
         self.entries.append((level, message, fields))
+
+    def of(self, kind: type[E]) -> list[E]:
+        """The events of one type, in the order emitted."""
+        return [event for event in self.events if isinstance(event, kind)]
 
     def messages(self, level: str | None = None) -> list[str]:
         return [text for lvl, text, _ in self.entries if level is None or lvl == level]

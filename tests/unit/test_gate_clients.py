@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.gate_harness import Harness
+from volutectl import events
 from volutectl.errors import EX_TEMPFAIL
 from volutectl.gate import server, status
 from volutectl.store import indexed
@@ -153,8 +154,8 @@ def test_clients_beyond_max_clients_wait_unaccepted_and_are_served_when_one_leav
     assert len(harness.gate.server.clients) == 3 and not harness.gate.server.accepting
     # At the cap the listener is out of the selector: nothing is ready, nothing spins.
     assert harness.gate.selector.select(0) == []
-    warnings = harness.journal.messages("warning")
-    assert any("3 connections are open (gate.max_clients)" in text for text in warnings)
+    at_cap = harness.journal.of(events.NotAccepting)
+    assert any(e.clients == 3 and "gate.max_clients" in e.reason for e in at_cap)
     first[0].close()
     late_reply = late.reply(timeout=5)
     assert late_reply == {"v": 1, "ok": True}

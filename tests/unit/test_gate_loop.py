@@ -22,8 +22,8 @@ import pytest
 
 from tests.unit.gate_harness import Harness, settled
 from volute_testbed import turn_probe
-from volutectl import faults, names
-from volutectl.states import QueueState
+from volutectl import events, faults, names
+from volutectl.states import HoldReason, Outcome, QueueState
 from volutectl.store.queue import NewDelivery, Store
 from volutectl.systemd.port import ScopeProperties
 
@@ -99,8 +99,8 @@ def test_a_fan_out_holds_the_global_cap_and_one_turn_per_mind(
     assert sorted(log.runs()) == sorted(acked) and set(log.runs().values()) == {1}
     done = rows(harness, QueueState.DONE)
     assert all(row.attempts == 0 for row in done)
-    reasons = {m for m in harness.journal.messages("info") if "held: " in m}
-    assert any("global_cap" in m for m in reasons) and any("mind_busy" in m for m in reasons)
+    reasons = {held.reason for held in harness.journal.of(events.DeliveryHeld)}
+    assert {HoldReason.GLOBAL_CAP, HoldReason.MIND_BUSY} <= reasons
 
 
 def test_a_session_gets_its_deliveries_in_order_one_batch_per_turn(
@@ -182,7 +182,8 @@ def test_an_interrupt_signals_the_turn_and_counts_as_carried(
     assert [f[4] for f in log.lines() if f[0] == "end"] == ["130"]
     done = rows(harness, QueueState.DONE)
     assert {row.id for row in done} == {first, second} and all(r.attempts == 0 for r in done)
-    assert any("interrupted, exited 130" in m for m in harness.journal.messages())
+    ends = [(e.outcome, e.exit_status) for e in harness.journal.of(events.TurnEnded)]
+    assert (Outcome.INTERRUPTED, 130) in ends
 
 
 def test_a_start_systemd_never_answers_is_no_attempt_and_runs_once_it_answers(
@@ -196,7 +197,7 @@ def test_a_start_systemd_never_answers_is_no_attempt_and_runs_once_it_answers(
     harnesses.append(harness)
     harness.manager.silent.add("start_scope")
     delivery = deliver(harness, "m", "s")
-    harness.pump(lambda: any("systemd gave no answer" in m for m in harness.journal.messages()))
+    harness.pump(lambda: bool(harness.journal.of(events.TurnNeverStarted)))
     [row] = [r for r in rows(harness, QueueState.PENDING) if r.id == delivery]
     assert row.attempts == 0 and row.last_error is None
     assert log.started() == 0  # the command never ran
@@ -305,8 +306,8 @@ def test_scopes_around_dead_processes_are_stopped_and_settled_at_start(
     assert log.runs() == {stranded: 1, other: 1}
     assert all(row.attempts == 0 for row in rows(harness, QueueState.DONE))
     assert harness.manager.list_units(slice_, ["volute-turn-*"]) == []
-    stopped = [m for m in harness.journal.messages("warning") if "holds no process" in m]
-    assert len(stopped) == 2
+    stopped = harness.journal.of(events.TurnScopeEmpty) + harness.journal.of(events.EmptyScopeFound)
+    assert len(stopped) == 2 and {e.level for e in stopped} == {"warning"}
 
 
 # -- a crash at each step --------------------------------------------------------------------

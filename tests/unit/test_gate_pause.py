@@ -22,6 +22,7 @@ import pytest
 from tests.unit.gate_harness import Harness, gate_settings, settled
 from tests.unit.test_gate_loop import Turns
 from volute_testbed import turn_probe
+from volutectl import events
 from volutectl.core import admission
 from volutectl.errors import EX_DATAERR, EX_NOUSER, EX_TEMPFAIL
 from volutectl.gate.status import status_line
@@ -108,7 +109,7 @@ def test_a_paused_mind_holds_new_turns_folds_into_its_running_one_and_resumes_in
     assert log.runs() == dict.fromkeys([first, folded, other, a1, a2, b1], 1)
     done = harness.gate.state.store.list_rows([QueueState.DONE])
     assert all(row.attempts == 0 for row in done)
-    assert any("was held" in m and "(paused)" in m for m in harness.journal.messages("info"))
+    assert HoldReason.PAUSED in {e.reason for e in harness.journal.of(events.HoldEnded)}
     assert statuses(notified)[-1].endswith(", 0 paused")
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.gate_harness import ME, Harness
+from volutectl import events
 from volutectl.cli.statusview import format_status
 from volutectl.config.settings import MindSettings
 from volutectl.launcher import preflight
@@ -44,11 +45,11 @@ def row_of(harness: Harness, delivery_id: int) -> Row:
 
 
 def test_the_gate_names_each_failing_mind_when_it_starts(harness: Harness, tmp_path: Path) -> None:
-    assert harness.journal.messages("warning") == [
-        f"mind lost fails preflight: working directory {tmp_path}/gone does not exist"
-    ]
-    [(_, _, fields)] = [e for e in harness.journal.entries if "preflight" in e[1]]
-    assert fields == {"mind": "lost"}
+    problems = f"working directory {tmp_path}/gone does not exist"
+    assert len(harness.journal.messages("warning")) == 1
+    [failing] = harness.journal.of(events.MindFailsPreflight)
+    assert failing == events.MindFailsPreflight(mind="lost", problems=problems)
+    assert failing.journal_fields() == {"mind": "lost"}
 
 
 def test_a_missing_working_directory_fails_the_start_and_never_becomes_root(
@@ -58,7 +59,8 @@ def test_a_missing_working_directory_fails_the_start_and_never_becomes_root(
     harness.pump(lambda: row_of(harness, delivery).attempts == 1)
     error = f"working directory {tmp_path}/gone does not exist"
     assert row_of(harness, delivery).last_error == error
-    assert f"turn 1 of lost/main failed to start: {error}" in harness.journal.messages("error")
+    [failed] = harness.journal.of(events.TurnStartFailed)
+    assert (failed.turn_id, failed.mind, failed.session, failed.error) == (1, "lost", "main", error)
     assert harness.manager.scopes == {}  # nothing was forked, let alone put in a scope
     assert not (tmp_path / "pwd").exists()  # the command never ran, in / or anywhere
     # Once the directory is there, the retry runs in it.
@@ -103,8 +105,12 @@ def test_a_gate_killed_and_started_again_names_the_mind_again(
     harness.pump(lambda: row_of(harness, delivery).attempts == 1)
     harness.crash()
     harness.journal.entries.clear()
+    harness.journal.events.clear()
     harness.restart()
-    assert harness.journal.messages("warning") == [f"mind lost fails preflight: {problem}"]
+    assert len(harness.journal.messages("warning")) == 1
+    assert harness.journal.of(events.MindFailsPreflight) == [
+        events.MindFailsPreflight(mind="lost", problems=problem)
+    ]
     assert harness.connect().request({"op": "status"})["status"]["preflight"] == {"lost": [problem]}
     assert row_of(harness, delivery).attempts == 1
     assert row_of(harness, delivery).last_error == problem

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.unit.gate_harness import Harness
+from volutectl import events
 from volutectl.errors import (
     EX_DATAERR,
     EX_NOPERM,
@@ -256,7 +257,8 @@ def test_a_failure_inside_a_request_ends_only_that_client_and_is_logged_once(
     harness.pump(peer.closed_by_gate)
     errors = harness.journal.messages("error")
     assert len(errors) == 1
-    assert "RuntimeError: status is broken" in errors[0]
+    [failure] = harness.journal.of(events.InternalError)
+    assert (failure.exception, failure.error) == ("RuntimeError", "status is broken")
     # The bystander and a newcomer are still served.
     waiting.send(b"}\n")
     assert waiting.reply() == {"v": 1, "ok": True}
@@ -282,8 +284,9 @@ def test_a_failure_while_reading_ends_only_that_client(
         "internal error in the gate while reading a request",
     )
     harness.pump(peer.closed_by_gate)
-    (entry,) = [e for e in harness.journal.entries if e[0] == "error"]
-    assert "KeyError: 'poison'" in entry[1] and entry[2]["exception"] == "KeyError"
+    assert len(harness.journal.messages("error")) == 1
+    [failure] = harness.journal.of(events.InternalError)
+    assert (failure.exception, failure.error) == ("KeyError", "'poison'")
     harness.deliver_ok()
 
 
@@ -303,8 +306,8 @@ def test_a_full_disk_refuses_every_delivery_of_the_batch_and_acknowledges_none(
     assert {(r["ok"], r["code"]) for r in replies} == {(False, EX_TEMPFAIL)}
     assert all("database or disk is full" in r["error"] for r in replies), replies[0]
     assert [row.id for row in store.list_rows(NOT_DEAD)] == [first]
-    (entry,) = [text for text in harness.journal.messages("error")]
-    assert "could not store" in entry and "nothing acknowledged" in entry
+    assert len(harness.journal.messages("error")) == 1
+    [refusal] = harness.journal.of(events.DeliveriesNotStored)  # nothing acknowledged
     # Space returns: the same gate takes deliveries again, on the same connections too.
     store.db.execute(f"PRAGMA max_page_count = {pages * 1000}")
     assert harness.deliver_ok(peers[0]) > first

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.gate_harness import Harness
+from volutectl import events
 
 
 @pytest.fixture
@@ -38,12 +39,12 @@ def test_a_listing_that_fails_starts_nothing_says_so_once_and_retries(
     harness.run_for(2.5)  # the real loop's own timeouts: it must wake to retry
     assert harness.manager.scopes == {}  # no turn started on a guess
     assert state_of(harness, delivery) == "pending"
-    failures = [m for m in harness.journal.messages("error") if "admission failed" in m]
-    assert len(failures) == 1, harness.journal.messages()
+    failures = harness.journal.of(events.AdmissionFailing)  # said once
+    assert len(failures) == 1 and failures[0].level == "error", harness.journal.events
     assert harness.manager.calls["list_units"] >= 3  # retried about once a second
     harness.manager.failing.clear()
     harness.pump(lambda: state_of(harness, delivery) == "done")
-    assert "admission works again" in harness.journal.messages("info")
+    assert len(harness.journal.of(events.AdmissionWorks)) == 1
 
 
 def test_a_question_that_fails_never_settles_a_turn(harness: Harness) -> None:
@@ -58,8 +59,8 @@ def test_a_question_that_fails_never_settles_a_turn(harness: Harness) -> None:
     assert turn.recheck_at is not None
     assert state_of(harness, delivery) == "running"
     assert harness.manager.calls["active_state"] >= 2  # asked again, not given up on
-    warnings = [m for m in harness.journal.messages("warning") if "cannot tell" in m]
-    assert len(warnings) == 1
+    warnings = harness.journal.of(events.TurnUnanswered)
+    assert [(w.turn_id, w.level) for w in warnings] == [(turn.id, "warning")]
     # The answers come back: it is settled, once, as the exit status says.
     harness.manager.failing.clear()
     harness.pump(lambda: state_of(harness, delivery) == "done")
@@ -91,4 +92,5 @@ def test_a_turn_whose_settlement_the_disk_refuses_keeps_its_place_until_it_can(
     harness.pump(lambda: state_of(harness, held) == "done", timeout=10)
     assert state_of(harness, first) == "done"
     assert refused == [refused[0]] * 2  # the same turn, tried again
-    assert sum("could not be settled" in m for m in harness.journal.messages("error")) == 2
+    unsettled = harness.journal.of(events.TurnNotSettled)
+    assert [(u.turn_id, u.level) for u in unsettled] == [(refused[0], "error")] * 2

@@ -22,9 +22,11 @@ import pytest
 
 from tests.unit.fake_gate import remove_tree, short_socket_dir
 from tests.unit.gate_harness import Harness, settled
+from volutectl import events
+from volutectl.events import MESSAGE_IDS, Event
 from volutectl.states import QueueState
 from volutectl.systemd import journal
-from volutectl.systemd.journal import MESSAGE_IDS, Event, Journal, TurnStream, entry_fields
+from volutectl.systemd.journal import Journal, TurnStream, entry_fields
 
 
 def as_dict(items: list[bytes]) -> dict[str, str]:
@@ -316,15 +318,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def logged_fields() -> set[str]:
-    """VOLUTE_* fields the code can send: the keywords of every journal.log, log_turn and
-    log_row call in volutectl/ (log_turn and log_row pass theirs on to journal.log)."""
-    found: set[str] = set()
+    """VOLUTE_* fields the code can send: those of every event in volutectl/events.py's
+    catalog, and the keywords of every plain journal.log call in volutectl/."""
+    found = {
+        f"VOLUTE_{name.upper()}" for kind in events.catalog() for name in kind.sent_field_names()
+    }
     for path in (REPO / "volutectl").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("log", "log_turn", "log_row")
+                and node.func.attr == "log"
             ):
                 found.update(f"VOLUTE_{k.arg.upper()}" for k in node.keywords if k.arg)
     return found

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.gate_harness import Harness, settled
+from volutectl import events
 from volutectl.errors import VoluteError
 from volutectl.launcher.hands import Launched, LauncherLost, RemoteHands
 from volutectl.launcher.service import ReloadingSettings, allowed_uids, bind_listener, peer_uid
@@ -159,8 +160,9 @@ def test_a_launcher_that_is_away_holds_turns_says_so_once_and_they_start_when_it
     delivery = harness.deliver_ok(mind="m")
     harness.run_for(2.5)
     assert harness.manager.scopes == {} and state_of(harness, delivery) == "pending"
-    failures = [m for m in harness.journal.messages("error") if "launcher does not answer" in m]
-    assert len(failures) == 1, harness.journal.messages()
+    failures = harness.journal.of(events.AdmissionFailing)  # said once
+    assert len(failures) == 1, harness.journal.events
+    assert "launcher does not answer" in failures[0].error
     harness.launcher.start()
     harness.pump(lambda: state_of(harness, delivery) == "done")
     row = harness.gate.state.store.row(delivery)

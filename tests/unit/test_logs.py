@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from volutectl.cli import logs
+from volutectl.events import MESSAGE_IDS, Event
 from volutectl.names import turn_scope_name
-from volutectl.systemd.journal import MESSAGE_IDS, Event
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"
 

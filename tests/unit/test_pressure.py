@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from volutectl import events
 from volutectl.config.settings import IoPressureSettings, Settings, load_settings
 from volutectl.core import admission as core
 from volutectl.core import psi
@@ -192,32 +193,29 @@ def test_io_pressure_is_off_by_default_and_validated(tmp_path: Path) -> None:
 
 
 def test_open_returns_none_when_disabled() -> None:
-    logged: list[tuple[str, str]] = []
-    watch = PressureWatch.open(
-        IoPressureSettings(), slice_cgroup=None, journal_log=lambda *a: logged.append(a)
-    )
+    logged: list[events.BaseEvent] = []
+    watch = PressureWatch.open(IoPressureSettings(), slice_cgroup=None, emit=logged.append)
     assert watch is None
 
 
 def test_open_logs_why_when_no_psi_file_takes_a_trigger(tmp_path: Path) -> None:
-    logged: list[tuple[str, str]] = []
+    logged: list[events.BaseEvent] = []
     # A slice cgroup whose io.pressure is a plain file: not a PSI file, so refused...
     (tmp_path / "io.pressure").write_text(SAMPLE)
-    watch = PressureWatch.open(
-        settings(target="slice"), slice_cgroup=tmp_path, journal_log=lambda *a: logged.append(a)
-    )
+    watch = PressureWatch.open(settings(target="slice"), slice_cgroup=tmp_path, emit=logged.append)
     if watch is not None:  # ... but /proc/pressure/io may still take one on this host
         assert "/proc/pressure/io" in watch.describe()
         assert f"slice refused: cannot watch {tmp_path}/io.pressure" in watch.note
         watch.close()
     else:
-        assert logged and logged[-1][0] == "warning" and "io pressure gate off" in logged[-1][1]
+        assert logged and isinstance(logged[-1], events.PressureGateOff)
+        assert logged[-1].level == "warning"
     # A slice that has no cgroup yet: said so, and the system file is used instead.
     logged.clear()
     watch = PressureWatch.open(
         settings(target="slice"),
         slice_cgroup=tmp_path / "gone",
-        journal_log=lambda *a: logged.append(a),
+        emit=logged.append,
     )
     if watch is not None:
         assert "not the turns slice" in watch.describe() and "does not exist" in watch.note
@@ -246,10 +244,8 @@ needs_psi = pytest.mark.skipif(not psi_trigger_works(), reason="no PSI triggers 
 
 @needs_psi
 def test_watch_on_real_psi_says_which_trigger_it_uses() -> None:
-    logged: list[tuple[str, str]] = []
-    watch = PressureWatch.open(
-        settings(target="system"), slice_cgroup=None, journal_log=lambda *a: logged.append(a)
-    )
+    logged: list[events.BaseEvent] = []
+    watch = PressureWatch.open(settings(target="system"), slice_cgroup=None, emit=logged.append)
     assert watch is not None
     try:
         text = watch.describe()
@@ -257,7 +253,7 @@ def test_watch_on_real_psi_says_which_trigger_it_uses() -> None:
         assert watch.trigger.line() in ("some 150000 1000000", "some 300000 2000000")
         if watch.trigger.window_us == 2_000_000:
             assert "2 s windows" in text
-        assert logged[0] == ("info", f"io pressure gate on: {text}")
+        assert logged[0] == events.PressureGateOn(description=text)
         assert not watch.high and watch.deadline() is None
         # fileno() is selectable for EVENT_READ and quiet when nothing stalls.
         with selectors.DefaultSelector() as sel:
@@ -268,9 +264,9 @@ def test_watch_on_real_psi_says_which_trigger_it_uses() -> None:
 
 @needs_psi
 def test_watch_hysteresis_and_settling_with_real_psi_readings() -> None:
-    logged: list[tuple[str, str]] = []
+    logged: list[events.BaseEvent] = []
     s = settings(target="system", recheck_seconds=0.5)
-    watch = PressureWatch.open(s, slice_cgroup=None, journal_log=lambda *a: logged.append(a))
+    watch = PressureWatch.open(s, slice_cgroup=None, emit=logged.append)
     assert watch is not None
     try:
         # The trigger fired: high, with a re-check deadline.
@@ -281,7 +277,7 @@ def test_watch_hysteresis_and_settling_with_real_psi_readings() -> None:
         # Due, measured over a long (fake) interval: the host's stall share is tiny.
         assert watch.on_deadline(10_000.0) is True
         assert not watch.high and watch.deadline() is None
-        assert any("admitting turns again" in m for _, m in logged)
+        assert any(isinstance(event, events.PressureFell) for event in logged)
         # A start while low: hold further starts until its stall is measured.
         pending = [core.Delivery(i, f"m{i}", "s") for i in (1, 2, 3)]
         paced = core.admit(pending, [], core.Limits(), now=0, max_starts=watch.may_start())

@@ -17,6 +17,7 @@ import pytest
 
 from tests.unit.gate_harness import RecordingJournal
 from tests.unit.retention_rows import DAY, KEEP_DAYS, add, run_turn, seed, snapshot
+from volutectl import events
 from volutectl.states import QueueState
 from volutectl.store import retention, schema
 from volutectl.store.queue import Store
@@ -235,7 +236,7 @@ def test_a_disk_that_refuses_a_batch_is_said_once_and_tried_again_later(
 ) -> None:
     seed(store, NOW, running=False)
     kept = clock_retention(store, monkeypatch, NOW)
-    journal = kept.journal
+    journal = kept.sink
     assert isinstance(journal, RecordingJournal)
 
     def full(*args: object, **kwargs: object) -> retention.Batch:
@@ -245,12 +246,13 @@ def test_a_disk_that_refuses_a_batch_is_said_once_and_tried_again_later(
     kept.on_pass(101.0, idle=True, started=False)
     kept.on_pass(161.0, idle=True, started=False)
     assert kept.deadline() == 161.0 + QUICK.error_gap
-    assert len([m for m in journal.messages("warning") if "disk is full" in m]) == 1
+    [refused] = journal.of(events.RetentionFailing)  # said once
+    assert refused.level == "warning" and "disk is full" in refused.error
     monkeypatch.undo()
     monkeypatch.setattr(time, "time", lambda: NOW)
     kept.on_pass(221.0, idle=True, started=False)
     assert len(ids(store, "deliveries")) == 3
-    assert "retention: the queue takes batches again" in journal.messages("info")
+    assert len(journal.of(events.RetentionWorks)) == 1
 
 
 def test_a_conversion_the_disk_refuses_is_a_warning_and_the_gate_starts_all_the_same(
@@ -272,7 +274,9 @@ def test_a_conversion_the_disk_refuses_is_a_warning_and_the_gate_starts_all_the_
 
         monkeypatch.setattr(schema, "enable_incremental_vacuum", full)
         kept.prepare(lambda: None)  # raises nothing
-        assert any("disk is full" in m for m in journal.messages("warning"))
+        [conversion] = journal.of(events.VacuumConversion)
+        assert conversion.level == "warning" and not conversion.done
+        assert "disk is full" in conversion.text
         assert not schema.is_incremental(store.db)
         # The expired rows went before the conversion was tried, and a deadline is set.
         assert len(ids(store, "deliveries")) == 3 and kept.deadline() is not None

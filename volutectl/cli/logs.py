@@ -41,7 +41,7 @@ from volutectl import names
 from volutectl.cli.completion import complete_minds
 from volutectl.cli.options import config_option
 from volutectl.errors import EX_NOUSER, DataError, UnavailableError, UsageError, VoluteError
-from volutectl.systemd.journal import MESSAGE_IDS, Event
+from volutectl.events import MESSAGE_IDS, Event
 
 if TYPE_CHECKING:  # pydantic only when the command runs, not for a TAB (volutectl.cli.completion)
     from volutectl.config.settings import Settings

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from volutectl import events
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import DataError, PermissionDeniedError, TemporaryError, VoluteError
@@ -113,7 +114,7 @@ def retry_handler(state: GateState, request: Request, caller: Caller) -> Reply:
     assert isinstance(request, RetryRequest)
     changed = state.store.retry(request.ids)
     for delivery_id in changed:
-        state.journal.log("info", f"retry delivery {delivery_id}", delivery_id=delivery_id)
+        state.journal.emit(events.DeliveryRetried(delivery_id=delivery_id))
     state.dirty = True
     return ChangedReply(tuple(changed))
 
@@ -122,7 +123,7 @@ def drop_handler(state: GateState, request: Request, caller: Caller) -> Reply:
     assert isinstance(request, DropRequest)
     changed = state.store.drop(request.ids, time.time())
     for delivery_id in changed:
-        state.journal.log("info", f"drop delivery {delivery_id}", delivery_id=delivery_id)
+        state.journal.emit(events.DeliveryDropped(delivery_id=delivery_id))
         state.notify(delivery_id, DeliveryDropped(delivery_id))
     state.dirty = True
     return ChangedReply(tuple(changed))
@@ -153,7 +154,7 @@ def register_repo_handler(state: GateState, request: Request, caller: Caller) ->
             hint="the gate forgets a registered repository once it is gone, when it starts",
         ) from None
     if new:
-        state.journal.log("info", f"watching test slots of {common}", repository=common)
+        state.journal.emit(events.RepositoryWatched(repository=str(common)))
         state.dirty = True
     return RegisterReply(new)
 
@@ -188,7 +189,7 @@ def pause_handler(state: GateState, request: Request, caller: Caller) -> Reply:
     changed = state.store.minds.pause(wanted, time.time())
     for mind in changed:
         what = "every mind" if mind == EVERY_MIND else mind
-        state.journal.log("info", f"paused {what}: new turns are held until resumed", mind=mind)
+        state.journal.emit(events.Paused(what=what, mind=mind))
     state.dirty = True  # its held deliveries now wait with reason `paused`
     return _pause_reply(changed, load_pauses(state))
 
@@ -223,8 +224,7 @@ def resume_handler(state: GateState, request: Request, caller: Caller) -> Reply:
     )
     for mind in changed:
         what = "every mind" if mind == EVERY_MIND else mind
-        state.journal.log("info", f"resumed {what}: {going} held deliveries go through the gate",
-                          mind=mind)  # fmt: skip
+        state.journal.emit(events.Resumed(what=what, going=going, mind=mind))
     state.dirty = True
     return _pause_reply(changed, after)
 
@@ -268,7 +268,7 @@ def handle(state: GateState, request: Request, caller: Caller) -> Reply:
         return ErrorReply.of(error)
     except sqlite3.OperationalError as error:
         # The disk is full, or the database locked or unwritable: try again later.
-        state.journal.log("warning", f"the queue failed a {request.OP} request: {error}")
+        state.journal.emit(events.QueueFailed(op=request.OP, error=str(error)))
         return ErrorReply.of(TemporaryError(f"{request.OP}: the queue failed: {error}"))
 
 
@@ -313,17 +313,13 @@ def accept_deliveries(
         result = next(results)
         if isinstance(result, QuotaExceeded) and uid not in state.over_quota:
             state.over_quota.add(uid)  # said once, until this uid is served again
-            state.journal.log("warning", f"refusing deliveries: {result.message}", uid=uid)
+            state.journal.emit(events.DeliveriesRefused(refusal=result.message, uid=uid))
         if isinstance(result, VoluteError):
             done.append(ErrorReply.of(result))
             continue
         done.append(DeliverAck(result))
-        state.journal.log(
-            "debug",
-            f"queued delivery {result} for {request.mind}/{request.session}",
-            mind=request.mind,
-            session=request.session,
-            delivery_id=result,
+        state.journal.emit(
+            events.DeliveryQueued(mind=request.mind, session=request.session, delivery_id=result)
         )
     state.dirty = True
     return done
@@ -331,12 +327,10 @@ def accept_deliveries(
 
 def _refusal(state: GateState, count: int, error: Exception) -> ErrorReply:
     state_dir: Path = state.settings.gate.state_dir
-    state.journal.log(
-        "error",
-        f"could not store {count} deliveries, refused them (nothing acknowledged): "
-        f"{type(error).__name__}: {error}",
-        exception=type(error).__name__,
-        state_dir=state_dir,
+    state.journal.emit(
+        events.DeliveriesNotStored(
+            count=count, error=str(error), exception=type(error).__name__, state_dir=str(state_dir)
+        )
     )
     return ErrorReply.of(
         TemporaryError(

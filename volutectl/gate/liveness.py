@@ -25,14 +25,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from volutectl import names
+from volutectl import events, names
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import VoluteError
 from volutectl.gate import lifecycle
 from volutectl.gate.turns import Turn, Turns
 from volutectl.store.queue import Store, TurnRow
-from volutectl.systemd.journal import Event
 from volutectl.systemd.port import ENDED_STATES, SystemdManager
 
 TURN_PATTERN = "volute-turn-*.scope"
@@ -115,13 +114,7 @@ class Liveness:
             return False
         if pids:
             return True
-        self.turns.journal.log(
-            "warning",
-            f"{unit} is active but holds no process: stopping it (a turn started around a "
-            "process that had died)",
-            unit=unit,
-            event=Event.EMPTY_SCOPE,
-        )
+        self.turns.journal.emit(events.EmptyScopeFound(unit=unit))
         self.turns.stop_quietly(unit)
         self.turns.settled_units.add(unit)
         return False
@@ -229,7 +222,7 @@ class Liveness:
                 self.turns.watch_fd(pidfd, turn)
             self.check(turn)
             if self.turns.holds(turn) and turn.recheck_at is None:
-                self.turns.log_turn("info", turn, "is still running: adopted", event=Event.ADOPT)
+                self.turns.journal.emit(events.TurnAdopted(**events.turn_fields(turn)))
         self.wake()
 
     def _remove_stale_dirs(self, open_ids: set[int]) -> None:
@@ -239,7 +232,7 @@ class Liveness:
         try:
             self.turns.hands.sweep(sorted(open_ids))
         except VoluteError as error:
-            self.turns.journal.log("warning", f"turn directories not swept yet: {error.message}")
+            self.turns.journal.emit(events.TurnDirectoriesNotSwept(error=error.message))
 
     def _turn_from_row(self, row: TurnRow, state: lifecycle.State) -> Turn:
         return Turn(

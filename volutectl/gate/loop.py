@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from volutectl import events
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import VoluteError
@@ -92,7 +93,7 @@ class Gate:
         self.next_ping: float | None = None
         self.backoff_wake: float | None = None
         self.admit_retry: float | None = None  # monotonic: admission failed, try again then
-        self.admit_failing = False
+        self.admit_latch = events.Latch(self.journal.emit, ADMIT_RETRY_SECONDS)
         self.notifier = status.StatusNotifier()  # STATUS= for systemd, when it changes
         self.started = False  # this pass started a turn
         self._opened: list[Any] = [self.selector]
@@ -108,7 +109,7 @@ class Gate:
             self.selector.register(self.state.manager.fileno(), selectors.EVENT_READ, ("bus", None))
             self.selector.register(self.state.slots.fileno(), selectors.EVENT_READ, ("slots", None))
             self._open_pressure()
-            preflight.log_failing(settings, self.journal.log)  # status shows it too
+            preflight.log_failing(settings, self.journal.emit)  # status shows it too
             # What start loaded (a deep queue's index, the imports) lives as long as the
             # gate: keep the cyclic collector from scanning it again and again.
             gc.freeze()
@@ -174,7 +175,7 @@ class Gate:
             self.selector.unregister(fd)
 
     def _open_pressure(self) -> None:
-        pressure = open_for_turns(self.settings, self.state.manager, self.journal.log)
+        pressure = open_for_turns(self.settings, self.state.manager, self.journal.emit)
         if pressure is not None:
             self.selector.register(pressure.fileno(), selectors.EVENT_READ, ("pressure", None))
         self.state.pressure = pressure
@@ -207,11 +208,12 @@ class Gate:
         if ready is not None:
             ready()
         limits = self.state.limits
-        self.journal.log(
-            "info",
-            f"gate ready on {self.settings.gate.socket}: cap "
-            f"{limits.global_cap or 'unlimited'}, {limits.turns_per_mind} per mind",
-            socket=self.settings.gate.socket,
+        self.journal.emit(
+            events.GateReady(
+                socket=str(self.settings.gate.socket),
+                global_cap=limits.global_cap,
+                turns_per_mind=limits.turns_per_mind,
+            )
         )
         self.watchdog = watchdog_interval() if self.settings.gate.watchdog else None
         self.next_ping = time.monotonic() + self.watchdog if self.watchdog else None
@@ -407,10 +409,12 @@ class Gate:
             handler(*args)
         except (VoluteError, sqlite3.Error, OSError) as error:
             text = error.message if isinstance(error, VoluteError) else str(error)
-            self.journal.log("error", f"handling {what} failed: {text}")
+            self.journal.emit(events.HandlingFailed(what=what, error=text))
             self.state.dirty = True
         except Exception as error:  # noqa: BLE001 - the loop must outlive a bug
-            self.journal.log("error", f"handling {what} failed: {type(error).__name__}: {error}")
+            self.journal.emit(
+                events.HandlingFailed(what=what, error=f"{type(error).__name__}: {error}")
+            )
             self.state.dirty = True
 
     def admit(self) -> None:
@@ -421,19 +425,11 @@ class Gate:
             self._admit()
         except (VoluteError, sqlite3.Error, OSError) as error:
             text = error.message if isinstance(error, VoluteError) else str(error)
-            if not self.admit_failing:
-                self.journal.log(
-                    "error",
-                    f"admission failed, no turn starts until it works: {text}; retrying "
-                    f"every {ADMIT_RETRY_SECONDS:.0f} s",
-                )
-            self.admit_failing = True
-            self.admit_retry = time.monotonic() + ADMIT_RETRY_SECONDS
+            failing = events.AdmissionFailing(error=text, retry_seconds=ADMIT_RETRY_SECONDS)
+            self.admit_retry = self.admit_latch.failed(failing, time.monotonic())
             self.notifier.update(f"admission failing, no turn starts: {text}")
             return
-        if self.admit_failing:
-            self.journal.log("info", "admission works again")
-            self.admit_failing = False
+        self.admit_latch.works(events.AdmissionWorks())
 
     def _admit(self) -> None:
         """One admission pass over the store's index of pending rows (O(what changed):

@@ -32,19 +32,18 @@ from __future__ import annotations
 import contextlib
 import os
 import select
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from volutectl import events
 from volutectl.core.psi import Trigger, next_state, parse_total, stall_fraction
 from volutectl.errors import VoluteError
+from volutectl.events import Emit
 from volutectl.kernel.probes import SYSTEM_PRESSURE, PsiUnavailable, register_trigger, slice_cgroup
 
 if TYPE_CHECKING:
     from volutectl.config.settings import IoPressureSettings, Settings
     from volutectl.systemd.port import SystemdManager
-
-JournalLog = Callable[[str, str], None]
 
 
 def _read(fd: int) -> str:
@@ -61,13 +60,13 @@ class PressureWatch:
         trigger_fd: int,
         trigger: Trigger,
         note: str,
-        journal_log: JournalLog,
+        emit: Emit,
     ) -> None:
         self.settings = settings
         self.path = path
         self.trigger = trigger
         self.note = note
-        self._log = journal_log
+        self._emit = emit
         self._trigger_fd = trigger_fd
         self._epoll = select.epoll()
         try:
@@ -89,7 +88,7 @@ class PressureWatch:
         settings: IoPressureSettings,
         *,
         slice_cgroup: Path | None,
-        journal_log: JournalLog,
+        emit: Emit,
     ) -> PressureWatch | None:
         """A watch per `settings`, or None when disabled or PSI is unavailable (logged)."""
         if not settings.enabled:
@@ -113,7 +112,7 @@ class PressureWatch:
                 errors.append(str(error))
                 continue
             try:
-                watch = cls(settings, path, fd, trigger, note, journal_log)
+                watch = cls(settings, path, fd, trigger, note, emit)
             except OSError as error:  # e.g. not a PSI file: epoll refuses a regular file
                 os.close(fd)
                 errors.append(f"cannot watch {path}: {error.strerror}")
@@ -122,12 +121,9 @@ class PressureWatch:
                 watch.note += f" (not the turns slice: {why_not_slice})"
             elif errors:
                 watch.note += f" (slice refused: {errors[0]})"
-            journal_log("info", f"io pressure gate on: {watch.describe()}")
+            emit(events.PressureGateOn(description=watch.describe()))
             return watch
-        journal_log(
-            "warning",
-            "io pressure gate off: " + "; ".join(errors) + " (limits.io_pressure.enabled)",
-        )
+        emit(events.PressureGateOff(errors="; ".join(errors)))
         return None
 
     # -- the selectable -------------------------------------------------------------------
@@ -158,10 +154,8 @@ class PressureWatch:
             self._become_pressure(f"the trigger fired ({self.trigger.line()} on {self.path})")
             return False
         self._enter("pressure", now)
-        self._log(
-            "info",
-            f"io pressure high: the trigger fired ({self.trigger.line()} on {self.path}); "
-            "holding new turns",
+        self._emit(
+            events.PressureHigh(why=f"the trigger fired ({self.trigger.line()} on {self.path})")
         )
         return True
 
@@ -169,7 +163,7 @@ class PressureWatch:
         """A settling hold turns out to be real pressure: say so once."""
         if self._reason != "pressure":
             self._reason = "pressure"
-            self._log("info", f"io pressure high: {why}; holding new turns")
+            self._emit(events.PressureHigh(why=why))
 
     def on_deadline(self, now: float) -> bool:
         """Re-read the stall; True if `high` changed (released below the resume threshold)."""
@@ -191,10 +185,11 @@ class PressureWatch:
         self._reason = ""
         self._deadline = None
         if was == "pressure":
-            self._log(
-                "info",
-                f"io pressure fell to {fraction * 100:.1f}% stalled (below "
-                f"{self.settings.resume_below_percent:g}%): admitting turns again",
+            self._emit(
+                events.PressureFell(
+                    stalled_percent=fraction * 100,
+                    resume_below_percent=self.settings.resume_below_percent,
+                )
             )
         return True
 
@@ -241,9 +236,7 @@ class PressureWatch:
         self._trigger_fd = self._read_fd = -1
 
 
-def open_for_turns(
-    settings: Settings, manager: SystemdManager, journal_log: JournalLog
-) -> PressureWatch | None:
+def open_for_turns(settings: Settings, manager: SystemdManager, emit: Emit) -> PressureWatch | None:
     """The gate's watch on its turns' slice, or None (disabled, or PSI unavailable)."""
     if not settings.limits.io_pressure.enabled:
         return None
@@ -253,5 +246,5 @@ def open_for_turns(
     return PressureWatch.open(
         settings.limits.io_pressure,
         slice_cgroup=slice_cgroup(settings.turns.slice),
-        journal_log=journal_log,
+        emit=emit,
     )

@@ -37,6 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from volutectl import events
 from volutectl.config.settings import Settings
 from volutectl.errors import EX_SOFTWARE, DataError, TemporaryError, UnavailableError, VoluteError
 from volutectl.systemd import activation
@@ -130,13 +131,7 @@ class Server:
         if inherited is not None:
             served = activation.served_path(inherited)
             if served != str(path):
-                self.journal.log(
-                    "warning",
-                    f"serving {served}, the socket systemd passed (volute-gate.socket), not "
-                    f"gate.socket = {path}: clients that read the config connect to {path}",
-                    socket=served,
-                    configured_socket=path,
-                )
+                self.journal.emit(events.SocketMismatch(socket=served, configured_socket=str(path)))
             inherited.setblocking(False)
             return inherited
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -164,9 +159,7 @@ class Server:
         try:
             os.chown(path, -1, grp.getgrnam(group).gr_gid)
         except KeyError:
-            self.journal.log(
-                "warning", f"socket group {group!r} does not exist: only root can use {path}"
-            )
+            self.journal.emit(events.SocketGroupMissing(group=group, path=str(path)))
         except PermissionError:
             pass
         os.chmod(path, 0o660)
@@ -245,11 +238,10 @@ class Server:
         sock.close()
         if uid not in self.refusing:  # once, until one of its connections is taken again
             self.refusing.add(uid)
-            self.journal.log(
-                "warning",
-                f"refusing connections: {refusal.message}",
-                uid=uid,
-                clients=len(self.clients),
+            self.journal.emit(
+                events.ConnectionsRefused(
+                    refusal=refusal.message, uid=uid, clients=len(self.clients)
+                )
             )
 
     def _pause_accepting(self, reason: str, *, retry: bool = False) -> None:
@@ -264,9 +256,7 @@ class Server:
             self.accept_retry = time.monotonic() + ACCEPT_RETRY_SECONDS
         if reason != self.accept_problem:  # once per episode, not once per retry
             self.accept_problem = reason
-            self.journal.log(
-                "warning", f"not accepting for now: {reason}", clients=len(self.clients)
-            )
+            self.journal.emit(events.NotAccepting(reason=reason, clients=len(self.clients)))
 
     def _resume_accepting(self) -> None:
         self.accept_retry = None
@@ -503,11 +493,10 @@ class Server:
     def log_failure(self, what: str, error: BaseException) -> None:
         frames = traceback.extract_tb(error.__traceback__)
         where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else None
-        self.journal.log(
-            "error",
-            f"internal error while {what}: {type(error).__name__}: {error}",
-            exception=type(error).__name__,
-            where=where,
+        self.journal.emit(
+            events.InternalError(
+                what=what, error=str(error), exception=type(error).__name__, where=where
+            )
         )
 
     def drop(self, client: Client) -> None:

@@ -18,9 +18,8 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from volutectl import names
+from volutectl import events, names
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import SystemdNoAnswer, VoluteError
@@ -31,7 +30,7 @@ from volutectl.launcher.hands import LauncherLost, LauncherUnavailable, TurnHand
 from volutectl.states import HoldReason, Outcome, QueueState
 from volutectl.store.indexed import IndexedStore
 from volutectl.store.queue import Row
-from volutectl.systemd.journal import Event, Journal
+from volutectl.systemd.journal import Journal
 from volutectl.wire import orders
 from volutectl.wire.messages import DeliveryDead, Reply, TurnEnded
 
@@ -118,40 +117,17 @@ class Turns:
 
     # -- logging ----------------------------------------------------------------------------
 
-    def log_row(self, level: str, row: Row | admission.Delivery, text: str, **fields: Any) -> None:
-        """Log about one delivery, with the journal fields that find it again."""
-        self.journal.log(
-            level,
-            f"delivery {row.id} for {row.mind}/{row.session} {text}",
-            mind=row.mind,
-            session=row.session,
-            delivery_id=row.id,
-            **fields,
-        )
-
-    def log_turn(self, level: str, turn: Turn, text: str, **fields: Any) -> None:
-        """Log about one turn, with the journal fields that find it again."""
-        self.journal.log(
-            level,
-            f"turn {turn.id} of {turn.mind}/{turn.session} {text}",
-            mind=turn.mind,
-            session=turn.session,
-            unit=turn.unit,
-            turn_id=turn.id,
-            **fields,
-        )
-
     def log_released(self, rows: Iterable[Row], now: float, how: str) -> None:
         for row in rows:
             if row.held_since is not None:
                 held_ms = int((now - row.held_since) * 1000)
-                self.log_row(
-                    "info",
-                    row,
-                    f"was held {held_ms} ms ({row.hold_reason}); {how}",
-                    reason=row.hold_reason,
-                    held_ms=held_ms,
-                    event=Event.HOLD_END,
+                self.journal.emit(
+                    events.HoldEnded(
+                        **events.delivery_fields(row),
+                        reason=row.hold_reason,
+                        held_ms=held_ms,
+                        how=how,
+                    )
                 )
 
     # -- admission's decisions -----------------------------------------------------------------
@@ -165,7 +141,7 @@ class Turns:
         for delivery_id, reason in holds:
             if delivery_id in new and delivery_id in rows:
                 row = rows[delivery_id]
-                self.log_row("info", row, f"held: {reason}", reason=reason, event=Event.HOLD)
+                self.journal.emit(events.DeliveryHeld(**events.delivery_fields(row), reason=reason))
 
     def fold(self, fold: admission.Fold, now: float) -> None:
         """Hand deliveries to a live turn of their session, through its inbox."""
@@ -181,17 +157,16 @@ class Turns:
                 # Not offered (no marker, or its staged file still there), or unknown (the
                 # launcher was lost): when the turn ends, its report says which, and a
                 # delivery it did not take goes to the session's next turn.
-                self.log_row(
-                    "warning",
-                    row,
-                    f"could not be offered into turn {turn.id}'s inbox ({error.message}): "
-                    "it goes to the session's next turn",
+                self.journal.emit(
+                    events.DeliveryNotOffered(
+                        **events.delivery_fields(row), turn_id=turn.id, error=error.message
+                    )
                 )
             crash_point("inbox_written")
         self.log_released(rows, now, f"folded into turn {turn.id}")
         if rows:
             ids = " ".join(str(r.id) for r in rows)
-            self.log_turn("info", turn, f"took deliveries {ids} in its inbox", delivery_ids=ids)
+            self.journal.emit(events.TurnFolded(**events.turn_fields(turn), delivery_ids=ids))
         if fold.interrupt:
             self.apply(turn, lifecycle.Interrupt())
 
@@ -243,49 +218,26 @@ class Turns:
         turn.released, turn.pid = True, launched.pid
         self._after_start(turn, lifecycle.Started(pidfd=launched.pidfd), taken, "")
         ids = " ".join(str(row.id) for row in taken)
-        self.log_turn(
-            "info", turn, f"started with deliveries {ids}", delivery_ids=ids, event=Event.START
-        )
+        self.journal.emit(events.TurnStarted(**events.turn_fields(turn), delivery_ids=ids))
 
     def _start_unknown(self, turn: Turn, error: VoluteError) -> None:
         """The launcher was lost during the start: the turn may run, or may never have.
         It keeps its place, as an adopted turn does, until systemd says which."""
-        self.log_turn(
-            "warning", turn, f"may or may not have started ({error.message}): asking systemd"
-        )
+        self.journal.emit(events.TurnStartUnknown(**events.turn_fields(turn), error=error.message))
         self._after_start(turn, lifecycle.LauncherLost(now=time.time()), [], error.message)
 
     def _start_unanswered(self, turn: Turn, taken: list[Row], error: SystemdNoAnswer) -> None:
         """systemd gave no answer about the scope (a daemon-reexec drops every call in
         flight): the child exited unreleased, so the command never ran. Not the
         deliveries' failure: they go back with no attempt counted, as a hold does."""
-        self.journal.log(
-            "warning",
-            f"turn {turn.id} of {turn.mind}/{turn.session} did not start, systemd gave "
-            f"no answer ({error.message}); its deliveries wait for the next pass",
-            mind=turn.mind,
-            session=turn.session,
-            unit=turn.unit,
-            turn_id=turn.id,
-            outcome=Outcome.NEVER_RAN,
-            event=Event.END,
-        )
+        self.journal.emit(events.TurnNeverStarted(**events.turn_fields(turn), error=error.message))
         self._after_start(turn, lifecycle.NoAnswer(), taken, error.message)
 
     def _start_failed(self, turn: Turn, taken: list[Row], error: Exception) -> None:
         """The command never ran (its hands say so, having removed what they made): the
         turn's deliveries count one failed attempt (a missing user fails every time)."""
         message = error.message if isinstance(error, VoluteError) else str(error)
-        self.journal.log(
-            "error",
-            f"turn {turn.id} of {turn.mind}/{turn.session} failed to start: {message}",
-            mind=turn.mind,
-            session=turn.session,
-            unit=turn.unit,
-            turn_id=turn.id,
-            outcome=Outcome.START_FAILED,
-            event=Event.END,
-        )
+        self.journal.emit(events.TurnStartFailed(**events.turn_fields(turn), error=message))
         self._after_start(turn, lifecycle.StartFailed(), taken, message)
 
     def _after_start(
@@ -339,18 +291,16 @@ class Turns:
             case lifecycle.Wake():
                 self.wake()
             case lifecycle.LogCannotTell(error):
-                self.log_turn(
-                    "warning",
-                    turn,
-                    f"cannot tell whether it still runs ({error}): it keeps its place; "
-                    f"asking again in {lifecycle.ASK_AGAIN_SECONDS:.0f} s",
+                self.journal.emit(
+                    events.TurnUnanswered(
+                        **events.turn_fields(turn),
+                        error=error,
+                        recheck_seconds=lifecycle.ASK_AGAIN_SECONDS,
+                    )
                 )
             case lifecycle.StopEmptyScope(active_state):
-                self.log_turn(
-                    "warning",
-                    turn,
-                    f"{turn.unit} is {active_state} but holds no process: stopping it",
-                    event=Event.EMPTY_SCOPE,
+                self.journal.emit(
+                    events.TurnScopeEmpty(**events.turn_fields(turn), state=str(active_state))
                 )
                 self.stop_quietly(turn.unit)
             case lifecycle.ForgetUnit():
@@ -365,7 +315,7 @@ class Turns:
                 turn.interrupted = True
                 with contextlib.suppress(VoluteError):
                     self.hands.interrupt(turn.id, turn.mind)
-                self.log_turn("info", turn, "interrupted (SIGINT to its scope)")
+                self.journal.emit(events.TurnInterrupted(**events.turn_fields(turn)))
             case _:
                 raise AssertionError(f"{effect} comes only from a start")
 
@@ -377,7 +327,7 @@ class Turns:
             # read (the launcher is away): nothing of it happened. The turn keeps its
             # place until it can be settled.
             text = error.message if isinstance(error, VoluteError) else str(error)
-            self.log_turn("error", turn, f"could not be settled: {text}; retrying")
+            self.journal.emit(events.TurnNotSettled(**events.turn_fields(turn), error=text))
             self.apply(turn, lifecycle.SettleFailed(now=time.time()))
 
     def _record_timeout(self, turn: Turn, now: float) -> None:
@@ -385,12 +335,11 @@ class Turns:
         turn.timed_out_at = now
         self.store.mark_timed_out(turn.id, now)
         limit = turn.deadline - turn.started_at if turn.deadline is not None else 0.0
-        self.log_turn(
-            "warning",
-            turn,
-            f"ran past its limit of {limit:.0f} s: stopping it (SIGTERM, then SIGKILL after "
-            f"{self.settings.turns.timeout_grace_seconds:g} s)",
-            event=Event.TIMEOUT,
+        grace = self.settings.turns.timeout_grace_seconds
+        self.journal.emit(
+            events.TurnTimedOut(
+                **events.turn_fields(turn), limit_seconds=limit, grace_seconds=grace
+            )
         )
 
     def _stop_overrun(self, turn: Turn, now: float) -> None:
@@ -401,7 +350,9 @@ class Turns:
         except VoluteError as error:
             # Stopping it is still owed: systemd's RuntimeMaxSec= backstop will, and
             # so will the next check.
-            self.log_turn("warning", turn, f"could not stop it: {error.message}")
+            self.journal.emit(
+                events.TurnStopFailed(**events.turn_fields(turn), error=error.message)
+            )
             self.apply(turn, lifecycle.StopFailed(now=now))
 
     def stop_quietly(self, unit: str) -> None:
@@ -412,7 +363,7 @@ class Turns:
         try:
             self.hands.stop(parsed[1], parsed[0])
         except VoluteError as error:
-            self.journal.log("warning", f"could not stop {unit}: {error.message}", unit=unit)
+            self.journal.emit(events.ScopeStopFailed(unit=unit, error=error.message))
 
     # -- failures ---------------------------------------------------------------------------
 
@@ -449,11 +400,10 @@ class Turns:
         for row in rows:
             after = failed.get(row.id)
             if after is not None and after.state is QueueState.DEAD:
-                self.log_row(
-                    "warning",
-                    row,
-                    f"is dead after {after.attempts} attempts: {error}",
-                    event=Event.DEAD,
+                self.journal.emit(
+                    events.DeliveryDied(
+                        **events.delivery_fields(row), attempts=after.attempts, error=error
+                    )
                 )
                 if notify:
                     self.notify(row.id, DeliveryDead(row.id, error))
@@ -513,14 +463,16 @@ class Turns:
         try:
             self.hands.remove(turn.id)
         except VoluteError as kept:  # the next sweep removes it
-            self.log_turn("warning", turn, f"its directory stays for now: {kept.message}")
-        self.log_turn(
-            "warning" if outcome.kind.failed else "info",
-            turn,
-            f"ended: {outcome.detail}",
-            outcome=outcome.kind,
-            exit_status=outcome.exit_status,
-            event=Event.END,
+            self.journal.emit(
+                events.TurnDirectoryKept(**events.turn_fields(turn), error=kept.message)
+            )
+        self.journal.emit(
+            events.TurnEnded(
+                **events.turn_fields(turn),
+                outcome=outcome.kind,
+                exit_status=outcome.exit_status,
+                detail=outcome.detail,
+            )
         )
         self._tell_settled(turn, outcome, carried, failed, error)
         self.wake()

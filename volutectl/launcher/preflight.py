@@ -34,8 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from volutectl import events
 from volutectl.config.settings import MindSettings, Settings
 from volutectl.errors import ConfigError, DataError, VoluteError
+from volutectl.events import Emit
 from volutectl.kernel.access import (
     EXECUTE,
     READ,
@@ -435,14 +437,14 @@ def check_cap(
     )
 
 
-def log_failing(settings: Settings, log: Callable[..., None]) -> None:
+def log_failing(settings: Settings, emit: Emit) -> None:
     """At the gate's start: one warning per mind whose turns cannot start."""
     try:
         reports = check_minds(settings)
     except (OSError, VoluteError) as error:  # never keep the gate from starting
-        log("warning", f"preflight of the minds failed: {error}")
+        emit(events.PreflightFailed(error=str(error)))
         return
     for report in reports:
         if report.problems:
             problems = "; ".join(report.problems)
-            log("warning", f"mind {report.mind} fails preflight: {problems}", mind=report.mind)
+            emit(events.MindFailsPreflight(mind=report.mind, problems=problems))

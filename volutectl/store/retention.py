@@ -31,11 +31,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from volutectl import events
+from volutectl.events import Sink
 from volutectl.faults import crash_point
 from volutectl.store import schema
 from volutectl.store.queue import Store
 from volutectl.store.schema import Transaction
-from volutectl.systemd.journal import Journal
 
 DAY = 86400.0
 BATCH_ROWS = 256  # deliveries (and, apart, turns) per batch
@@ -165,14 +166,14 @@ class Retention:
     """The gate's retention: its deadline, and a batch when the loop can spare one."""
 
     def __init__(
-        self, store: Store, retention_days: float, journal: Journal, pacing: Pacing | None = None
+        self, store: Store, retention_days: float, sink: Sink, pacing: Pacing | None = None
     ) -> None:
         self.store = store
         self.keep_seconds = retention_days * DAY
-        self.journal = journal
+        self.sink = sink
         self.pacing = pacing or PACING
         self.due_since: float | None = None  # when the due batch first met a busy pass
-        self.failing = False
+        self.latch = events.Latch(sink.emit, self.pacing.error_gap)  # the queue refused one
         self.due: float | None = self._first_due()
 
     def _first_due(self) -> float:
@@ -211,24 +212,19 @@ class Retention:
             batch = delete_batch(self.store.db, now - self.keep_seconds)
             pages, left = reclaim(self.store.db)
         except (sqlite3.Error, OSError) as error:
-            if not self.failing:
-                self.journal.log(
-                    "warning",
-                    f"retention: the queue refused a batch, trying again every "
-                    f"{self.pacing.error_gap:.0f} s: {error}",
-                )
-            self.failing = True
-            self.due = mono + self.pacing.error_gap
+            refused = events.RetentionFailing(error=str(error), retry_seconds=self.pacing.error_gap)
+            self.due = self.latch.failed(refused, mono)
             return None
-        if self.failing:
-            self.journal.log("info", "retention: the queue takes batches again")
-            self.failing = False
+        self.latch.works(events.RetentionWorks())
         batch = Batch(batch.deliveries, batch.turns, pages, batch.more or left > 0)
         if batch.deliveries or batch.turns:
-            self.journal.log(
-                "debug",
-                f"retention: deleted {batch.deliveries} deliveries and {batch.turns} "
-                f"turns over {self.keep_seconds / DAY:g} days old; {pages} pages given back",
+            self.sink.emit(
+                events.RetentionDeleted(
+                    deliveries=batch.deliveries,
+                    turns=batch.turns,
+                    days=self.keep_seconds / DAY,
+                    pages=pages,
+                )
             )
         self.due = mono + self._wait_after(batch, now)
         return batch
@@ -256,12 +252,16 @@ class Retention:
             if schema.vacuum_attempts(db) < schema.VACUUM_ATTEMPTS:
                 self._delete_expired(progress)
         except (sqlite3.Error, OSError) as error:
-            self.journal.log("warning", f"retention: deleting expired rows failed: {error}")
+            self.sink.emit(events.RetentionDeleteFailed(error=str(error)))
         try:
             outcome = schema.enable_incremental_vacuum(db, self.store.path, progress)
         except (sqlite3.Error, OSError) as error:  # a full disk: the gate starts all the same
             outcome = schema.Vacuum(False, "warning", f"retention: not converted: {error}")
-        self.journal.log(outcome.level, outcome.message)
+        self.sink.emit(
+            events.VacuumConversion(
+                done=outcome.done, outcome_level=outcome.level, text=outcome.message
+            )
+        )
         self.due = self._first_due()
 
     def _delete_expired(self, progress: Callable[[], None]) -> None:
@@ -275,8 +275,6 @@ class Retention:
             if not batch.more:
                 break
         if deleted:
-            self.journal.log(
-                "info",
-                f"retention: deleted {deleted} deliveries that finished over "
-                f"{self.keep_seconds / DAY:g} days ago",
+            self.sink.emit(
+                events.RetentionDeletedAtStart(deliveries=deleted, days=self.keep_seconds / DAY)
             )

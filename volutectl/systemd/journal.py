@@ -1,7 +1,9 @@
 """The gate's journal: its structured entries, each turn's output stream, and sd_notify.
 
-- Entries go through libsystemd's sd_journal_sendv, as pystemd exposes it (reached
-  through volutectl/systemd/adapter.py, the one module that imports pystemd). libsystemd frames
+- Entries are the events of volutectl/events.py, one each (`Journal.emit`), and the
+  launcher's and the slot watch's plain lines (`Journal.log`). They go through
+  libsystemd's sd_journal_sendv, as pystemd exposes it (reached through
+  volutectl/systemd/adapter.py, the one module that imports pystemd). libsystemd frames
   every field, a multi-line MESSAGE too, and hands an oversized entry over in a memfd.
   This module only builds the fields (`entry_fields`, pure). Off systemd (tests, a
   terminal) entries go to stderr instead. docs/journal.md lists every field.
@@ -20,8 +22,9 @@ import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
+
+from volutectl.events import MESSAGE_IDS, BaseEvent, Event
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 STDOUT_SOCKET = "/run/systemd/journal/stdout"
@@ -32,30 +35,6 @@ TURN_PRIORITY = 6
 _FIELD_NAME = re.compile(r"[A-Z0-9][A-Z0-9_]{0,63}")
 
 Sender = Callable[..., None]
-
-
-class Event(StrEnum):
-    """VOLUTE_EVENT of the gate's entries about a delivery or a turn."""
-
-    HOLD = "hold"
-    HOLD_END = "hold_end"
-    START = "start"
-    END = "end"
-    TIMEOUT = "timeout"
-    DEAD = "dead"
-    ADOPT = "adopt"
-    EMPTY_SCOPE = "empty_scope"
-
-
-# MESSAGE_ID of each event an operator queries for (`journalctl MESSAGE_ID=...`); made
-# once at random (uuid4), and never changed: scripts match on them.
-MESSAGE_IDS: Mapping[Event, str] = {
-    Event.HOLD: "f026259c51dd4587b509f49f1bf70ad4",
-    Event.START: "7d39eb6579df482f9c349ceadc5a7dab",
-    Event.END: "3fa69a5f83114162ae608c873d89156c",
-    Event.TIMEOUT: "98f69cfd2dde4ff081cf73a80c7cbaa7",
-    Event.DEAD: "69b9ac8362694fa49b471479c58a75bf",
-}
 
 
 def entry_fields(
@@ -118,7 +97,12 @@ class Journal:
             except ImportError:
                 self.sender = None  # a pystemd without its journal module: stderr
 
+    def emit(self, event: BaseEvent) -> None:
+        """Send one event as one entry (volutectl/events.py builds its message and fields)."""
+        self.log(event.level, event.message(), **event.journal_fields())
+
     def log(self, level: str, message: str, **fields: Any) -> None:
+        """Send one entry that is no event of the catalog (the launcher's, a slot watch's)."""
         if self.sender is not None:
             self.sender(*entry_fields(self.identifier, level, message, fields))
             return

@@ -1,0 +1,847 @@
+"""The catalog of what the gate tells its operator: one frozen dataclass per kind of event.
+
+Each event type has its level, its typed fields, and its English message built from
+them. The journal (volutectl/systemd/journal.py) sends an event as one entry: MESSAGE is
+`message()`, PRIORITY comes from `level`, and each field is VOLUTE_<NAME>, in the order
+declared, followed by VOLUTE_EVENT and, for the five events an operator queries for, a
+MESSAGE_ID (docs/journal.md lists them all). A field declared with `NOT_SENT` metadata
+is in the message only: the journal entries stay as they were before this catalog.
+
+Tests record the events (tests/unit/gate_harness.py) and assert on their types and
+fields; the sentences are free to change. Whatever emits takes an `Emit` (a callable)
+or a `Sink` (an object with `emit`), so that the store, say, knows nothing of systemd.
+
+`Latch` is the one "say a failure once, try again at a deadline, say the recovery".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import ClassVar, Literal, Protocol, TypedDict
+
+from volutectl.states import HoldReason, Outcome
+
+Level = Literal["error", "warning", "notice", "info", "debug"]
+LEVELS: Mapping[str, Level] = {
+    "error": "error",
+    "warning": "warning",
+    "notice": "notice",
+    "info": "info",
+    "debug": "debug",
+}
+
+
+class Event(StrEnum):
+    """VOLUTE_EVENT of the gate's entries about a delivery or a turn."""
+
+    HOLD = "hold"
+    HOLD_END = "hold_end"
+    START = "start"
+    END = "end"
+    TIMEOUT = "timeout"
+    DEAD = "dead"
+    ADOPT = "adopt"
+    EMPTY_SCOPE = "empty_scope"
+
+
+# MESSAGE_ID of each event an operator queries for (`journalctl MESSAGE_ID=...`); made
+# once at random (uuid4), and never changed: scripts match on them.
+MESSAGE_IDS: Mapping[Event, str] = {
+    Event.HOLD: "f026259c51dd4587b509f49f1bf70ad4",
+    Event.START: "7d39eb6579df482f9c349ceadc5a7dab",
+    Event.END: "3fa69a5f83114162ae608c873d89156c",
+    Event.TIMEOUT: "98f69cfd2dde4ff081cf73a80c7cbaa7",
+    Event.DEAD: "69b9ac8362694fa49b471479c58a75bf",
+}
+
+# The metadata of a field that is in the message only, not sent as a journal field.
+NOT_SENT: Mapping[str, bool] = {"sent": False}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaseEvent:
+    """One thing that happened. Subclasses set LEVEL (or `level`), EVENT if the entry
+    carries a VOLUTE_EVENT, and `message()`."""
+
+    LEVEL: ClassVar[Level] = "info"
+    EVENT: ClassVar[Event | None] = None
+
+    @property
+    def level(self) -> Level:
+        return self.LEVEL
+
+    @classmethod
+    def message_id(cls) -> str | None:
+        return MESSAGE_IDS.get(cls.EVENT) if cls.EVENT is not None else None
+
+    def message(self) -> str:
+        raise NotImplementedError
+
+    def journal_fields(self) -> dict[str, object]:
+        """The entry's VOLUTE_* fields by lower-case name (None: left out by the journal)."""
+        sent: dict[str, object] = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.metadata.get("sent", True)
+        }
+        if self.EVENT is not None:
+            sent["event"] = self.EVENT
+        return sent
+
+    @classmethod
+    def sent_field_names(cls) -> list[str]:
+        """The names `journal_fields` can carry (docs/journal.md lists each)."""
+        names = [f.name for f in dataclasses.fields(cls) if f.metadata.get("sent", True)]
+        return names + (["event"] if cls.EVENT is not None else [])
+
+
+Emit = Callable[[BaseEvent], None]
+
+
+class Sink(Protocol):
+    """Where events go: the journal, or a test's recorder."""
+
+    def emit(self, event: BaseEvent) -> None: ...
+
+
+class Latch:
+    """A failure that lasts: said once when it starts, tried again at a deadline, and
+    its recovery said once when it ends."""
+
+    def __init__(self, emit: Emit, retry_seconds: float) -> None:
+        self._emit = emit
+        self.retry_seconds = retry_seconds
+        self.failing = False
+
+    def failed(self, event: BaseEvent, now: float) -> float:
+        """Emit `event` unless already failing; the deadline to try again at."""
+        if not self.failing:
+            self._emit(event)
+            self.failing = True
+        return now + self.retry_seconds
+
+    def works(self, event: BaseEvent) -> None:
+        """It worked: emit `event` if it was failing."""
+        if self.failing:
+            self.failing = False
+            self._emit(event)
+
+
+# -- about one delivery -------------------------------------------------------------------
+
+
+class DeliveryLike(Protocol):
+    @property
+    def id(self) -> int: ...
+    @property
+    def mind(self) -> str: ...
+    @property
+    def session(self) -> str: ...
+
+
+class DeliveryFields(TypedDict):
+    mind: str
+    session: str
+    delivery_id: int
+
+
+def delivery_fields(row: DeliveryLike) -> DeliveryFields:
+    """The fields that find a delivery again, for `DeliveryEvent(**delivery_fields(row))`."""
+    return {"mind": row.mind, "session": row.session, "delivery_id": row.id}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeliveryEvent(BaseEvent):
+    """About one delivery: "delivery <id> for <mind>/<session> <text>"."""
+
+    mind: str
+    session: str
+    delivery_id: int
+
+    def text(self) -> str:
+        raise NotImplementedError
+
+    def message(self) -> str:
+        return f"delivery {self.delivery_id} for {self.mind}/{self.session} {self.text()}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeliveryHeld(DeliveryEvent):
+    """A delivery starts waiting, or its hold reason changes."""
+
+    EVENT = Event.HOLD
+    reason: HoldReason | None
+
+    def text(self) -> str:
+        return f"held: {self.reason}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class HoldEnded(DeliveryEvent):
+    """A held delivery goes into a turn (`how`: starting one, or folded into one)."""
+
+    EVENT = Event.HOLD_END
+    reason: HoldReason | None
+    held_ms: int
+    how: str = field(metadata=NOT_SENT)
+
+    def text(self) -> str:
+        return f"was held {self.held_ms} ms ({self.reason}); {self.how}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeliveryNotOffered(DeliveryEvent):
+    """A delivery could not be put in a live turn's inbox: the session's next turn gets it."""
+
+    LEVEL = "warning"
+    turn_id: int = field(metadata=NOT_SENT)
+    error: str = field(metadata=NOT_SENT)
+
+    def text(self) -> str:
+        return (
+            f"could not be offered into turn {self.turn_id}'s inbox ({self.error}): "
+            "it goes to the session's next turn"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeliveryDied(DeliveryEvent):
+    """A delivery used its last attempt."""
+
+    LEVEL = "warning"
+    EVENT = Event.DEAD
+    attempts: int = field(metadata=NOT_SENT)
+    error: str = field(metadata=NOT_SENT)
+
+    def text(self) -> str:
+        return f"is dead after {self.attempts} attempts: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeliveryQueued(BaseEvent):
+    """A delivery was stored (acknowledged to its client)."""
+
+    LEVEL = "debug"
+    mind: str
+    session: str
+    delivery_id: int
+
+    def message(self) -> str:
+        return f"queued delivery {self.delivery_id} for {self.mind}/{self.session}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeliveryRetried(BaseEvent):
+    """A dead delivery is pending again (`volutectl retry`)."""
+
+    delivery_id: int
+
+    def message(self) -> str:
+        return f"retry delivery {self.delivery_id}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeliveryDropped(BaseEvent):
+    """A delivery was dropped (`volutectl drop`)."""
+
+    delivery_id: int
+
+    def message(self) -> str:
+        return f"drop delivery {self.delivery_id}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeliveriesRefused(BaseEvent):
+    """A uid is past its quota of pending deliveries: said once, until it is served."""
+
+    LEVEL = "warning"
+    refusal: str = field(metadata=NOT_SENT)
+    uid: int | None
+
+    def message(self) -> str:
+        return f"refusing deliveries: {self.refusal}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeliveriesNotStored(BaseEvent):
+    """The queue could not store a batch of deliveries: none was acknowledged."""
+
+    LEVEL = "error"
+    count: int = field(metadata=NOT_SENT)
+    error: str = field(metadata=NOT_SENT)
+    exception: str
+    state_dir: str
+
+    def message(self) -> str:
+        return (
+            f"could not store {self.count} deliveries, refused them (nothing acknowledged): "
+            f"{self.exception}: {self.error}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueueFailed(BaseEvent):
+    """The queue failed a request (a full disk, a locked database): the client may retry."""
+
+    LEVEL = "warning"
+    op: str = field(metadata=NOT_SENT)
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"the queue failed a {self.op} request: {self.error}"
+
+
+# -- about one turn -----------------------------------------------------------------------
+
+
+class TurnLike(Protocol):
+    @property
+    def id(self) -> int: ...
+    @property
+    def mind(self) -> str: ...
+    @property
+    def session(self) -> str: ...
+    @property
+    def unit(self) -> str: ...
+
+
+class TurnFields(TypedDict):
+    mind: str
+    session: str
+    unit: str | None
+    turn_id: int
+
+
+def turn_fields(turn: TurnLike) -> TurnFields:
+    """The fields that find a turn again, for `TurnEvent(**turn_fields(turn))`."""
+    return {"mind": turn.mind, "session": turn.session, "unit": turn.unit, "turn_id": turn.id}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnEvent(BaseEvent):
+    """About one turn: "turn <id> of <mind>/<session> <text>"."""
+
+    mind: str
+    session: str
+    unit: str | None
+    turn_id: int
+
+    def text(self) -> str:
+        raise NotImplementedError
+
+    def message(self) -> str:
+        return f"turn {self.turn_id} of {self.mind}/{self.session} {self.text()}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnStarted(TurnEvent):
+    """A turn's scope runs its command, with these deliveries."""
+
+    EVENT = Event.START
+    delivery_ids: str
+
+    def text(self) -> str:
+        return f"started with deliveries {self.delivery_ids}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnFolded(TurnEvent):
+    """A live turn took more deliveries of its session into its inbox."""
+
+    delivery_ids: str
+
+    def text(self) -> str:
+        return f"took deliveries {self.delivery_ids} in its inbox"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnInterrupted(TurnEvent):
+    """A delivery with --interrupt reached a live turn: SIGINT to its scope."""
+
+    def text(self) -> str:
+        return "interrupted (SIGINT to its scope)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnStartUnknown(TurnEvent):
+    """Starting the turn's scope failed in a way that may have started it: ask systemd."""
+
+    LEVEL = "warning"
+    error: str = field(metadata=NOT_SENT)
+
+    def text(self) -> str:
+        return f"may or may not have started ({self.error}): asking systemd"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnNeverStarted(TurnEvent):
+    """systemd gave no answer about the scope: the command never ran, the deliveries
+    wait for the next pass with no attempt counted."""
+
+    LEVEL = "warning"
+    EVENT = Event.END
+    error: str = field(metadata=NOT_SENT)
+    outcome: Outcome = Outcome.NEVER_RAN
+
+    def message(self) -> str:
+        return (
+            f"turn {self.turn_id} of {self.mind}/{self.session} did not start, systemd gave "
+            f"no answer ({self.error}); its deliveries wait for the next pass"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnStartFailed(TurnEvent):
+    """A turn could not be started (user, fork, scope): its deliveries count an attempt."""
+
+    LEVEL = "error"
+    EVENT = Event.END
+    error: str = field(metadata=NOT_SENT)
+    outcome: Outcome = Outcome.START_FAILED
+
+    def text(self) -> str:
+        return f"failed to start: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnEnded(TurnEvent):
+    """A turn settled: `outcome`, the command's exit status if it had one."""
+
+    EVENT = Event.END
+    outcome: Outcome
+    exit_status: int | None
+    detail: str = field(metadata=NOT_SENT)
+
+    @property
+    def level(self) -> Level:
+        return "warning" if self.outcome.failed else "info"
+
+    def text(self) -> str:
+        return f"ended: {self.detail}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnDirectoryKept(TurnEvent):
+    """A settled turn's directory could not be removed yet: the next sweep removes it."""
+
+    LEVEL = "warning"
+    error: str = field(metadata=NOT_SENT)
+
+    def text(self) -> str:
+        return f"its directory stays for now: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnTimedOut(TurnEvent):
+    """A turn ran past its limit and is being stopped."""
+
+    LEVEL = "warning"
+    EVENT = Event.TIMEOUT
+    limit_seconds: float = field(metadata=NOT_SENT)
+    grace_seconds: float = field(metadata=NOT_SENT)
+
+    def text(self) -> str:
+        return (
+            f"ran past its limit of {self.limit_seconds:.0f} s: stopping it (SIGTERM, then "
+            f"SIGKILL after {self.grace_seconds:g} s)"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnStopFailed(TurnEvent):
+    """systemd did not stop a turn past its limit: asked again later."""
+
+    LEVEL = "warning"
+    error: str = field(metadata=NOT_SENT)
+
+    def text(self) -> str:
+        return f"could not stop it: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnAdopted(TurnEvent):
+    """A new gate found a turn of the store still running, and took it back."""
+
+    EVENT = Event.ADOPT
+
+    def text(self) -> str:
+        return "is still running: adopted"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnUnanswered(TurnEvent):
+    """systemd could not say whether a turn still runs: it keeps its place."""
+
+    LEVEL = "warning"
+    error: str = field(metadata=NOT_SENT)
+    recheck_seconds: float = field(metadata=NOT_SENT)
+
+    def text(self) -> str:
+        return (
+            f"cannot tell whether it still runs ({self.error}): it keeps its "
+            f"place; asking again in {self.recheck_seconds:.0f} s"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnScopeEmpty(TurnEvent):
+    """A turn's scope is still there but holds no process: it is stopped."""
+
+    LEVEL = "warning"
+    EVENT = Event.EMPTY_SCOPE
+    state: str = field(metadata=NOT_SENT)
+
+    def text(self) -> str:
+        return f"{self.unit} is {self.state} but holds no process: stopping it"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnNotSettled(TurnEvent):
+    """Settling a turn failed (the store, its hands): tried again."""
+
+    LEVEL = "error"
+    error: str = field(metadata=NOT_SENT)
+
+    def text(self) -> str:
+        return f"could not be settled: {self.error}; retrying"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmptyScopeFound(BaseEvent):
+    """At start, an active scope of no known turn holds no process: it is stopped."""
+
+    LEVEL = "warning"
+    EVENT = Event.EMPTY_SCOPE
+    unit: str
+
+    def message(self) -> str:
+        return (
+            f"{self.unit} is active but holds no process: stopping it (a turn started around "
+            "a process that had died)"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScopeStopFailed(BaseEvent):
+    LEVEL = "warning"
+    unit: str
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"could not stop {self.unit}: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnDirectoriesNotSwept(BaseEvent):
+    LEVEL = "warning"
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"turn directories not swept yet: {self.error}"
+
+
+# -- the gate -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class GateReady(BaseEvent):
+    socket: str
+    global_cap: int | None = field(metadata=NOT_SENT)
+    turns_per_mind: int = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return (
+            f"gate ready on {self.socket}: cap "
+            f"{self.global_cap or 'unlimited'}, {self.turns_per_mind} per mind"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class HandlingFailed(BaseEvent):
+    """Handling one event of the loop failed; its state stays as it was."""
+
+    LEVEL = "error"
+    what: str = field(metadata=NOT_SENT)
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"handling {self.what} failed: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdmissionFailing(BaseEvent):
+    """Admission failed (systemd, the store): no turn starts until it works."""
+
+    LEVEL = "error"
+    error: str = field(metadata=NOT_SENT)
+    retry_seconds: float = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return (
+            f"admission failed, no turn starts until it works: {self.error}; retrying "
+            f"every {self.retry_seconds:.0f} s"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdmissionWorks(BaseEvent):
+    def message(self) -> str:
+        return "admission works again"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RepositoryWatched(BaseEvent):
+    """A repository's test slots are watched from now on (`volutectl test` registered it)."""
+
+    repository: str
+
+    def message(self) -> str:
+        return f"watching test slots of {self.repository}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Paused(BaseEvent):
+    """New turns of one mind (`mind`), or of all (None), are held until resumed."""
+
+    what: str = field(metadata=NOT_SENT)
+    mind: str | None
+
+    def message(self) -> str:
+        return f"paused {self.what}: new turns are held until resumed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resumed(BaseEvent):
+    """A pause was lifted: `going` held deliveries go through the gate."""
+
+    what: str = field(metadata=NOT_SENT)
+    going: int = field(metadata=NOT_SENT)
+    mind: str | None
+
+    def message(self) -> str:
+        return f"resumed {self.what}: {self.going} held deliveries go through the gate"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SocketMismatch(BaseEvent):
+    """The socket systemd passed is not the one gate.socket names."""
+
+    LEVEL = "warning"
+    socket: str
+    configured_socket: str
+
+    def message(self) -> str:
+        return (
+            f"serving {self.socket}, the socket systemd passed (volute-gate.socket), not "
+            f"gate.socket = {self.configured_socket}: clients that read the config connect "
+            f"to {self.configured_socket}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SocketGroupMissing(BaseEvent):
+    LEVEL = "warning"
+    group: str = field(metadata=NOT_SENT)
+    path: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"socket group {self.group!r} does not exist: only root can use {self.path}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectionsRefused(BaseEvent):
+    """A uid is past its share of connections: said once, until one is taken again."""
+
+    LEVEL = "warning"
+    refusal: str = field(metadata=NOT_SENT)
+    uid: int
+    clients: int
+
+    def message(self) -> str:
+        return f"refusing connections: {self.refusal}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class NotAccepting(BaseEvent):
+    """The listener is out of the loop for now (at the cap of clients, or out of fds)."""
+
+    LEVEL = "warning"
+    reason: str = field(metadata=NOT_SENT)
+    clients: int
+
+    def message(self) -> str:
+        return f"not accepting for now: {self.reason}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class InternalError(BaseEvent):
+    """A bug met while serving a client; the gate goes on."""
+
+    LEVEL = "error"
+    what: str = field(metadata=NOT_SENT)
+    error: str = field(metadata=NOT_SENT)
+    exception: str
+    where: str | None
+
+    def message(self) -> str:
+        return f"internal error while {self.what}: {self.exception}: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreflightFailed(BaseEvent):
+    """The preflight of the minds could not run at all."""
+
+    LEVEL = "warning"
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"preflight of the minds failed: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MindFailsPreflight(BaseEvent):
+    LEVEL = "warning"
+    mind: str
+    problems: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"mind {self.mind} fails preflight: {self.problems}"
+
+
+# -- io pressure --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class PressureGateOn(BaseEvent):
+    description: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"io pressure gate on: {self.description}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PressureGateOff(BaseEvent):
+    """No PSI trigger could be registered: the gate does not hold for io pressure."""
+
+    LEVEL = "warning"
+    errors: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"io pressure gate off: {self.errors} (limits.io_pressure.enabled)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PressureHigh(BaseEvent):
+    """The storage stalls: new turns are held."""
+
+    why: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"io pressure high: {self.why}; holding new turns"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PressureFell(BaseEvent):
+    """The stall fell below the resume threshold: turns are admitted again."""
+
+    stalled_percent: float = field(metadata=NOT_SENT)
+    resume_below_percent: float = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return (
+            f"io pressure fell to {self.stalled_percent:.1f}% stalled (below "
+            f"{self.resume_below_percent:g}%): admitting turns again"
+        )
+
+
+# -- retention ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionFailing(BaseEvent):
+    LEVEL = "warning"
+    error: str = field(metadata=NOT_SENT)
+    retry_seconds: float = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return (
+            f"retention: the queue refused a batch, trying again every "
+            f"{self.retry_seconds:.0f} s: {self.error}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionWorks(BaseEvent):
+    def message(self) -> str:
+        return "retention: the queue takes batches again"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionDeleted(BaseEvent):
+    """One batch of expired rows left the queue, and pages left the file."""
+
+    LEVEL = "debug"
+    deliveries: int = field(metadata=NOT_SENT)
+    turns: int = field(metadata=NOT_SENT)
+    days: float = field(metadata=NOT_SENT)
+    pages: int = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return (
+            f"retention: deleted {self.deliveries} deliveries and {self.turns} "
+            f"turns over {self.days:g} days old; {self.pages} pages given back"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionDeletedAtStart(BaseEvent):
+    """Before converting the database: the expired deliveries, all at once."""
+
+    deliveries: int = field(metadata=NOT_SENT)
+    days: float = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return (
+            f"retention: deleted {self.deliveries} deliveries that finished over "
+            f"{self.days:g} days ago"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionDeleteFailed(BaseEvent):
+    LEVEL = "warning"
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"retention: deleting expired rows failed: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class VacuumConversion(BaseEvent):
+    """What converting the database to incremental vacuum did (store/schema.py's Vacuum)."""
+
+    done: bool = field(metadata=NOT_SENT)
+    outcome_level: str = field(metadata=NOT_SENT)
+    text: str = field(metadata=NOT_SENT)
+
+    @property
+    def level(self) -> Level:
+        return LEVELS.get(self.outcome_level, "info")
+
+    def message(self) -> str:
+        return self.text
+
+
+def catalog() -> list[type[BaseEvent]]:
+    """Every concrete event type (the ones with a message of their own)."""
+    found: list[type[BaseEvent]] = []
+    pending: list[type[BaseEvent]] = [BaseEvent]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if cls not in (BaseEvent, DeliveryEvent, TurnEvent):
+            found.append(cls)
+    return found
