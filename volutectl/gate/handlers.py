@@ -25,9 +25,10 @@ from volutectl.core import admission
 from volutectl.errors import DataError, PermissionDeniedError, TemporaryError, VoluteError
 from volutectl.faults import crash_point
 from volutectl.gate import status, validate
+from volutectl.gate.outcomes import Settled
 from volutectl.gate.state import GateState
 from volutectl.slots.watch import RepositoryLimit
-from volutectl.states import DEFAULT_LISTED, Outcome, QueueState
+from volutectl.states import DEFAULT_LISTED, QueueState
 from volutectl.store.minds import EVERY_MIND
 from volutectl.store.queue import NewDelivery
 from volutectl.store.quotas import Quota, QuotaExceeded
@@ -35,8 +36,6 @@ from volutectl.wire.messages import (
     ChangedReply,
     DeliverAck,
     DeliverRequest,
-    DeliveryDead,
-    DeliveryDropped,
     DropRequest,
     ErrorReply,
     PausedMind,
@@ -55,7 +54,6 @@ from volutectl.wire.messages import (
     RetryRequest,
     StatusReply,
     StatusRequest,
-    TurnEnded,
     WaitReply,
     WaitRequest,
 )
@@ -106,7 +104,7 @@ def drop_handler(state: GateState, request: DropRequest, caller: Caller) -> Chan
     changed = state.store.drop(request.ids, time.time())
     for delivery_id in changed:
         state.journal.log("info", f"drop delivery {delivery_id}", delivery_id=delivery_id)
-        state.notify(delivery_id, DeliveryDropped(delivery_id))
+        state.notify(Settled(delivery_id=delivery_id, state=QueueState.DROPPED))
     state.dirty = True
     return ChangedReply(tuple(changed))
 
@@ -331,23 +329,3 @@ def _refusal(state: GateState, count: int, error: Exception) -> ErrorReply:
             hint=f"nothing was queued; free space in {state_dir} and deliver again",
         )
     )
-
-
-def finished_event(state: GateState, delivery_id: int) -> Reply | None:
-    """What a waiting client would have been told, for a delivery that already ended (a
-    retried `--wait` request whose delivery ran before the retry arrived)."""
-    found = state.store.rows([delivery_id], with_message=False)
-    row = found[0] if found else None
-    if row is None or row.state in (QueueState.PENDING, QueueState.RUNNING):
-        return None
-    if row.state is QueueState.DROPPED:
-        return DeliveryDropped(row.id)
-    turn = state.store.turn(row.turn_id) if row.turn_id is not None else None
-    outcome = turn.outcome if turn is not None else None
-    exit_status = turn.exit_status if turn is not None else None
-    code = admission.wait_exit_code(exit_status, outcome or Outcome.FAILED)
-    if row.state is QueueState.DEAD:
-        ran = turn is not None and outcome is not Outcome.START_FAILED
-        return DeliveryDead(row.id, row.last_error or "dead", code if ran else 1,
-                            row.turn_id if ran else None, outcome if ran else None)  # fmt: skip
-    return TurnEnded(row.id, row.turn_id or 0, outcome or Outcome.OK, exit_status, code)

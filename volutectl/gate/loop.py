@@ -34,6 +34,7 @@ from volutectl.errors import VoluteError
 from volutectl.gate import handlers, status
 from volutectl.gate.handlers import Caller
 from volutectl.gate.liveness import Liveness
+from volutectl.gate.outcomes import Settled, Waiters
 from volutectl.gate.pressure import open_for_turns
 from volutectl.gate.reactor import Reactor, from_wall_clock, only_wake
 from volutectl.gate.server import Client, Incoming, Server
@@ -103,6 +104,7 @@ class Gate:
             self._add_deadlines()
             self.server = Server(settings, self.reactor, self.journal, inherited=listener)
             self._opened.append(self.server)
+            self.waiters = Waiters(self.server, self.state.store)
             self.state.liveness.recover()
             self.state.store.sync()
             self.retention = Retention(self.state.store, settings.gate.retention_days, self.journal)
@@ -177,8 +179,8 @@ class Gate:
 
     # Callbacks for the parts: they run only once the constructor has finished.
 
-    def _notify(self, delivery_id: int, event: Reply) -> None:
-        self.server.notify(delivery_id, event)
+    def _notify(self, settled: Settled) -> None:
+        self.waiters.tell(settled)
 
     def _watch(self, fd: int, turn: Turn) -> None:
         """A turn's main process: its pidfd is readable once it has exited."""
@@ -356,10 +358,11 @@ class Gate:
             if isinstance(request, DeliverRequest) and request.wait:
                 if isinstance(reply, DeliverAck):
                     # A retried request's delivery may have run already: look, then.
-                    self._wait(client, (reply.id,), reply, request.request_id is not None)
+                    look = request.request_id is not None
+                    self.waiters.wait(client, (reply.id,), reply, look=look)
                     continue
             if isinstance(reply, WaitReply):
-                self._wait(client, reply.ids, reply, True)
+                self.waiters.wait(client, reply.ids, reply, look=True)
                 continue
             self.server.reply(client, reply)
 
@@ -396,17 +399,6 @@ class Gate:
             for client in clients:
                 self.server.client_failed(client, "storing deliveries", error)
             return [None] * len(batch)
-
-    def _wait(self, client: Client, ids: tuple[int, ...], reply: Reply, look: bool) -> None:
-        """Keep the client for the events of `ids`, after `reply`; with `look`, tell it
-        at once of those that have already settled."""
-        for delivery_id in ids:
-            self.server.wait_for(client, delivery_id)
-        self.server.reply(client, reply)
-        for delivery_id in ids if look else ():
-            finished = handlers.finished_event(self.state, delivery_id)
-            if finished is not None:
-                self.server.notify(delivery_id, finished)
 
     # -- admission ---------------------------------------------------------------------------
 

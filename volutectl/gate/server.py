@@ -35,6 +35,7 @@ import struct
 import time
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -114,7 +115,8 @@ class Server:
         # The clients that can go idle (not waiting), oldest idle_since first: insertion
         # order is that order, so the next idle deadline is the first entry's, in O(1).
         self.idle: dict[int, Client] = {}
-        self.waiters: dict[int, list[Client]] = {}
+        # Called with each client dropped: the waiters forget it (gate/outcomes.py).
+        self.on_drop: Callable[[Client], None] = lambda client: None
         self.backlog: dict[int, Client] = {}  # clients with complete lines not yet taken
         self.arrived: list[Incoming] = []  # read in this pass, not yet taken
         self.accept_retry: float | None = None  # monotonic, after accept() lacked fds
@@ -479,20 +481,11 @@ class Server:
             self.reactor.modify(client.sock, partial(self.on_client, client), events)
         client.events = events
 
-    # -- waiting for an outcome ----------------------------------------------------------------
+    # -- clients that wait for an outcome (volutectl/gate/outcomes.py) -----------------------
 
-    def wait_for(self, client: Client, delivery_id: int) -> None:
-        """The client stays for `delivery_id`'s outcome (`notify`); it is not idle meanwhile."""
-        client.waiting.add(delivery_id)
-        self.waiters.setdefault(delivery_id, []).append(client)
+    def stop_idle_clock(self, client: Client) -> None:
+        """The client waits for an outcome now: it is not idle meanwhile."""
         self.idle.pop(client.fd, None)
-
-    def notify(self, delivery_id: int, event: Reply) -> None:
-        for client in self.waiters.pop(delivery_id, []):
-            client.waiting.discard(delivery_id)
-            self.reply(client, event)
-            if client.eof and not client.waiting and not client.outbox:
-                self.drop(client)
 
     # -- failures and closing ----------------------------------------------------------------
 
@@ -538,12 +531,7 @@ class Server:
             self.per_uid[client.uid] -= 1
             if not self.per_uid[client.uid]:
                 del self.per_uid[client.uid]
-        for delivery_id in client.waiting:
-            waiting = self.waiters.get(delivery_id, [])
-            if client in waiting:
-                waiting.remove(client)
-            if not waiting:
-                self.waiters.pop(delivery_id, None)
+        self.on_drop(client)
         with contextlib.suppress(OSError):
             client.sock.close()
         self._resume_accepting()  # one place free, or one descriptor

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.gate.liveness import Liveness
+from volutectl.gate.outcomes import Settled
 from volutectl.gate.pressure import PressureWatch
 from volutectl.gate.turns import Turns
 from volutectl.slots.watch import SlotWatch
 from volutectl.store.indexed import IndexedStore
 from volutectl.systemd.journal import Journal
 from volutectl.systemd.port import SystemdManager
-from volutectl.wire.messages import Reply
 
 
 @dataclass(kw_only=True)
@@ -35,7 +35,7 @@ class GateState:
     pressure: PressureWatch | None
     journal: Journal
     limits: admission.Limits
-    notify: Callable[[int, Reply], None]  # tell a delivery's waiters how it ended
+    notify: Callable[[Settled], None]  # tell a delivery's waiters how it settled
     dirty: bool = True  # admission should run
     paused: frozenset[str] | admission.EveryMind = frozenset()  # the store's pauses
     foreign_live: int = 0  # other scopes holding a place in the turns slice, last counted
