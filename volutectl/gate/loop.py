@@ -1,18 +1,23 @@
 """The gate: one event loop over file descriptors, no polling.
 
-It waits in one select() on: the listening socket and its clients (volutectl/gate/server.py),
-the D-Bus connection (scope-ended signals), a pidfd per turn's main process, the
-test-slot watch, the PSI trigger when enabled, and a stop fd. A timeout is used only for
-real deadlines: a failed delivery's backoff, a turn's time limit, a question to systemd
-to ask again, an idle client, the watchdog, and retention's next batch.
+It waits in one select() (volutectl/gate/reactor.py) on: the listening socket and its
+clients (volutectl/gate/server.py), the D-Bus connection (scope-ended signals), a pidfd
+per turn's main process, the test-slot watch, the PSI trigger when enabled, and a stop
+fd; each part registers its descriptors with a callback. The select() times out only
+for real deadlines, all on the monotonic clock: a failed delivery's backoff, a turn's
+time limit, a question to systemd to ask again, a retry of admission, a checkpoint of
+the queue, an idle client, the watchdog, and retention's next batch.
 
 Each pass (`step`): take in requests (deliveries share one durable commit, then are
-acknowledged: volutectl/gate/handlers.py), learn which turns ended (volutectl/gate/liveness.py),
-then run admission (admission.admit) against the scopes that hold a place, and carry out its
-decisions (volutectl/gate/turns.py). Retention's batch (volutectl/store/retention.py) comes last,
-and only in a pass that started no turn.
+acknowledged: volutectl/gate/handlers.py), learn which turns ended
+(volutectl/gate/liveness.py), then run admission against the scopes that hold a place:
+`PendingIndex.admit` (volutectl/store/index.py), which keeps the pending rows indexed
+and decides with the pure rules of volutectl/core/admission.py; then carry out its
+decisions (volutectl/gate/turns.py). A client waiting for an outcome is told by
+volutectl/gate/outcomes.py. Retention's batch (volutectl/store/retention.py) comes
+last, and only in a pass that started no turn.
 
-`Gate.open(settings)` builds every part, or fails having opened nothing that stays;
+`Gate(settings)` builds every part, or fails having opened nothing that stays;
 `run(stop_fd)` serves until told to stop. Tests build it with a fake systemd
 (tests/unit/fake_systemd.py) and drive `step()` themselves. The CLI edge (signals,
 sd_notify) is volutectl/cli/gate.py.
@@ -197,8 +202,10 @@ class Gate:
 
     def _starting(self) -> None:
         """Still busy starting (retention's first pass over an old database)."""
-        sd_notify("EXTEND_TIMEOUT_USEC=30000000\nSTATUS=deleting expired rows, then "
-                  "reclaiming the queue's free pages (once)")  # fmt: skip
+        sd_notify(
+            "EXTEND_TIMEOUT_USEC=30000000\n"
+            "STATUS=deleting expired rows, then reclaiming the queue's free pages (once)"
+        )
 
     def mark_dirty(self) -> None:
         self.state.dirty = True
