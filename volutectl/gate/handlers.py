@@ -1,9 +1,12 @@
-"""What the gate does with each request: one handler per op, in one dispatch table.
+"""What the gate does with each request: one handler per request type, in one table.
 
-A handler is a function of the gate's state and a typed request (and who sent it) to a
-typed reply. It owns no socket: volutectl/gate/server.py reads the request and sends the
-reply. Refusals come back as ErrorReply with their exit code; a failure that is not a
-refusal (a bug) is left to the caller, which ends that one client.
+A handler is a function of the gate's state and a typed request (and who sent it) to
+that request's reply type (`Request[SomeReply]`, volutectl/wire/messages.py); the table
+(`HANDLERS`) is built with `Request.answered_by`, so the type checker proves each entry.
+It owns no socket: volutectl/gate/server.py reads the request, and
+volutectl/gate/serving.py sends the reply. Refusals come back as ErrorReply with their
+exit code; a failure that is not a refusal (a bug) is left to the caller, which ends
+that one client.
 
 Deliveries are the exception that proves the rule: they arrive in batches, and every
 delivery of a batch shares one durable commit before any of them is acknowledged

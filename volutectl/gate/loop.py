@@ -8,8 +8,8 @@ for real deadlines, all on the monotonic clock: a failed delivery's backoff, a t
 time limit, a question to systemd to ask again, a retry of admission, a checkpoint of
 the queue, an idle client, the watchdog, and retention's next batch.
 
-Each pass (`step`): take in requests (deliveries share one durable commit, then are
-acknowledged: volutectl/gate/handlers.py), learn which turns ended
+Each pass (`step`): answer the requests that came (volutectl/gate/serving.py:
+deliveries share one durable commit, then are acknowledged), learn which turns ended
 (volutectl/gate/liveness.py), then run admission against the scopes that hold a place:
 `PendingIndex.admit` (volutectl/store/index.py), which keeps the pending rows indexed
 and decides with the pure rules of volutectl/core/admission.py; then carry out its
@@ -37,12 +37,12 @@ from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import VoluteError
 from volutectl.gate import handlers, status
-from volutectl.gate.handlers import Caller
 from volutectl.gate.liveness import Liveness
 from volutectl.gate.outcomes import Settled, Waiters
 from volutectl.gate.pressure import open_for_turns
 from volutectl.gate.reactor import Reactor, from_wall_clock, only_wake
-from volutectl.gate.server import Client, Incoming, Server
+from volutectl.gate.server import Server
+from volutectl.gate.serving import Serving
 from volutectl.gate.state import GateState
 from volutectl.gate.turns import Turn, Turns
 from volutectl.launcher import preflight
@@ -53,14 +53,6 @@ from volutectl.store.indexed import IndexedStore
 from volutectl.store.retention import Retention
 from volutectl.systemd.journal import Journal, sd_notify, watchdog_interval
 from volutectl.systemd.port import SystemdManager
-from volutectl.wire.messages import (
-    DeliverAck,
-    DeliverRequest,
-    ErrorReply,
-    Reply,
-    Request,
-    WaitReply,
-)
 
 ADMIT_RETRY_SECONDS = 1.0
 
@@ -110,6 +102,7 @@ class Gate:
             self.server = Server(settings, self.reactor, self.journal, inherited=listener)
             self._opened.append(self.server)
             self.waiters = Waiters(self.server, self.state.store)
+            self.serving = Serving(self.state, self.server, self.waiters)
             self.state.liveness.recover()
             self.state.store.sync()
             self.retention = Retention(self.state.store, settings.gate.retention_days, self.journal)
@@ -325,7 +318,7 @@ class Gate:
         self.started = False
         incoming = self.server.take_requests()
         if incoming:
-            self._serve(incoming)
+            self.serving.serve(incoming)
         events = self.state.manager.process_events()
         for event in events:
             news = f"systemd's news of {event.name}"
@@ -340,72 +333,6 @@ class Gate:
         idle = not (ready or incoming or events)  # woke for deadlines alone
         mono = time.monotonic()
         self._guarded("retention", self.retention.on_pass, mono, idle, self.started)
-
-    def _serve(self, incoming: list[Incoming]) -> None:
-        """Answer every request that came in this pass, each client's in its order.
-
-        Deliveries that came together share one durable commit. Another request after
-        them waits for that commit first, so that it sees what came before it."""
-        replies: list[Reply | None] = [None] * len(incoming)
-        batch: list[int] = []  # indexes of deliveries not yet committed
-        for index, (client, request) in enumerate(incoming):
-            if isinstance(request, ErrorReply):
-                replies[index] = request
-            elif client.closed:
-                continue
-            elif isinstance(request, DeliverRequest):
-                batch.append(index)
-            else:
-                self._commit(incoming, batch, replies)
-                replies[index] = self._handle(client, request)
-        self._commit(incoming, batch, replies)
-        for (client, request), reply in zip(incoming, replies, strict=True):
-            if reply is None or client.closed:
-                continue
-            if isinstance(request, DeliverRequest) and request.wait:
-                if isinstance(reply, DeliverAck):
-                    # A retried request's delivery may have run already: look, then.
-                    look = request.request_id is not None
-                    self.waiters.wait(client, (reply.id,), reply, look=look)
-                    continue
-            if isinstance(reply, WaitReply):
-                self.waiters.wait(client, reply.ids, reply, look=True)
-                continue
-            self.server.reply(client, reply)
-
-    def _commit(
-        self,
-        incoming: list[Incoming],
-        batch: list[int],
-        replies: list[Reply | None],
-    ) -> None:
-        """Commit the pending deliveries (one commit for all), their replies in place."""
-        if not batch:
-            return
-        requests = [incoming[index][1] for index in batch]
-        acks = self._deliver(
-            [incoming[index][0] for index in batch],
-            [request for request in requests if isinstance(request, DeliverRequest)],
-        )
-        for index, ack in zip(batch, acks, strict=True):
-            replies[index] = ack
-        batch.clear()
-
-    def _handle(self, client: Client, request: Request[Reply]) -> Reply | None:
-        try:
-            return handlers.handle(self.state, request, Caller(client.peer_uid()))
-        except Exception as error:  # noqa: BLE001 - a bug: it ends this client only
-            self.server.client_failed(client, f"handling a {request.OP} request", error)
-            return None
-
-    def _deliver(self, clients: list[Client], batch: list[DeliverRequest]) -> list[Reply | None]:
-        try:
-            callers = [Caller(client.peer_uid()) for client in clients]
-            return list(handlers.accept_deliveries(self.state, batch, callers))
-        except Exception as error:  # noqa: BLE001 - nothing was stored: end these clients
-            for client in clients:
-                self.server.client_failed(client, "storing deliveries", error)
-            return [None] * len(batch)
 
     # -- admission ---------------------------------------------------------------------------
 
