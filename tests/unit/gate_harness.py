@@ -252,7 +252,7 @@ class Harness:
         gate.state.slots.close()
         gate.state.store.close()
         gate.state.turns.hands.close()
-        gate.selector.close()
+        gate.reactor.close()
 
     def restart(self) -> None:
         """A (new) gate on the state directory, socket and systemd of this harness."""

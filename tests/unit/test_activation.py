@@ -10,7 +10,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import selectors
 import shutil
 import socket
 import subprocess
@@ -26,6 +25,7 @@ import pytest
 from tests.unit.fake_gate import remove_tree, short_socket_dir
 from volutectl.config.settings import Settings
 from volutectl.errors import EX_CONFIG, ConfigError
+from volutectl.gate.reactor import Reactor
 from volutectl.gate.server import Server
 from volutectl.systemd import activation
 from volutectl.systemd.journal import Journal
@@ -209,7 +209,7 @@ def server_for(
     """The gate's socket side (volutectl/gate/server.py), as the gate builds it."""
     settings = Settings(gate={"socket": socket_path})
     journal = RecordingJournal()
-    server = Server(settings, selectors.DefaultSelector(), journal, inherited=listener)
+    server = Server(settings, Reactor(), journal, inherited=listener)
     return server, journal
 
 

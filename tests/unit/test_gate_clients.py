@@ -153,7 +153,7 @@ def test_clients_beyond_max_clients_wait_unaccepted_and_are_served_when_one_leav
     assert not late.has_line()
     assert len(harness.gate.server.clients) == 3 and not harness.gate.server.accepting
     # At the cap the listener is out of the selector: nothing is ready, nothing spins.
-    assert harness.gate.selector.select(0) == []
+    assert harness.gate.reactor.selector.select(0) == []
     at_cap = harness.journal.of(events.NotAccepting)
     assert any(e.clients == 3 and "gate.max_clients" in e.reason for e in at_cap)
     first[0].close()

@@ -149,7 +149,7 @@ def test_waiters_that_close_are_dropped_at_once_and_their_places_come_back(
     waiters[2].sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
     waiters[2].close()
     harness.pump(lambda: open_clients(harness, MEMBER) == 1)
-    assert len(harness.gate.server.waiters[held]) == 1
+    assert len(harness.gate.waiters.by_delivery[held]) == 1
     # No spinning on the ones that went: the gate sleeps until a real deadline.
     steps = harness.steps
     harness.run_for(0.5)
@@ -163,7 +163,7 @@ def test_waiters_that_close_are_dropped_at_once_and_their_places_come_back(
         event = peer.reply()
         assert (event["event"], event["id"], event["exit_code"]) == ("turn_ended", held, 0)
     harness.pump(lambda: open_clients(harness, MEMBER) == 4)
-    assert held not in harness.gate.server.waiters
+    assert held not in harness.gate.waiters.by_delivery
 
 
 def test_a_deliver_wait_whose_client_died_is_dropped(paused: Harness) -> None:
@@ -171,10 +171,10 @@ def test_a_deliver_wait_whose_client_died_is_dropped(paused: Harness) -> None:
     peer = connect_as(harness, MEMBER)
     ack = peer.request({"op": "deliver", "mind": "nap", "message": "m", "wait": True})
     assert ack["ok"] is True
-    assert harness.gate.server.waiters[ack["id"]]
+    assert harness.gate.waiters.by_delivery[ack["id"]]
     peer.close()
     harness.pump(lambda: open_clients(harness, MEMBER) == 0)
-    assert ack["id"] not in harness.gate.server.waiters
+    assert ack["id"] not in harness.gate.waiters.by_delivery
     assert harness.gate.state.store.row(ack["id"]) is not None  # the delivery stays
 
 

@@ -32,7 +32,7 @@ from volutectl.errors import (
 from volutectl.gate import handlers
 from volutectl.states import QueueState
 from volutectl.wire import protocol
-from volutectl.wire.messages import Op, Reply
+from volutectl.wire.messages import Reply, StatusRequest
 
 NOT_DEAD = [QueueState.PENDING, QueueState.RUNNING, QueueState.DONE]
 
@@ -245,7 +245,7 @@ def test_a_failure_inside_a_request_ends_only_that_client_and_is_logged_once(
     def broken_status(*args: object) -> Reply:
         raise RuntimeError("status is broken")
 
-    monkeypatch.setitem(handlers.HANDLERS, Op.STATUS, broken_status)
+    monkeypatch.setitem(handlers.HANDLERS, StatusRequest, broken_status)
     waiting = harness.connect()
     waiting.send(b'{"v":1,"op":"ping"')  # a partial request, from a bystander
     peer = harness.connect()

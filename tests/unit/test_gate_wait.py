@@ -106,7 +106,7 @@ def test_wait_refuses_unknown_ids_naming_them_and_too_many_ids(
     assert (reply["code"], reply["error"]) == (EX_DATAERR, too_many)
     for bad in ([0], ["1"], [1.5], "1", None):
         assert peer.request({"op": "wait", "ids": bad})["code"] == EX_DATAERR, bad
-    assert harness.gate.server.waiters == {}  # a refused wait keeps no waiter
+    assert harness.gate.waiters.by_delivery == {}  # a refused wait keeps no waiter
     assert peer.request({"op": "ping"})["ok"] is True
 
 
@@ -118,7 +118,7 @@ def test_volutectl_wait_reconnects_after_the_gate_dies_and_exits_with_the_turns_
     quick, slow = deliver_to(harness, "quick"), deliver_to(harness, "m")
     path = str(harness.socket_path)
     client = InThread(lambda: waiting.settle(path, (slow, quick), timeout=10))
-    harness.pump(lambda: slow in harness.gate.server.waiters)
+    harness.pump(lambda: slow in harness.gate.waiters.by_delivery)
     harness.crash()  # the waiting connection ends with EOF; the turn goes on
     threading.Event().wait(0.3)  # the client finds nothing listening, and keeps trying
     assert not client.done()
@@ -139,8 +139,8 @@ def test_deliver_wait_outlives_a_gate_crash_after_its_ack(
     harnesses.append(harness)
     argv = ["m", "--message", "x", "--wait", "--socket", str(harness.socket_path)]
     client = InThread(lambda: deliver.deliver_main(argv))
-    harness.pump(lambda: bool(harness.gate.server.waiters))
-    [delivery_id] = harness.gate.server.waiters
+    harness.pump(lambda: bool(harness.gate.waiters.by_delivery))
+    [delivery_id] = harness.gate.waiters.by_delivery
     harness.crash()
     harness.restart()
     harness.pump(client.done, timeout=15)
@@ -157,7 +157,7 @@ def test_a_gate_that_does_not_come_back_is_75_and_one_never_there_is_69(
     delivery_id = deliver_to(harness, "m")
     path = str(harness.socket_path)
     client = InThread(lambda: waiting.settle(path, (delivery_id,), timeout=0.5))
-    harness.pump(lambda: delivery_id in harness.gate.server.waiters)
+    harness.pump(lambda: delivery_id in harness.gate.waiters.by_delivery)
     harness.crash()
     client.thread.join(timeout=10)
     assert isinstance(client.error, VoluteError) and client.error.exit_code == EX_TEMPFAIL

@@ -282,7 +282,7 @@ WRONG: list[object] = [
 LENIENT = {("QueueRequest", "states", "null")}
 
 
-def gate_reads_line(line: bytes) -> Request | VoluteError:
+def gate_reads_line(line: bytes) -> Request[Reply] | VoluteError:
     """What the gate makes of a request line: the typed request, or its refusal."""
     try:
         return messages.decode_request(protocol.decode(line))
@@ -290,7 +290,7 @@ def gate_reads_line(line: bytes) -> Request | VoluteError:
         return error
 
 
-def gate_reads(obj: dict[str, Any]) -> Request | VoluteError:
+def gate_reads(obj: dict[str, Any]) -> Request[Reply] | VoluteError:
     return gate_reads_line(json.dumps(obj).encode())
 
 
@@ -358,7 +358,7 @@ def is_reply(line: str) -> bool:
     return isinstance(obj, dict) and "ok" in obj and "op" not in obj
 
 
-def reply_class(read: Request, reply: dict[str, Any]) -> type[Reply]:
+def reply_class(read: Request[Reply], reply: dict[str, Any]) -> type[Reply]:
     """The class a reply to `read` must be: by its ok, its event, or the request's op."""
     if reply["ok"] is False:
         return messages.ErrorReply
@@ -397,7 +397,7 @@ def test_each_example_is_valid_and_is_what_the_gate_answers(info: str, block: li
     """A request line is followed by its replies. Requests and replies in ```jsonl blocks
     validate and show no field their schema lacks; a request the gate's decoder refuses is
     rejected by the schema too (```jsonl) and shown with that very refusal."""
-    read: Request | VoluteError | None = None
+    read: Request[Reply] | VoluteError | None = None
     answered = True
     for line in block:
         if not is_reply(line):

@@ -166,7 +166,7 @@ def _out_of_time(timeout: float, lost: protocol.ConnectionLost | None) -> Volute
     )
 
 
-def call(request_: Request, reply: type[R], socket: str | None, config: str | None) -> R:
+def call(request_: Request[R], reply: type[R], socket: str | None, config: str | None) -> R:
     """One request to the gate, and its reply as `reply` (a refusal is raised)."""
     connection = protocol.Connection(socket_path(socket, config))
     try:

@@ -1,9 +1,12 @@
-"""What the gate does with each request: one handler per op, in one dispatch table.
+"""What the gate does with each request: one handler per request type, in one table.
 
-A handler is a function of the gate's state and a typed request (and who sent it) to a
-typed reply. It owns no socket: volutectl/gate/server.py reads the request and sends the
-reply. Refusals come back as ErrorReply with their exit code; a failure that is not a
-refusal (a bug) is left to the caller, which ends that one client.
+A handler is a function of the gate's state and a typed request (and who sent it) to
+that request's reply type (`Request[SomeReply]`, volutectl/wire/messages.py); the table
+(`HANDLERS`) is built with `Request.answered_by`, so the type checker proves each entry.
+It owns no socket: volutectl/gate/server.py reads the request, and
+volutectl/gate/serving.py sends the reply. Refusals come back as ErrorReply with their
+exit code; a failure that is not a refusal (a bug) is left to the caller, which ends
+that one client.
 
 Deliveries are the exception that proves the rule: they arrive in batches, and every
 delivery of a batch shares one durable commit before any of them is acknowledged
@@ -17,38 +20,32 @@ import dataclasses
 import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from volutectl import events
-from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import DataError, PermissionDeniedError, TemporaryError, VoluteError
 from volutectl.faults import crash_point
 from volutectl.gate import status, validate
-from volutectl.gate.liveness import Liveness
-from volutectl.gate.pressure import PressureWatch
-from volutectl.gate.turns import Turns
-from volutectl.slots.watch import RepositoryLimit, SlotWatch
-from volutectl.states import DEFAULT_LISTED, Outcome, QueueState
-from volutectl.store.indexed import IndexedStore
+from volutectl.gate.outcomes import Settled
+from volutectl.gate.state import GateState
+from volutectl.slots.watch import RepositoryLimit
+from volutectl.states import DEFAULT_LISTED, QueueState
 from volutectl.store.minds import EVERY_MIND
 from volutectl.store.queue import NewDelivery
 from volutectl.store.quotas import Quota, QuotaExceeded
-from volutectl.systemd.journal import Journal
-from volutectl.systemd.port import SystemdManager
 from volutectl.wire.messages import (
     ChangedReply,
     DeliverAck,
     DeliverRequest,
-    DeliveryDead,
-    DeliveryDropped,
     DropRequest,
     ErrorReply,
-    Op,
     PausedMind,
     PauseReply,
     PauseRequest,
+    PingRequest,
     Pong,
     QueueReply,
     QueueRequest,
@@ -60,30 +57,10 @@ from volutectl.wire.messages import (
     ResumeRequest,
     RetryRequest,
     StatusReply,
-    TurnEnded,
+    StatusRequest,
     WaitReply,
     WaitRequest,
 )
-
-
-@dataclass
-class GateState:
-    """What the handlers act on: the gate's parts, none of its sockets."""
-
-    settings: Settings
-    store: IndexedStore
-    manager: SystemdManager
-    turns: Turns
-    liveness: Liveness
-    slots: SlotWatch
-    pressure: PressureWatch | None
-    journal: Journal
-    limits: admission.Limits
-    notify: Callable[[int, Reply], None]  # tell a delivery's waiters how it ended
-    dirty: bool = True  # admission should run
-    paused: frozenset[str] | admission.EveryMind = frozenset()  # the store's pauses
-    foreign_live: int = 0  # other scopes holding a place in the turns slice, last counted
-    over_quota: set[int | None] = field(default_factory=set)  # uids refused, as logged
 
 
 @dataclass(frozen=True)
@@ -91,27 +68,36 @@ class Caller:
     uid: int  # SO_PEERCRED of the connection
 
 
-def status_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+def status_handler(state: GateState, request: StatusRequest, caller: Caller) -> StatusReply:
     state.liveness.recount(known_foreign=state.foreign_live)  # settles what ended
     return StatusReply(status.build(state))
 
 
-def queue_handler(state: GateState, request: Request, caller: Caller) -> Reply:
-    assert isinstance(request, QueueRequest)
+def queue_handler(state: GateState, request: QueueRequest, caller: Caller) -> QueueReply:
     states = request.states or DEFAULT_LISTED
     rows = state.store.list_rows(states, request.limit)
     return QueueReply(
-        tuple(
-            QueueRow(row.id, row.mind, row.session, row.state, row.attempts, row.hold_reason,
-                     row.held_ms, row.turn_id, row.created_at, row.last_error, len(row.message))
+        rows=tuple(
+            QueueRow(
+                id=row.id,
+                mind=row.mind,
+                session=row.session,
+                state=row.state,
+                attempts=row.attempts,
+                hold_reason=row.hold_reason,
+                held_ms=row.held_ms,
+                turn_id=row.turn_id,
+                created_at=row.created_at,
+                last_error=row.last_error,
+                bytes=len(row.message),
+            )
             for row in rows
         ),
-        max(0, state.store.count_rows(states) - len(rows)),
-    )  # fmt: skip
+        not_shown=max(0, state.store.count_rows(states) - len(rows)),
+    )
 
 
-def retry_handler(state: GateState, request: Request, caller: Caller) -> Reply:
-    assert isinstance(request, RetryRequest)
+def retry_handler(state: GateState, request: RetryRequest, caller: Caller) -> ChangedReply:
     changed = state.store.retry(request.ids)
     for delivery_id in changed:
         state.journal.emit(events.DeliveryRetried(delivery_id=delivery_id))
@@ -119,24 +105,24 @@ def retry_handler(state: GateState, request: Request, caller: Caller) -> Reply:
     return ChangedReply(tuple(changed))
 
 
-def drop_handler(state: GateState, request: Request, caller: Caller) -> Reply:
-    assert isinstance(request, DropRequest)
+def drop_handler(state: GateState, request: DropRequest, caller: Caller) -> ChangedReply:
     changed = state.store.drop(request.ids, time.time())
     for delivery_id in changed:
         state.journal.emit(events.DeliveryDropped(delivery_id=delivery_id))
-        state.notify(delivery_id, DeliveryDropped(delivery_id))
+        state.notify(Settled(delivery_id=delivery_id, state=QueueState.DROPPED))
     state.dirty = True
     return ChangedReply(tuple(changed))
 
 
-def register_repo_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+def register_repo_handler(
+    state: GateState, request: RegisterRepoRequest, caller: Caller
+) -> RegisterReply:
     """Watch the repository `volutectl test` runs in, if it is the caller's (or root's).
 
     What is checked is what the gate will watch: the common dir that the path's `.git`
     and `commondir` lead to (volutectl.gate.validate.git_common_dir); the watch checks it
     again, on the descriptor it watches. A repository the gate may not look into (it
     runs unprivileged) is refused with 77, and `status` lists it with that problem."""
-    assert isinstance(request, RegisterRepoRequest)
     try:
         common = validate.git_common_dir(request.path, caller.uid)
     except PermissionError:
@@ -159,7 +145,7 @@ def register_repo_handler(state: GateState, request: Request, caller: Caller) ->
     return RegisterReply(new)
 
 
-def ping_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+def ping_handler(state: GateState, request: PingRequest, caller: Caller) -> Pong:
     return Pong()
 
 
@@ -174,10 +160,9 @@ def _pause_reply(changed: list[str], pauses: Mapping[str, float]) -> PauseReply:
     return PauseReply(tuple(changed), tuple(PausedMind(m, since) for m, since in pauses.items()))
 
 
-def pause_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+def pause_handler(state: GateState, request: PauseRequest, caller: Caller) -> PauseReply:
     """Pause the minds named (none: every mind). One paused already is no error: it is
     left out of `changed`, and so is one that every mind's pause covers."""
-    assert isinstance(request, PauseRequest)
     if request.minds is None:
         wanted = [EVERY_MIND]
     else:
@@ -194,10 +179,9 @@ def pause_handler(state: GateState, request: Request, caller: Caller) -> Reply:
     return _pause_reply(changed, load_pauses(state))
 
 
-def resume_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+def resume_handler(state: GateState, request: ResumeRequest, caller: Caller) -> PauseReply:
     """Lift the pauses named (none: every pause): the wake flush. Each held delivery goes
     through admission as any other, one batch per session."""
-    assert isinstance(request, ResumeRequest)
     pauses = state.store.minds.pauses()
     if request.minds is None:
         changed = state.store.minds.resume(None)
@@ -229,10 +213,9 @@ def resume_handler(state: GateState, request: Request, caller: Caller) -> Reply:
     return _pause_reply(changed, after)
 
 
-def wait_handler(state: GateState, request: Request, caller: Caller) -> Reply:
+def wait_handler(state: GateState, request: WaitRequest, caller: Caller) -> WaitReply:
     """Each delivery must exist (the gate then keeps the client for their events); an id
     that never did, or whose row retention removed, is refused with 65 naming it."""
-    assert isinstance(request, WaitRequest)
     ids = tuple(dict.fromkeys(request.ids))
     found = {row.id for row in state.store.rows(ids, with_message=False)}
     missing = [delivery_id for delivery_id in ids if delivery_id not in found]
@@ -246,24 +229,29 @@ def wait_handler(state: GateState, request: Request, caller: Caller) -> Reply:
     return WaitReply(ids)
 
 
-Handler = Callable[[GateState, Request, Caller], Reply]
-HANDLERS: dict[Op, Handler] = {
-    Op.STATUS: status_handler,
-    Op.QUEUE: queue_handler,
-    Op.RETRY: retry_handler,
-    Op.DROP: drop_handler,
-    Op.REGISTER_REPO: register_repo_handler,
-    Op.PING: ping_handler,
-    Op.PAUSE: pause_handler,
-    Op.RESUME: resume_handler,
-    Op.WAIT: wait_handler,
-}
+# Each request type's handler. `answered_by` proves (to mypy) that a handler takes that
+# request and returns that request's reply type; deliveries come in batches instead
+# (accept_deliveries).
+Handler = Callable[[GateState, Any, Caller], Reply]
+HANDLERS: dict[type[Request[Reply]], Handler] = dict(
+    [
+        StatusRequest.answered_by(status_handler),
+        QueueRequest.answered_by(queue_handler),
+        RetryRequest.answered_by(retry_handler),
+        DropRequest.answered_by(drop_handler),
+        RegisterRepoRequest.answered_by(register_repo_handler),
+        PingRequest.answered_by(ping_handler),
+        PauseRequest.answered_by(pause_handler),
+        ResumeRequest.answered_by(resume_handler),
+        WaitRequest.answered_by(wait_handler),
+    ]
+)
 
 
-def handle(state: GateState, request: Request, caller: Caller) -> Reply:
+def handle(state: GateState, request: Request[Reply], caller: Caller) -> Reply:
     """The reply to one request (not a delivery: see accept_deliveries)."""
     try:
-        return HANDLERS[request.OP](state, request, caller)
+        return HANDLERS[type(request)](state, request, caller)
     except VoluteError as error:
         return ErrorReply.of(error)
     except sqlite3.OperationalError as error:
@@ -338,23 +326,3 @@ def _refusal(state: GateState, count: int, error: Exception) -> ErrorReply:
             hint=f"nothing was queued; free space in {state_dir} and deliver again",
         )
     )
-
-
-def finished_event(state: GateState, delivery_id: int) -> Reply | None:
-    """What a waiting client would have been told, for a delivery that already ended (a
-    retried `--wait` request whose delivery ran before the retry arrived)."""
-    found = state.store.rows([delivery_id], with_message=False)
-    row = found[0] if found else None
-    if row is None or row.state in (QueueState.PENDING, QueueState.RUNNING):
-        return None
-    if row.state is QueueState.DROPPED:
-        return DeliveryDropped(row.id)
-    turn = state.store.turn(row.turn_id) if row.turn_id is not None else None
-    outcome = turn.outcome if turn is not None else None
-    exit_status = turn.exit_status if turn is not None else None
-    code = admission.wait_exit_code(exit_status, outcome or Outcome.FAILED)
-    if row.state is QueueState.DEAD:
-        ran = turn is not None and outcome is not Outcome.START_FAILED
-        return DeliveryDead(row.id, row.last_error or "dead", code if ran else 1,
-                            row.turn_id if ran else None, outcome if ran else None)  # fmt: skip
-    return TurnEnded(row.id, row.turn_id or 0, outcome or Outcome.OK, exit_status, code)

@@ -1,18 +1,23 @@
 """The gate: one event loop over file descriptors, no polling.
 
-It waits in one select() on: the listening socket and its clients (volutectl/gate/server.py),
-the D-Bus connection (scope-ended signals), a pidfd per turn's main process, the
-test-slot watch, the PSI trigger when enabled, and a stop fd. A timeout is used only for
-real deadlines: a failed delivery's backoff, a turn's time limit, a question to systemd
-to ask again, an idle client, the watchdog, and retention's next batch.
+It waits in one select() (volutectl/gate/reactor.py) on: the listening socket and its
+clients (volutectl/gate/server.py), the D-Bus connection (scope-ended signals), a pidfd
+per turn's main process, the test-slot watch, the PSI trigger when enabled, and a stop
+fd; each part registers its descriptors with a callback. The select() times out only
+for real deadlines, all on the monotonic clock: a failed delivery's backoff, a turn's
+time limit, a question to systemd to ask again, a retry of admission, a checkpoint of
+the queue, an idle client, the watchdog, and retention's next batch.
 
-Each pass (`step`): take in requests (deliveries share one durable commit, then are
-acknowledged: volutectl/gate/handlers.py), learn which turns ended (volutectl/gate/liveness.py),
-then run admission (admission.admit) against the scopes that hold a place, and carry out its
-decisions (volutectl/gate/turns.py). Retention's batch (volutectl/store/retention.py) comes last,
-and only in a pass that started no turn.
+Each pass (`step`): answer the requests that came (volutectl/gate/serving.py:
+deliveries share one durable commit, then are acknowledged), learn which turns ended
+(volutectl/gate/liveness.py), then run admission against the scopes that hold a place:
+`PendingIndex.admit` (volutectl/store/index.py), which keeps the pending rows indexed
+and decides with the pure rules of volutectl/core/admission.py; then carry out its
+decisions (volutectl/gate/turns.py). A client waiting for an outcome is told by
+volutectl/gate/outcomes.py. Retention's batch (volutectl/store/retention.py) comes
+last, and only in a pass that started no turn.
 
-`Gate.open(settings)` builds every part, or fails having opened nothing that stays;
+`Gate(settings)` builds every part, or fails having opened nothing that stays;
 `run(stop_fd)` serves until told to stop. Tests build it with a fake systemd
 (tests/unit/fake_systemd.py) and drive `step()` themselves. The CLI edge (signals,
 sd_notify) is volutectl/cli/gate.py.
@@ -22,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import selectors
 import socket
 import sqlite3
 import time
@@ -34,10 +38,13 @@ from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import VoluteError
 from volutectl.gate import handlers, status
-from volutectl.gate.handlers import Caller, GateState
 from volutectl.gate.liveness import Liveness
+from volutectl.gate.outcomes import Settled, Waiters
 from volutectl.gate.pressure import open_for_turns
-from volutectl.gate.server import Client, Server
+from volutectl.gate.reactor import Reactor, from_wall_clock, only_wake
+from volutectl.gate.server import Server
+from volutectl.gate.serving import Serving
+from volutectl.gate.state import GateState
 from volutectl.gate.turns import Turn, Turns
 from volutectl.launcher import preflight
 from volutectl.launcher.hands import LocalHands, RemoteHands, TurnHands
@@ -47,14 +54,6 @@ from volutectl.store.indexed import IndexedStore
 from volutectl.store.retention import Retention
 from volutectl.systemd.journal import Journal, sd_notify, watchdog_interval
 from volutectl.systemd.port import SystemdManager
-from volutectl.wire.messages import (
-    DeliverAck,
-    DeliverRequest,
-    ErrorReply,
-    Reply,
-    Request,
-    WaitReply,
-)
 
 ADMIT_RETRY_SECONDS = 1.0
 
@@ -87,27 +86,32 @@ class Gate:
         turn can end unseen), take the socket, then take back the open turns."""
         self.settings = settings
         self.journal = journal or Journal("volute-gate")
-        self.selector = selectors.DefaultSelector()
+        self.reactor = Reactor()
         self.stopping = False
         self.watchdog: float | None = None
-        self.next_ping: float | None = None
-        self.backoff_wake: float | None = None
+        self.next_ping: float | None = None  # monotonic: the watchdog's next ping
+        self.backoff_wake: float | None = None  # wall clock, as stored: a backoff's end
         self.admit_retry: float | None = None  # monotonic: admission failed, try again then
         self.admit_latch = events.Latch(self.journal.emit, ADMIT_RETRY_SECONDS)
         self.notifier = status.StatusNotifier()  # STATUS= for systemd, when it changes
         self.started = False  # this pass started a turn
-        self._opened: list[Any] = [self.selector]
+        self._opened: list[Any] = [self.reactor]
         try:
             self.state = self._build_state(manager, hands)
             handlers.load_pauses(self.state)  # a pause outlives the gate that took it
-            self.server = Server(settings, self.selector, self.journal, inherited=listener)
+            self._add_deadlines()
+            self.server = Server(settings, self.reactor, self.journal, inherited=listener)
             self._opened.append(self.server)
+            self.waiters = Waiters(self.server, self.state.store)
+            self.serving = Serving(self.state, self.server, self.waiters)
             self.state.liveness.recover()
             self.state.store.sync()
             self.retention = Retention(self.state.store, settings.gate.retention_days, self.journal)
             self.retention.prepare(progress=self._starting)
-            self.selector.register(self.state.manager.fileno(), selectors.EVENT_READ, ("bus", None))
-            self.selector.register(self.state.slots.fileno(), selectors.EVENT_READ, ("slots", None))
+            # systemd's news is read in every pass (pystemd may hold some it has read
+            # already): its descriptor needs only to wake the loop.
+            self.reactor.watch(self.state.manager.fileno(), only_wake)
+            self.reactor.watch(self.state.slots.fileno(), self._on_slots)
             self._open_pressure()
             preflight.log_failing(settings, self.journal.emit)  # status shows it too
             # What start loaded (a deep queue's index, the imports) lives as long as the
@@ -150,8 +154,18 @@ class Gate:
             max_slot_files=settings.tests.max_slot_files,
         )
         self._opened.append(slots)
-        return GateState(settings, store, manager, turns, liveness, slots, None, journal,
-                         limits_of(settings), notify=self._notify)  # fmt: skip
+        return GateState(
+            settings=settings,
+            store=store,
+            manager=manager,
+            turns=turns,
+            liveness=liveness,
+            slots=slots,
+            pressure=None,  # opened once the rest is up: _open_pressure
+            journal=journal,
+            limits=limits_of(settings),
+            notify=self._notify,
+        )
 
     def _hands(self, store: IndexedStore, manager: SystemdManager) -> TurnHands:
         """volute-launcher's socket when one is configured (the gate is unprivileged),
@@ -164,26 +178,28 @@ class Gate:
 
     # Callbacks for the parts: they run only once the constructor has finished.
 
-    def _notify(self, delivery_id: int, event: Reply) -> None:
-        self.server.notify(delivery_id, event)
+    def _notify(self, settled: Settled) -> None:
+        self.waiters.tell(settled)
 
     def _watch(self, fd: int, turn: Turn) -> None:
-        self.selector.register(fd, selectors.EVENT_READ, ("pidfd", turn))
+        """A turn's main process: its pidfd is readable once it has exited."""
+        self.reactor.watch(fd, lambda mask: self._on_pidfd(turn))
 
     def _unwatch(self, fd: int) -> None:
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(fd)
+        self.reactor.unwatch(fd)
 
     def _open_pressure(self) -> None:
         pressure = open_for_turns(self.settings, self.state.manager, self.journal.emit)
         if pressure is not None:
-            self.selector.register(pressure.fileno(), selectors.EVENT_READ, ("pressure", None))
+            self.reactor.watch(pressure.fileno(), self._on_pressure)
         self.state.pressure = pressure
 
     def _starting(self) -> None:
         """Still busy starting (retention's first pass over an old database)."""
-        sd_notify("EXTEND_TIMEOUT_USEC=30000000\nSTATUS=deleting expired rows, then "
-                  "reclaiming the queue's free pages (once)")  # fmt: skip
+        sd_notify(
+            "EXTEND_TIMEOUT_USEC=30000000\n"
+            "STATUS=deleting expired rows, then reclaiming the queue's free pages (once)"
+        )
 
     def mark_dirty(self) -> None:
         self.state.dirty = True
@@ -199,12 +215,12 @@ class Gate:
         self.state.store.close()
         self.state.turns.hands.close()
         self.state.manager.close()
-        self.selector.close()
+        self.reactor.close()
 
     def run(self, stop_fd: int | None = None, ready: Callable[[], None] | None = None) -> None:
         """Serve until `stop_fd` becomes readable, then close."""
         if stop_fd is not None:
-            self.selector.register(stop_fd, selectors.EVENT_READ, ("stop", None))
+            self.reactor.watch(stop_fd, self._on_stop)
         if ready is not None:
             ready()
         limits = self.state.limits
@@ -223,95 +239,93 @@ class Gate:
         finally:
             self.close()
 
+    # -- what wakes the loop ----------------------------------------------------------------
+
+    def _on_pidfd(self, turn: Turn) -> None:
+        self._guarded(f"the end of turn {turn.id}", self.state.liveness.reap, turn)
+
+    def _on_slots(self, mask: int) -> None:
+        if self.state.slots.on_ready():
+            self.state.dirty = True  # a test run started or ended: the budget moved
+
+    def _on_pressure(self, mask: int) -> None:
+        assert self.state.pressure is not None
+        if self.state.pressure.on_ready(time.monotonic()):
+            self.state.dirty = True
+
+    def _on_stop(self, mask: int) -> None:
+        self.stopping = True
+
     # -- deadlines ----------------------------------------------------------------------
 
+    def _add_deadlines(self) -> None:
+        """The gate's own deadlines (the server adds its clients'), on the monotonic
+        clock; a part's stored wall-clock time is turned into it here."""
+        self.reactor.at(lambda: self.next_ping, self._ping_watchdog)
+        self.reactor.at(self._pressure_deadline, self._on_pressure_deadline)
+        self.reactor.at(self._backoff_deadline, self._on_backoff_end)
+        self.reactor.at(lambda: self.admit_retry, self._retry_admission)
+        self.reactor.at(self.state.store.checkpoint_deadline, self._checkpoint)
+        self.reactor.at(self._turn_deadline, self._on_turn_deadline)
+        self.reactor.at(lambda: self.retention.deadline())  # its pass runs in `step`
+
     def timeout(self) -> float | None:
-        """How long select() may sleep: only until a real deadline, else forever."""
+        """How long the wait may sleep: only until a real deadline, else forever."""
         if self.state.manager.has_pending_events() or self.server.backlog or self.state.dirty:
             return 0.0  # a pass is owed (a new gate's first one included): no sleep
-        now, mono = time.time(), time.monotonic()
-        waits = []
-        # The next backoff to end; one that ended unseen by a pass is due now.
-        self.backoff_wake = self.state.store.next_backoff_deadline(after=now)
-        if self.backoff_wake is not None:
-            waits.append(self.backoff_wake - now)
-        waits += [deadline - mono for deadline in self._deadlines()]
-        return max(0.0, min(waits)) if waits else None
+        return self.reactor.timeout()
 
-    def _deadlines(self) -> list[float]:
-        """Monotonic deadlines of the loop's timers."""
-        deadlines = [self.next_ping] if self.next_ping is not None else []
-        pressure = self.state.pressure
-        if pressure is not None and pressure.deadline() is not None:
-            deadlines.append(pressure.deadline() or 0.0)
-        if self.admit_retry is not None:
-            deadlines.append(self.admit_retry)
-        checkpoint = self.state.store.checkpoint_deadline()
-        if checkpoint is not None:
-            deadlines.append(checkpoint)
-        if self.retention.deadline() is not None:
-            deadlines.append(self.retention.deadline() or 0.0)
-        turn_deadline = self.state.liveness.next_deadline()
-        if turn_deadline is not None:
-            deadlines.append(time.monotonic() + turn_deadline - time.time())
-        return deadlines + self.server.deadlines()
+    def _ping_watchdog(self, now: float) -> None:
+        sd_notify("WATCHDOG=1")
+        self.next_ping = now + self.watchdog if self.watchdog else None
 
-    def _on_deadlines(self) -> None:
-        mono = time.monotonic()
-        if self.next_ping is not None and self.watchdog and mono >= self.next_ping:
-            sd_notify("WATCHDOG=1")
-            self.next_ping = mono + self.watchdog
-        if self.state.pressure is not None and self.state.pressure.on_deadline(mono):
+    def _pressure_deadline(self) -> float | None:
+        return self.state.pressure.deadline() if self.state.pressure is not None else None
+
+    def _on_pressure_deadline(self, now: float) -> None:
+        if self.state.pressure is not None and self.state.pressure.on_deadline(now):
             self.state.dirty = True  # pressure fell below the resume threshold
-        if self.backoff_wake is not None and time.time() >= self.backoff_wake:
-            self.backoff_wake = None
-            self.state.dirty = True
-        if self.admit_retry is not None and mono >= self.admit_retry:
-            self.admit_retry = None
-            self.state.dirty = True
-        checkpoint = self.state.store.checkpoint_deadline()
-        if checkpoint is not None and mono >= checkpoint:
-            # Off the handoff path: the gate has been quiet for a second.
-            self._guarded("a checkpoint of the queue", self.state.store.checkpoint)
-        due = self.state.liveness.next_deadline()
-        if due is not None and time.time() >= due:
-            self._guarded("a turn's deadline", self.state.liveness.on_deadline, time.time())
-        self.server.on_deadlines(mono)
+
+    def _backoff_deadline(self) -> float | None:
+        """The next backoff to end. One that has ended stays due until a pass took it."""
+        now = time.time()
+        if self.backoff_wake is None or self.backoff_wake > now:
+            self.backoff_wake = self.state.store.next_backoff_deadline(after=now)
+        return from_wall_clock(self.backoff_wake)
+
+    def _on_backoff_end(self, now: float) -> None:
+        self.backoff_wake = None
+        self.state.dirty = True
+
+    def _retry_admission(self, now: float) -> None:
+        self.admit_retry = None
+        self.state.dirty = True
+
+    def _checkpoint(self, now: float) -> None:
+        # Off the handoff path: the gate has been quiet for a second.
+        self._guarded("a checkpoint of the queue", self.state.store.checkpoint)
+
+    def _turn_deadline(self) -> float | None:
+        """A turn's time limit (stored on the wall clock), or a question to systemd due."""
+        return from_wall_clock(self.state.liveness.next_deadline())
+
+    def _on_turn_deadline(self, now: float) -> None:
+        self._guarded("a turn's deadline", self.state.liveness.on_deadline, time.time())
 
     # -- one pass ---------------------------------------------------------------------------
 
     def step(self, timeout: float | None) -> None:
         """One pass of the loop: wait, take in what arrived, then admit."""
-        incoming: list[tuple[Client, Request | ErrorReply]] = []
-        ready = self.selector.select(timeout)
+        ready = self.reactor.wait(timeout)
         self.started = False
-        for key, mask in ready:
-            kind, data = key.data
-            if kind == "accept":
-                self.server.accept()
-            elif kind == "client":
-                incoming += self.server.on_client(data, mask)
-            elif kind == "hangup":
-                self.server.on_hangups()
-            elif kind == "pidfd":
-                self._guarded(f"the end of turn {data.id}", self.state.liveness.reap, data)
-            elif kind == "slots":
-                if self.state.slots.on_ready():
-                    self.state.dirty = True  # a test run started or ended: the budget moved
-            elif kind == "pressure":
-                assert self.state.pressure is not None
-                if self.state.pressure.on_ready(time.monotonic()):
-                    self.state.dirty = True
-            elif kind == "stop":
-                self.stopping = True
-        incoming += self.server.backlogged()
+        incoming = self.server.take_requests()
         if incoming:
-            self._serve(incoming)
+            self.serving.serve(incoming)
         events = self.state.manager.process_events()
         for event in events:
             news = f"systemd's news of {event.name}"
             self._guarded(news, self.state.liveness.unit_ended, event.name)
-        self._on_deadlines()
+        self.reactor.run_due()
         if self.state.dirty and not self.stopping:
             self.state.dirty = False
             self.admit()
@@ -321,82 +335,6 @@ class Gate:
         idle = not (ready or incoming or events)  # woke for deadlines alone
         mono = time.monotonic()
         self._guarded("retention", self.retention.on_pass, mono, idle, self.started)
-
-    def _serve(self, incoming: list[tuple[Client, Request | ErrorReply]]) -> None:
-        """Answer every request that came in this pass, each client's in its order.
-
-        Deliveries that came together share one durable commit. Another request after
-        them waits for that commit first, so that it sees what came before it."""
-        replies: list[Reply | None] = [None] * len(incoming)
-        batch: list[int] = []  # indexes of deliveries not yet committed
-        for index, (client, request) in enumerate(incoming):
-            if isinstance(request, ErrorReply):
-                replies[index] = request
-            elif client.closed:
-                continue
-            elif isinstance(request, DeliverRequest):
-                batch.append(index)
-            else:
-                self._commit(incoming, batch, replies)
-                replies[index] = self._handle(client, request)
-        self._commit(incoming, batch, replies)
-        for (client, request), reply in zip(incoming, replies, strict=True):
-            if reply is None or client.closed:
-                continue
-            if isinstance(request, DeliverRequest) and request.wait:
-                if isinstance(reply, DeliverAck):
-                    # A retried request's delivery may have run already: look, then.
-                    self._wait(client, (reply.id,), reply, request.request_id is not None)
-                    continue
-            if isinstance(reply, WaitReply):
-                self._wait(client, reply.ids, reply, True)
-                continue
-            self.server.reply(client, reply)
-
-    def _commit(
-        self,
-        incoming: list[tuple[Client, Request | ErrorReply]],
-        batch: list[int],
-        replies: list[Reply | None],
-    ) -> None:
-        """Commit the pending deliveries (one commit for all), their replies in place."""
-        if not batch:
-            return
-        requests = [incoming[index][1] for index in batch]
-        acks = self._deliver(
-            [incoming[index][0] for index in batch],
-            [request for request in requests if isinstance(request, DeliverRequest)],
-        )
-        for index, ack in zip(batch, acks, strict=True):
-            replies[index] = ack
-        batch.clear()
-
-    def _handle(self, client: Client, request: Request) -> Reply | None:
-        try:
-            return handlers.handle(self.state, request, Caller(client.peer_uid()))
-        except Exception as error:  # noqa: BLE001 - a bug: it ends this client only
-            self.server.client_failed(client, f"handling a {request.OP} request", error)
-            return None
-
-    def _deliver(self, clients: list[Client], batch: list[DeliverRequest]) -> list[Reply | None]:
-        try:
-            callers = [Caller(client.peer_uid()) for client in clients]
-            return list(handlers.accept_deliveries(self.state, batch, callers))
-        except Exception as error:  # noqa: BLE001 - nothing was stored: end these clients
-            for client in clients:
-                self.server.client_failed(client, "storing deliveries", error)
-            return [None] * len(batch)
-
-    def _wait(self, client: Client, ids: tuple[int, ...], reply: Reply, look: bool) -> None:
-        """Keep the client for the events of `ids`, after `reply`; with `look`, tell it
-        at once of those that have already settled."""
-        for delivery_id in ids:
-            self.server.wait_for(client, delivery_id)
-        self.server.reply(client, reply)
-        for delivery_id in ids if look else ():
-            finished = handlers.finished_event(self.state, delivery_id)
-            if finished is not None:
-                self.server.notify(delivery_id, finished)
 
     # -- admission ---------------------------------------------------------------------------
 

@@ -3,9 +3,10 @@
 `Server` owns the listening socket (systemd's when socket-activated, else one it binds)
 and every client connection. It reads lines, decodes each into a typed request (or
 answers the refusal at once), queues replies without ever blocking the loop, and keeps
-the clients that wait for a delivery's outcome. It registers its sockets in the gate's
-selector with ("accept", None) and ("client", Client) as data; the gate routes those
-events here.
+the clients that wait for a delivery's outcome. It registers its sockets, and its
+deadlines (idle clients, a rested listener's retry), in the gate's reactor
+(volutectl/gate/reactor.py), which calls it back; the gate takes the requests that
+arrived (`take_requests`) once the reactor's wait is over.
 
 Limits, so that no client can hurt the gate: gate.max_clients connections at once (then
 new ones wait unaccepted in the backlog), a listener that rests when accept() lacks
@@ -34,12 +35,16 @@ import struct
 import time
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import TypeAlias
 
 from volutectl import events
 from volutectl.config.settings import Settings
 from volutectl.errors import EX_SOFTWARE, DataError, TemporaryError, UnavailableError, VoluteError
+from volutectl.gate.reactor import Reactor
 from volutectl.systemd import activation
 from volutectl.systemd.journal import Journal
 from volutectl.wire import messages, protocol
@@ -65,7 +70,7 @@ class Client:
     uid: int  # SO_PEERCRED of the connection: fixed at connect()
     buffer: bytearray = field(default_factory=bytearray)  # a request line still partial
     outbox: bytearray = field(default_factory=bytearray)
-    events: int = selectors.EVENT_READ  # what the selector watches it for; 0: not at all
+    events: int = selectors.EVENT_READ  # what the reactor watches it for; 0: not at all
     closed: bool = False
     eof: bool = False  # it shut its writing side: no more requests, but it may wait
     waiting: set[int] = field(default_factory=set)  # delivery ids it waits for
@@ -78,6 +83,10 @@ class Client:
         return self.uid
 
 
+# A request as it arrived: decoded, or already refused.
+Incoming: TypeAlias = tuple[Client, Request[Reply] | ErrorReply]
+
+
 def peer_uid(sock: socket.socket) -> int:
     """The (effective) uid of the process that connected: SO_PEERCRED, fixed at connect()."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
@@ -88,13 +97,13 @@ class Server:
     def __init__(
         self,
         settings: Settings,
-        selector: selectors.BaseSelector,
+        reactor: Reactor,
         journal: Journal,
         *,
         inherited: socket.socket | None = None,
     ) -> None:
         self.settings = settings
-        self.selector = selector
+        self.reactor = reactor
         self.journal = journal
         self.bound_socket: Path | None = None  # a socket file we bound, to unlink on close
         self.clients: dict[int, Client] = {}
@@ -102,20 +111,24 @@ class Server:
         self.refusing: set[int] = set()  # uids refused (as logged) since last accepted
         # Clients that wait for an outcome after their end of requests, by fd: polled for
         # nothing but hang-up (EPOLLHUP and EPOLLERR are always reported), and itself
-        # in the selector, so a hang-up wakes the loop.
+        # in the reactor, so a hang-up wakes the loop.
         self.hangups = select.epoll()
         # The clients that can go idle (not waiting), oldest idle_since first: insertion
         # order is that order, so the next idle deadline is the first entry's, in O(1).
         self.idle: dict[int, Client] = {}
-        self.waiters: dict[int, list[Client]] = {}
+        # Called with each client dropped: the waiters forget it (gate/outcomes.py).
+        self.on_drop: Callable[[Client], None] = lambda client: None
         self.backlog: dict[int, Client] = {}  # clients with complete lines not yet taken
+        self.arrived: list[Incoming] = []  # read in this pass, not yet taken
         self.accept_retry: float | None = None  # monotonic, after accept() lacked fds
         self.accept_problem: str | None = None  # why accepting paused, as last logged
         self.stopping = False
         self.listener = self._listen(inherited)
-        self.selector.register(self.listener, selectors.EVENT_READ, ("accept", None))
-        self.selector.register(self.hangups.fileno(), selectors.EVENT_READ, ("hangup", None))
-        self.accepting = True  # the listener is in the selector (see _pause_accepting)
+        reactor.watch(self.listener, self._on_listener)
+        reactor.watch(self.hangups.fileno(), self._on_hangups)
+        self.accepting = True  # the listener is in the reactor (see _pause_accepting)
+        reactor.at(self._idle_deadline, self._drop_idle_clients)
+        reactor.at(lambda: self.accept_retry, self._retry_accepting)
 
     # -- the listener -----------------------------------------------------------------
 
@@ -164,6 +177,9 @@ class Server:
             pass
         os.chmod(path, 0o660)
 
+    def _on_listener(self, mask: int) -> None:
+        self.accept()
+
     def accept(self) -> None:
         while len(self.clients) < self.settings.gate.max_clients:
             try:
@@ -199,7 +215,7 @@ class Server:
     def _add_client(self, sock: socket.socket, uid: int) -> None:
         sock.setblocking(False)
         client = Client(sock, sock.fileno(), uid)
-        self.selector.register(sock, selectors.EVENT_READ, ("client", client))
+        self.reactor.watch(sock, partial(self.on_client, client))
         self.clients[client.fd] = client
         self.per_uid[uid] += 1
         self.refusing.discard(uid)
@@ -245,12 +261,11 @@ class Server:
             )
 
     def _pause_accepting(self, reason: str, *, retry: bool = False) -> None:
-        """Take the listener out of the selector: connections wait in its backlog, and
+        """Take the listener out of the reactor: connections wait in its backlog, and
         the loop does not wake for them. A client leaving (or, after a lack of
         descriptors, ACCEPT_RETRY_SECONDS) puts it back."""
         if self.accepting:
-            with contextlib.suppress(KeyError, ValueError):
-                self.selector.unregister(self.listener)
+            self.reactor.unwatch(self.listener)
             self.accepting = False
         if retry:
             self.accept_retry = time.monotonic() + ACCEPT_RETRY_SECONDS
@@ -264,25 +279,20 @@ class Server:
             return
         if len(self.clients) >= self.settings.gate.max_clients:
             return
-        self.selector.register(self.listener, selectors.EVENT_READ, ("accept", None))
+        self.reactor.watch(self.listener, self._on_listener)
         self.accepting = True
 
     # -- deadlines ----------------------------------------------------------------------
 
-    def deadlines(self) -> list[float]:
-        """Monotonic: the oldest idle client's, and a rested listener's retry."""
-        deadlines = []
+    def _idle_deadline(self) -> float | None:
+        """Monotonic: when the client idle longest is to be dropped."""
         oldest = next(iter(self.idle.values()), None)
-        if oldest is not None:
-            deadlines.append(oldest.idle_since + self.settings.gate.client_idle_seconds)
-        if self.accept_retry is not None:
-            deadlines.append(self.accept_retry)
-        return deadlines
+        if oldest is None:
+            return None
+        return oldest.idle_since + self.settings.gate.client_idle_seconds
 
-    def on_deadlines(self, now: float) -> None:
-        self._drop_idle_clients(now)
-        if self.accept_retry is not None and now >= self.accept_retry:
-            self._resume_accepting()
+    def _retry_accepting(self, now: float) -> None:
+        self._resume_accepting()
 
     def _mark_active(self, client: Client) -> None:
         """Restart the client's idle clock; a client that waits on a turn has none."""
@@ -306,22 +316,27 @@ class Server:
 
     # -- reading --------------------------------------------------------------------------
 
-    def on_client(self, client: Client, mask: int) -> list[tuple[Client, Request | ErrorReply]]:
+    def on_client(self, client: Client, mask: int) -> None:
         """Serve one client's readiness: its requests, in the order they came, each
-        decoded or already refused (the gate replies to all of them in that order).
-        Whatever fails ends that client, not the loop."""
+        decoded or already refused, wait in `arrived` (the gate replies to all of them
+        in that order). Whatever fails ends that client, not the loop."""
         try:
             if mask & selectors.EVENT_WRITE:
                 self._flush(client)
             # A client with lines still waiting in its backlog is not read further
             # until they are taken: its buffer stays within one read.
             if mask & selectors.EVENT_READ and not client.closed and client.fd not in self.backlog:
-                return self._read(client)
+                self.arrived += self._read(client)
         except Exception as error:  # noqa: BLE001 - see client_failed
             self.client_failed(client, "reading a request", error)
-        return []
 
-    def _read(self, client: Client) -> list[tuple[Client, Request | ErrorReply]]:
+    def take_requests(self) -> list[Incoming]:
+        """The requests read in this pass, then the next lines of clients that sent more
+        than one pass takes."""
+        requests, self.arrived = self.arrived, []
+        return requests + self._backlogged()
+
+    def _read(self, client: Client) -> list[Incoming]:
         try:
             chunk = client.sock.recv(1 << 20)
         except BlockingIOError:
@@ -338,7 +353,7 @@ class Server:
             return []
         return self._lines(client)
 
-    def _lines(self, client: Client) -> list[tuple[Client, Request | ErrorReply]]:
+    def _lines(self, client: Client) -> list[Incoming]:
         """The complete lines in the client's buffer, at most MAX_LINES_PER_PASS of them:
         a client that sends a flood of lines gets them answered over several passes,
         while the others are served (and its unread replies may end it first). The rest
@@ -350,7 +365,7 @@ class Server:
         else:
             self.backlog.pop(client.fd, None)
         self._mark_active(client)  # a complete line: the idle clock starts again
-        requests: list[tuple[Client, Request | ErrorReply]] = []
+        requests: list[Incoming] = []
         for line in parts:
             if len(line) > protocol.MAX_LINE:
                 self._refuse_oversized(client)
@@ -365,9 +380,9 @@ class Server:
             self._refuse_oversized(client)
         return requests
 
-    def backlogged(self) -> list[tuple[Client, Request | ErrorReply]]:
+    def _backlogged(self) -> list[Incoming]:
         """The next lines of clients that sent more than one pass takes."""
-        requests: list[tuple[Client, Request | ErrorReply]] = []
+        requests: list[Incoming] = []
         for client in list(self.backlog.values()):
             try:
                 requests += self._lines(client)
@@ -402,7 +417,7 @@ class Server:
             with contextlib.suppress(FileExistsError):
                 self.hangups.register(client.fd, 0)
 
-    def on_hangups(self) -> None:
+    def _on_hangups(self, mask: int) -> None:
         """Drop the waiting clients whose peers have gone since their end of requests."""
         for fd, _ in self.hangups.poll(0):
             client = self.clients.get(fd)
@@ -449,27 +464,18 @@ class Server:
         if events == client.events:
             return
         if client.events == 0:
-            self.selector.register(client.sock, events, ("client", client))
+            self.reactor.watch(client.sock, partial(self.on_client, client), events)
         elif events == 0:
-            self.selector.unregister(client.sock)
+            self.reactor.unwatch(client.sock)
         else:
-            self.selector.modify(client.sock, events, ("client", client))
+            self.reactor.modify(client.sock, partial(self.on_client, client), events)
         client.events = events
 
-    # -- waiting for an outcome ----------------------------------------------------------------
+    # -- clients that wait for an outcome (volutectl/gate/outcomes.py) -----------------------
 
-    def wait_for(self, client: Client, delivery_id: int) -> None:
-        """The client stays for `delivery_id`'s outcome (`notify`); it is not idle meanwhile."""
-        client.waiting.add(delivery_id)
-        self.waiters.setdefault(delivery_id, []).append(client)
+    def stop_idle_clock(self, client: Client) -> None:
+        """The client waits for an outcome now: it is not idle meanwhile."""
         self.idle.pop(client.fd, None)
-
-    def notify(self, delivery_id: int, event: Reply) -> None:
-        for client in self.waiters.pop(delivery_id, []):
-            client.waiting.discard(delivery_id)
-            self.reply(client, event)
-            if client.eof and not client.waiting and not client.outbox:
-                self.drop(client)
 
     # -- failures and closing ----------------------------------------------------------------
 
@@ -507,20 +513,14 @@ class Server:
         self.backlog.pop(client.fd, None)
         if self.clients.get(client.fd) is client:
             del self.clients[client.fd]
-            with contextlib.suppress(KeyError, ValueError):
-                self.selector.unregister(client.fd)
+            self.reactor.unwatch(client.fd)
             if client.eof:
                 with contextlib.suppress(OSError):
                     self.hangups.unregister(client.fd)
             self.per_uid[client.uid] -= 1
             if not self.per_uid[client.uid]:
                 del self.per_uid[client.uid]
-        for delivery_id in client.waiting:
-            waiting = self.waiters.get(delivery_id, [])
-            if client in waiting:
-                waiting.remove(client)
-            if not waiting:
-                self.waiters.pop(delivery_id, None)
+        self.on_drop(client)
         with contextlib.suppress(OSError):
             client.sock.close()
         self._resume_accepting()  # one place free, or one descriptor

@@ -31,7 +31,7 @@ from volutectl.wire.messages import (
 )
 
 if TYPE_CHECKING:
-    from volutectl.gate.handlers import GateState
+    from volutectl.gate.state import GateState
 
 
 def build(state: GateState) -> Status:

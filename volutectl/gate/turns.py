@@ -25,6 +25,7 @@ from volutectl.core import admission
 from volutectl.errors import SystemdNoAnswer, VoluteError
 from volutectl.faults import crash_point
 from volutectl.gate import lifecycle
+from volutectl.gate.outcomes import Settled
 from volutectl.launcher import fork
 from volutectl.launcher.hands import LauncherLost, LauncherUnavailable, TurnHands
 from volutectl.states import HoldReason, Outcome, QueueState
@@ -32,7 +33,6 @@ from volutectl.store.indexed import IndexedStore
 from volutectl.store.queue import Row
 from volutectl.systemd.journal import Journal
 from volutectl.wire import orders
-from volutectl.wire.messages import DeliveryDead, Reply, TurnEnded
 
 
 @dataclass
@@ -79,7 +79,7 @@ class Turns:
         hands: TurnHands,
         journal: Journal,
         *,
-        notify: Callable[[int, Reply], None],
+        notify: Callable[[Settled], None],
         watch_fd: Callable[[int, Turn], None],
         unwatch_fd: Callable[[int], None],
         wake: Callable[[], None],
@@ -406,7 +406,7 @@ class Turns:
                     )
                 )
                 if notify:
-                    self.notify(row.id, DeliveryDead(row.id, error))
+                    self.notify(Settled(delivery_id=row.id, state=QueueState.DEAD, error=error))
 
     # -- settling -------------------------------------------------------------------------
 
@@ -487,12 +487,21 @@ class Turns:
     ) -> None:
         """Tell waiting clients of the deliveries this turn settled: done, or dead after
         their last attempt. One that will be tried again stays waited for."""
-        code = admission.wait_exit_code(outcome.exit_status, outcome.kind)
         for row in carried:
+            after = failed.get(row.id)
             if outcome.kind.carried:
-                event: Reply = TurnEnded(row.id, turn.id, outcome.kind, outcome.exit_status, code)
-            elif failed.get(row.id) is not None and failed[row.id].state is QueueState.DEAD:
-                event = DeliveryDead(row.id, error, code, turn.id, outcome.kind)
+                state = QueueState.DONE
+            elif after is not None:
+                state = after.state  # dead, or backing off (then its waiters hear nothing)
             else:
                 continue
-            self.notify(row.id, event)
+            self.notify(
+                Settled(
+                    delivery_id=row.id,
+                    state=state,
+                    error=error,
+                    turn_id=turn.id,
+                    outcome=outcome.kind,
+                    exit_status=outcome.exit_status,
+                )
+            )

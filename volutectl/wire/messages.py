@@ -33,9 +33,25 @@ from volutectl.wire.records import Record, WireError, kind_of, register_enum
 
 TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: no `typing` import at run time
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any, ClassVar, Self, TypeVar
+    from typing import Generic as Replying
 
     R = TypeVar("R", bound="Reply")
+    ReplyT = TypeVar("ReplyT", bound="Reply", covariant=True)
+    Q = TypeVar("Q", bound="Request[Any]")
+    S = TypeVar("S")  # what a handler acts on (the gate's state)
+    C = TypeVar("C")  # who sent the request
+else:
+
+    class Replying:
+        """`Request[SomeReply]` is `Request` itself at run time: the reply type is for
+        the type checker (`typing.Generic` would cost `volutectl deliver` its import)."""
+
+        def __class_getitem__(cls, reply: object) -> type:
+            return cls
+
+    ReplyT = None
 
 
 class Op(StrEnum):
@@ -74,8 +90,9 @@ def op_of(obj: dict[str, Any]) -> Op:
 # -- requests -----------------------------------------------------------------------------
 
 
-class Request(Record):
-    """A request: its op is a class constant, sent as the "op" field."""
+class Request(Record, Replying[ReplyT]):
+    """A request: its op is a class constant, sent as the "op" field. `Request[SomeReply]`
+    declares the reply that answers it (a refusal, ErrorReply, may answer any request)."""
 
     OP: ClassVar[Op]
 
@@ -83,8 +100,17 @@ class Request(Record):
     def decode(cls, obj: dict[str, Any]) -> Self:
         return cls()
 
+    @classmethod
+    def answered_by(
+        cls: type[Q], handler: Callable[[S, Q, C], ReplyT]
+    ) -> tuple[type[Q], Callable[[S, Any, C], Reply]]:
+        """This request type and its handler, as an entry of a table keyed by request
+        type. The type checker proves that the handler takes this request and returns
+        this request's reply; the table then holds it for requests of this type alone."""
+        return cls, handler
 
-class DeliverRequest(Request):
+
+class DeliverRequest(Request["DeliverAck"]):
     """Queue `message` for `mind`'s session; with `wait`, stay for the turn's outcome."""
 
     OP = Op.DELIVER
@@ -107,17 +133,17 @@ class DeliverRequest(Request):
         return request
 
 
-class StatusRequest(Request):
+class StatusRequest(Request["StatusReply"]):
     OP = Op.STATUS
     WIRE = {"op": Op.STATUS.value}
 
 
-class PingRequest(Request):
+class PingRequest(Request["Pong"]):
     OP = Op.PING
     WIRE = {"op": Op.PING.value}
 
 
-class QueueRequest(Request):
+class QueueRequest(Request["QueueReply"]):
     """List the newest `limit` deliveries in `states` (none given: pending, running and
     dead), newest first."""
 
@@ -131,7 +157,7 @@ class QueueRequest(Request):
         return cls(queue_states(obj), fields.queue_limit(obj))
 
 
-class RetryRequest(Request):
+class RetryRequest(Request["ChangedReply"]):
     """Make dead deliveries pending again, with their attempts reset."""
 
     OP = Op.RETRY
@@ -143,7 +169,7 @@ class RetryRequest(Request):
         return cls(delivery_ids(obj))
 
 
-class DropRequest(Request):
+class DropRequest(Request["ChangedReply"]):
     """Drop pending or dead deliveries."""
 
     OP = Op.DROP
@@ -155,7 +181,7 @@ class DropRequest(Request):
         return cls(delivery_ids(obj))
 
 
-class RegisterRepoRequest(Request):
+class RegisterRepoRequest(Request["RegisterReply"]):
     """Watch the test slots of the repository whose git common directory is `path`."""
 
     OP = Op.REGISTER_REPO
@@ -174,7 +200,7 @@ class RegisterRepoRequest(Request):
         return cls(path)
 
 
-class PauseRequest(Request):
+class PauseRequest(Request["PauseReply"]):
     """Hold new turns of `minds` (null: every mind, minds configured later included) until
     they are resumed; their running turns go on, and deliveries are still queued."""
 
@@ -187,7 +213,7 @@ class PauseRequest(Request):
         return cls(mind_names(obj))
 
 
-class ResumeRequest(Request):
+class ResumeRequest(Request["PauseReply"]):
     """Lift the pauses of `minds` (null: every pause); their held deliveries go through."""
 
     OP = Op.RESUME
@@ -203,7 +229,7 @@ class ResumeRequest(Request):
 MAX_WAIT_IDS = 1000
 
 
-class WaitRequest(Request):
+class WaitRequest(Request["WaitReply"]):
     """Stay until deliveries `ids` settle: WaitReply, then one Event for each."""
 
     OP = Op.WAIT
@@ -218,16 +244,24 @@ class WaitRequest(Request):
         return cls(ids)
 
 
-REQUESTS: dict[Op, type[Request]] = {
+REQUESTS: dict[Op, type[Request[Reply]]] = {
     cls.OP: cls
     for cls in (
-        DeliverRequest, StatusRequest, PingRequest, QueueRequest, RetryRequest, DropRequest,
-        RegisterRepoRequest, PauseRequest, ResumeRequest, WaitRequest,
+        DeliverRequest,
+        StatusRequest,
+        PingRequest,
+        QueueRequest,
+        RetryRequest,
+        DropRequest,
+        RegisterRepoRequest,
+        PauseRequest,
+        ResumeRequest,
+        WaitRequest,
     )
-}  # fmt: skip
+}
 
 
-def decode_request(obj: dict[str, Any]) -> Request:
+def decode_request(obj: dict[str, Any]) -> Request[Reply]:
     """A decoded line (protocol.decode) as its typed request, or a refusal naming the field.
     Fields an op does not know are ignored, so that a newer client can add an optional
     one; an incompatible change bumps the protocol version instead."""

@@ -1,0 +1,42 @@
+"""`GateState`: what the request handlers and the status act on.
+
+The gate's parts (its store, its systemd, its turns, its watches), none of its sockets,
+and the little the loop learns between passes. volutectl/gate/loop.py builds it once;
+volutectl/gate/handlers.py and volutectl/gate/status.py read and change it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from volutectl.config.settings import Settings
+from volutectl.core import admission
+from volutectl.gate.liveness import Liveness
+from volutectl.gate.outcomes import Settled
+from volutectl.gate.pressure import PressureWatch
+from volutectl.gate.turns import Turns
+from volutectl.slots.watch import SlotWatch
+from volutectl.store.indexed import IndexedStore
+from volutectl.systemd.journal import Journal
+from volutectl.systemd.port import SystemdManager
+
+
+@dataclass(kw_only=True)
+class GateState:
+    """What the handlers act on: the gate's parts, none of its sockets."""
+
+    settings: Settings
+    store: IndexedStore
+    manager: SystemdManager
+    turns: Turns
+    liveness: Liveness
+    slots: SlotWatch
+    pressure: PressureWatch | None
+    journal: Journal
+    limits: admission.Limits
+    notify: Callable[[Settled], None]  # tell a delivery's waiters how it settled
+    dirty: bool = True  # admission should run
+    paused: frozenset[str] | admission.EveryMind = frozenset()  # the store's pauses
+    foreign_live: int = 0  # other scopes holding a place in the turns slice, last counted
+    over_quota: set[int | None] = field(default_factory=set)  # uids refused, as logged
