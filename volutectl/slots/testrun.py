@@ -133,10 +133,15 @@ def run_capped(
         props = scope_properties(settings.tests, worktree, command)
         try:
             outcome.exit_status, outcome.execution_ms = launch_command(
-                command, child_env, slot, manager, (scope, props), as_json,
+                command,
+                env=child_env,
+                slot=slot,
+                manager=manager,
+                scope=(scope, props),
+                as_json=as_json,
                 on_scope=lambda started_scope: setattr(outcome, "scope", started_scope),
                 say=outcome.say,
-            )  # fmt: skip
+            )
         finally:
             if slot is not None:
                 # History first, while the slot is ours: the next run's estimate sees it.

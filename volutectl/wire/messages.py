@@ -221,10 +221,18 @@ class WaitRequest(Request):
 REQUESTS: dict[Op, type[Request]] = {
     cls.OP: cls
     for cls in (
-        DeliverRequest, StatusRequest, PingRequest, QueueRequest, RetryRequest, DropRequest,
-        RegisterRepoRequest, PauseRequest, ResumeRequest, WaitRequest,
+        DeliverRequest,
+        StatusRequest,
+        PingRequest,
+        QueueRequest,
+        RetryRequest,
+        DropRequest,
+        RegisterRepoRequest,
+        PauseRequest,
+        ResumeRequest,
+        WaitRequest,
     )
-}  # fmt: skip
+}
 
 
 def decode_request(obj: dict[str, Any]) -> Request:
