@@ -39,8 +39,6 @@ from pydantic_settings import (
 
 from volutectl import names
 from volutectl.config.sources import (
-    ENV_NESTED,
-    ENV_PREFIX,
     EnvironSource,
     Origins,
     TomlFileSource,
@@ -317,10 +315,6 @@ class LoadedSettings:
     def table_sources(self, dotted: str) -> list[str]:
         """Every source that contributed to a table such as `minds.NAME`, file first."""
         return self.origins.table_sources(key_path(self.settings, dotted))
-
-
-def env_var_for(dotted: str) -> str:
-    return ENV_PREFIX + dotted.replace(".", ENV_NESTED).upper()
 
 
 def config_path(explicit: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> Path:
