@@ -249,7 +249,9 @@ def find_journalctl() -> str:
 
 
 def query(argv: list[str], since: str | None) -> list[dict[str, Any]]:
-    """Run journalctl to the end; its entries, or one clear error."""
+    """Run journalctl to the end; its entries, or one clear error. Through subprocess,
+    not volutectl/kernel/processes.py: its stdout and stderr are both read (that
+    module's docstring says why)."""
     try:
         done = subprocess.run(argv, capture_output=True, text=True, check=False)
     except OSError as error:
@@ -269,7 +271,8 @@ def journalctl_error(stderr: str, since: str | None) -> VoluteError:
 
 
 def entries(argv: list[str]) -> Iterator[dict[str, Any]]:
-    """journalctl's entries as it writes them (for --follow, for as long as it runs)."""
+    """journalctl's entries as it writes them (for --follow, for as long as it runs), read
+    through subprocess as the lines come (volutectl/kernel/processes.py says why)."""
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None
     try:

@@ -290,7 +290,9 @@ def fork_turn(
     `stream` for its stdout and stderr, becomes `account` and execs the command.
 
     Its stdin (`stdin`, in a sealed memfd) and the wrapper's status descriptor are
-    opened here, by the gate, before the fork: the child opens nothing by a path."""
+    opened here, by the gate, before the fork: the child opens nothing by a path. A fork,
+    not volutectl/kernel/processes.py's posix_spawn: the child waits for its release, in
+    its scope, before it execs."""
     fds = _open_child_fds(turn_dir, stdin)
     wrapper = ["/bin/sh", WRAPPER, *argv]
     environment = dict(env)
