@@ -43,7 +43,8 @@ from volutectl.cli.options import config_option
 from volutectl.errors import EX_NOUSER, DataError, UnavailableError, UsageError, VoluteError
 from volutectl.systemd.journal import MESSAGE_IDS, Event
 
-if TYPE_CHECKING:  # pydantic only when the command runs, not for a TAB (volutectl.cli.completion)
+# pydantic only when the command runs, not for a TAB (volutectl.cli.completion).
+if TYPE_CHECKING:
     from volutectl.config.settings import Settings
 
 SINCE_EXAMPLES = "e.g. --since -1h, --since today, --since '2024-05-01 12:00'"

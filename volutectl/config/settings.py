@@ -195,7 +195,8 @@ class MindSettings(Section):
     working_directory: Path | None = None
     # Readable by group volute with the rest of this file: not for secrets.
     environment: dict[str, str] = Field(default_factory=dict)
-    # KEY=VALUE lines that only root may read (volutectl/launcher/envfile.py), over `environment`.
+    # KEY=VALUE lines that only root may read (volutectl/launcher/envfile.py), over
+    # `environment`.
     environment_file: Path | None = None
     max_runtime_seconds: Annotated[float, Field(ge=0)] | None = None  # turns.max_runtime_seconds
 

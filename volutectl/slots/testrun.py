@@ -1,4 +1,5 @@
-"""`volutectl test`: run a test command under the repository's test-run cap, in a scope.
+"""The work of `volutectl test` (volutectl/cli/test.py): run a test command under the
+repository's test-run cap, in a scope.
 
 The order of events: run --check (a failure exits at once, never queues); resolve the
 cap (--slots, then git config volute.testSlots in the common config, then

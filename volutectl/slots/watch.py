@@ -26,9 +26,9 @@ The gate never takes a slot, and never opens one. It learns that a slot is held 
 - **Wake-ups: inotify, one watch per repository.** The slot directory is watched for
   IN_CLOSE_* of its files: a directory watch reports its children's events with their
   names. A flock is released when its last descriptor closes, which raises IN_CLOSE.
-  Taking a flock raises no event at all, so `volutectl.slots.slotfiles.acquire_slot` announces a
-  slot it has just taken by opening and closing the file once more (closing a second
-  description never releases a flock). IN_OPEN is not watched: it comes before the
+  Taking a flock raises no event at all, so `volutectl.slots.slotfiles.acquire_slot`
+  announces a slot it has just taken by opening and closing the file once more (closing
+  a second description never releases a flock). IN_OPEN is not watched: it comes before the
   lock, so a probe on it would race the locker. An event without a name is about the
   directory itself (someone listing it): no slot changed, so it is ignored. The gate
   never lists a slot directory; it looks up `slot-1`.. by name with lstat, which opens
