@@ -32,7 +32,8 @@ POINTS = (
     "inbox_written",  # the inbox file written (offered)
     "settled",  # a turn's outcome committed; its directory not yet removed
 )
-# The queue's upkeep, outside any turn (volutectl/store/retention.py, volutectl/store/schema.py).
+# The queue's upkeep, outside any turn (volutectl/store/retention.py,
+# volutectl/store/schema.py).
 STORAGE_POINTS = (
     "retention_deleted",  # a retention batch's rows deleted, not yet committed
     "vacuuming",  # inside the VACUUM that makes the database incremental

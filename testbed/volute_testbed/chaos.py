@@ -115,10 +115,13 @@ def run(machine: Machine, storm: Storm, drain_timeout: float = 120.0) -> Record:
         gate_config(
             minds,
             limits={"global_concurrent_turns": storm.cap},
-            gate={"backoff_initial_seconds": 0.1, "backoff_max_seconds": 1.0,
-                  "max_attempts": 100},
+            gate={
+                "backoff_initial_seconds": 0.1,
+                "backoff_max_seconds": 1.0,
+                "max_attempts": 100,
+            },
         ),
-    )  # fmt: skip
+    )
     sampler = Sampler(machine)
     clients = [
         machine.popen(["/usr/local/bin/chaos-client", str(k), str(storm.minds)])

@@ -247,51 +247,13 @@ def boot(
     cgroups: list[Path] = []
     nspawn: subprocess.Popen[bytes] | None = None
     try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", str(base)], check=True)
-        mounted.append(base)
-        for sub in ("upper", "work", "root"):
-            (base / sub).mkdir()
-        root = base / "root"
-        subprocess.run(
-            [
-                "mount", "-t", "overlay", "overlay", "-o",
-                f"lowerdir={lower},upperdir={base}/upper,workdir={base}/work", str(root),
-            ],
-            check=True,
-        )  # fmt: skip
-        mounted.append(root)
-        # The guard the notes ask for: the root we boot must be our own overlay.
-        if not os.path.ismount(root) or root.resolve() == Path("/"):
-            raise MachineError(f"refusing to boot systemd on {root}: not our overlay")
-        unit_dir = root / "etc/systemd/system"
-        unit_dir.mkdir(parents=True, exist_ok=True)
-        for unit in mask:
-            link = unit_dir / unit
-            with contextlib.suppress(FileNotFoundError):
-                link.unlink()
-            link.symlink_to("/dev/null")
-        # A machine-id keeps journald and friends quiet; /etc/machine-id may be empty.
-        (root / "etc/machine-id").write_text(os.urandom(16).hex() + "\n")
-        for path, text in (prepare or {}).items():
-            target = root / path.lstrip("/")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(text)
-        args = ["systemd-nspawn", "-q", "-D", str(root), "--register=no", "--keep-unit"]
-        args += ["-M", name]
-        for bind in binds:
-            path = os.fspath(bind)
-            args.append(f"--bind={path}:{path}")
-        args += [*extra_args, "--boot"]
-        log = open(base / "nspawn.log", "wb")  # noqa: SIM115
+        root = _mount_overlay(base, lower, mounted)
+        _prepare_root(root, mask, prepare or {})
         # Without systemd on the host, nspawn puts the container's cgroup tree under the
         # caller's cgroup: "/" here. Two containers would then share one tree, and one
         # container's systemd would reap the other's scopes. Each gets its own.
         cgroups = _private_cgroups(name)
-        nspawn = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=lambda: _enter_cgroups(cgroups),
-        )  # fmt: skip
-        log.close()
+        nspawn = _start_nspawn(_nspawn_argv(root, name, binds, extra_args), base, cgroups)
         machine = Machine(
             name=name,
             base=base,
@@ -301,21 +263,92 @@ def boot(
         machine.wait_running(boot_timeout)
         yield machine
     finally:
-        if nspawn is not None and nspawn.poll() is None:
-            # SIGKILL of the container's init tears the whole PID namespace down at once;
-            # a graceful poweroff would only cost time in a throwaway machine.
-            with contextlib.suppress(ProcessLookupError, MachineError):
-                os.kill(_find_leader(nspawn.pid, timeout=0.5), signal.SIGKILL)
-            try:
-                nspawn.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                nspawn.kill()
-                nspawn.wait(timeout=10)
-        for mount in reversed(mounted):
-            subprocess.run(["umount", "-l", str(mount)], check=False)
-        _remove_cgroups(cgroups)
-        with contextlib.suppress(OSError):
-            base.rmdir()
+        _tear_down(base, nspawn, mounted, cgroups)
+
+
+def _mount_overlay(base: Path, lower: str, mounted: list[Path]) -> Path:
+    """A tmpfs at `base` holding an overlay of `lower`: the container's root. Each mount
+    made is added to `mounted` at once, for the tear-down."""
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", str(base)], check=True)
+    mounted.append(base)
+    for sub in ("upper", "work", "root"):
+        (base / sub).mkdir()
+    root = base / "root"
+    options = f"lowerdir={lower},upperdir={base}/upper,workdir={base}/work"
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(root)], check=True)
+    mounted.append(root)
+    # The guard the notes ask for: the root we boot must be our own overlay.
+    if not os.path.ismount(root) or root.resolve() == Path("/"):
+        raise MachineError(f"refusing to boot systemd on {root}: not our overlay")
+    return root
+
+
+def _prepare_root(root: Path, mask: Sequence[str], prepare: Mapping[str, str]) -> None:
+    """Mask `mask`'s units, give the machine an id, and write `prepare`'s files."""
+    unit_dir = root / "etc/systemd/system"
+    unit_dir.mkdir(parents=True, exist_ok=True)
+    for unit in mask:
+        link = unit_dir / unit
+        with contextlib.suppress(FileNotFoundError):
+            link.unlink()
+        link.symlink_to("/dev/null")
+    # A machine-id keeps journald and friends quiet; /etc/machine-id may be empty.
+    (root / "etc/machine-id").write_text(os.urandom(16).hex() + "\n")
+    for path, text in prepare.items():
+        target = root / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+
+
+def _nspawn_argv(
+    root: Path, name: str, binds: Sequence[str | os.PathLike[str]], extra_args: Sequence[str]
+) -> list[str]:
+    args = ["systemd-nspawn", "-q", "-D", str(root), "--register=no", "--keep-unit"]
+    args += ["-M", name]
+    for bind in binds:
+        path = os.fspath(bind)
+        args.append(f"--bind={path}:{path}")
+    return [*args, *extra_args, "--boot"]
+
+
+def _start_nspawn(args: list[str], base: Path, cgroups: list[Path]) -> subprocess.Popen[bytes]:
+    """Start systemd-nspawn in `cgroups`, its output in `base`/nspawn.log."""
+    log = open(base / "nspawn.log", "wb")  # noqa: SIM115
+    try:
+        return subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: _enter_cgroups(cgroups),
+        )
+    finally:
+        log.close()
+
+
+def _tear_down(
+    base: Path,
+    nspawn: subprocess.Popen[bytes] | None,
+    mounted: list[Path],
+    cgroups: list[Path],
+) -> None:
+    """Kill the container, unmount what was mounted, remove its cgroups and `base`."""
+    if nspawn is not None and nspawn.poll() is None:
+        # SIGKILL of the container's init tears the whole PID namespace down at once;
+        # a graceful poweroff would only cost time in a throwaway machine.
+        with contextlib.suppress(ProcessLookupError, MachineError):
+            os.kill(_find_leader(nspawn.pid, timeout=0.5), signal.SIGKILL)
+        try:
+            nspawn.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            nspawn.kill()
+            nspawn.wait(timeout=10)
+    for mount in reversed(mounted):
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+    _remove_cgroups(cgroups)
+    with contextlib.suppress(OSError):
+        base.rmdir()
 
 
 def machine_binds() -> list[Path]:

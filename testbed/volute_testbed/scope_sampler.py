@@ -20,7 +20,8 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import TypedDict
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
 
 from pystemd.dbuslib import DBus, apply_signature
 
@@ -54,77 +55,106 @@ def holds_process(bus: DBus, name: bytes) -> bool:
     return bool(rows)
 
 
+# ListUnitsByPatterns' arguments: the live states, and the scopes of turns and test runs.
+LIVE_SCOPES = (
+    [b"active", b"activating", b"deactivating"],
+    [b"volute-turn-*.scope", b"volute-test-*.scope"],
+)
+
+
+@dataclass
+class Sample:
+    """One listing: the turn scopes that hold a process (per mind), the test scopes, and
+    the names of both."""
+
+    turns: int = 0
+    tests: int = 0
+    per_mind: dict[str, int] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Summary:
+    """What the samples add up to: the JSON the sampler prints at its end."""
+
+    samples: int = 0
+    gaps: int = 0  # listings systemd did not answer (e.g. while it re-executed)
+    max_turns: int = 0
+    max_tests: int = 0
+    max_per_mind: dict[str, int] = field(default_factory=dict)
+    worst: list[str] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
+    empty_seen: dict[str, list[float]] = field(default_factory=dict)  # [first, last seen]
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)
+
+    def add(self, sample: Sample) -> None:
+        self.samples += 1
+        if sample.turns > self.max_turns:
+            self.max_turns = sample.turns
+            self.worst = sample.names
+        self.max_tests = max(self.max_tests, sample.tests)
+        for mind, n in sample.per_mind.items():
+            self.max_per_mind[mind] = max(self.max_per_mind.get(mind, 0), n)
+        if not self.timeline or self.timeline[-1][1:] != (sample.turns, sample.tests):
+            self.timeline.append((time.time(), sample.turns, sample.tests))
+
+    def as_json(self) -> Samples:
+        return {
+            "samples": self.samples,
+            "gaps": self.gaps,
+            "max_turns": self.max_turns,
+            "max_tests": self.max_tests,
+            "max_per_mind": self.max_per_mind,
+            "worst": self.worst,
+            "seen": sorted(self.seen),
+            "empty_seen": self.empty_seen,
+            "timeline": self.timeline,
+        }
+
+
+def read_sample(bus: DBus, rows: list[Any], summary: Summary) -> Sample:
+    """Count one listing's scopes; note every name in `summary.seen`, and each turn scope
+    that holds no process in `summary.empty_seen` (it does not count)."""
+    sample = Sample()
+    for row in rows:
+        name = row[0].decode()
+        match = PATTERN.fullmatch(name)
+        if not match:
+            continue
+        sample.names.append(name)
+        summary.seen.add(name)
+        if match.group(1) == "test":
+            sample.tests += 1
+            continue
+        if not holds_process(bus, row[0]):
+            now = time.time()
+            summary.empty_seen.setdefault(name, [now, now])[1] = now
+            continue
+        sample.turns += 1
+        mind = match.group(2)
+        sample.per_mind[mind] = sample.per_mind.get(mind, 0) + 1
+    return sample
+
+
 def main() -> None:
     stop_file = sys.argv[1]
     out_file = sys.argv[2]
     interval = float(sys.argv[3]) if len(sys.argv) > 3 else 0.002
     bus = DBus()
     bus.open()
-    args = apply_signature(
-        b"asas",
-        [
-            [b"active", b"activating", b"deactivating"],
-            [b"volute-turn-*.scope", b"volute-test-*.scope"],
-        ],
-    )
-    samples = 0
-    gaps = 0  # listings systemd did not answer (e.g. while it re-executed)
-    empty_seen: dict[str, list[float]] = {}  # name -> [first seen, last seen]
-    max_turns = 0
-    max_tests = 0
-    max_per_mind: dict[str, int] = {}
-    worst: list[str] = []
-    seen: set[str] = set()
-    timeline: list[tuple[float, int, int]] = []
+    args = apply_signature(b"asas", list(LIVE_SCOPES))
+    summary = Summary()
     while not os.path.exists(stop_file):
         try:
             rows = bus.call_method(DEST, PATH, IFACE, b"ListUnitsByPatterns", args).body
         except Exception:  # noqa: BLE001 - systemd re-executing: no answer, ask again
-            gaps += 1
+            summary.gaps += 1
             time.sleep(interval)
             continue
-        turns: dict[str, int] = {}
-        count = tests = 0
-        names = []
-        for row in rows:
-            name = row[0].decode()
-            match = PATTERN.fullmatch(name)
-            if not match:
-                continue
-            names.append(name)
-            seen.add(name)
-            if match.group(1) == "test":
-                tests += 1
-                continue
-            if not holds_process(bus, row[0]):
-                now = time.time()
-                empty_seen.setdefault(name, [now, now])[1] = now
-                continue
-            count += 1
-            turns[match.group(2)] = turns.get(match.group(2), 0) + 1
-        samples += 1
-        if count > max_turns:
-            max_turns = count
-            worst = names
-        max_tests = max(max_tests, tests)
-        for mind, n in turns.items():
-            max_per_mind[mind] = max(max_per_mind.get(mind, 0), n)
-        if not timeline or timeline[-1][1:] != (count, tests):
-            timeline.append((time.time(), count, tests))
+        summary.add(read_sample(bus, rows, summary))
         time.sleep(interval)
-    summary: Samples = {
-        "samples": samples,
-        "gaps": gaps,
-        "max_turns": max_turns,
-        "max_tests": max_tests,
-        "max_per_mind": max_per_mind,
-        "worst": worst,
-        "seen": sorted(seen),
-        "empty_seen": empty_seen,
-        "timeline": timeline,
-    }
     with open(out_file, "w") as handle:
-        json.dump(summary, handle)
+        json.dump(summary.as_json(), handle)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """`volutectl config show|check`: the effective configuration, and where each value came from.
 
-Both read the config exactly as every other command does (volutectl.config.settings.load_settings),
-so what `check` accepts is what the gate and `volutectl test` will run with.
+Both read the config exactly as every other command does
+(volutectl.config.settings.load_settings), so what `check` accepts is what the gate and
+`volutectl test` will run with.
 """
 
 from __future__ import annotations

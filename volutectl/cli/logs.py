@@ -43,7 +43,8 @@ from volutectl.cli.options import config_option
 from volutectl.errors import EX_NOUSER, DataError, UnavailableError, UsageError, VoluteError
 from volutectl.events import MESSAGE_IDS, Event
 
-if TYPE_CHECKING:  # pydantic only when the command runs, not for a TAB (volutectl.cli.completion)
+# pydantic only when the command runs, not for a TAB (volutectl.cli.completion).
+if TYPE_CHECKING:
     from volutectl.config.settings import Settings
 
 SINCE_EXAMPLES = "e.g. --since -1h, --since today, --since '2024-05-01 12:00'"
@@ -249,7 +250,9 @@ def find_journalctl() -> str:
 
 
 def query(argv: list[str], since: str | None) -> list[dict[str, Any]]:
-    """Run journalctl to the end; its entries, or one clear error."""
+    """Run journalctl to the end; its entries, or one clear error. Through subprocess,
+    not volutectl/kernel/processes.py: its stdout and stderr are both read (that
+    module's docstring says why)."""
     try:
         done = subprocess.run(argv, capture_output=True, text=True, check=False)
     except OSError as error:
@@ -262,13 +265,15 @@ def query(argv: list[str], since: str | None) -> list[dict[str, Any]]:
 def journalctl_error(stderr: str, since: str | None) -> VoluteError:
     said = (stderr.strip().splitlines() or ["no message"])[-1]
     if since is not None and "timestamp" in stderr.lower():
-        return UsageError(f"--since {since!r}: journalctl cannot read it ({said})",
-                          hint=SINCE_EXAMPLES)  # fmt: skip
+        return UsageError(
+            f"--since {since!r}: journalctl cannot read it ({said})", hint=SINCE_EXAMPLES
+        )
     return UnavailableError(f"journalctl failed: {said}")
 
 
 def entries(argv: list[str]) -> Iterator[dict[str, Any]]:
-    """journalctl's entries as it writes them (for --follow, for as long as it runs)."""
+    """journalctl's entries as it writes them (for --follow, for as long as it runs), read
+    through subprocess as the lines come (volutectl/kernel/processes.py says why)."""
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None
     try:
@@ -293,8 +298,9 @@ def configured_mind(settings: Settings, mind: str) -> str:
         raise DataError(str(error)) from None
     if mind not in settings.minds:
         known = ", ".join(sorted(settings.minds)) or "none"
-        raise VoluteError(f"unknown mind {mind!r}", hint=f"configured minds: {known}",
-                          exit_code=EX_NOUSER)  # fmt: skip
+        raise VoluteError(
+            f"unknown mind {mind!r}", hint=f"configured minds: {known}", exit_code=EX_NOUSER
+        )
     return mind
 
 
@@ -333,8 +339,9 @@ def never_ran(journalctl: str, turns: Turns, turn_id: int) -> DataError:
         else f"see the turns that did: volutectl logs {turns.mind}; reading the system "
         "journal takes root or the systemd-journal group"
     )
-    return DataError(f"turn {turn_id} of {turns.mind} never ran: the journal has no entry of it",
-                     hint=hint)  # fmt: skip
+    return DataError(
+        f"turn {turn_id} of {turns.mind} never ran: the journal has no entry of it", hint=hint
+    )
 
 
 def print_entries(
@@ -406,8 +413,13 @@ def follow_entries(
     recent = query(journalctl_argv(journalctl, matches, since=since, lines=lines), since)
     shown = {field_text(entry.get("__CURSOR")) for entry in recent} - {""}
     print_entries(recent, journalctl, turns, turn_id=turn_id, follow=True)
-    argv = journalctl_argv(journalctl, [], follow=True, after_cursor=cursor or None,
-                           lines=None if cursor else "all")  # fmt: skip
+    argv = journalctl_argv(
+        journalctl,
+        [],
+        follow=True,
+        after_cursor=cursor or None,
+        lines=None if cursor else "all",
+    )
     new = (e for e in entries(argv) if field_text(e.get("__CURSOR")) not in shown)
     print_entries(new, journalctl, turns, turn_id=turn_id, follow=True)
 

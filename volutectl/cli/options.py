@@ -9,8 +9,8 @@ from __future__ import annotations
 import click
 
 # Not click.Path(dir_okay=False): a directory given here is a config error (exit 78)
-# that names it, from volutectl.config.settings, like every other unreadable config file. A bare
-# click.Path() checks nothing, and lets the shell complete file names.
+# that names it, from volutectl.config.settings, like every other unreadable config
+# file. A bare click.Path() checks nothing, and lets the shell complete file names.
 config_option = click.option(
     "--config",
     "config_path",

@@ -95,10 +95,11 @@ def _totals(status: Status, now: float) -> list[str]:
         f"({status.turns_per_mind} per mind, in {status.slice})"
     ]
     held = ", ".join(f"{n} {reason}" for reason, n in sorted(status.holds.items()))
+    held_note = f" (held: {held})" if held else ""
     lines.append(
-        f"queue: {status.queue_depth} pending" + (f" (held: {held})" if held else "")
-        + f", oldest hold {_age(status.oldest_held_s)}; {status.dead} dead"
-    )  # fmt: skip
+        f"queue: {status.queue_depth} pending{held_note}, "
+        f"oldest hold {_age(status.oldest_held_s)}; {status.dead} dead"
+    )
     if status.paused:
         lines.append(_pauses(status.paused, now))
     for mind, problems in sorted(status.preflight.items()):

@@ -39,8 +39,6 @@ from pydantic_settings import (
 
 from volutectl import names
 from volutectl.config.sources import (
-    ENV_NESTED,
-    ENV_PREFIX,
     EnvironSource,
     Origins,
     TomlFileSource,
@@ -197,7 +195,8 @@ class MindSettings(Section):
     working_directory: Path | None = None
     # Readable by group volute with the rest of this file: not for secrets.
     environment: dict[str, str] = Field(default_factory=dict)
-    # KEY=VALUE lines that only root may read (volutectl/launcher/envfile.py), over `environment`.
+    # KEY=VALUE lines that only root may read (volutectl/launcher/envfile.py), over
+    # `environment`.
     environment_file: Path | None = None
     max_runtime_seconds: Annotated[float, Field(ge=0)] | None = None  # turns.max_runtime_seconds
 
@@ -317,10 +316,6 @@ class LoadedSettings:
     def table_sources(self, dotted: str) -> list[str]:
         """Every source that contributed to a table such as `minds.NAME`, file first."""
         return self.origins.table_sources(key_path(self.settings, dotted))
-
-
-def env_var_for(dotted: str) -> str:
-    return ENV_PREFIX + dotted.replace(".", ENV_NESTED).upper()
 
 
 def config_path(explicit: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> Path:

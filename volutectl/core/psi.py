@@ -6,8 +6,8 @@ within WINDOW µs. PSI never reports that pressure fell, so a hold ends when the
 share of a re-check interval, from two readings of the cumulative `total=`, drops below
 `resume_below_percent`: lower than the trigger's ratio, so the state does not flap.
 
-No I/O here: volutectl.gate.pressure (the watch) and volutectl.kernel.probes (what doctor asks of
-the kernel) read the files, and these functions decide.
+No I/O here: volutectl.gate.pressure (the watch) and volutectl.kernel.probes (what doctor
+asks of the kernel) read the files, and these functions decide.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""`volutectl doctor`: which of volutectl's protections take effect on this host.
+"""The checks of `volutectl doctor` (volutectl/cli/doctor.py): which of volutectl's
+protections take effect on this host.
 
 A unit file or config key that sets a weight proves nothing by itself: IOWeight= is a
 no-op under mq-deadline (the SD card scheduler on a Raspberry Pi), MemoryHigh= is a
 no-op with the memory controller off (a stock Pi), and pressure holds need PSI. Each
 check here reads the kernel's own answer and says what to change. It also runs the
-minds' preflight (volutectl/launcher/preflight.py), and says whether the caller may use the socket.
+minds' preflight (volutectl/launcher/preflight.py), and says whether the caller may use
+the socket.
 
 The probes are small functions over paths (a /sys, /proc or cgroup root, a device
 number), so tests point them at fake trees. Only the manager and socket checks reach

@@ -1,12 +1,24 @@
-"""Starting programs and reading how they ended: the one place volutectl spawns a process.
+"""Starting programs and reading how they ended: volutectl's spawn path.
 
-Every child starts through `spawn`, which is posix_spawn (vfork + exec): about 0.7 ms,
-where a fork of this Python process costs 2-5 ms copying its page tables. The child gets
-this process's descriptors that are inheritable (0, 1 and 2, and those named in
-`inherit` or `redirect`; Python opens everything else close-on-exec), and SIGPIPE and
-SIGXFSZ back at their defaults, as subprocess does: Python ignores SIGPIPE, and an
-ignored signal stays ignored across exec, so a writer to a closed pipe in the child
-would fail with EPIPE ("Broken pipe" on stderr) where in a shell it ends quietly.
+`spawn` is posix_spawn (vfork + exec): about 0.7 ms, where a fork of this Python process
+costs 2-5 ms copying its page tables. Every child volutectl starts goes through it, but
+for two, each for a reason of its own:
+- A turn's child (volutectl/launcher/fork.py, `fork_turn`) is a plain os.fork. The child
+  must do work between fork and exec that posix_spawn cannot: block on the release pipe
+  until systemd has put it into its scope, open its journal stream there while still
+  root, then drop to the mind's user and exec the wrapper.
+- journalctl under `volutectl logs` (volutectl/cli/logs.py) runs through subprocess: its
+  queries need journalctl's stdout and stderr both captured (subprocess reads them
+  together, so a full pipe cannot stall it), and the printed history and --follow read
+  its stdout as a stream of lines while it runs; `run` offers neither, and the few
+  journalctl runs of one command are no cost worth saving.
+
+The child of `spawn` gets this process's descriptors that are inheritable (0, 1 and 2,
+and those named in `inherit` or `redirect`; Python opens everything else
+close-on-exec), and SIGPIPE and SIGXFSZ back at their defaults, as subprocess does:
+Python ignores SIGPIPE, and an ignored signal stays ignored across exec, so a writer to
+a closed pipe in the child would fail with EPIPE ("Broken pipe" on stderr) where in a
+shell it ends quietly.
 
 Every wait status becomes one exit code, the way a shell reports it: the program's code,
 or 128+N when signal N ended it (`exit_code`). `run` is spawn plus wait, optionally

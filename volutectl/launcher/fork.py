@@ -290,7 +290,52 @@ def fork_turn(
     `stream` for its stdout and stderr, becomes `account` and execs the command.
 
     Its stdin (`stdin`, in a sealed memfd) and the wrapper's status descriptor are
-    opened here, by the gate, before the fork: the child opens nothing by a path."""
+    opened here, by the gate, before the fork: the child opens nothing by a path. A fork,
+    not volutectl/kernel/processes.py's posix_spawn: the child waits for its release, in
+    its scope, before it execs."""
+    fds = _open_child_fds(turn_dir, stdin)
+    wrapper = ["/bin/sh", WRAPPER, *argv]
+    environment = dict(env)
+    # Every signal blocked across the fork: none may run the gate's handlers in the child
+    # before it has reset them.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        pid = os.fork()
+    except OSError as error:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        fds.close_all()
+        raise VoluteError(f"cannot fork a turn: {error}") from None
+    if pid == 0:  # pragma: no cover - the child; its effects are tested end to end
+        try:
+            _wait_then_exec(fds, cwd, account, stream, wrapper, environment)
+        finally:
+            os._exit(127)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    fds.close_child_ends()
+    return Child(pid=pid, pidfd=os.pidfd_open(pid), release_fd=fds.release_write)
+
+
+@dataclass(frozen=True)
+class _ChildFds:
+    """What the child inherits: its stdin, the wrapper's status file, and the release
+    pipe (the child reads it; the gate keeps the write end)."""
+
+    stdin: int
+    status: int
+    release_read: int
+    release_write: int
+
+    def close_child_ends(self) -> None:
+        for fd in (self.release_read, self.stdin, self.status):
+            os.close(fd)
+
+    def close_all(self) -> None:
+        self.close_child_ends()
+        os.close(self.release_write)
+
+
+def _open_child_fds(turn_dir: TurnDir, stdin: bytes) -> _ChildFds:
+    """Open the child's descriptors before the fork; on failure, none stays open."""
     stdin_fd = sealed_stdin(stdin)
     try:
         status_fd = turn_dir.open_status()
@@ -302,47 +347,39 @@ def fork_turn(
     except BaseException:
         os.close(stdin_fd)
         raise
-    wrapper = ["/bin/sh", WRAPPER, *argv]
-    environment = dict(env)
-    # Every signal blocked across the fork: none may run the gate's handlers in the child
-    # before it has reset them.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-    try:
-        pid = os.fork()
-    except OSError as error:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        for fd in (read_fd, write_fd, stdin_fd, status_fd):
-            os.close(fd)
-        raise VoluteError(f"cannot fork a turn: {error}") from None
-    if pid != 0:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    else:  # pragma: no cover - the child; its effects are tested end to end
-        try:
-            _reset_inherited_state()
-            # Out of the way of 0 and STATUS_FD first, then into place.
-            release = fcntl.fcntl(read_fd, fcntl.F_DUPFD_CLOEXEC, STATUS_FD + 1)
-            stdin_fd = fcntl.fcntl(stdin_fd, fcntl.F_DUPFD_CLOEXEC, STATUS_FD + 1)
-            status_fd = fcntl.fcntl(status_fd, fcntl.F_DUPFD_CLOEXEC, STATUS_FD + 1)
-            os.dup2(stdin_fd, 0)
-            os.dup2(status_fd, STATUS_FD)
-            # Nothing of the gate's but these and the release pipe: not its listening
-            # socket, its clients, its database or its bus, not even until exec closes them.
-            os.closerange(3, STATUS_FD)
-            os.closerange(STATUS_FD + 1, release)
-            os.closerange(release + 1, _MAX_FD)  # the pipe's write end among them
-            os.setsid()
-            # The gate checked the working directory before the fork (preflight): entering
-            # it fails only if it changed since, and the child then exits unreleased.
-            _enter_as(cwd, account)
-            if os.read(release, 1) != RELEASE:
-                os._exit(0)
-            if stream is not None:
-                _log_to(stream)  # as root: see the module's docstring
-            _become(account)
-            _ready_to_exec()
-            os.execve("/bin/sh", wrapper, environment)
-        finally:
-            os._exit(127)
-    for fd in (read_fd, stdin_fd, status_fd):
-        os.close(fd)
-    return Child(pid=pid, pidfd=os.pidfd_open(pid), release_fd=write_fd)
+    return _ChildFds(stdin=stdin_fd, status=status_fd, release_read=read_fd, release_write=write_fd)
+
+
+def _wait_then_exec(
+    fds: _ChildFds,
+    cwd: str,
+    account: Account,
+    stream: TurnStream | None,
+    wrapper: list[str],
+    environment: dict[str, str],
+) -> None:  # pragma: no cover - the child; its effects are tested end to end
+    """The child's side: keep only its own descriptors, enter `cwd`, wait for the gate's
+    release byte (exit unreleased without it), then log, drop to `account` and exec."""
+    _reset_inherited_state()
+    # Out of the way of 0 and STATUS_FD first, then into place.
+    release = fcntl.fcntl(fds.release_read, fcntl.F_DUPFD_CLOEXEC, STATUS_FD + 1)
+    stdin_fd = fcntl.fcntl(fds.stdin, fcntl.F_DUPFD_CLOEXEC, STATUS_FD + 1)
+    status_fd = fcntl.fcntl(fds.status, fcntl.F_DUPFD_CLOEXEC, STATUS_FD + 1)
+    os.dup2(stdin_fd, 0)
+    os.dup2(status_fd, STATUS_FD)
+    # Nothing of the gate's but these and the release pipe: not its listening
+    # socket, its clients, its database or its bus, not even until exec closes them.
+    os.closerange(3, STATUS_FD)
+    os.closerange(STATUS_FD + 1, release)
+    os.closerange(release + 1, _MAX_FD)  # the pipe's write end among them
+    os.setsid()
+    # The gate checked the working directory before the fork (preflight): entering
+    # it fails only if it changed since, and the child then exits unreleased.
+    _enter_as(cwd, account)
+    if os.read(release, 1) != RELEASE:
+        os._exit(0)
+    if stream is not None:
+        _log_to(stream)  # as root: see the module's docstring
+    _become(account)
+    _ready_to_exec()
+    os.execve("/bin/sh", wrapper, environment)

@@ -1,10 +1,11 @@
-"""`volutectl launcher`: the root part of the gate (volute-launcher.service).
+"""The root part of the gate (volute-launcher.service), which `volutectl launcher`
+(volutectl/cli/launcher.py) runs.
 
 It takes orders (volutectl/wire/orders.py) on a socket that systemd opens for it
 (volute-launcher.socket, root:volute-gate 0660), from root or the gate's user alone
 (checked again by SO_PEERCRED), and carries each out with `LocalHands`
-(volutectl/launcher/hands.py): the turn's directory, the fork, the scope, the release, the inbox,
-SIGINT and stop of a turn's scope, and reading how a turn ran. It reads the minds'
+(volutectl/launcher/hands.py): the turn's directory, the fork, the scope, the release,
+the inbox, SIGINT and stop of a turn's scope, and reading how a turn ran. It reads the minds'
 commands, users, working directories and environments from its own copy of the
 configuration, read again when the file changes; an order brings ids and names only.
 

@@ -20,7 +20,8 @@ Layout, under gate.runtime_dir/turns (root's, 0711):
                  <id>-<nanoseconds>; what one removal's budget did not cover waits here
                  for the next removal, or the gate's next start
 
-The turn's stdin is not in the directory at all: it is a sealed memfd (launcher.py).
+The turn's stdin is not in the directory at all: it is a sealed memfd
+(volutectl/launcher/fork.py).
 
 Directories of turns that a gate before this layout started (mind-owned, with files
 `started` and `status` the wrapper wrote by name, and `.offered/` inside) are still

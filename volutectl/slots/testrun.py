@@ -1,4 +1,5 @@
-"""`volutectl test`: run a test command under the repository's test-run cap, in a scope.
+"""The work of `volutectl test` (volutectl/cli/test.py): run a test command under the
+repository's test-run cap, in a scope.
 
 The order of events: run --check (a failure exits at once, never queues); resolve the
 cap (--slots, then git config volute.testSlots in the common config, then
@@ -133,10 +134,15 @@ def run_capped(
         props = scope_properties(settings.tests, worktree, command)
         try:
             outcome.exit_status, outcome.execution_ms = launch_command(
-                command, child_env, slot, manager, (scope, props), as_json,
+                command,
+                env=child_env,
+                slot=slot,
+                manager=manager,
+                scope=(scope, props),
+                as_json=as_json,
                 on_scope=lambda started_scope: setattr(outcome, "scope", started_scope),
                 say=outcome.say,
-            )  # fmt: skip
+            )
         finally:
             if slot is not None:
                 # History first, while the slot is ours: the next run's estimate sees it.

@@ -26,9 +26,9 @@ The gate never takes a slot, and never opens one. It learns that a slot is held 
 - **Wake-ups: inotify, one watch per repository.** The slot directory is watched for
   IN_CLOSE_* of its files: a directory watch reports its children's events with their
   names. A flock is released when its last descriptor closes, which raises IN_CLOSE.
-  Taking a flock raises no event at all, so `volutectl.slots.slotfiles.acquire_slot` announces a
-  slot it has just taken by opening and closing the file once more (closing a second
-  description never releases a flock). IN_OPEN is not watched: it comes before the
+  Taking a flock raises no event at all, so `volutectl.slots.slotfiles.acquire_slot`
+  announces a slot it has just taken by opening and closing the file once more (closing
+  a second description never releases a flock). IN_OPEN is not watched: it comes before the
   lock, so a probe on it would race the locker. An event without a name is about the
   directory itself (someone listing it): no slot changed, so it is ignored. The gate
   never lists a slot directory; it looks up `slot-1`.. by name with lstat, which opens
@@ -481,11 +481,32 @@ class SlotWatch:
         watch is added before the level below it is looked for, so anything created
         after the look raises an event. Opened and checked again each time."""
         self._detach(repo)
+        directory = self._open_common_dir(repo)
+        if directory is None:
+            return
+        watched = self._watch_deepest_level(repo, directory)
+        if watched is None:
+            return
+        directory, depth, wd = watched
+        try:
+            info = os.fstat(directory)
+            repo.depth, repo.wd, repo.identity = depth, wd, (info.st_dev, info.st_ino)
+            self._by_wd[wd] = repo
+            repo.problem = None
+            if depth == SLOT_DEPTH:
+                self._scan(repo, directory)
+        finally:
+            os.close(directory)
+        self._recovered(repo)
+
+    def _open_common_dir(self, repo: _Repository) -> int | None:
+        """The repository's common git directory, opened and checked as its owner's; None
+        (and the problem said) when it cannot be watched."""
         try:
             directory = gitdirs.open_common_dir(repo.given)
         except PermissionError:
             self._cannot_watch(repo, "permission denied")
-            return
+            return None
         except (FileNotFoundError, gitdirs.NotARepository):
             if repo.key == repo.given:
                 self._cannot_watch(
@@ -495,16 +516,23 @@ class SlotWatch:
                 )
             else:
                 self._cannot_watch(repo, "gone", f"repository {repo.key} is gone; ignored")
-            return
+            return None
         except (OSError, gitdirs.RepositoryRefused) as error:
             self._cannot_watch(repo, _reason(error))
-            return
+            return None
         try:
             gitdirs.check_common_dir(directory, repo.uid)
         except (OSError, gitdirs.RepositoryRefused) as error:
             os.close(directory)
             self._cannot_watch(repo, _reason(error))
-            return
+            return None
+        return directory
+
+    def _watch_deepest_level(
+        self, repo: _Repository, directory: int
+    ) -> tuple[int, int, int] | None:
+        """Watch the deepest level there is below `directory` (which this takes over):
+        (that level's fd, its depth, the watch), or None (and the problem said)."""
         depth = 0
         while depth < SLOT_DEPTH:  # down to the deepest level there is
             below = _open_level(directory, depth)
@@ -522,28 +550,19 @@ class SlotWatch:
             except OSError as error:
                 os.close(directory)
                 self._cannot_watch(repo, _reason(error))
-                return
+                return None
             if depth == SLOT_DEPTH:
-                break
+                return directory, depth, wd
             below = _open_level(directory, depth)
             if below is None:
-                break  # not there (or no plain directory): its creation raises an event
+                # Not there (or no plain directory): its creation raises an event.
+                return directory, depth, wd
             # It appeared between the look and the watch: move the watch down.
             with contextlib.suppress(OSError):
                 self._inotify.rm_watch(wd)
             os.close(directory)
             directory = below
             depth += 1
-        try:
-            info = os.fstat(directory)
-            repo.depth, repo.wd, repo.identity = depth, wd, (info.st_dev, info.st_ino)
-            self._by_wd[wd] = repo
-            repo.problem = None
-            if depth == SLOT_DEPTH:
-                self._scan(repo, directory)
-        finally:
-            os.close(directory)
-        self._recovered(repo)
 
     def _scan(self, repo: _Repository, directory: int) -> None:
         """Look up slot-1 .. slot-<max> by name: bounded, whatever else the directory

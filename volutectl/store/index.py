@@ -1,10 +1,10 @@
 """Admission in O(what changed): an in-memory index of the pending deliveries.
 
-core.admit() decides over every pending row, in id order, on every pass; at 100,000
+admission.admit() decides over every pending row, in id order, on every pass; at 100,000
 rows that costs a second per delivery. This index decides the same from state kept in
 step with every commit (the store feeds it), looking only at what changed.
 
-Why the same decisions can be had per session and per mind (core.admit's rules):
+Why the same decisions can be had per session and per mind (admission.admit's rules):
 - A session's rows up to its first backing-off row (its *eligible prefix*) share one
   fate: they fold into its live turn, start together as one turn, or are held together.
   The backing-off row itself is not held; the rows after it are held `behind_backoff`.
@@ -19,8 +19,8 @@ Why the same decisions can be had per session and per mind (core.admit's rules):
   the regime stops.
 
 So a pass costs O(live turns + starts + minds and sessions that changed + rows whose
-hold reason changes). tests/unit/test_queueindex.py holds it to core.admit over the same
-rows, through random histories: the same starts, folds, and hold reason for every row.
+hold reason changes). tests/unit/test_queueindex.py holds it to admission.admit over the
+same rows, through random histories: the same starts, folds, and hold reason for every row.
 
 Pure: no I/O. It remembers the hold reason the store holds for each row, so that a
 pass returns only the reasons to write, and `counts` are the status line's, for free.
@@ -201,7 +201,7 @@ class PendingIndex:
         all_paused: bool = False,
         max_starts: int | None = None,
     ) -> tuple[Admission, list[Change]]:
-        """What core.admit() would decide over the pending rows, and the hold reasons the
+        """What admission.admit() would decide over the pending rows, and the hold reasons the
         store must write so that every row's recorded reason is the one it would give.
 
         `paused` names the paused minds; `all_paused` is a pause of every mind."""
@@ -296,13 +296,24 @@ class PendingIndex:
             if queue is None or not queue.eligible:
                 continue
             taken = queue.rows[: queue.eligible]
-            folds.append(Fold(turn_id, tuple(d.id for d in taken), any(d.interrupt for d in taken)))
+            folds.append(
+                Fold(
+                    turn_id=turn_id,
+                    delivery_ids=tuple(d.id for d in taken),
+                    interrupt=any(d.interrupt for d in taken),
+                )
+            )
         return folds
 
     def _starts(
-        self, limits: Limits, per_mind: Counter[str], running: int, other_busy: int,
-        pressure: bool, max_starts: int | None,
-    ) -> tuple[list[Start], int, int]:  # fmt: skip
+        self,
+        limits: Limits,
+        per_mind: Counter[str],
+        running: int,
+        other_busy: int,
+        pressure: bool,
+        max_starts: int | None,
+    ) -> tuple[list[Start], int, int]:
         """Start sessions in the order of their heads until the regime stops it."""
         starts: list[Start] = []
         busy = running + other_busy
@@ -322,7 +333,9 @@ class PendingIndex:
             heapq.heappop(self.startable)
             _, session = heapq.heappop(queues.heads)
             queue = queues.sessions[session]
-            starts.append(Start(mind, session, tuple(queue.ids[: queue.eligible])))
+            starts.append(
+                Start(mind=mind, session=session, delivery_ids=tuple(queue.ids[: queue.eligible]))
+            )
             per_mind[mind] += 1
             running += 1
             busy += 1
@@ -389,7 +402,7 @@ class PendingIndex:
     def _mind_reason(
         self, mind: str, limits: Limits, per_mind: Counter[str], regime: HoldReason | None
     ) -> HoldReason | None:
-        """The reason core.admit gives a held session of this mind, in this pass."""
+        """The reason admission.admit gives a held session of this mind, in this pass."""
         if self._paused(mind):
             return HoldReason.PAUSED
         if per_mind[mind] >= limits.for_mind(mind):

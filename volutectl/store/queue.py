@@ -1,4 +1,8 @@
-"""The durable delivery queue (with mindstore.py and retention.py, the SQL that writes).
+"""The durable delivery queue: the SQL that reads and writes deliveries and turns.
+
+The records it takes and gives are volutectl/store/rows.py's, decoded here from its
+SELECTs by column name; a mind's pauses are volutectl/store/minds.py's SQL, and removing
+what is done is volutectl/store/retention.py's.
 
 SQLite in WAL mode with synchronous=FULL: a delivery is acknowledged only after its
 commit has reached the disk (the incident this tool exists for ended in a power cycle);
@@ -20,25 +24,17 @@ from volutectl.core.admission import AfterFailure
 from volutectl.errors import PermissionDeniedError, UnavailableError, VoluteError
 from volutectl.states import HoldReason, Outcome, QueueState, TurnState
 from volutectl.store.minds import MindStore
-from volutectl.store.rows import (
-    ROW_COLUMNS,
-    TURN_COLUMNS,
-    NewDelivery,
-    RequestIdReused,
-    Row,
-    TurnRow,
-    row_of,
-    turn_of,
-)
+from volutectl.store.rows import NewDelivery, RequestIdReused, Row, TurnRow
 from volutectl.store.schema import Transaction, migrate, schema_version
 
-# The row types are volutectl/store/rows.py's; they are re-exported for the store's callers.
+# The records are volutectl/store/rows.py's; they are re-exported for the store's callers.
 __all__ = ["NewDelivery", "RequestIdReused", "Row", "Store", "TurnRow"]
 
-PENDING, RUNNING, DONE, DEAD, DROPPED = (
-    QueueState.PENDING, QueueState.RUNNING, QueueState.DONE, QueueState.DEAD,
-    QueueState.DROPPED,
-)  # fmt: skip
+PENDING = QueueState.PENDING
+RUNNING = QueueState.RUNNING
+DONE = QueueState.DONE
+DEAD = QueueState.DEAD
+DROPPED = QueueState.DROPPED
 
 
 _CHUNK = 500  # ids per statement
@@ -46,6 +42,61 @@ _CHUNK = 500  # ids per statement
 
 def _marks(values: Sequence[object]) -> str:
     return ",".join("?" * len(values))
+
+
+# The columns of a SELECT that reads whole rows; the decoders below read them by name.
+ROW_COLUMNS = (
+    "id, mind, session, message, interrupt, state, attempts, not_before, created_at, "
+    "held_since, hold_reason, held_ms, turn_id, folded, last_error"
+)
+# The same, with an empty message: admission must not read a deep queue's message bodies.
+ROW_COLUMNS_NO_MESSAGE = ROW_COLUMNS.replace("message", "x'' AS message", 1)
+TURN_COLUMNS = (
+    "id, mind, session, unit, state, released, started_at, ended_at, outcome, exit_status, "
+    "detail, pid, interrupted, deadline, timed_out_at"
+)
+
+
+def _row_of(values: sqlite3.Row) -> Row:
+    hold_reason = values["hold_reason"]
+    return Row(
+        id=int(values["id"]),
+        mind=str(values["mind"]),
+        session=str(values["session"]),
+        message=bytes(values["message"]),
+        interrupt=bool(values["interrupt"]),
+        state=QueueState(values["state"]),
+        attempts=int(values["attempts"]),
+        not_before=values["not_before"],
+        created_at=float(values["created_at"]),
+        held_since=values["held_since"],
+        hold_reason=HoldReason(hold_reason) if hold_reason else None,
+        held_ms=int(values["held_ms"]),
+        turn_id=values["turn_id"],
+        folded=bool(values["folded"]),
+        last_error=values["last_error"],
+    )
+
+
+def _turn_of(values: sqlite3.Row) -> TurnRow:
+    outcome = values["outcome"]
+    return TurnRow(
+        id=int(values["id"]),
+        mind=str(values["mind"]),
+        session=str(values["session"]),
+        unit=str(values["unit"]),
+        state=TurnState(values["state"]),
+        released=bool(values["released"]),
+        started_at=float(values["started_at"]),
+        ended_at=values["ended_at"],
+        outcome=Outcome(outcome) if outcome else None,
+        exit_status=values["exit_status"],
+        detail=values["detail"],
+        pid=values["pid"],
+        interrupted=bool(values["interrupted"]),
+        deadline=values["deadline"],
+        timed_out_at=values["timed_out_at"],
+    )
 
 
 class Store:
@@ -86,6 +137,12 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+    def _select(self, sql: str, parameters: Sequence[object] = ()) -> sqlite3.Cursor:
+        """A cursor whose rows are read by column name (sqlite3.Row)."""
+        cursor = self.db.cursor()
+        cursor.row_factory = sqlite3.Row
+        return cursor.execute(sql, parameters)
 
     def _tx(self, *, durable: bool = True) -> Transaction:
         return Transaction(self.db, durable=durable, on_durable_commit=self._synced)
@@ -157,49 +214,53 @@ class Store:
         self._inserted(inserted)
         return results
 
-    # Hooks for the gate's index (indexedstore.py), after a commit (none if it fails): new
-    # rows; rows maybe pending again (returned, backing off, retried); rows that left;
-    # rows now done or dropped (no longer counted against their uid's quota).
+    # Hooks for the gate's index (volutectl/store/indexed.py), after a commit (none if it
+    # fails): new rows; rows maybe pending again (returned, backing off, retried); rows
+    # that left; rows now done or dropped (no longer counted against their uid's quota).
     def _inserted(self, rows: list[tuple[int, NewDelivery]]) -> None: ...
     def _pended(self, ids: Iterable[int]) -> None: ...
     def _unpended(self, ids: Iterable[int]) -> None: ...
     def _finished(self, ids: list[int]) -> None: ...
 
     def _by_request_id(self, item: NewDelivery) -> int | RequestIdReused | None:
-        found = self.db.execute(
+        found = self._select(
             "SELECT id, mind, session, message, interrupt FROM deliveries WHERE request_id = ?",
             (item.request_id,),
         ).fetchone()
         if found is None:
             return None
-        same = (found[1], found[2], bytes(found[3]), bool(found[4])) == (
-            item.mind, item.session, item.message, bool(item.interrupt),
-        )  # fmt: skip
-        return int(found[0]) if same else RequestIdReused(str(item.request_id), int(found[0]))
+        same = (
+            found["mind"] == item.mind
+            and found["session"] == item.session
+            and bytes(found["message"]) == item.message
+            and bool(found["interrupt"]) == bool(item.interrupt)
+        )
+        delivery_id = int(found["id"])
+        return delivery_id if same else RequestIdReused(str(item.request_id), delivery_id)
 
     def pending(self, *, with_message: bool = False) -> list[Row]:
         """Pending rows in id order. Without `with_message`, Row.message is empty: admission
         runs on every pass and must not read a deep queue's message bodies each time."""
-        columns = ROW_COLUMNS if with_message else ROW_COLUMNS.replace("message", "x''", 1)
-        cursor = self.db.execute(
+        columns = ROW_COLUMNS if with_message else ROW_COLUMNS_NO_MESSAGE
+        cursor = self._select(
             f"SELECT {columns} FROM deliveries WHERE state = ? ORDER BY id", (PENDING,)
         )
-        return [row_of(values) for values in cursor]
+        return [_row_of(values) for values in cursor]
 
     def rows(self, ids: Iterable[int], *, with_message: bool = True) -> list[Row]:
         """The rows of `ids` that exist, in id order (Row.message empty without
         `with_message`). Asked in chunks: a batch after a long pause can hold more ids
         than one statement may have parameters (999 before SQLite 3.32, 32766 after)."""
         id_list = sorted(set(ids))
-        columns = ROW_COLUMNS if with_message else ROW_COLUMNS.replace("message", "x''", 1)
+        columns = ROW_COLUMNS if with_message else ROW_COLUMNS_NO_MESSAGE
         found = []
         for start in range(0, len(id_list), _CHUNK):
             chunk = id_list[start : start + _CHUNK]
-            cursor = self.db.execute(
+            cursor = self._select(
                 f"SELECT {columns} FROM deliveries WHERE id IN ({_marks(chunk)}) ORDER BY id",
                 chunk,
             )
-            found += [row_of(values) for values in cursor]
+            found += [_row_of(values) for values in cursor]
         return found
 
     def row(self, delivery_id: int) -> Row | None:
@@ -208,12 +269,12 @@ class Store:
 
     def list_rows(self, states: Sequence[QueueState], limit: int = 200) -> list[Row]:
         """The newest `limit` rows in `states`, newest first."""
-        cursor = self.db.execute(
+        cursor = self._select(
             f"SELECT {ROW_COLUMNS} FROM deliveries WHERE state IN ({_marks(states)}) "
             "ORDER BY id DESC LIMIT ?",
             (*states, limit),
         )
-        return [row_of(values) for values in cursor]
+        return [_row_of(values) for values in cursor]
 
     def count_rows(self, states: Sequence[QueueState]) -> int:
         return int(
@@ -223,11 +284,11 @@ class Store:
         )
 
     def rows_of_turn(self, turn_id: int) -> list[Row]:
-        cursor = self.db.execute(
+        cursor = self._select(
             f"SELECT {ROW_COLUMNS} FROM deliveries WHERE turn_id = ? AND state = ? ORDER BY id",
             (turn_id, RUNNING),
         )
-        return [row_of(values) for values in cursor]
+        return [_row_of(values) for values in cursor]
 
     def mark_held(self, holds: Iterable[tuple[int, HoldReason | None]], now: float) -> list[int]:
         """Record holds that just began; returns the ids whose hold is new (to log once).
@@ -277,9 +338,11 @@ class Store:
 
     def drop(self, delivery_ids: Sequence[int], now: float) -> list[int]:
         changed = self._change(
-            delivery_ids, "state = ?, finished_at = ?, held_since = NULL", (DROPPED, now),
+            delivery_ids,
+            "state = ?, finished_at = ?, held_since = NULL",
+            (DROPPED, now),
             (PENDING, DEAD),
-        )  # fmt: skip
+        )
         self._unpended(changed)
         self._finished(changed)
         return changed
@@ -442,9 +505,17 @@ class Store:
                 "UPDATE deliveries SET state = ?, attempts = ?, not_before = ?, last_error = ?, "
                 "turn_id = CASE WHEN ? THEN turn_id ELSE NULL END, folded = 0, "
                 "finished_at = ? WHERE id = ? AND state = ?",
-                (after.state, after.attempts, after.not_before, error, dead,
-                 now if dead else None, delivery_id, RUNNING),
-            )  # fmt: skip
+                (
+                    after.state,
+                    after.attempts,
+                    after.not_before,
+                    error,
+                    dead,
+                    now if dead else None,
+                    delivery_id,
+                    RUNNING,
+                ),
+            )
 
     def end_turn(
         self, turn_id: int, outcome: Outcome, exit_status: int | None, detail: str, now: float
@@ -462,13 +533,13 @@ class Store:
         )
 
     def open_turns(self) -> list[TurnRow]:
-        cursor = self.db.execute(
+        cursor = self._select(
             f"SELECT {TURN_COLUMNS} FROM turns WHERE state != ? ORDER BY id", (TurnState.ENDED,)
         )
-        return [turn_of(values) for values in cursor]
+        return [_turn_of(values) for values in cursor]
 
     def turn(self, turn_id: int) -> TurnRow | None:
-        values = self.db.execute(
+        values = self._select(
             f"SELECT {TURN_COLUMNS} FROM turns WHERE id = ?", (turn_id,)
         ).fetchone()
-        return turn_of(values) if values else None
+        return _turn_of(values) if values else None

@@ -1,14 +1,15 @@
-"""The rows of the queue database, as the store hands them out and takes them in.
+"""The records of the queue database: what the store takes in and hands out.
 
-Plain frozen dataclasses, and the parsing of a SELECT's tuple into one. The store
-(volutectl/store/queue.py) is the only module that reads or writes them in SQL.
+`NewDelivery` (a delivery to add), `Row` (a delivery as stored), `TurnRow` (a turn as
+stored) and `RequestIdReused` (the refusal of a reused request id): plain frozen
+dataclasses with no SQL, so the store's callers and quotas (volutectl/store/quotas.py)
+can name them without the store. The store (volutectl/store/queue.py) is the only module
+that reads or writes them in SQL, and decodes its SELECTs into them by column name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from volutectl.core.admission import Delivery
 from volutectl.errors import DataError
@@ -61,7 +62,13 @@ class Row:
     last_error: str | None
 
     def as_delivery(self) -> Delivery:
-        return Delivery(self.id, self.mind, self.session, self.interrupt, self.not_before)
+        return Delivery(
+            id=self.id,
+            mind=self.mind,
+            session=self.session,
+            interrupt=self.interrupt,
+            not_before=self.not_before,
+        )
 
 
 @dataclass(frozen=True)
@@ -81,28 +88,3 @@ class TurnRow:
     interrupted: bool = False  # the gate sent it SIGINT for an --interrupt delivery
     deadline: float | None = None  # when its max runtime runs out (None: no limit)
     timed_out_at: float | None = None  # when the gate stopped it for running past that
-
-
-ROW_COLUMNS = (
-    "id, mind, session, message, interrupt, state, attempts, not_before, created_at, "
-    "held_since, hold_reason, held_ms, turn_id, folded, last_error"
-)
-TURN_COLUMNS = (
-    "id, mind, session, unit, state, released, started_at, ended_at, outcome, exit_status, "
-    "detail, pid, interrupted, deadline, timed_out_at"
-)
-
-
-def row_of(v: Sequence[Any]) -> Row:
-    return Row(
-        int(v[0]), str(v[1]), str(v[2]), bytes(v[3]), bool(v[4]), QueueState(v[5]), int(v[6]),
-        v[7], float(v[8]), v[9], HoldReason(v[10]) if v[10] else None, int(v[11]), v[12],
-        bool(v[13]), v[14],
-    )  # fmt: skip
-
-
-def turn_of(v: Sequence[Any]) -> TurnRow:
-    return TurnRow(
-        int(v[0]), str(v[1]), str(v[2]), str(v[3]), TurnState(v[4]), bool(v[5]), float(v[6]),
-        v[7], Outcome(v[8]) if v[8] else None, v[9], v[10], v[11], bool(v[12]), v[13], v[14],
-    )  # fmt: skip

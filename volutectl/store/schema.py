@@ -266,8 +266,15 @@ def live_bytes(db: sqlite3.Connection) -> int:
 
 def sqlite_temp_dir() -> Path:
     """Where SQLite's unix VFS puts temporary files: the first directory we may write."""
-    for candidate in (os.environ.get("SQLITE_TMPDIR"), os.environ.get("TMPDIR"),
-                      "/var/tmp", "/usr/tmp", "/tmp", "."):  # fmt: skip
+    candidates = (
+        os.environ.get("SQLITE_TMPDIR"),
+        os.environ.get("TMPDIR"),
+        "/var/tmp",
+        "/usr/tmp",
+        "/tmp",
+        ".",
+    )
+    for candidate in candidates:
         if candidate and os.path.isdir(candidate) and os.access(candidate, os.W_OK | os.X_OK):
             return Path(candidate)
     return Path(".")
@@ -296,19 +303,27 @@ def enable_incremental_vacuum(
 
     `progress` is called about once a second during the VACUUM."""
     if is_incremental(db):
-        return Vacuum(True, "debug", f"{path}: gives back free pages already")
+        return Vacuum(done=True, level="debug", message=f"{path}: gives back free pages already")
     manual = (
         f"stop volute-gate.service, run sqlite3 {path} 'PRAGMA auto_vacuum = INCREMENTAL; "
         "VACUUM', start it again"
     )
     attempts = vacuum_attempts(db)
     if attempts >= VACUUM_ATTEMPTS:
-        return Vacuum(False, "warning", f"{path} does not shrink: converting it was "
-                      f"tried {attempts} times, never to the end; by hand: {manual}")  # fmt: skip
+        return Vacuum(
+            done=False,
+            level="warning",
+            message=f"{path} does not shrink: converting it was tried {attempts} times, "
+            f"never to the end; by hand: {manual}",
+        )
     missing = vacuum_space_missing(db, path)
     if missing is not None:
-        return Vacuum(False, "warning", f"{path} does not shrink yet: converting it to "
-                      f"incremental vacuum is left for a later start, as {missing}")  # fmt: skip
+        return Vacuum(
+            done=False,
+            level="warning",
+            message=f"{path} does not shrink yet: converting it to incremental vacuum is "
+            f"left for a later start, as {missing}",
+        )
     with Transaction(db):
         db.execute(
             "INSERT INTO meta (key, value) VALUES ('vacuum_attempts', 1) "
@@ -318,15 +333,22 @@ def enable_incremental_vacuum(
     try:
         _vacuum(db, progress)
     except sqlite3.Error as error:
-        return Vacuum(False, "error", f"{path}: converting it to incremental vacuum "
-                      f"failed (tried again at the next start): {error}")  # fmt: skip
+        return Vacuum(
+            done=False,
+            level="error",
+            message=f"{path}: converting it to incremental vacuum failed (tried again at "
+            f"the next start): {error}",
+        )
     with Transaction(db):
         db.execute("DELETE FROM meta WHERE key = 'vacuum_attempts'")
     # The VACUUM went through the WAL, which keeps its size until truncated.
     db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    return Vacuum(True, "info", f"{path} now gives back free pages: converted from "
-                  f"{before / MiB:.1f} MiB to {_file_bytes(path) / MiB:.1f} MiB in "
-                  f"{time.monotonic() - started:.1f} s")  # fmt: skip
+    return Vacuum(
+        done=True,
+        level="info",
+        message=f"{path} now gives back free pages: converted from {before / MiB:.1f} MiB "
+        f"to {_file_bytes(path) / MiB:.1f} MiB in {time.monotonic() - started:.1f} s",
+    )
 
 
 def _vacuum(db: sqlite3.Connection, progress: Callable[[], None]) -> None:

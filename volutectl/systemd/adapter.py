@@ -37,7 +37,7 @@ from typing import Any
 
 from pystemd.dbuslib import DBus, apply_signature, path_decode
 
-from volutectl.errors import SystemdError, SystemdNoAnswer, UnavailableError
+from volutectl.errors import PermissionDeniedError, SystemdError, SystemdNoAnswer, UnavailableError
 from volutectl.systemd.port import (
     ENDED_STATES,
     LIVE_STATES,
@@ -45,12 +45,10 @@ from volutectl.systemd.port import (
     SocketUnit,
     UnitEnded,
     UnitInfo,
-    dbus_error,
-    no_such_unit,
 )
 
-# The data types live in volutectl/systemd/port.py (the gate's port); they are re-exported here
-# for the adapter's other callers.
+# The data types live in volutectl/systemd/port.py (the gate's port); they are re-exported
+# here for the adapter's other callers.
 __all__ = [
     "ENDED_STATES",
     "LIVE_STATES",
@@ -95,6 +93,38 @@ _UNIT_PROPERTY_SIGNATURES: dict[str, bytes] = {
     "Slice": b"s",
 }
 _UNIT_PROPERTY_INTERFACE: dict[str, bytes] = {"Slice": b"org.freedesktop.systemd1.Scope"}
+
+
+# pystemd's errors, classified into the port's (volutectl/systemd/port.py).
+_GONE_ERRORS = ("NoSuchUnit", "UnknownObject")
+
+
+def no_such_unit(error: BaseException) -> bool:
+    """systemd's answer "no such unit (object) is loaded": an answer, not a failed call.
+
+    pystemd 0.15 maps org.freedesktop.systemd1.NoSuchUnit and
+    org.freedesktop.DBus.Error.UnknownObject to classes of their own (whose text then
+    omits the D-Bus name); older releases keep the name in the text."""
+    kind = type(error).__name__
+    return any(f"DBus{name}Error" == kind or name in str(error) for name in _GONE_ERRORS)
+
+
+# The bus's words for "systemd never answered": it disconnected (daemon-reexec drops
+# its connection, and every call in flight with it) or did not reply in time.
+_NO_ANSWER = ("without replying", "NoReply", "Timed out", "timed out", "ServiceUnknown")
+
+
+def dbus_error(error: BaseException, what: str) -> Exception:
+    """Map a pystemd/D-Bus error to ours, keeping D-Bus's own error name in the text."""
+    text = str(error)
+    if any(words in text for words in _NO_ANSWER):
+        return SystemdNoAnswer(f"{what}: systemd gave no answer: {text}")
+    if "AccessDenied" in text or "InteractiveAuthorizationRequired" in text or "EPERM" in text:
+        return PermissionDeniedError(
+            f"{what}: systemd refused: {text}",
+            hint="run as root, or grant org.freedesktop.systemd1.manage-units with polkit",
+        )
+    return SystemdError(f"{what}: {text}")
 
 
 def _text(value: object) -> str:

@@ -107,8 +107,8 @@ class Journal:
             self.sender(*entry_fields(self.identifier, level, message, fields))
             return
         extra = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
-        print(f"<{PRIORITY.get(level, 6)}>{message}" + (f" [{extra}]" if extra else ""),
-              file=sys.stderr, flush=True)  # fmt: skip
+        suffix = f" [{extra}]" if extra else ""
+        print(f"<{PRIORITY.get(level, 6)}>{message}{suffix}", file=sys.stderr, flush=True)
 
     def turn_stream(self, mind: str, unit: str) -> TurnStream | None:
         if self.stdout_socket is None:

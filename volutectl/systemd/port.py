@@ -1,13 +1,17 @@
 """What the gate knows of systemd, and what it asks of it: the adapter's port.
 
 The data that crosses the boundary (ScopeProperties, UnitInfo, UnitEnded, SocketUnit),
-and `SystemdManager`, the surface of volutectl.systemd.adapter.Manager that the gate uses. The
-gate depends on this Protocol, not on the adapter, so a test can run the real gate
+and `SystemdManager`, the surface of volutectl.systemd.adapter.Manager that the gate
+uses. The gate depends on this Protocol, not on the adapter, so a test can run the real gate
 in-process against tests/unit/fake_systemd.py; tests/contract.py holds the assertions
 that both the fake and the real adapter must pass.
 
+The errors its calls raise are volutectl/errors.py's, and the gate programs against
+those: SystemdNoAnswer (systemd never answered: the call may or may not have happened),
+PermissionDeniedError (systemd refused), SystemdError (any other failure).
+
 No pystemd here: ScopeProperties.as_dbus() gives (name, value) pairs, and the adapter
-alone attaches D-Bus signatures to them.
+alone attaches D-Bus signatures to them and maps D-Bus's errors to ours.
 """
 
 from __future__ import annotations
@@ -15,8 +19,6 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-from volutectl.errors import PermissionDeniedError, SystemdError, SystemdNoAnswer
 
 # States in which a unit still has (or may have) processes: it counts as live.
 LIVE_STATES = ("active", "activating", "deactivating", "reloading")
@@ -95,37 +97,6 @@ class UnitEnded:
 
     name: str
     active_state: str
-
-
-_GONE_ERRORS = ("NoSuchUnit", "UnknownObject")
-
-
-def no_such_unit(error: BaseException) -> bool:
-    """systemd's answer "no such unit (object) is loaded": an answer, not a failed call.
-
-    pystemd 0.15 maps org.freedesktop.systemd1.NoSuchUnit and
-    org.freedesktop.DBus.Error.UnknownObject to classes of their own (whose text then
-    omits the D-Bus name); older releases keep the name in the text."""
-    kind = type(error).__name__
-    return any(f"DBus{name}Error" == kind or name in str(error) for name in _GONE_ERRORS)
-
-
-# The bus's words for "systemd never answered": it disconnected (daemon-reexec drops
-# its connection, and every call in flight with it) or did not reply in time.
-_NO_ANSWER = ("without replying", "NoReply", "Timed out", "timed out", "ServiceUnknown")
-
-
-def dbus_error(error: BaseException, what: str) -> Exception:
-    """Map a pystemd/D-Bus error to ours, keeping D-Bus's own error name in the text."""
-    text = str(error)
-    if any(words in text for words in _NO_ANSWER):
-        return SystemdNoAnswer(f"{what}: systemd gave no answer: {text}")
-    if "AccessDenied" in text or "InteractiveAuthorizationRequired" in text or "EPERM" in text:
-        return PermissionDeniedError(
-            f"{what}: systemd refused: {text}",
-            hint="run as root, or grant org.freedesktop.systemd1.manage-units with polkit",
-        )
-    return SystemdError(f"{what}: {text}")
 
 
 class SystemdManager(Protocol):
