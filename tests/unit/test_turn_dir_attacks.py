@@ -22,15 +22,14 @@ from pathlib import Path
 import pytest
 
 from volutectl.kernel import dirfds
-from volutectl.launcher import fork as launcher
-from volutectl.launcher import turndir
+from volutectl.launcher import fork, turndir
 
 ROOT = os.geteuid() == 0
 MIND = pwd.getpwnam("nobody") if ROOT else pwd.getpwuid(os.getuid())
 
 
-def mind_account() -> launcher.Account:
-    return launcher.Account(MIND.pw_name, MIND.pw_uid, MIND.pw_gid, (), MIND.pw_dir)
+def mind_account() -> fork.Account:
+    return fork.Account(MIND.pw_name, MIND.pw_uid, MIND.pw_gid, (), MIND.pw_dir)
 
 
 def as_mind(attack: Callable[[], None]) -> None:
@@ -75,8 +74,8 @@ def run_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def turn(run_dir: Path) -> launcher.TurnDir:
-    return launcher.make_turn_dir(run_dir, 7, mind_account())
+def turn(run_dir: Path) -> fork.TurnDir:
+    return fork.make_turn_dir(run_dir, 7, mind_account())
 
 
 @pytest.fixture
@@ -100,9 +99,7 @@ def unchanged(victim: Path) -> bool:
 # -- finding 1: links planted where the gate writes ------------------------------------------
 
 
-def test_links_planted_in_the_inbox_are_never_followed(
-    turn: launcher.TurnDir, victim: Path
-) -> None:
+def test_links_planted_in_the_inbox_are_never_followed(turn: fork.TurnDir, victim: Path) -> None:
     inbox = os.open(turn.inbox, os.O_RDONLY | os.O_DIRECTORY)
 
     def plant() -> None:
@@ -115,7 +112,7 @@ def test_links_planted_in_the_inbox_are_never_followed(
     finally:
         os.close(inbox)
     for delivery_id in (1, 2, 3):
-        launcher.offer(turn, delivery_id, b'{"id": %d}\n' % delivery_id, mind_account())
+        fork.offer(turn, delivery_id, b'{"id": %d}\n' % delivery_id, mind_account())
     assert unchanged(victim)
     for delivery_id in (1, 2, 3):
         offered = turn.inbox / f"{delivery_id}.json"
@@ -126,14 +123,14 @@ def test_links_planted_in_the_inbox_are_never_followed(
     assert (turn.inbox / ".3.tmp").is_symlink()
 
 
-def test_an_offer_the_inbox_refuses_is_not_taken(turn: launcher.TurnDir) -> None:
+def test_an_offer_the_inbox_refuses_is_not_taken(turn: fork.TurnDir) -> None:
     inbox = os.open(turn.inbox, os.O_RDONLY | os.O_DIRECTORY)
     try:
         as_mind(lambda: os.mkdir("4.json", dir_fd=inbox))  # a directory where it goes
     finally:
         os.close(inbox)
     with pytest.raises(IsADirectoryError):
-        launcher.offer(turn, 4, b"{}\n", mind_account())
+        fork.offer(turn, 4, b"{}\n", mind_account())
     assert turn.not_taken([4]) == {4}  # so it goes to the session's next turn
 
 
@@ -141,7 +138,7 @@ def test_an_offer_the_inbox_refuses_is_not_taken(turn: launcher.TurnDir) -> None
 
 
 def test_the_turn_can_change_nothing_in_its_directory_but_its_inbox(
-    turn: launcher.TurnDir, tmp_path: Path
+    turn: fork.TurnDir, tmp_path: Path
 ) -> None:
     directory = os.open(turn.path, os.O_RDONLY | os.O_DIRECTORY)
     etc = tmp_path / "etc"
@@ -165,18 +162,18 @@ def test_the_turn_can_change_nothing_in_its_directory_but_its_inbox(
                 as_mind(lambda: os.symlink(etc, "new", dir_fd=directory))
     finally:
         os.close(directory)
-    launcher.offer(turn, 5, b"{}\n", mind_account())
+    fork.offer(turn, 5, b"{}\n", mind_account())
     assert list(etc.iterdir()) == []
 
 
-def test_an_inbox_that_is_a_link_is_refused(turn: launcher.TurnDir, tmp_path: Path) -> None:
+def test_an_inbox_that_is_a_link_is_refused(turn: fork.TurnDir, tmp_path: Path) -> None:
     # What a turn did when its directory was its own; root alone can do it now.
     etc = tmp_path / "etc"
     etc.mkdir()
     turn.inbox.rename(turn.path / "inbox.away")
     turn.inbox.symlink_to(etc)
     with pytest.raises(OSError) as raised:
-        launcher.offer(turn, 5, b"{}\n", mind_account())
+        fork.offer(turn, 5, b"{}\n", mind_account())
     assert raised.value.errno in (errno.ELOOP, errno.ENOTDIR)
     assert list(etc.iterdir()) == []
 
@@ -185,7 +182,7 @@ def test_an_inbox_that_is_a_link_is_refused(turn: launcher.TurnDir, tmp_path: Pa
 
 
 def test_stdin_is_the_batch_whatever_the_turn_put_in_its_directory(
-    turn: launcher.TurnDir, victim: Path
+    turn: fork.TurnDir, victim: Path
 ) -> None:
     with tempfile.TemporaryDirectory(dir="/tmp") as where:
         out = Path(where)
@@ -193,14 +190,12 @@ def test_stdin_is_the_batch_whatever_the_turn_put_in_its_directory(
         run_turn_that_reports(turn, victim, out)
 
 
-def run_turn_that_reports(turn: launcher.TurnDir, victim: Path, out: Path) -> None:
+def run_turn_that_reports(turn: fork.TurnDir, victim: Path, out: Path) -> None:
     # No stdin.jsonl to swap: a link of that name (root's doing; the turn cannot) is not read.
     (turn.path / "stdin.jsonl").symlink_to(victim)
     account = mind_account()
     script = f"cat > {out}/stdin; {{ echo x >&9; }} 2>/dev/null || echo closed > {out}/nine; exit 3"
-    child = launcher.fork_turn(
-        ["/bin/sh", "-c", script], {}, account, turn, "/", stdin=b'{"id": 1}\n'
-    )
+    child = fork.fork_turn(["/bin/sh", "-c", script], {}, account, turn, "/", stdin=b'{"id": 1}\n')
     try:
         child.release()
         _, status = os.waitpid(child.pid, 0)
@@ -216,7 +211,7 @@ def run_turn_that_reports(turn: launcher.TurnDir, victim: Path, out: Path) -> No
 
 
 def test_the_stdin_memfd_cannot_be_changed() -> None:
-    fd = launcher.sealed_stdin(b"batch\n")
+    fd = fork.sealed_stdin(b"batch\n")
     try:
         with pytest.raises(PermissionError):
             os.write(fd, b"other")
@@ -241,7 +236,7 @@ def returns_within(seconds: float, call: Callable[[], object]) -> object:
 
 @pytest.mark.parametrize("name", ["status", "started"])
 def test_a_fifo_where_the_wrapper_writes_never_blocks_the_gate(
-    turn: launcher.TurnDir, name: str
+    turn: fork.TurnDir, name: str
 ) -> None:
     # Where a turn directory is the turn's (before this layout), the turn could do this.
     (turn.path / name).unlink(missing_ok=True)
@@ -254,7 +249,7 @@ def test_a_fifo_where_the_wrapper_writes_never_blocks_the_gate(
 
 
 def test_a_status_that_is_a_link_or_too_large_is_not_read(
-    turn: launcher.TurnDir, tmp_path: Path
+    turn: fork.TurnDir, tmp_path: Path
 ) -> None:
     zero = tmp_path / "zero"
     zero.write_text("0\n")
@@ -284,7 +279,7 @@ def deep_tree(top: Path, depth: int) -> None:
 
 
 def test_a_deep_tree_in_the_inbox_is_removed(
-    turn: launcher.TurnDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    turn: fork.TurnDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Depth, not time, is what this is about (a loaded test machine is slow).
     monkeypatch.setattr(turndir, "REMOVE_SECONDS", 60.0)
@@ -309,7 +304,7 @@ def test_a_deep_tree_in_the_inbox_is_removed(
 
 
 def test_a_tree_past_the_budget_is_set_aside_and_removed_at_the_next_start(
-    turn: launcher.TurnDir, run_dir: Path, monkeypatch: pytest.MonkeyPatch
+    turn: fork.TurnDir, run_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for index in range(300):
         (turn.inbox / str(index)).touch()
@@ -319,8 +314,8 @@ def test_a_tree_past_the_budget_is_set_aside_and_removed_at_the_next_start(
     assert left is not None and left.parent == turn.path.parent / ".trash"
     assert left.is_dir() and not turn.path.exists()
     # The next start: another turn's directory stays, the rest goes.
-    kept = launcher.make_turn_dir(run_dir, 8, mind_account())
-    stale = launcher.make_turn_dir(run_dir, 9, mind_account())
+    kept = fork.make_turn_dir(run_dir, 8, mind_account())
+    stale = fork.make_turn_dir(run_dir, 9, mind_account())
     sweep = turndir.sweep_turn_dirs(run_dir, keep={8})
     assert sweep == turndir.Sweep(left=[], errors=[])
     assert kept.path.is_dir() and not stale.path.exists()
@@ -328,7 +323,7 @@ def test_a_tree_past_the_budget_is_set_aside_and_removed_at_the_next_start(
 
 
 def test_a_sweep_out_of_budget_reports_what_is_left_and_never_raises(
-    turn: launcher.TurnDir, run_dir: Path, monkeypatch: pytest.MonkeyPatch
+    turn: fork.TurnDir, run_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     deep_tree(turn.inbox, 500)
     monkeypatch.setattr(turndir, "SWEEP_ENTRIES", 50)
@@ -353,7 +348,7 @@ def test_remove_tree_holds_two_descriptors_whatever_the_depth(run_dir: Path) -> 
 
 
 def test_a_removal_stops_at_its_time_budget(
-    turn: launcher.TurnDir, monkeypatch: pytest.MonkeyPatch
+    turn: fork.TurnDir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     deep_tree(turn.inbox, 3000)
     monkeypatch.setattr(turndir, "REMOVE_SECONDS", 0.01)
