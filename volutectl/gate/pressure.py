@@ -121,7 +121,7 @@ class PressureWatch:
                 watch.note += f" (not the turns slice: {why_not_slice})"
             elif errors:
                 watch.note += f" (slice refused: {errors[0]})"
-            emit(events.PressureGateOn(description=watch.describe()))
+            emit(events.PressureGateOn(description=watch.describe(), pressure_file=str(path)))
             return watch
         emit(events.PressureGateOff(errors="; ".join(errors)))
         return None
