@@ -773,11 +773,14 @@ class MindFailsPreflight(BaseEvent):
 @dataclass(frozen=True, kw_only=True)
 class PressureGateOn(BaseEvent):
     """The gate holds new turns while the io.pressure file `pressure_file` says the
-    storage stalls."""
+    storage stalls; `slice_file` is the turns slice's, when the gate looked there first
+    (target "slice": a gate that may not register a trigger there falls back to the
+    system's file, and its description says why)."""
 
     EVENT = Event.IO_PRESSURE_ON
     description: str = field(metadata=NOT_SENT)
     pressure_file: str
+    slice_file: str | None = None
 
     def message(self) -> str:
         return f"io pressure gate on: {self.description}"
