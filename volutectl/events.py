@@ -3,8 +3,8 @@
 Each event type has its level, its typed fields, and its English message built from
 them. The journal (volutectl/systemd/journal.py) sends an event as one entry: MESSAGE is
 `message()`, PRIORITY comes from `level`, and each field is VOLUTE_<NAME>, in the order
-declared, followed by VOLUTE_EVENT and, for the five events an operator queries for, a
-MESSAGE_ID (docs/journal.md lists them all). A field declared with `NOT_SENT` metadata
+declared, followed by VOLUTE_EVENT and, for most events that carry one, a MESSAGE_ID
+(docs/journal.md lists them all). A field declared with `NOT_SENT` metadata
 is in the message only: the journal entries stay as they were before this catalog.
 
 Tests record the events (tests/unit/gate_harness.py) and assert on their types and
@@ -35,7 +35,8 @@ LEVELS: Mapping[str, Level] = {
 
 
 class Event(StrEnum):
-    """VOLUTE_EVENT of the gate's entries about a delivery or a turn."""
+    """VOLUTE_EVENT: the kind of an entry, for entries about a delivery or a turn, and
+    for the launcher's, the slot watch's and the io pressure gate's."""
 
     HOLD = "hold"
     HOLD_END = "hold_end"
@@ -45,16 +46,69 @@ class Event(StrEnum):
     DEAD = "dead"
     ADOPT = "adopt"
     EMPTY_SCOPE = "empty_scope"
+    NOT_OFFERED = "not_offered"
+    NOT_STORED = "not_stored"
+    IO_PRESSURE_ON = "io_pressure_on"
+    IO_PRESSURE_OFF = "io_pressure_off"
+    IO_PRESSURE_HIGH = "io_pressure_high"
+    IO_PRESSURE_FELL = "io_pressure_fell"
+    REPOSITORY_FORGOTTEN = "repository_forgotten"
+    REPOSITORY_REFUSED = "repository_refused"
+    REPOSITORY_UNWATCHABLE = "repository_unwatchable"
+    REPOSITORY_WATCHED_AGAIN = "repository_watched_again"
+    SLOTS_PAST_CAP = "slots_past_cap"
+    SLOT_EVENTS_UNREADABLE = "slot_events_unreadable"
+    SLOT_LOCKS_UNREADABLE = "slot_locks_unreadable"
+    REGISTRATIONS_FULL = "registrations_full"
+    REGISTRY_UNREADABLE = "registry_unreadable"
+    REGISTRY_NOT_SAVED = "registry_not_saved"
+    CONFIG_RELOADED = "config_reloaded"
+    CONFIG_KEPT = "config_kept"
+    ORDER_ACCEPT_FAILED = "order_accept_failed"
+    ORDER_CONNECTION_REFUSED = "order_connection_refused"
+    BAD_ORDER = "bad_order"
+    LAUNCHED = "launched"
+    TURN_DIR_NOT_REMOVED = "turn_dir_not_removed"
+    TURN_DIR_SET_ASIDE = "turn_dir_set_aside"
+    SWEEP_FAILED = "sweep_failed"
+    TRASH_LEFT = "trash_left"
 
 
 # MESSAGE_ID of each event an operator queries for (`journalctl MESSAGE_ID=...`); made
-# once at random (uuid4), and never changed: scripts match on them.
+# once at random (uuid4), and never changed: scripts match on them. hold_end, adopt and
+# empty_scope have none (they had none before the catalog grew ids for new events).
 MESSAGE_IDS: Mapping[Event, str] = {
     Event.HOLD: "f026259c51dd4587b509f49f1bf70ad4",
     Event.START: "7d39eb6579df482f9c349ceadc5a7dab",
     Event.END: "3fa69a5f83114162ae608c873d89156c",
     Event.TIMEOUT: "98f69cfd2dde4ff081cf73a80c7cbaa7",
     Event.DEAD: "69b9ac8362694fa49b471479c58a75bf",
+    Event.NOT_OFFERED: "2d4a2e048a0a49818ddec92b327e95c8",
+    Event.NOT_STORED: "82e7dbea24134bdbaa0565787567d3d5",
+    Event.IO_PRESSURE_ON: "9d11c5f578ba49e9a4cc7dee44bbd236",
+    Event.IO_PRESSURE_OFF: "4733b775a00d4429b48276a3f6f919c1",
+    Event.IO_PRESSURE_HIGH: "cca007b348a740a4998de8123dddc886",
+    Event.IO_PRESSURE_FELL: "dd495b5dcc9c4e0f8407b2c907b9d50b",
+    Event.REPOSITORY_FORGOTTEN: "193bf4dcbaaa417086d5751012703481",
+    Event.REPOSITORY_REFUSED: "c8807590b9ac43b5a39236ae3cb279e2",
+    Event.REPOSITORY_UNWATCHABLE: "03c602b4041d41cf971b151baebdcea0",
+    Event.REPOSITORY_WATCHED_AGAIN: "e3687302b99944ecb9a74cdf518c5a97",
+    Event.SLOTS_PAST_CAP: "3245cc8da1614f73922011a96c58a7ea",
+    Event.SLOT_EVENTS_UNREADABLE: "6609a7b53f9e43318960139c14b772a6",
+    Event.SLOT_LOCKS_UNREADABLE: "46c607692e0144c390df9db591ea9947",
+    Event.REGISTRATIONS_FULL: "838a035430a34d3aa93ae1821c565ffc",
+    Event.REGISTRY_UNREADABLE: "4965cd3beed347b7b97a6f974dab2a0e",
+    Event.REGISTRY_NOT_SAVED: "e9a7a5427e3d4cff9df4949d62962c51",
+    Event.CONFIG_RELOADED: "fad10e9531a04bdbb93289b96994fef4",
+    Event.CONFIG_KEPT: "e34843f8c6b54889817d0f716eb42ff6",
+    Event.ORDER_ACCEPT_FAILED: "66f3de75e5c143eaac897d2c565ea20b",
+    Event.ORDER_CONNECTION_REFUSED: "4543a30cc952487195c23035a42c7415",
+    Event.BAD_ORDER: "ae00572062c74aa19845a0474abc8b92",
+    Event.LAUNCHED: "85a4b4a3bc8942208296e62b27c13135",
+    Event.TURN_DIR_NOT_REMOVED: "a8b1d81057914f77a02f7d4c1377f400",
+    Event.TURN_DIR_SET_ASIDE: "8029684c93684483872e02ff2cb90db5",
+    Event.SWEEP_FAILED: "4e6e0f1703074ffabe2af3b7a2f156cc",
+    Event.TRASH_LEFT: "241a94c0e4094dd1827bf6881e4d84fe",
 }
 
 # The metadata of a field that is in the message only, not sent as a journal field.
@@ -197,6 +251,7 @@ class DeliveryNotOffered(DeliveryEvent):
     """A delivery could not be put in a live turn's inbox: the session's next turn gets it."""
 
     LEVEL = "warning"
+    EVENT = Event.NOT_OFFERED
     turn_id: int = field(metadata=NOT_SENT)
     error: str = field(metadata=NOT_SENT)
 
@@ -270,6 +325,7 @@ class DeliveriesNotStored(BaseEvent):
     """The queue could not store a batch of deliveries: none was acknowledged."""
 
     LEVEL = "error"
+    EVENT = Event.NOT_STORED
     count: int = field(metadata=NOT_SENT)
     error: str = field(metadata=NOT_SENT)
     exception: str
@@ -716,7 +772,15 @@ class MindFailsPreflight(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class PressureGateOn(BaseEvent):
+    """The gate holds new turns while the io.pressure file `pressure_file` says the
+    storage stalls; `slice_file` is the turns slice's, when the gate looked there first
+    (target "slice": a gate that may not register a trigger there falls back to the
+    system's file, and its description says why)."""
+
+    EVENT = Event.IO_PRESSURE_ON
     description: str = field(metadata=NOT_SENT)
+    pressure_file: str
+    slice_file: str | None = None
 
     def message(self) -> str:
         return f"io pressure gate on: {self.description}"
@@ -727,6 +791,7 @@ class PressureGateOff(BaseEvent):
     """No PSI trigger could be registered: the gate does not hold for io pressure."""
 
     LEVEL = "warning"
+    EVENT = Event.IO_PRESSURE_OFF
     errors: str = field(metadata=NOT_SENT)
 
     def message(self) -> str:
@@ -737,6 +802,7 @@ class PressureGateOff(BaseEvent):
 class PressureHigh(BaseEvent):
     """The storage stalls: new turns are held."""
 
+    EVENT = Event.IO_PRESSURE_HIGH
     why: str = field(metadata=NOT_SENT)
 
     def message(self) -> str:
@@ -747,6 +813,7 @@ class PressureHigh(BaseEvent):
 class PressureFell(BaseEvent):
     """The stall fell below the resume threshold: turns are admitted again."""
 
+    EVENT = Event.IO_PRESSURE_FELL
     stalled_percent: float = field(metadata=NOT_SENT)
     resume_below_percent: float = field(metadata=NOT_SENT)
 
@@ -833,6 +900,279 @@ class VacuumConversion(BaseEvent):
 
     def message(self) -> str:
         return self.text
+
+
+# -- the slot watch (volutectl/slots/watch.py) ------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RepositoryForgotten(BaseEvent):
+    """A registered repository that is gone, or no longer its user's, leaves the registry."""
+
+    EVENT = Event.REPOSITORY_FORGOTTEN
+    repository: str
+    reason: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"forgetting registered repository {self.repository}: {self.reason}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RepositoryRefused(BaseEvent):
+    """A repository `volutectl test` registered is not watched: not absolute, not a git
+    repository, or not one its user may have watched."""
+
+    LEVEL = "warning"
+    EVENT = Event.REPOSITORY_REFUSED
+    repository: str
+    reason: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"{self.repository}: {self.reason}; not watched"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RepositoryUnwatchable(BaseEvent):
+    """A known repository cannot be watched now (`problem`, as `status` says it); with
+    `user`, the one the gate runs as, when it may not look."""
+
+    LEVEL = "warning"
+    EVENT = Event.REPOSITORY_UNWATCHABLE
+    repository: str
+    problem: str
+    user: str | None = None
+
+    def message(self) -> str:
+        if self.problem == "gone":
+            return f"repository {self.repository} is gone; ignored"
+        if self.problem == "missing or not a git repository":
+            return f"repository {self.repository} is missing or not a git repository; ignored"
+        said = f"cannot watch {self.repository}: {self.problem}"
+        if self.user is not None:
+            said += f" (the gate runs as {self.user}; see docs/test-slots.md)"
+        return said
+
+
+@dataclass(frozen=True, kw_only=True)
+class RepositoryWatchedAgain(BaseEvent):
+    EVENT = Event.REPOSITORY_WATCHED_AGAIN
+    repository: str
+
+    def message(self) -> str:
+        return f"watching the test slots of {self.repository} again"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotsPastCap(BaseEvent):
+    """A repository has slot files past tests.max_slot_files: those are not counted."""
+
+    LEVEL = "warning"
+    EVENT = Event.SLOTS_PAST_CAP
+    repository: str
+    max_slot_files: int
+
+    def message(self) -> str:
+        return (
+            f"repository {self.repository}: slot files past slot-{self.max_slot_files} are "
+            "not counted (tests.max_slot_files)"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotEventsUnreadable(BaseEvent):
+    LEVEL = "warning"
+    EVENT = Event.SLOT_EVENTS_UNREADABLE
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"cannot read slot events: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotLocksUnreadable(BaseEvent):
+    """The file of locks could not be read: every slot looks free."""
+
+    LEVEL = "warning"
+    EVENT = Event.SLOT_LOCKS_UNREADABLE
+    path: str = field(metadata=NOT_SENT)
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"cannot read {self.path} ({self.error}); slots look free"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegistrationsFull(BaseEvent):
+    """A registration past the bound of all (`uid` None) or of one user's: refused."""
+
+    LEVEL = "warning"
+    EVENT = Event.REGISTRATIONS_FULL
+    repository: str
+    uid: int | None
+    registered: int = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        if self.uid is None:
+            return f"{self.registered} repositories registered: not adding {self.repository}"
+        return (
+            f"uid {self.uid} has {self.registered} repositories registered, the most one "
+            f"user may: not adding {self.repository}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegistryUnreadable(BaseEvent):
+    LEVEL = "warning"
+    EVENT = Event.REGISTRY_UNREADABLE
+    path: str = field(metadata=NOT_SENT)
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"ignoring unreadable {self.path}: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegistryNotSaved(BaseEvent):
+    LEVEL = "warning"
+    EVENT = Event.REGISTRY_NOT_SAVED
+    path: str = field(metadata=NOT_SENT)
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"cannot save {self.path}: {self.error}"
+
+
+# -- the launcher (volute-launcher.service) ---------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigurationReloaded(BaseEvent):
+    """The launcher read its configuration file again: it changed."""
+
+    EVENT = Event.CONFIG_RELOADED
+    file: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"configuration {self.file} read again"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigurationKept(BaseEvent):
+    """The changed configuration does not load: the launcher keeps the last good one."""
+
+    LEVEL = "warning"
+    EVENT = Event.CONFIG_KEPT
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"configuration not read again, keeping the last: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OrderAcceptFailed(BaseEvent):
+    LEVEL = "warning"
+    EVENT = Event.ORDER_ACCEPT_FAILED
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"accepting an order connection failed: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OrderConnectionRefused(BaseEvent):
+    """A connection to the launcher from a uid that is not root's or the gate's user's,
+    or past the bound on connections: refused and hung up."""
+
+    LEVEL = "warning"
+    EVENT = Event.ORDER_CONNECTION_REFUSED
+    uid: int
+    why: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"refused an order connection from uid {self.uid}: {self.why}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BadOrder(BaseEvent):
+    """An order the launcher cannot take: refused, and its connection hung up."""
+
+    LEVEL = "warning"
+    EVENT = Event.BAD_ORDER
+    uid: int
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"a bad order from uid {self.uid}: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnLaunched(BaseEvent):
+    """The launcher forked a turn's process (`pid`). Its mind and session are in the
+    message only: `volutectl logs` shows the launcher's entries that name a mind."""
+
+    EVENT = Event.LAUNCHED
+    mind: str = field(metadata=NOT_SENT)
+    session: str = field(metadata=NOT_SENT)
+    turn_id: int
+    pid: int
+
+    def message(self) -> str:
+        return f"started turn {self.turn_id} of {self.mind}/{self.session}: pid {self.pid}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnDirectoryNotRemoved(BaseEvent):
+    LEVEL = "warning"
+    EVENT = Event.TURN_DIR_NOT_REMOVED
+    path: str = field(metadata=NOT_SENT)
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"could not remove {self.path}: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnDirectorySetAside(BaseEvent):
+    """A turn's directory too large to remove within one budget: moved to the trash."""
+
+    LEVEL = "warning"
+    EVENT = Event.TURN_DIR_SET_ASIDE
+    path: str = field(metadata=NOT_SENT)
+    left: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return (
+            f"{self.path} was too large to remove at once: set aside as {self.left}, to "
+            "be removed a part at a time"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepFailed(BaseEvent):
+    """A sweep of settled turns' directories could not open or move one (`error` says)."""
+
+    LEVEL = "warning"
+    EVENT = Event.SWEEP_FAILED
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return self.error
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrashLeft(BaseEvent):
+    """Directories set aside were too large to remove in this sweep: the next tries again."""
+
+    LEVEL = "warning"
+    EVENT = Event.TRASH_LEFT
+    trash: str = field(metadata=NOT_SENT)
+    left: tuple[str, ...] = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return (
+            f"{len(self.left)} turn directories set aside in {self.trash} were too large to "
+            f"remove now ({', '.join(self.left[:5])}); the next sweep tries again"
+        )
 
 
 def catalog() -> list[type[BaseEvent]]:

@@ -32,6 +32,7 @@ from volute_testbed.gate import (
     VOLUTECTL,
     Sampler,
     gate_config,
+    gate_events,
     install_probe,
     live_turn_scopes,
     queue_rows,
@@ -152,9 +153,7 @@ def run(machine: Machine, storm: Storm, drain_timeout: float = 120.0) -> Record:
         "turn_log": turn_log(machine),
         "dead": queue_rows(machine, "dead"),
         "live_scopes_after": live_turn_scopes(machine),
-        "empty_scopes_stopped": machine.run(
-            ["journalctl", "--no-pager", "-o", "cat", "-u", "volute-gate.service"], check=False
-        ).stdout.count("holds no process: stopping"),
+        "empty_scopes_stopped": len(gate_events(machine, "VOLUTE_EVENT=empty_scope")),
     }
     return storm.record
 

@@ -273,7 +273,7 @@ def test_a_missing_repository_is_logged_once_and_the_gate_works(machine: Machine
     wait_for(lambda: all_settled(machine), timeout=30)
     assert [int(r["id"]) for r in queue_rows(machine, "done")] == [first]
     log = journal(machine)
-    assert log.count("/srv/nowhere") == 1, log
+    assert len(gate_events(machine, "VOLUTE_REPOSITORY=/srv/nowhere")) == 1, log
     assert "Traceback" not in log
 
 
@@ -282,7 +282,7 @@ import json, select, sys, time
 from pathlib import Path
 from volutectl.slots.watch import SlotWatch
 
-watch = SlotWatch([Path(sys.argv[1])], Path("/var/tmp/registry.json"), lambda l, m: None)
+watch = SlotWatch([Path(sys.argv[1])], Path("/var/tmp/registry.json"), lambda event: None)
 open("/var/tmp/watch.ready", "w").close()
 events = []
 deadline = time.monotonic() + 60

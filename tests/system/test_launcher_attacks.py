@@ -17,6 +17,7 @@ from volute_testbed.faults import launcher_pid
 from volute_testbed.gate import (
     deliver,
     gate_config,
+    gate_events,
     install_probe,
     journal,
     live_turn_scopes,
@@ -49,6 +50,15 @@ ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if f
 s.sendmsg([sys.argv[2].encode() + b"\\n"], ancillary)
 print(s.makefile("rb").readline().decode().strip() or "EOF")
 """
+
+
+def launched(machine: Machine, mind: str) -> list[dict[str, object]]:
+    """The launcher's entries of the turns it forked for `mind` (the gate's start entries
+    name the mind; the launcher's name the turn only)."""
+    starts = gate_events(machine, "VOLUTE_EVENT=start", f"VOLUTE_MIND={mind}")
+    turns = {entry["VOLUTE_TURN_ID"] for entry in starts}
+    forks = gate_events(machine, "VOLUTE_EVENT=launched", unit="volute-launcher.service")
+    return [entry for entry in forks if entry["VOLUTE_TURN_ID"] in turns]
 
 
 def as_gate(machine: Machine, order: dict[str, object], payload: str | None = None) -> str:
@@ -95,13 +105,7 @@ def test_an_offer_for_another_or_no_mind_is_refused_and_the_launcher_lives(
     assert unit_property(machine, "volute-launcher.service", "NRestarts") == "0"
     assert "internal error" not in journal(machine, "volute-launcher.service")
     deliver(machine, "other", "the launcher still starts turns")
-    wait_for(
-        lambda: any(
-            "other" in line
-            for line in journal(machine, "volute-launcher.service").splitlines()
-            if "started turn" in line
-        )
-    )
+    wait_for(lambda: bool(launched(machine, "other")))
 
 
 # Sends argv[2] orders, one at a time, each with a descriptor it does not take (of

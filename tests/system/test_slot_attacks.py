@@ -18,7 +18,15 @@ import time
 
 import pytest
 
-from volute_testbed.gate import VOLUTECTL, gate_config, journal, start_gate, status, wait_for
+from volute_testbed.gate import (
+    VOLUTECTL,
+    gate_config,
+    gate_events,
+    journal,
+    start_gate,
+    status,
+    wait_for,
+)
 from volute_testbed.machine import Machine
 from volute_testbed.paths import CHECKOUT, PYTHON
 
@@ -192,8 +200,9 @@ def test_a_repository_full_of_slot_files_costs_one_watch_and_a_fast_restart(
     wait_for(lambda: watched(machine)[common]["slots_held"] == 1, timeout=20)
     release(machine, holder)
     wait_for(lambda: watched(machine)[common]["slots_held"] == 0, timeout=20)
-    said = journal(machine).count(f"repository {common}: slot files past slot-256")
-    assert said == 2  # once by each gate: the one that saw them made, the restarted one
+    said = gate_events(machine, "VOLUTE_EVENT=slots_past_cap", f"VOLUTE_REPOSITORY={common}")
+    assert [entry["VOLUTE_MAX_SLOT_FILES"] for entry in said] == ["256", "256"]
+    # once by each gate: the one that saw them made, the restarted one
     assert "Traceback" not in journal(machine)
 
 
@@ -261,10 +270,10 @@ import json, sys
 from pathlib import Path
 from volutectl.slots.watch import SlotWatch
 
-lines = []
+said = []
 watch = SlotWatch([Path(p) for p in sys.argv[1:]], Path("/var/tmp/gate-registry.json"),
-                  lambda level, message: lines.append([level, message]))
-print(json.dumps({"log": lines, "status": watch.status([])}))
+                  lambda event: said.append(event.journal_fields()))
+print(json.dumps({"events": said, "status": watch.status([])}))
 """
 
 
@@ -286,9 +295,13 @@ def test_a_gate_that_may_not_look_says_so(machine: Machine) -> None:
     by_repository = {entry["repository"]: entry for entry in seen["status"]}
     private = by_repository["/home/alice/private"]
     assert (private["slots_held"], private["problem"]) == (None, "permission denied")
-    assert [message for _, message in seen["log"]] == [
-        "cannot watch /home/alice/private: permission denied (the gate runs as volute-gate; "
-        "see docs/test-slots.md)"
+    assert seen["events"] == [
+        {
+            "repository": "/home/alice/private",
+            "problem": "permission denied",
+            "user": "volute-gate",
+            "event": "repository_unwatchable",
+        }
     ]
     public = by_repository[f"{ALICE_REPO}/.git"]
     assert (public["slots_held"], public["problem"]) == (0, None)

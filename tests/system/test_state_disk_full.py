@@ -16,8 +16,8 @@ from volute_testbed.gate import (
     deliver,
     delivered_ids,
     gate_config,
+    gate_events,
     install_probe,
-    journal,
     queue_rows,
     start_gate,
     turn_log,
@@ -73,8 +73,10 @@ def test_a_full_state_filesystem_refuses_deliveries_with_75_and_the_gate_recover
     assert [row["id"] for row in queue_rows(machine, *ALL_STATES)] == [before]
     assert gate_pid(machine) == pid
     assert machine.run(["systemctl", "is-active", "volute-gate"]).stdout.strip() == "active"
-    refusals = [line for line in journal(machine).splitlines() if "could not store" in line]
-    assert 1 <= len(refusals) <= 3 and all("disk is full" in line for line in refusals)
+    refusals = gate_events(machine, "VOLUTE_EVENT=not_stored")
+    assert 1 <= len(refusals) <= 3
+    assert {entry["VOLUTE_EXCEPTION"] for entry in refusals} == {"OperationalError"}
+    assert {entry["VOLUTE_STATE_DIR"] for entry in refusals} == {STATE}
 
     machine.run(["rm", f"{STATE}/filler"])
     after = deliver(machine, "sink", "after the space came back")

@@ -107,7 +107,9 @@ def planted_then_fold(machine: Machine) -> int:
 
     def taken_or_refused() -> bool:
         taken = f'"id": {folded}' in machine.host_path("/var/tmp/took").read_text()
-        return taken or "could not be offered" in journal(machine)
+        return taken or bool(
+            gate_events(machine, "VOLUTE_EVENT=not_offered", f"VOLUTE_DELIVERY_ID={folded}")
+        )
 
     wait_for(taken_or_refused, timeout=30)
     machine.write("/var/tmp/stop", "")

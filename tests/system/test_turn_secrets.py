@@ -18,7 +18,7 @@ from volute_testbed.gate import (
     all_settled,
     deliver,
     gate_config,
-    journal,
+    gate_events,
     queue_rows,
     start_gate,
     wait_for,
@@ -133,7 +133,14 @@ def test_a_minds_secret_reaches_its_own_turns_alone(machine: Machine) -> None:
 
     # gamma's file is open to group volute: its turn does not start, and the gate says why.
     refused = f"environment file {SECRETS}/gamma.env: is open to group or others"
-    wait_for(lambda: refused in journal(machine), timeout=30)
+    wait_for(
+        lambda: bool(
+            gate_events(
+                machine, "VOLUTE_EVENT=end", "VOLUTE_OUTCOME=start_failed", "VOLUTE_MIND=gamma"
+            )
+        ),
+        timeout=30,
+    )
     assert not machine.host_path(f"{OUT}/gamma").exists()
     [row] = [row for row in queue_rows(machine) if row["mind"] == "gamma"]
     assert refused in str(row["last_error"])

@@ -19,6 +19,7 @@ import pytest
 from tests.unit.gate_harness import Harness, settled
 from volutectl import events
 from volutectl.errors import VoluteError
+from volutectl.events import Event
 from volutectl.launcher.hands import Launched, LauncherLost, RemoteHands
 from volutectl.launcher.service import ReloadingSettings, allowed_uids, bind_listener, peer_uid
 from volutectl.wire import orders
@@ -213,7 +214,8 @@ def test_the_launcher_refuses_a_peer_that_is_not_the_gate(
     with pytest.raises(VoluteError):
         hostile.remove(1)
     hostile.close()
-    assert any("refused an order connection" in m for m in harness.launcher.journal.messages())
+    refusals = harness.launcher.journal.of(events.OrderConnectionRefused)
+    assert os.getuid() in [refusal.uid for refusal in refusals]
 
 
 def test_the_launcher_answers_a_bad_order_with_a_refusal_and_hangs_up(
@@ -268,15 +270,16 @@ def test_the_launcher_reads_the_config_again_when_it_changes_and_keeps_the_last_
 ) -> None:
     config = tmp_path / "volutectl.toml"
     config.write_text('[minds.a]\ncommand = "true"\n')
-    logged: list[tuple[str, str]] = []
-    settings = ReloadingSettings(str(config), lambda level, text: logged.append((level, text)))
+    logged: list[events.BaseEvent] = []
+    settings = ReloadingSettings(str(config), logged.append)
     first = settings()
     assert list(first.minds) == ["a"] and settings() is first  # unchanged: not read again
     config.write_text('[minds.a]\ncommand = "true"\n[minds.b]\ncommand = "true"\n')
     assert list(settings().minds) == ["a", "b"]  # a mind added for the gate is known here
     config.write_text("[minds.a]\ncommand = 3\n")
     assert list(settings().minds) == ["a", "b"]  # a broken file keeps the last good one
-    assert [level for level, _ in logged] == ["info", "warning"]
+    assert [event.EVENT for event in logged] == [Event.CONFIG_RELOADED, Event.CONFIG_KEPT]
+    assert [event.level for event in logged] == ["info", "warning"]
 
 
 def test_a_launcher_run_by_hand_binds_a_socket_for_root_and_the_gate_only(

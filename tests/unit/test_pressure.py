@@ -253,7 +253,9 @@ def test_watch_on_real_psi_says_which_trigger_it_uses() -> None:
         assert watch.trigger.line() in ("some 150000 1000000", "some 300000 2000000")
         if watch.trigger.window_us == 2_000_000:
             assert "2 s windows" in text
-        assert logged[0] == events.PressureGateOn(description=text)
+        assert logged[0] == events.PressureGateOn(
+            description=text, pressure_file="/proc/pressure/io"
+        )
         assert not watch.high and watch.deadline() is None
         # fileno() is selectable for EVENT_READ and quiet when nothing stalls.
         with selectors.DefaultSelector() as sel:

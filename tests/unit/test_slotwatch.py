@@ -19,10 +19,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from inotify_simple import INotify, flags
 
+from volutectl import events
 from volutectl.core import slotmath
 from volutectl.slots import gitdirs, proclocks, slotfiles
 from volutectl.slots import watch as slotwatch
@@ -33,15 +35,24 @@ F_OFD_GETLK = 36  # linux/fcntl.h; Python's fcntl module does not name it before
 FLOCK_STRUCT = "hhqqi4x"  # struct flock on 64-bit Linux: type, whence, start, len, pid
 
 
+E = TypeVar("E", bound=events.BaseEvent)
+
+
 class Log:
+    """The events a watch emits, in order."""
+
     def __init__(self) -> None:
-        self.lines: list[tuple[str, str]] = []
+        self.events: list[events.BaseEvent] = []
 
-    def __call__(self, level: str, message: str) -> None:
-        self.lines.append((level, message))
+    def __call__(self, event: events.BaseEvent) -> None:
+        self.events.append(event)
 
-    def matching(self, text: str) -> list[tuple[str, str]]:
-        return [line for line in self.lines if text in line[1]]
+    def of(self, kind: type[E]) -> list[E]:
+        return [event for event in self.events if isinstance(event, kind)]
+
+    def about(self, repository: Path) -> list[events.BaseEvent]:
+        """The events whose VOLUTE_REPOSITORY is `repository`."""
+        return [e for e in self.events if e.journal_fields().get("repository") == str(repository)]
 
 
 def git(*args: str, cwd: Path) -> None:
@@ -171,7 +182,7 @@ def test_no_repository_at_all(tmp_path: Path) -> None:
         assert not readable(watch.fileno(), 0.05)
         assert watch.on_ready() is False
         assert watch.status([]) == []
-        assert log.lines == []
+        assert log.events == []
     finally:
         watch.close()
 
@@ -262,8 +273,8 @@ def test_missing_repository_is_logged_once(tmp_path: Path) -> None:
         for _ in range(3):
             watch.on_ready()
             watch.held()
-        assert len(log.matching(str(ghost))) == 1
-        assert log.lines[0][0] == "warning"
+        assert len(log.about(ghost)) == 1
+        assert log.events[0].level == "warning"
         assert watch.held() == []
     finally:
         watch.close()
@@ -282,19 +293,19 @@ def test_a_repository_that_disappears_is_logged_once_and_ignored(
         assert len(watch.held()) == 1
         holder.communicate("")
         shutil.rmtree(repo)
-        pump(watch, lambda: bool(log.matching("is gone")))
+        pump(watch, lambda: any(e.problem == "gone" for e in log.of(events.RepositoryUnwatchable)))
         for _ in range(3):
             while readable(watch.fileno(), 0.05):
                 watch.on_ready()
         assert watch.held() == []
-        assert len(log.matching(str(common))) == 1, log.lines
+        assert len(log.about(common)) == 1, log.events
         assert watch.summary()[0].watching is False
         # It comes back (re-cloned); its next run registers it, and it is watched again.
         repo.mkdir()
         git("init", "-q", cwd=repo)
         assert watch.register(repo) is True
         assert watch.summary()[0].watching is True
-        assert log.matching("again")
+        assert [e.repository for e in log.of(events.RepositoryWatchedAgain)] == [str(common)]
         assert watch.register(Path("relative/repo")) is False
     finally:
         watch.close()
@@ -332,12 +343,12 @@ def test_a_registered_repository_that_is_gone_is_forgotten(repo: Path, tmp_path:
     log = Log()
     watch = make_watch([], tmp_path, log)
     watch.close()
-    assert log.matching("forgetting")
+    assert [e.repository for e in log.of(events.RepositoryForgotten)] == [str(tmp_path / "gone")]
     assert json.loads(registry.read_text())["repositories"] == []
     registry.write_text("{not json")
     log = Log()
     make_watch([repo], tmp_path, log).close()
-    assert log.matching("ignoring unreadable")
+    assert [e.path for e in log.of(events.RegistryUnreadable)] == [str(registry)]
 
 
 def test_status_groups_runs_by_repository(repo: Path, tmp_path: Path) -> None:
@@ -470,7 +481,7 @@ def test_one_watch_per_repository_and_slot_files_past_the_cap_cost_nothing(
         state = watch.summary()[0]
         assert (state.slots, state.held, state.watching) == (64, 1, True)
         assert state.problem == "slot files past slot-64 are not counted"
-        assert len(log.matching("past slot-64")) == 1
+        assert [e.max_slot_files for e in log.of(events.SlotsPastCap)] == [64]
         readings: list[int] = []
 
         def counted_read() -> str:
@@ -485,7 +496,7 @@ def test_one_watch_per_repository_and_slot_files_past_the_cap_cost_nothing(
         assert readable(watch.fileno(), 1.0)
         assert watch.on_ready() is False
         assert readings == []
-        assert len(log.matching("past slot-64")) == 1  # said once
+        assert [e.max_slot_files for e in log.of(events.SlotsPastCap)] == [64]  # said once
         # A slot within the cap is seen as before.
         other = hold_in_child(common, 2)
         assert other.stdout is not None
@@ -526,7 +537,7 @@ def test_a_commondir_to_another_users_repository_is_neither_watched_nor_kept(
     try:
         assert watch.register(fake, 65534) is False
         assert watch.repositories() == []
-        assert log.matching("belongs to uid 65533")
+        assert [e.repository for e in log.of(events.RepositoryRefused)] == [str(fake)]
         assert watch.register(fake, 65533) is True  # its owner may
         assert watch.repositories() == [victim]
     finally:
@@ -539,7 +550,7 @@ def test_a_commondir_to_another_users_repository_is_neither_watched_nor_kept(
     restarted = make_watch([], tmp_path, log)
     try:
         assert restarted.repositories() == []
-        assert log.matching("forgetting registered repository")
+        assert [e.repository for e in log.of(events.RepositoryForgotten)] == [str(victim)]
     finally:
         restarted.close()
 
@@ -640,9 +651,10 @@ def test_a_repository_the_gate_may_not_enter_is_listed_with_why(
             "problem": "permission denied",
             "runs": [],
         }
-        assert [message for _, message in log.lines] == [
-            f"cannot watch {repo}: permission denied (the gate runs as "
-            f"{slotwatch._user_name()}; see docs/test-slots.md)"
+        assert log.events == [
+            events.RepositoryUnwatchable(
+                repository=str(repo), problem="permission denied", user=slotwatch._user_name()
+            )
         ]
         monkeypatch.undo()
         assert watch.register(repo, 0) is True  # it may look now: watched

@@ -40,7 +40,7 @@ def launcher_command(config_path: str | None, socket_path: str) -> None:
             hint="it is volute-launcher.service; the gate itself runs unprivileged",
         )
     journal = Journal("volute-launcher")
-    settings = ReloadingSettings(config_path, journal.log)
+    settings = ReloadingSettings(config_path, journal.emit)
     stop_read, stop_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
     def on_signal(signum: int, frame: object) -> None:

@@ -150,7 +150,7 @@ class Gate:
         slots = SlotWatch(
             settings.tests.repositories,
             settings.gate.state_dir / "repositories.json",
-            lambda level, message: journal.log(level, message),
+            journal.emit,
             max_slot_files=settings.tests.max_slot_files,
         )
         self._opened.append(slots)

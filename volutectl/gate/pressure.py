@@ -121,7 +121,18 @@ class PressureWatch:
                 watch.note += f" (not the turns slice: {why_not_slice})"
             elif errors:
                 watch.note += f" (slice refused: {errors[0]})"
-            emit(events.PressureGateOn(description=watch.describe()))
+            tried = (
+                slice_cgroup / "io.pressure"
+                if settings.target == "slice" and slice_cgroup
+                else None
+            )
+            emit(
+                events.PressureGateOn(
+                    description=watch.describe(),
+                    pressure_file=str(path),
+                    slice_file=str(tried) if tried else None,
+                )
+            )
             return watch
         emit(events.PressureGateOff(errors="; ".join(errors)))
         return None

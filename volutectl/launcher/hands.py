@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from volutectl import names
+from volutectl import events, names
 from volutectl.config.settings import Settings, parse_bandwidth
 from volutectl.errors import DataError, SystemdNoAnswer, UnavailableError, VoluteError
 from volutectl.faults import crash_point
@@ -264,16 +264,14 @@ class LocalHands:
         try:
             left = turn_dir.remove()
         except OSError as error:
-            self.journal.log(
-                "warning", f"could not remove {turn_dir.path}: {error.strerror or error}"
+            self.journal.emit(
+                events.TurnDirectoryNotRemoved(
+                    path=str(turn_dir.path), error=str(error.strerror or error)
+                )
             )
             return
         if left is not None:
-            self.journal.log(
-                "warning",
-                f"{turn_dir.path} was too large to remove at once: set aside as {left}, to "
-                "be removed a part at a time",
-            )
+            self.journal.emit(events.TurnDirectorySetAside(path=str(turn_dir.path), left=str(left)))
             self.trash_waiting = True
         elif self.trash_waiting:
             budget = dirfds.Budget(turndir.REMOVE_ENTRIES, turndir.REMOVE_SECONDS)
@@ -291,14 +289,10 @@ class LocalHands:
         sweep = turndir.sweep_turn_dirs(runtime_dir, keep)
         self.trash_waiting = bool(sweep.left)
         for error in sweep.errors:
-            self.journal.log("warning", error)
+            self.journal.emit(events.SweepFailed(error=error))
         if sweep.left:
             trash = runtime_dir / "turns" / turndir.TRASH
-            self.journal.log(
-                "warning",
-                f"{len(sweep.left)} turn directories set aside in {trash} were too large to "
-                f"remove now ({', '.join(sweep.left[:5])}); the next sweep tries again",
-            )
+            self.journal.emit(events.TrashLeft(trash=str(trash), left=tuple(sweep.left)))
 
     def close(self) -> None:
         pass

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from volutectl import events
 from volutectl.config.settings import Settings, load_settings
 from volutectl.errors import SystemdNoAnswer, VoluteError
 from volutectl.launcher import turndir
@@ -44,9 +45,9 @@ class ReloadingSettings:
     that a mind added for the gate is known here too without a restart. A file that no
     longer loads keeps the last good settings, with a warning."""
 
-    def __init__(self, path: str | None, log: Callable[..., None]) -> None:
+    def __init__(self, path: str | None, emit: events.Emit) -> None:
         self.path = path
-        self.log = log
+        self.emit = emit
         loaded = load_settings(path)
         self.file = loaded.path
         self.current = loaded.settings
@@ -67,9 +68,9 @@ class ReloadingSettings:
             self.seen = stamp
             try:
                 self.current = load_settings(self.path).settings
-                self.log("info", f"configuration {self.file} read again")
+                self.emit(events.ConfigurationReloaded(file=str(self.file)))
             except VoluteError as error:
-                self.log("warning", f"configuration not read again, keeping the last: {error}")
+                self.emit(events.ConfigurationKept(error=str(error)))
         return self.current
 
 
@@ -136,12 +137,12 @@ class Launcher:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as error:
-            self.journal.log("warning", f"accepting an order connection failed: {error}")
+            self.journal.emit(events.OrderAcceptFailed(error=str(error)))
             return
         uid = peer_uid(sock)
         if uid not in self.allowed or len(self.connections) >= MAX_CONNECTIONS:
             why = "not root or the gate's user" if uid not in self.allowed else "too many"
-            self.journal.log("warning", f"refused an order connection from uid {uid}: {why}")
+            self.journal.emit(events.OrderConnectionRefused(uid=uid, why=why))
             with contextlib.suppress(OSError):
                 sock.setblocking(False)
                 sock.send(orders.encode(orders.Refused(f"orders are not taken from uid {uid}")))
@@ -170,7 +171,7 @@ class Launcher:
             return
         except (OSError, orders.OrderError) as error:
             if isinstance(error, orders.OrderError):
-                self.journal.log("warning", f"a bad order from uid {connection.uid}: {error}")
+                self.journal.emit(events.BadOrder(uid=connection.uid, error=str(error)))
                 with contextlib.suppress(OSError):
                     refusal = orders.Refused(error.message[: orders.MAX_TEXT])
                     connection.sock.send(orders.encode(refusal))
@@ -217,9 +218,10 @@ class Launcher:
         hands = self.hands
         if isinstance(order, orders.StartTurn):
             launched = hands.start(order, payload or b"")
-            self.journal.log(
-                "info",
-                f"started turn {order.turn_id} of {order.mind}/{order.session}: pid {launched.pid}",
+            self.journal.emit(
+                events.TurnLaunched(
+                    mind=order.mind, session=order.session, turn_id=order.turn_id, pid=launched.pid
+                )
             )
             return orders.Started(launched.pid), (launched.pidfd,)
         if isinstance(order, orders.Offer):

@@ -18,13 +18,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from volutectl import events
+
 # A socket client must not be able to make the gate watch (and persist) without bound.
 MAX_REPOSITORIES = 256
 # ... nor take all of that bound from the other users (root, uid 0, has no own bound).
 MAX_REPOSITORIES_PER_USER = 32
 REGISTRY_VERSION = 2
 
-Problem = Callable[[str, str], None]  # (what it is about, the message)
+Problem = Callable[[str, events.BaseEvent], None]  # (what it is about, the event)
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ def load_registry(path: Path, problem: Problem) -> list[Registered]:
     except FileNotFoundError:
         return []
     except (OSError, ValueError, KeyError, TypeError) as error:
-        problem(str(path), f"ignoring unreadable {path}: {error}")
+        problem(str(path), events.RegistryUnreadable(path=str(path), error=str(error)))
         return []
 
 
@@ -79,4 +81,4 @@ def save_registry(path: Path, repositories: Iterable[Registered], problem: Probl
             os.close(fd)
         os.replace(temporary, path)
     except OSError as error:
-        problem(str(path), f"cannot save {path}: {error}")
+        problem(str(path), events.RegistryNotSaved(path=str(path), error=str(error)))

@@ -60,12 +60,13 @@ import pwd
 import stat
 import sys
 import termios
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from inotify_simple import INotify, flags
 
+from volutectl import events
 from volutectl.core import slotmath
 from volutectl.kernel import pathwalk
 from volutectl.slots import gitdirs
@@ -77,8 +78,6 @@ from volutectl.slots.registry import (
     load_registry,
     save_registry,
 )
-
-Log = Callable[[str, str], None]
 
 SLOT_PREFIX = "slot-"
 DEFAULT_MAX_SLOT_FILES = 256
@@ -149,15 +148,15 @@ class SlotWatch:
         self,
         repositories: Iterable[Path],
         registry: Path,
-        log: Log,
+        emit: events.Emit,
         *,
         max_slot_files: int = DEFAULT_MAX_SLOT_FILES,
     ) -> None:
         self._inotify = INotify()
         self._registry = registry
-        self._log = log
+        self._emit = emit
         self._max_slot_files = max_slot_files
-        self._problems: dict[str, str] = {}
+        self._problems: dict[str, events.BaseEvent] = {}
         self._repos: dict[Path, _Repository] = {}
         self._by_wd: dict[int, _Repository] = {}
         self._held: frozenset[HeldSlot] = frozenset()
@@ -170,7 +169,7 @@ class SlotWatch:
                 # Gone for good, most likely (a deleted clone): forget it, so the
                 # registry does not grow with every repository ever tested. Its next
                 # `volutectl test` registers it again, if it may.
-                self._log("info", f"forgetting registered repository {entry.path}: {reason}")
+                self._emit(events.RepositoryForgotten(repository=str(entry.path), reason=reason))
                 forgotten = True
                 continue
             self._add(entry.path, uid=uid, registered=True)
@@ -189,7 +188,7 @@ class SlotWatch:
         try:
             events = self._inotify.read(timeout=0)
         except OSError as error:
-            self._problem("inotify", f"cannot read slot events: {error}")
+            self._problem("inotify", events.SlotEventsUnreadable(error=str(error)))
             events = []
         reattach: set[Path] = set()
         lookups: dict[Path, set[str]] = {}  # slot names to look up, per repository
@@ -302,20 +301,20 @@ class SlotWatch:
         that `status` says so. Raises RepositoryLimit past the bounds on registrations."""
         path = Path(repository)
         if not path.is_absolute():
-            self._problem(str(path), f"{repository}: not an absolute path; not watched")
+            self._refused(path, "not an absolute path")
             return False
         try:
             fd = gitdirs.open_common_dir(path)
         except PermissionError:
             return self._register_unreadable(path, uid)
         except (OSError, gitdirs.RepositoryRefused):
-            self._problem(str(path), f"{repository}: not a git repository; not watched")
+            self._refused(path, "not a git repository")
             return False
         try:
             gitdirs.check_common_dir(fd, uid)
             common = pathwalk.descriptor_path(fd)
         except (OSError, gitdirs.RepositoryRefused) as refusal:
-            self._problem(str(path), f"{repository}: {refusal}; not watched")
+            self._refused(path, str(refusal))
             return False
         finally:
             os.close(fd)
@@ -348,17 +347,16 @@ class SlotWatch:
     def _check_bounds(self, path: Path, uid: int) -> None:
         ours = [repo for repo in self._repos.values() if not repo.configured]
         if len(ours) >= MAX_REPOSITORIES:
-            message = f"{MAX_REPOSITORIES} repositories registered: not adding {path}"
-            self._problem("registry-full", message)
-            raise RepositoryLimit(message)
+            full = events.RegistrationsFull(
+                repository=str(path), uid=None, registered=MAX_REPOSITORIES
+            )
+            self._problem("registry-full", full)
+            raise RepositoryLimit(full.message())
         mine = sum(1 for repo in ours if repo.uid == uid)
         if uid != 0 and mine >= MAX_REPOSITORIES_PER_USER:
-            message = (
-                f"uid {uid} has {mine} repositories registered, the most one user may: "
-                f"not adding {path}"
-            )
-            self._problem(f"registry-full-{uid}", message)
-            raise RepositoryLimit(message)
+            full = events.RegistrationsFull(repository=str(path), uid=uid, registered=mine)
+            self._problem(f"registry-full-{uid}", full)
+            raise RepositoryLimit(full.message())
 
     def repositories(self) -> list[Path]:
         return sorted(self._repos)
@@ -509,13 +507,9 @@ class SlotWatch:
             return None
         except (FileNotFoundError, gitdirs.NotARepository):
             if repo.key == repo.given:
-                self._cannot_watch(
-                    repo,
-                    "missing or not a git repository",
-                    f"repository {repo.given} is missing or not a git repository; ignored",
-                )
+                self._cannot_watch(repo, "missing or not a git repository")
             else:
-                self._cannot_watch(repo, "gone", f"repository {repo.key} is gone; ignored")
+                self._cannot_watch(repo, "gone")
             return None
         except (OSError, gitdirs.RepositoryRefused) as error:
             self._cannot_watch(repo, _reason(error))
@@ -595,19 +589,20 @@ class SlotWatch:
     def _over_cap(self, repo: _Repository) -> None:
         if not repo.over_cap:
             repo.over_cap = True
-            self._log(
-                "warning",
-                f"repository {repo.key}: slot files past slot-{self._max_slot_files} are "
-                "not counted (tests.max_slot_files)",
+            self._emit(
+                events.SlotsPastCap(repository=str(repo.key), max_slot_files=self._max_slot_files)
             )
 
-    def _cannot_watch(self, repo: _Repository, reason: str, message: str | None = None) -> None:
+    def _cannot_watch(self, repo: _Repository, reason: str) -> None:
         repo.problem = reason
-        if message is None:
-            message = f"cannot watch {repo.key}: {reason}"
-            if reason == "permission denied":
-                message += f" (the gate runs as {_user_name()}; see docs/test-slots.md)"
-        self._problem(str(repo.key), message)
+        user = _user_name() if reason == "permission denied" else None
+        unwatchable = events.RepositoryUnwatchable(
+            repository=str(repo.key), problem=reason, user=user
+        )
+        self._problem(str(repo.key), unwatchable)
+
+    def _refused(self, path: Path, reason: str) -> None:
+        self._problem(str(path), events.RepositoryRefused(repository=str(path), reason=reason))
 
     # -- probing ------------------------------------------------------------------------------
 
@@ -617,9 +612,8 @@ class SlotWatch:
         try:
             locks = slotmath.parse_proc_locks(read_locks())
         except OSError as error:
-            self._problem(
-                str(PROC_LOCKS), f"cannot read {PROC_LOCKS} ({error.strerror}); slots look free"
-            )
+            unreadable = events.SlotLocksUnreadable(path=str(PROC_LOCKS), error=str(error.strerror))
+            self._problem(str(PROC_LOCKS), unreadable)
             return frozenset()
         held = set()
         for key, repo in self._repos.items():
@@ -635,15 +629,15 @@ class SlotWatch:
 
     # -- the log, once per problem ------------------------------------------------------------
 
-    def _problem(self, key: str, message: str) -> None:
-        if self._problems.get(key) == message:
+    def _problem(self, key: str, event: events.BaseEvent) -> None:
+        if self._problems.get(key) == event:
             return
-        self._problems[key] = message
-        self._log("warning", message)
+        self._problems[key] = event
+        self._emit(event)
 
     def _recovered(self, repo: _Repository) -> None:
         if self._problems.pop(str(repo.key), None) is not None:
-            self._log("info", f"watching the test slots of {repo.key} again")
+            self._emit(events.RepositoryWatchedAgain(repository=str(repo.key)))
 
     def _save_registry(self) -> None:
         registered = [

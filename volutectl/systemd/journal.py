@@ -1,7 +1,7 @@
 """The gate's journal: its structured entries, each turn's output stream, and sd_notify.
 
-- Entries are the events of volutectl/events.py, one each (`Journal.emit`), and the
-  launcher's and the slot watch's plain lines (`Journal.log`). They go through
+- Entries are the events of volutectl/events.py, one each (`Journal.emit`): the gate's,
+  the slot watch's and the launcher's. They go through
   libsystemd's sd_journal_sendv, as pystemd exposes it (reached through
   volutectl/systemd/adapter.py, the one module that imports pystemd). libsystemd frames
   every field, a multi-line MESSAGE too, and hands an oversized entry over in a memfd.
@@ -102,7 +102,7 @@ class Journal:
         self.log(event.level, event.message(), **event.journal_fields())
 
     def log(self, level: str, message: str, **fields: Any) -> None:
-        """Send one entry that is no event of the catalog (the launcher's, a slot watch's)."""
+        """Send one entry from its parts: `emit` does, for each event of the catalog."""
         if self.sender is not None:
             self.sender(*entry_fields(self.identifier, level, message, fields))
             return
