@@ -60,6 +60,9 @@ def show_command(config_path: str | None, as_json: bool) -> None:
 def check_command(config_path: str | None) -> None:
     """Validate the configuration, and check that every mind's turns can start here.
 
+    Notes how the [limits] keys combine: a global_concurrent_turns that is a ceiling over
+    the adaptive limit, an io_pressure that turned the adaptive limit off.
+
     Exits 78 naming the bad key and its file or variable, or the minds that fail
     preflight: a user that does not exist, a command that is missing or not executable
     by that user, a working directory that is missing or closed to it, an environment
@@ -69,6 +72,8 @@ def check_command(config_path: str | None) -> None:
     loaded = _load_settings(config_path)
     settings = loaded.settings
     click.echo(f"ok: {loaded.path if loaded.path is not None else _file_line(loaded)}")
+    for note in limits_notes(settings):
+        click.echo(f"  note: {note}")
     reports = {report.mind: report for report in preflight.check_minds(settings)}
     for mind in settings.minds:
         sources = ", ".join(loaded.table_sources(f"minds.{mind}"))
@@ -103,6 +108,26 @@ def check_command(config_path: str | None) -> None:
             f"{which} cannot start on this host",
             hint="fix what each fail line says; until then every turn fails and goes dead",
         )
+
+
+def limits_notes(settings: Settings) -> list[str]:
+    """What the [limits] keys do together, where that is not what each says alone."""
+    limits = settings.limits
+    notes = []
+    if limits.adaptive_off_for_io_pressure:
+        notes.append(
+            "limits.adaptive is off because limits.io_pressure.enabled is true (its PSI hold "
+            "alone guards the storage); set limits.io_pressure.enabled = false to use the "
+            "adaptive limit instead"
+        )
+    cap = limits.global_concurrent_turns
+    if cap is not None and limits.adaptive.enabled:
+        notes.append(
+            f"limits.global_concurrent_turns = {cap} is a hard ceiling over the adaptive "
+            f"limit: at most {min(cap, limits.adaptive.maximum)} turns at once, even when the "
+            "storage could take more; unset it to let the limit find its own"
+        )
+    return notes
 
 
 def unused_variables(loaded: LoadedSettings, environ: dict[str, str] | None = None) -> list[str]:
