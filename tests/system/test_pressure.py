@@ -67,7 +67,11 @@ def test_pressure_holds_new_turns_and_release_resumes_them_in_fifo_order(
     minds = {"hog": hog_command(disk.mount, 10), **dict.fromkeys(quick, "turn-probe 0.1")}
     start_pressure_gate(
         machine,
-        gate_config(minds, **{"limits.io_pressure": {"enabled": True, "recheck_seconds": 0.5}}),
+        gate_config(
+            minds,
+            adaptive=False,  # today's PSI hold alone
+            **{"limits.io_pressure": {"enabled": True, "recheck_seconds": 0.5}},
+        ),
     )
     [gate_on] = gate_events(machine, "VOLUTE_EVENT=io_pressure_on")  # a PSI trigger
     # The turns slice's own file is the one looked at (per-slice, not system). The
