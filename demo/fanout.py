@@ -136,7 +136,7 @@ def main() -> int:
         print("\nsystemctl status volute-turns.slice, captured mid-run:\n")
         print(snapshot)
         print("summary (from systemd's own scope listing, sampled every ~2 ms):")
-        bound = args.cap if args.cap is not None else "no ceiling"
+        bound = f"cap {args.cap}" if args.cap is not None else "no ceiling"
         print(f"  most turn scopes live at once: {seen['max_turns']} ({bound})")
         if "adaptive" in status:  # the gate's own account of its limit
             print(f"  the gate's adaptive limit:     {json.dumps(status['adaptive'])}")
