@@ -554,6 +554,21 @@ def test_check_notes_a_ceiling_over_the_adaptive_limit(
     assert not [line for line in out.splitlines() if line.startswith("  note: limits.")]
 
 
+def test_show_says_why_the_adaptive_limit_is_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "[limits.io_pressure]\nenabled = true\n")
+    code, out, _ = run_cli(["config", "show", "--config", str(path)], capsys)
+    assert code == 0
+    expected = "limits.adaptive.enabled = false  # default, off for limits.io_pressure.enabled"
+    assert expected in out.splitlines()
+    code, out, _ = run_cli(["config", "show", "--json", "--config", str(path)], capsys)
+    assert json.loads(out)["limits.adaptive.enabled"] == {
+        "value": False,
+        "source": "default, off for limits.io_pressure.enabled",
+    }
+
+
 def test_check_notes_an_adaptive_limit_turned_off_by_io_pressure(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

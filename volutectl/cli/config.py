@@ -39,7 +39,7 @@ def show_command(config_path: str | None, as_json: bool) -> None:
     flat = flatten(loaded.settings)
     if as_json:
         document = {
-            key: {"value": _plain(value), "source": loaded.source_of(key)}
+            key: {"value": _plain(value), "source": _source(loaded, key)}
             for key, value in flat.items()
         }
         click.echo(json.dumps(document, indent=2))
@@ -52,7 +52,7 @@ def show_command(config_path: str | None, as_json: bool) -> None:
             announced.add(mind)
             sources = ", ".join(loaded.table_sources(f"minds.{mind}"))
             click.echo(f"# [minds.{mind}] from {sources}")
-        click.echo(f"{key} = {_render(value)}  # {loaded.source_of(key)}")
+        click.echo(f"{key} = {_render(value)}  # {_source(loaded, key)}")
 
 
 @config_command.command("check")
@@ -140,6 +140,13 @@ def unused_variables(loaded: LoadedSettings, environ: dict[str, str] | None = No
         and ENV_NESTED in name
         and name not in loaded.variables
     )
+
+
+def _source(loaded: LoadedSettings, key: str) -> str:
+    source = loaded.source_of(key)
+    if key == "limits.adaptive.enabled" and loaded.settings.limits.adaptive_off_for_io_pressure:
+        return f"{source}, off for limits.io_pressure.enabled"  # not the default's true
+    return source
 
 
 def _file_line(loaded: LoadedSettings) -> str:
