@@ -469,6 +469,7 @@ def gate_config(work: Path, stamp: Path, log: Path) -> str:
     return (
         f'[gate]\nsocket = "{work / "gate.sock"}"\nstate_dir = "{work / "state"}"\n\n'
         "[limits]\nglobal_concurrent_turns = 1\n\n"
+        "[limits.adaptive]\nenabled = false\n\n"  # the static cap alone, as measured before
         f"{minds}"
         '[minds.block]\ncommand = ["sleep", "infinity"]\n\n'
         '[minds.q]\ncommand = ["true"]\n'

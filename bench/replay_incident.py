@@ -233,7 +233,9 @@ def fan_out(
             for key, table in nested.items():
                 sections[f"limits.{key}"] = table
             try:
-                start_gate(machine, gate_config(dict.fromkeys(names, command), **sections))
+                # Each row's own limits only: no adaptive limit unless it sets limits.adaptive.
+                config = gate_config(dict.fromkeys(names, command), adaptive=False, **sections)
+                start_gate(machine, config)
             except Exception:
                 print(
                     machine.run(

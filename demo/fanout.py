@@ -1,4 +1,9 @@
-"""The main-job demonstration: a cron-aligned fan-out to many minds under a small cap.
+"""The main-job demonstration: a cron-aligned fan-out to many minds, bounded by the gate.
+
+By default the gate runs as the package installs it: the adaptive limit
+([limits.adaptive], on by default) bounds the turns at once, with no cap to choose.
+`--cap N` adds limits.global_concurrent_turns, a hard ceiling over the adaptive limit;
+`--no-adaptive` turns the adaptive limit off, leaving the static cap alone (or nothing).
 
 On a machine whose PID 1 is not systemd this boots a throwaway systemd (systemd-nspawn
 over an overlay of this machine's root; nothing is written to the host), installs the
@@ -33,12 +38,37 @@ from volute_testbed.gate import (
     turn_log,
 )
 from volute_testbed.machine import dev_machine, nspawn_available
+from volutectl.config.settings import AdaptiveSettings
+
+
+def describe_limits(cap: int | None, adaptive: bool) -> str:
+    """What bounds the fan-out, as the config the demo writes says."""
+    ceiling = f"limits.global_concurrent_turns = {cap}" if cap is not None else "no ceiling"
+    if not adaptive:
+        return f"limits.adaptive off; {ceiling}"
+    bounds = AdaptiveSettings()
+    return (
+        f"limits.adaptive on (the default): starts at {bounds.start} turns at once, "
+        f"between {bounds.minimum} and {bounds.maximum}, moves at most every "
+        f"{bounds.interval_seconds}s; {ceiling}"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minds", type=int, default=12, help="how many minds wake at once")
-    parser.add_argument("--cap", type=int, default=2, help="limits.global_concurrent_turns")
+    parser.add_argument(
+        "--cap",
+        type=int,
+        default=None,
+        help="limits.global_concurrent_turns: a hard ceiling over the adaptive limit (none)",
+    )
+    parser.add_argument(
+        "--no-adaptive",
+        dest="adaptive",
+        action="store_false",
+        help="turn the adaptive limit off: the static --cap alone bounds the fan-out",
+    )
     parser.add_argument("--turn-seconds", type=float, default=1.0, help="how long a turn runs")
     args = parser.parse_args()
     if Path("/run/systemd/system").exists():
@@ -56,10 +86,11 @@ def main() -> int:
     print("booting a throwaway systemd (nspawn over an overlay of /) ...", flush=True)
     with dev_machine() as machine:
         install_probe(machine)
-        start_gate(machine, gate_config(minds, limits={"global_concurrent_turns": args.cap}))
+        limits = {} if args.cap is None else {"limits": {"global_concurrent_turns": args.cap}}
+        start_gate(machine, gate_config(minds, adaptive=args.adaptive, **limits))
         print(
-            f"gate running: {len(minds)} minds, limits.global_concurrent_turns = {args.cap}, "
-            f"1 turn per mind; each turn runs {args.turn_seconds}s\n"
+            f"gate running: {len(minds)} minds, 1 turn per mind; each turn runs "
+            f"{args.turn_seconds}s\n  {describe_limits(args.cap, args.adaptive)}\n"
         )
         journal = machine.popen(
             ["journalctl", "-f", "-n", "0", "-o", "cat", "-u", "volute-gate.service"],
@@ -73,7 +104,7 @@ def main() -> int:
             ["systemctl", "start", "--no-block"]
             + [f"volute-heartbeat@{name}.service" for name in minds]
         )
-        snapshot = ""
+        snapshot, most_live = "", 0
         assert journal.stdout is not None
         os.set_blocking(journal.stdout.fileno(), False)
         buffered = ""
@@ -83,11 +114,13 @@ def main() -> int:
                 buffered += journal.stdout.read() or ""
                 *lines, buffered = buffered.split("\n")
                 for line in lines:
-                    if any(word in line for word in ("holding", "started turn", "ended", "held")):
+                    words = ("holding", "started turn", "ended", "held", "limit")
+                    if any(word in line for word in words):
                         print(f"{time.monotonic() - started:6.1f}    gate: {line}")
             live = live_turn_scopes(machine)
             print(f"{time.monotonic() - started:6.1f}  {len(live)} {' '.join(sorted(live))}")
-            if len(live) == args.cap and not snapshot:
+            if len(live) > most_live:  # the slice at its fullest
+                most_live = len(live)
                 snapshot = machine.run(
                     ["systemctl", "status", "--no-pager", "--lines=0", "volute-turns.slice"]
                 ).stdout
@@ -103,12 +136,18 @@ def main() -> int:
         print("\nsystemctl status volute-turns.slice, captured mid-run:\n")
         print(snapshot)
         print("summary (from systemd's own scope listing, sampled every ~2 ms):")
-        print(f"  most turn scopes live at once: {seen['max_turns']} (cap {args.cap})")
+        bound = f"cap {args.cap}" if args.cap is not None else "no ceiling"
+        print(f"  most turn scopes live at once: {seen['max_turns']} ({bound})")
+        if "adaptive" in status:  # the gate's own account of its limit
+            print(f"  the gate's adaptive limit:     {json.dumps(status['adaptive'])}")
         print(f"  most per mind at once:         {max(seen['max_per_mind'].values())}")
         print(f"  turns run:                     {len(seen['seen'])} for {len(minds)} minds")
         print(f"  queue now: {status['queue_depth']} pending, {status['dead']} dead")
         print(f"  fan-out makespan:              {time.monotonic() - started:.1f}s")
-        ok = seen["max_turns"] <= args.cap and status["queue_depth"] == 0
+        most = min(
+            args.cap or len(minds), AdaptiveSettings().maximum if args.adaptive else len(minds)
+        )
+        ok = seen["max_turns"] <= most and status["queue_depth"] == 0
         return 0 if ok else 1
 
 

@@ -115,6 +115,7 @@ def run(machine: Machine, storm: Storm, drain_timeout: float = 120.0) -> Record:
         machine,
         gate_config(
             minds,
+            adaptive=False,  # the storm's static cap alone
             limits={"global_concurrent_turns": storm.cap},
             gate={
                 "backoff_initial_seconds": 0.1,

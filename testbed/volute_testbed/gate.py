@@ -220,8 +220,19 @@ class Sampler:
         return result
 
 
-def gate_config(minds: Mapping[str, str], **sections: Mapping[str, object]) -> str:
-    """A config TOML: `minds` maps name -> command string; sections add [limits] etc."""
+def gate_config(
+    minds: Mapping[str, str], *, adaptive: bool = False, **sections: Mapping[str, object]
+) -> str:
+    """A config TOML: `minds` maps name -> command string; sections add [limits] etc.
+    (a nested table by its dotted name: `**{"limits.io_pressure": {...}}`).
+
+    The adaptive limit is off unless `adaptive` is true or a "limits.adaptive" section is
+    given: the file then says `[limits.adaptive] enabled = false`, so that the tests
+    written before it (issue 21) run as they did, with no global limit on turns at once
+    but the [limits] they set. A test that relies on that says `adaptive=False` itself;
+    one of the adaptive gate passes `adaptive=True` for the package's default."""
+    if not adaptive and "limits.adaptive" not in sections:
+        sections = {**sections, "limits.adaptive": {"enabled": False}}
     lines = []
     for section, values in sections.items():
         lines.append(f"[{section}]")

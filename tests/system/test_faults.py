@@ -247,7 +247,8 @@ def test_an_interrupted_turn_still_counts_as_interrupted_after_a_gate_restart(
 def test_systemd_reexecuting_and_reloading_under_running_turns(machine: Machine) -> None:
     install_probe(machine)
     minds = {f"m{i}": "turn-probe 0.8" for i in range(6)}
-    start_gate(machine, gate_config(minds, limits={"global_concurrent_turns": 2}))
+    config = gate_config(minds, adaptive=False, limits={"global_concurrent_turns": 2})
+    start_gate(machine, config)
     pid = gate_pid(machine)
     sampler = Sampler(machine)
     acked = [deliver(machine, mind, f"{mind}-{n}", "--session", f"s{n}") for n in range(2)

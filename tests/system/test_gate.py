@@ -47,7 +47,9 @@ def fan_out_script(deliveries: list[tuple[str, str, str]]) -> str:
 def test_fan_out_of_33_minds_never_exceeds_the_caps(machine: Machine) -> None:
     install_probe(machine)
     minds = {f"m{i:02d}": "turn-probe 0.15" for i in range(33)}
-    start_gate(machine, gate_config(minds, limits={"global_concurrent_turns": 2}))
+    # The static cap alone: exactly 2 at once, never an adaptive limit under it.
+    config = gate_config(minds, adaptive=False, limits={"global_concurrent_turns": 2})
+    start_gate(machine, config)
     sampler = Sampler(machine)
     deliveries = []
     for round_ in range(3):
@@ -87,7 +89,9 @@ def test_fan_out_of_33_minds_never_exceeds_the_caps(machine: Machine) -> None:
 def test_aligned_heartbeats_queue_behind_a_cap_of_one(machine: Machine) -> None:
     install_probe(machine)
     minds = {name: "turn-probe 0.4" for name in ("mimsy", "whorl", "pip")}
-    start_gate(machine, gate_config(minds, limits={"global_concurrent_turns": 1}))
+    # Held by the static cap (reason global_cap), with no adaptive limit.
+    config = gate_config(minds, adaptive=False, limits={"global_concurrent_turns": 1})
+    start_gate(machine, config)
     timer = machine.run(["systemctl", "cat", "volute-heartbeat@mimsy.timer"]).stdout
     assert "OnCalendar=*-*-* *:00:00" in timer
     sampler = Sampler(machine)
@@ -144,7 +148,7 @@ UNTIL_RELEASED = "timeout 60 sh -c 'until [ -e /run/release ]; do sleep 0.05; do
 
 def test_held_delivery_keeps_attempts_at_zero_and_reports_hold(machine: Machine) -> None:
     install_probe(machine)
-    start_gate(machine, gate_config({"busy": UNTIL_RELEASED}))
+    start_gate(machine, gate_config({"busy": UNTIL_RELEASED}, adaptive=False))  # "no cap"
     deliver(machine, "busy", "first", "--session", "a")
     wait_for(lambda: bool(live_turn_scopes(machine)))
     held = deliver(machine, "busy", "second", "--session", "b")
@@ -181,7 +185,9 @@ def test_sigkill_of_the_gate_loses_nothing_and_runs_nothing_twice(machine: Machi
     install_probe(machine)
     # Turns outlive the gate's RestartSec=2s, so the restarted gate must adopt them.
     minds = {f"k{i}": "turn-probe 8" for i in range(4)}
-    start_gate(machine, gate_config(minds, limits={"global_concurrent_turns": 2}))
+    # 2 at once, by the static cap alone.
+    config = gate_config(minds, adaptive=False, limits={"global_concurrent_turns": 2})
+    start_gate(machine, config)
     sampler = Sampler(machine)
     ids = [deliver(machine, mind, f"msg-{mind}-{n}", "--session", f"s{n}")
            for n in range(2) for mind in minds]  # fmt: skip

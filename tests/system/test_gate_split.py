@@ -187,7 +187,8 @@ def test_the_launcher_dying_during_a_fan_out_loses_and_repeats_nothing(
 def test_a_gate_restart_adopts_the_turns_the_launcher_started(machine: Machine) -> None:
     install_probe(machine)
     fast_restarts(machine)
-    start_gate(machine, gate_config({f"m{i}": "turn-probe 3" for i in range(3)}))
+    # 3 turns at once: no global limit.
+    start_gate(machine, gate_config({f"m{i}": "turn-probe 3" for i in range(3)}, adaptive=False))
     acked = [deliver(machine, f"m{i}", "hold") for i in range(3)]
     wait_for(lambda: len(live_turn_scopes(machine)) == 3)
     first_gate, first_launcher = gate_pid(machine), launcher_pid(machine)

@@ -40,6 +40,7 @@ pytestmark = pytest.mark.system
 REPO = "/srv/repo"
 COMMON_DIR = "/srv/repo/.git"
 WORKTREE = "/srv/wt1"
+# With adaptive=False: the static cap of 2 alone, so a test run takes one of exactly 2.
 COUNTING = {"global_concurrent_turns": 2, "test_runs_count_as_turns": True}
 
 
@@ -152,7 +153,10 @@ def test_a_test_run_takes_one_place_and_hands_it_back_at_once(machine: Machine) 
     install_probe(machine)
     make_repository(machine)
     minds = [f"m{i}" for i in range(6)]
-    start_gate(machine, gate_config(dict.fromkeys(minds, "turn-probe 0.5"), limits=COUNTING))
+    start_gate(
+        machine,
+        gate_config(dict.fromkeys(minds, "turn-probe 0.5"), adaptive=False, limits=COUNTING),
+    )
     sampler = Sampler(machine)
 
     # A run in flight before any delivery: the stream must then get one turn at a time.
@@ -209,7 +213,10 @@ def test_a_test_run_takes_one_place_and_hands_it_back_at_once(machine: Machine) 
 def test_sigkill_of_a_test_run_frees_the_budget_at_once(machine: Machine) -> None:
     install_probe(machine)
     make_repository(machine)
-    start_gate(machine, gate_config({"a": "turn-probe 6", "b": "turn-probe 6"}, limits=COUNTING))
+    start_gate(
+        machine,
+        gate_config({"a": "turn-probe 6", "b": "turn-probe 6"}, adaptive=False, limits=COUNTING),
+    )
     run = start_test_run(machine, 60)
     wait_for(lambda: slots_held(machine) == 1, timeout=20)
     sampler = Sampler(machine)
@@ -237,7 +244,10 @@ def test_sigkill_of_a_test_run_frees_the_budget_at_once(machine: Machine) -> Non
 def test_a_restarted_gate_finds_the_runs_in_flight(machine: Machine) -> None:
     install_probe(machine)
     make_repository(machine)
-    start_gate(machine, gate_config({"a": "turn-probe 3", "b": "turn-probe 3"}, limits=COUNTING))
+    start_gate(
+        machine,
+        gate_config({"a": "turn-probe 3", "b": "turn-probe 3"}, adaptive=False, limits=COUNTING),
+    )
     run = start_test_run(machine, 60)
     wait_for(lambda: slots_held(machine) == 1, timeout=20)  # registered by the run
     registry = machine.host_path("/var/lib/volute/repositories.json").read_text()
@@ -259,6 +269,7 @@ def test_a_missing_repository_is_logged_once_and_the_gate_works(machine: Machine
     make_repository(machine)
     config = gate_config(
         {"a": "turn-probe 0.2"},
+        adaptive=False,
         limits=COUNTING,
         tests={"repositories": ["/srv/nowhere", WORKTREE]},
     )

@@ -152,6 +152,8 @@ def test_a_turns_stream_outlives_a_restart_of_journald(machine: Machine) -> None
 TIMEOUT_CONFIG = """
 [limits]
 global_concurrent_turns = 1
+[limits.adaptive]
+enabled = false
 [turns]
 timeout_grace_seconds = 1
 [gate]

@@ -67,7 +67,11 @@ def test_pressure_holds_new_turns_and_release_resumes_them_in_fifo_order(
     minds = {"hog": hog_command(disk.mount, 10), **dict.fromkeys(quick, "turn-probe 0.1")}
     start_pressure_gate(
         machine,
-        gate_config(minds, **{"limits.io_pressure": {"enabled": True, "recheck_seconds": 0.5}}),
+        gate_config(
+            minds,
+            adaptive=False,  # today's PSI hold alone
+            **{"limits.io_pressure": {"enabled": True, "recheck_seconds": 0.5}},
+        ),
     )
     [gate_on] = gate_events(machine, "VOLUTE_EVENT=io_pressure_on")  # a PSI trigger
     # The turns slice's own file is the one looked at (per-slice, not system). The
@@ -122,7 +126,8 @@ def test_pressure_gate_off_by_default_starts_everything_at_once(
     install_probe(machine)
     quick = [f"q{i}" for i in range(4)]
     minds = {"hog": hog_command(disk.mount, 16), **dict.fromkeys(quick, "turn-probe 3")}
-    start_pressure_gate(machine, gate_config(minds))
+    # No global limit at all: the pressure gate off by default, the adaptive limit by name.
+    start_pressure_gate(machine, gate_config(minds, adaptive=False))
     assert gate_events(machine, "VOLUTE_EVENT=io_pressure_on") == []
     deliver(machine, "hog", "write")
     time.sleep(2.5)  # long enough for a 2 s-window trigger to have fired, were one registered

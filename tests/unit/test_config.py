@@ -18,6 +18,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 import pytest
+from pydantic import ValidationError
 
 from volutectl import cli
 from volutectl.config import settings as config
@@ -217,6 +218,36 @@ BAD_FILES = {
         "gate.max_pending_bytes_per_uid",
         "greater than or equal to 1",
     ),
+    "adaptive minimum over its maximum": (
+        "[limits.adaptive]\nminimum = 4\nstart = 4\nmaximum = 3\n",
+        "limits.adaptive",
+        "minimum (4) is over maximum (3)",
+    ),
+    "adaptive start below its minimum": (
+        "[limits.adaptive]\nminimum = 3\n",
+        "limits.adaptive",
+        "start (2) is outside [minimum, maximum] ([3, 16])",
+    ),
+    "adaptive start over its maximum": (
+        "[limits.adaptive]\nstart = 17\n",
+        "limits.adaptive",
+        "start (17) is outside [minimum, maximum] ([1, 16])",
+    ),
+    "adaptive minimum of no turn": (
+        "[limits.adaptive]\nminimum = 0\n",
+        "limits.adaptive.minimum",
+        "greater than or equal to 1",
+    ),
+    "adaptive interval too short": (
+        "[limits.adaptive]\ninterval_seconds = 0.01\n",
+        "limits.adaptive.interval_seconds",
+        "greater than or equal to 0.1",
+    ),
+    "io_pressure and adaptive both enabled": (
+        "[limits.io_pressure]\nenabled = true\n[limits.adaptive]\nenabled = true\n",
+        "limits",
+        "io_pressure.enabled and adaptive.enabled are both true: choose one",
+    ),
 }
 
 
@@ -231,6 +262,48 @@ def test_bad_file_names_key_and_file(tmp_path: Path, case: str) -> None:
     assert f"{key}: " in error.message
     assert words in error.message
     assert f"(in {path})" in error.message
+
+
+def test_adaptive_admission_is_on_by_default_within_its_bounds() -> None:
+    adaptive = config.Settings().limits.adaptive
+    assert adaptive == config.AdaptiveSettings(
+        enabled=True, start=2, minimum=1, maximum=16, interval_seconds=0.5
+    )
+    assert config.Settings().limits.global_concurrent_turns is None  # no ceiling
+    assert not config.Settings().limits.adaptive_off_for_io_pressure
+
+
+def test_io_pressure_turns_an_unset_adaptive_off(tmp_path: Path) -> None:
+    # A config from before the adaptive limit keeps today's PSI hold, and only that.
+    path = write(tmp_path, "[limits.io_pressure]\nenabled = true\n")
+    limits = load_settings(path, environ={}).settings.limits
+    assert limits.io_pressure.enabled and not limits.adaptive.enabled
+    assert limits.adaptive_off_for_io_pressure
+    from_env = load_settings(environ={"VOLUTE_LIMITS__IO_PRESSURE__ENABLED": "true"})
+    assert from_env.settings.limits.adaptive_off_for_io_pressure
+    # Either one off by name is no contradiction, and not "turned off by io_pressure".
+    path = write(
+        tmp_path, "[limits.io_pressure]\nenabled = true\n[limits.adaptive]\nenabled = false\n"
+    )
+    limits = load_settings(path, environ={}).settings.limits
+    assert limits.io_pressure.enabled and not limits.adaptive.enabled
+    assert not limits.adaptive_off_for_io_pressure
+    path = write(
+        tmp_path, "[limits.io_pressure]\nenabled = false\n[limits.adaptive]\nenabled = true\n"
+    )
+    limits = load_settings(path, environ={}).settings.limits
+    assert limits.adaptive.enabled and not limits.adaptive_off_for_io_pressure
+
+
+def test_io_pressure_and_adaptive_both_enabled_is_refused_from_any_source(tmp_path: Path) -> None:
+    path = write(tmp_path, "[limits.adaptive]\nenabled = true\n")
+    with pytest.raises(ConfigError) as raised:
+        load_settings(path, environ={"VOLUTE_LIMITS__IO_PRESSURE__ENABLED": "true"})
+    assert raised.value.message.startswith(
+        "invalid config: limits: io_pressure.enabled and adaptive.enabled are both true: choose one"
+    )
+    with pytest.raises(ValidationError, match="choose one"):
+        config.Settings(limits={"io_pressure": {"enabled": True}, "adaptive": {"enabled": True}})
 
 
 def test_bad_toml_syntax_names_the_file(tmp_path: Path) -> None:
@@ -463,6 +536,54 @@ def test_check_warns_about_variables_naming_no_section(
     assert "VOLUTE_LIMTS__TURNS_PER_MIND names no config section" in err
 
 
+def test_check_notes_a_ceiling_over_the_adaptive_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, runnable(tmp_path))  # global_concurrent_turns = 2
+    code, out, err = run_cli(["config", "check", "--config", str(path)], capsys)
+    assert code == 0, err
+    [note] = [line for line in out.splitlines() if line.startswith("  note: limits.")]
+    assert note.startswith(
+        "  note: limits.global_concurrent_turns = 2 is a hard ceiling over the adaptive limit: "
+        "at most 2 turns at once"
+    )
+    # With the adaptive limit off by name, the cap is just the cap: nothing to note.
+    path = write(tmp_path, runnable(tmp_path) + "\n[limits.adaptive]\nenabled = false\n")
+    code, out, err = run_cli(["config", "check", "--config", str(path)], capsys)
+    assert code == 0, err
+    assert not [line for line in out.splitlines() if line.startswith("  note: limits.")]
+
+
+def test_show_says_why_the_adaptive_limit_is_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "[limits.io_pressure]\nenabled = true\n")
+    code, out, _ = run_cli(["config", "show", "--config", str(path)], capsys)
+    assert code == 0
+    expected = "limits.adaptive.enabled = false  # default, off for limits.io_pressure.enabled"
+    assert expected in out.splitlines()
+    code, out, _ = run_cli(["config", "show", "--json", "--config", str(path)], capsys)
+    assert json.loads(out)["limits.adaptive.enabled"] == {
+        "value": False,
+        "source": "default, off for limits.io_pressure.enabled",
+    }
+
+
+def test_check_notes_an_adaptive_limit_turned_off_by_io_pressure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "[limits.io_pressure]\nenabled = true\n")
+    code, out, err = run_cli(["config", "check", "--config", str(path)], capsys)
+    assert code == 0, err
+    assert out.splitlines()[1].startswith(
+        "  note: limits.adaptive is off because limits.io_pressure.enabled is true"
+    )
+    path = write(tmp_path, "[limits]\n")
+    code, out, err = run_cli(["config", "check", "--config", str(path)], capsys)
+    assert code == 0, err
+    assert out.splitlines() == [f"ok: {path}"]
+
+
 CHECK_FAILURES = {
     "unknown key": ("[limits]\nbogus = 1\n", "limits.bogus: unknown key"),
     "wrong type": ("[tests]\nconcurrent_runs = 'one'\n", "tests.concurrent_runs: "),
@@ -473,6 +594,14 @@ CHECK_FAILURES = {
     "negative test runs": ("[tests]\nconcurrent_runs = -1\n", "tests.concurrent_runs: "),
     "bad mind name": ('[minds."../etc"]\ncommand = "x"\n', "invalid mind name '../etc'"),
     "bad toml": ("limits = [\n", "not valid TOML"),
+    "io_pressure and adaptive both enabled": (
+        "[limits.io_pressure]\nenabled = true\n[limits.adaptive]\nenabled = true\n",
+        "limits: io_pressure.enabled and adaptive.enabled are both true: choose one",
+    ),
+    "adaptive bounds": (
+        "[limits.adaptive]\nminimum = 3\nmaximum = 2\nstart = 2\n",
+        "limits.adaptive: minimum (3) is over maximum (2)",
+    ),
 }
 
 

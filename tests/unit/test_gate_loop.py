@@ -90,7 +90,9 @@ def test_a_fan_out_holds_the_global_cap_and_one_turn_per_mind(
 ) -> None:
     command, log = probe
     minds = {f"m{i}": f"{command} 0.15" for i in range(6)}
-    harness = gate(tmp_path, minds, limits={"global_concurrent_turns": 2})
+    # The static cap alone: an adaptive limit under it could hold the fan-out to 1.
+    limits = {"global_concurrent_turns": 2, "adaptive": {"enabled": False}}
+    harness = gate(tmp_path, minds, limits=limits)
     harnesses.append(harness)
     acked = [deliver(harness, mind, session) for session in ("a", "b") for mind in minds]
     harness.pump(lambda: settled(harness), timeout=30)

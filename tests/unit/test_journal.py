@@ -292,7 +292,7 @@ def test_the_gates_hold_start_end_timeout_and_dead_entries_carry_message_ids(
 ) -> None:
     harness = gate(tmp_path, harnesses, None,
                    minds={"slow": "sleep 30", "quick": "true"},
-                   limits={"global_concurrent_turns": 1},
+                   limits={"global_concurrent_turns": 1, "adaptive": {"enabled": False}},
                    turns={"max_runtime_seconds": 0.3, "timeout_grace_seconds": 0.1},
                    max_attempts=1)  # fmt: skip
     harness.deliver_ok(mind="slow")

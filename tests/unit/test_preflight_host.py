@@ -1,4 +1,4 @@
-"""Preflight of the host and the commands' face: a turn cap on flash storage, who may
+"""Preflight of the host and the commands' face: what bounds turns on flash storage, who may
 use the gate's socket, and the exact lines and exit codes of `volutectl config check`
 and `volutectl doctor` for minds that fail (tests/unit/test_preflight.py checks each
 mind's user, command and working directory)."""
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_preflight import ME, MY_GROUP, OWNER, VOLUTECTL
+from volutectl.cli.config import limits_notes
 from volutectl.config.settings import Settings
 from volutectl.errors import EX_CONFIG
 from volutectl.kernel import access
@@ -33,7 +34,7 @@ def tree() -> Iterator[Path]:
     shutil.rmtree(path)
 
 
-# -- the turn cap on flash storage -------------------------------------------------------
+# -- what bounds turns at once on flash storage ----------------------------------------
 
 
 def sysfs(root: Path, disk: str, major: int, kind: str | None, partition: bool = True) -> Path:
@@ -52,6 +53,9 @@ def sysfs(root: Path, disk: str, major: int, kind: str | None, partition: bool =
     return disk_dir
 
 
+ADAPTIVE_OFF = {"adaptive": {"enabled": False}}
+
+
 @pytest.mark.parametrize(
     ("disk", "kind", "said"),
     [
@@ -60,34 +64,67 @@ def sysfs(root: Path, disk: str, major: int, kind: str | None, partition: bool =
         ("mmcblk0", None, "an SD card or eMMC"),
     ],
 )
-def test_no_cap_on_an_sd_card_or_emmc_warns(
+def test_no_cap_and_no_adaptive_limit_on_an_sd_card_or_emmc_warns(
     tmp_path: Path, disk: str, kind: str | None, said: str
 ) -> None:
     sysfs(tmp_path, disk, 179, kind)
-    status, found, change = preflight.check_cap(Settings(), device=(179, 2), sys_root=tmp_path)
+    unlimited = Settings(limits=ADAPTIVE_OFF)
+    status, found, change = preflight.check_cap(unlimited, device=(179, 2), sys_root=tmp_path)
     assert status == "warn"
     assert found == (
-        f"limits.global_concurrent_turns is unset, and /var/lib/volute is on {disk}, {said}: "
+        "limits.adaptive is off and limits.global_concurrent_turns is unset, and "
+        f"/var/lib/volute is on {disk}, {said}: "
         "turns that all wake at once can stall it until the host starves"
     )
-    assert change == "set limits.global_concurrent_turns = 2 in the config (its comment says why)"
+    assert change == (
+        "remove limits.adaptive.enabled = false (the adaptive limit is on by default), "
+        "or set limits.global_concurrent_turns = 2 in the config"
+    )
 
 
-def test_a_cap_or_another_disk_is_fine(tmp_path: Path) -> None:
+def test_an_adaptive_limit_turned_off_by_io_pressure_warns_on_an_sd_card(tmp_path: Path) -> None:
     sysfs(tmp_path, "mmcblk0", 179, "SD")
+    held = Settings(limits={"io_pressure": {"enabled": True}})
+    status, found, change = preflight.check_cap(held, device=(179, 2), sys_root=tmp_path)
+    assert status == "warn"
+    assert found.startswith("limits.adaptive is off (limits.io_pressure is on) and ")
+    assert change.startswith("set limits.io_pressure.enabled = false to let the adaptive limit")
+
+
+def test_the_default_adaptive_limit_protects_an_sd_card(tmp_path: Path) -> None:
+    sysfs(tmp_path, "mmcblk0", 179, "SD")
+    assert preflight.check_cap(Settings(), device=(179, 2), sys_root=tmp_path) == (
+        "ok",
+        "limits.adaptive is on: between 1 and 16 turns at once, starting at 2; no ceiling "
+        "(limits.global_concurrent_turns is unset)",
+        "",
+    )
     capped = Settings(limits={"global_concurrent_turns": 2})
     assert preflight.check_cap(capped, device=(179, 2), sys_root=tmp_path) == (
         "ok",
-        "limits.global_concurrent_turns = 2",
+        "limits.adaptive is on: between 1 and 16 turns at once, starting at 2, under the "
+        "ceiling limits.global_concurrent_turns = 2",
+        "",
+    )
+
+
+def test_a_cap_or_another_disk_is_fine_without_the_adaptive_limit(tmp_path: Path) -> None:
+    sysfs(tmp_path, "mmcblk0", 179, "SD")
+    capped = Settings(limits={"global_concurrent_turns": 2, **ADAPTIVE_OFF})
+    assert preflight.check_cap(capped, device=(179, 2), sys_root=tmp_path) == (
+        "ok",
+        "limits.global_concurrent_turns = 2 (limits.adaptive is off)",
         "",
     )
     sysfs(tmp_path, "sda", 8, None)
-    assert preflight.check_cap(Settings(), device=(8, 2), sys_root=tmp_path) == (
+    unlimited = Settings(limits=ADAPTIVE_OFF)
+    assert preflight.check_cap(unlimited, device=(8, 2), sys_root=tmp_path) == (
         "ok",
-        "limits.global_concurrent_turns is unset (no cap); /var/lib/volute is on sda",
+        "limits.adaptive is off and limits.global_concurrent_turns is unset (no global limit); "
+        "/var/lib/volute is on sda",
         "",
     )
-    assert preflight.check_cap(Settings(), device=(0, 42), sys_root=tmp_path)[0] == "ok"
+    assert preflight.check_cap(unlimited, device=(0, 42), sys_root=tmp_path)[0] == "ok"
 
 
 def test_a_device_mapper_disk_is_followed_to_the_card_under_it(tmp_path: Path) -> None:
@@ -177,10 +214,13 @@ def apart(*others: str) -> list[str]:
     return [ROOT_WARNING, shared] if os.geteuid() == 0 else [shared]
 
 
+CEILING = {"global_concurrent_turns": 2}
+
+
 def config_file(tree: Path, minds: str) -> Path:
     path = tree / "volutectl.toml"
     gate = f'[gate]\nstate_dir = "{tree}/state"\nsocket = "{tree}/gate.sock"\n'
-    path.write_text(f"{gate}[limits]\nglobal_concurrent_turns = 2\n\n{minds}")
+    path.write_text(f"{gate}[limits]\nglobal_concurrent_turns = 2\n\n{minds}")  # CEILING
     return path
 
 
@@ -198,6 +238,7 @@ def test_config_check_lists_each_minds_problems_and_exits_78(tree: Path) -> None
     assert result.returncode == EX_CONFIG, result.stderr
     assert result.stdout.splitlines() == [
         f"ok: {config}",
+        *[f"  note: {note}" for note in limits_notes(Settings(limits=CEILING))],
         f"  mind ghost: from file {config} (at most 1 turn(s) at once)",
         "    fail: user 'no-such-user-here' does not exist",
         f"  mind lost: from file {config} (at most 1 turn(s) at once)",
@@ -253,7 +294,7 @@ def test_doctor_fails_a_mind_with_78_and_reports_the_socket_and_the_cap(tree: Pa
         "change": preflight.APART_HINT,
         "exit_code": 0,
     }
-    assert checks["turn-cap"]["found"] == "limits.global_concurrent_turns = 2"
+    assert checks["turn-cap"]["found"] == preflight.check_cap(Settings(limits=CEILING))[1]
     assert checks["socket-access"]["status"] == "ok"  # root, or this user's own group
     text = run("doctor", "--config", str(config)).stdout.splitlines()
     assert (

@@ -39,7 +39,7 @@ def show_command(config_path: str | None, as_json: bool) -> None:
     flat = flatten(loaded.settings)
     if as_json:
         document = {
-            key: {"value": _plain(value), "source": loaded.source_of(key)}
+            key: {"value": _plain(value), "source": _source(loaded, key)}
             for key, value in flat.items()
         }
         click.echo(json.dumps(document, indent=2))
@@ -52,13 +52,16 @@ def show_command(config_path: str | None, as_json: bool) -> None:
             announced.add(mind)
             sources = ", ".join(loaded.table_sources(f"minds.{mind}"))
             click.echo(f"# [minds.{mind}] from {sources}")
-        click.echo(f"{key} = {_render(value)}  # {loaded.source_of(key)}")
+        click.echo(f"{key} = {_render(value)}  # {_source(loaded, key)}")
 
 
 @config_command.command("check")
 @config_option
 def check_command(config_path: str | None) -> None:
     """Validate the configuration, and check that every mind's turns can start here.
+
+    Notes how the [limits] keys combine: a global_concurrent_turns that is a ceiling over
+    the adaptive limit, an io_pressure that turned the adaptive limit off.
 
     Exits 78 naming the bad key and its file or variable, or the minds that fail
     preflight: a user that does not exist, a command that is missing or not executable
@@ -69,6 +72,8 @@ def check_command(config_path: str | None) -> None:
     loaded = _load_settings(config_path)
     settings = loaded.settings
     click.echo(f"ok: {loaded.path if loaded.path is not None else _file_line(loaded)}")
+    for note in limits_notes(settings):
+        click.echo(f"  note: {note}")
     reports = {report.mind: report for report in preflight.check_minds(settings)}
     for mind in settings.minds:
         sources = ", ".join(loaded.table_sources(f"minds.{mind}"))
@@ -105,6 +110,26 @@ def check_command(config_path: str | None) -> None:
         )
 
 
+def limits_notes(settings: Settings) -> list[str]:
+    """What the [limits] keys do together, where that is not what each says alone."""
+    limits = settings.limits
+    notes = []
+    if limits.adaptive_off_for_io_pressure:
+        notes.append(
+            "limits.adaptive is off because limits.io_pressure.enabled is true (its PSI hold "
+            "alone guards the storage); set limits.io_pressure.enabled = false to use the "
+            "adaptive limit instead"
+        )
+    cap = limits.global_concurrent_turns
+    if cap is not None and limits.adaptive.enabled:
+        notes.append(
+            f"limits.global_concurrent_turns = {cap} is a hard ceiling over the adaptive "
+            f"limit: at most {min(cap, limits.adaptive.maximum)} turns at once, even when the "
+            "storage could take more; unset it to let the limit find its own"
+        )
+    return notes
+
+
 def unused_variables(loaded: LoadedSettings, environ: dict[str, str] | None = None) -> list[str]:
     """VOLUTE_X__Y variables whose X is no section: most likely a typo of one."""
     environ = dict(os.environ) if environ is None else environ
@@ -115,6 +140,13 @@ def unused_variables(loaded: LoadedSettings, environ: dict[str, str] | None = No
         and ENV_NESTED in name
         and name not in loaded.variables
     )
+
+
+def _source(loaded: LoadedSettings, key: str) -> str:
+    source = loaded.source_of(key)
+    if key == "limits.adaptive.enabled" and loaded.settings.limits.adaptive_off_for_io_pressure:
+        return f"{source}, off for limits.io_pressure.enabled"  # not the default's true
+    return source
 
 
 def _file_line(loaded: LoadedSettings) -> str:

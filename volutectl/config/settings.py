@@ -7,10 +7,11 @@ Precedence, lowest to highest:
   3. environment variables: VOLUTE_<SECTION>__<KEY>, e.g. VOLUTE_LIMITS__TURNS_PER_MIND=2;
   4. command-line flags of the command that reads the value.
 
-An unknown key, a wrong type or a negative cap is a ConfigError (exit 78) that names
-the key and where it came from. The file and the environment are read by sources of our
-own (volutectl.config.sources), which record where each value came from and never touch
-os.environ.
+An unknown key, a wrong type, a negative cap or settings that contradict each other
+(limits.adaptive's bounds; it and limits.io_pressure both enabled) is a ConfigError
+(exit 78) that names the key and where it came from. The file and the environment are
+read by sources of our own (volutectl.config.sources), which record where each value
+came from and never touch os.environ.
 """
 
 from __future__ import annotations
@@ -134,11 +135,66 @@ class IoPressureSettings(Section):
         return self
 
 
+class AdaptiveSettings(Section):
+    """limits.adaptive: a global limit on turns at once that the gate finds for itself.
+
+    It starts at `start` each time the gate starts, grows while deliveries wait at it and
+    the storage stays responsive, shrinks when the storage stalls, and stays within
+    [minimum, maximum]; it moves at most once per interval_seconds. A set
+    limits.global_concurrent_turns is a hard ceiling over it.
+    """
+
+    enabled: bool = True
+    start: Positive = 2
+    minimum: Positive = 1
+    maximum: Positive = 16
+    interval_seconds: Annotated[float, Field(ge=0.1, le=10)] = 0.5
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AdaptiveSettings:
+        if self.minimum > self.maximum:
+            raise ValueError(
+                f"minimum ({self.minimum}) is over maximum ({self.maximum}): the limit "
+                "would have no room"
+            )
+        if not self.minimum <= self.start <= self.maximum:
+            raise ValueError(
+                f"start ({self.start}) is outside [minimum, maximum] "
+                f"([{self.minimum}, {self.maximum}])"
+            )
+        return self
+
+
 class LimitsSettings(Section):
+    # A hard ceiling: with adaptive admission on, the limit never goes above it.
     global_concurrent_turns: Positive | None = None
     turns_per_mind: Positive = 1
     test_runs_count_as_turns: bool = False
     io_pressure: IoPressureSettings = Field(default_factory=IoPressureSettings)
+    adaptive: AdaptiveSettings = Field(default_factory=AdaptiveSettings)
+
+    @model_validator(mode="after")
+    def _one_pressure_rule(self) -> LimitsSettings:
+        # Today's PSI hold and the adaptive limit both answer "is the storage stalled?",
+        # each its own way: one gate takes one answer. A config from before the adaptive
+        # limit that turned the hold on keeps it, and adaptive admission goes off.
+        if not (self.io_pressure.enabled and self.adaptive.enabled):
+            return self
+        if "enabled" in self.adaptive.model_fields_set:
+            raise ValueError(
+                "io_pressure.enabled and adaptive.enabled are both true: choose one "
+                "(the adaptive limit already backs off when the storage stalls)"
+            )
+        adaptive = self.adaptive.model_copy(update={"enabled": False})
+        # Still "not set": adaptive_off_for_io_pressure tells it from an explicit false.
+        adaptive.model_fields_set.discard("enabled")
+        object.__setattr__(self, "adaptive", adaptive)  # frozen: this is its validation
+        return self
+
+    @property
+    def adaptive_off_for_io_pressure(self) -> bool:
+        """Adaptive admission is off only because io_pressure is on and it was left unset."""
+        return not self.adaptive.enabled and "enabled" not in self.adaptive.model_fields_set
 
 
 class TurnsSettings(Section):

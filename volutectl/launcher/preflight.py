@@ -1,4 +1,4 @@
-"""Preflight: will each mind's turns start on this host, and is the turn cap set?
+"""Preflight: will each mind's turns start on this host, and what bounds them at once?
 
 A mind whose user does not exist, whose command is missing or not executable by that
 user, or whose working directory is missing fails every turn: each counts an attempt,
@@ -386,7 +386,7 @@ def failing_recently(settings: Settings) -> dict[str, tuple[str, ...]]:
     return _last[2]
 
 
-# -- the host: a turn cap on flash storage -----------------------------------------------
+# -- the host: what bounds the turns at once, on flash storage most of all ---------------
 
 
 def flash_kind(disk: Path) -> str | None:
@@ -415,25 +415,48 @@ def check_cap(
     device: tuple[int, int] | None = None,
     sys_root: Path = Path("/sys"),
 ) -> tuple[Literal["ok", "warn"], str, str]:
-    """(status, found, change): warn when no global cap is set on a host whose state
-    directory is on an SD card or eMMC, where concurrent turns stall the storage."""
-    cap = settings.limits.global_concurrent_turns
+    """(status, found, change): what bounds the turns running at once. The adaptive limit
+    (on by default) protects any disk, under a ceiling if one is set; warn only when it is
+    off and no cap is set on a host whose state directory is on an SD card or eMMC, where
+    turns that all wake at once stall the storage."""
+    limits = settings.limits
+    cap = limits.global_concurrent_turns
+    adaptive = limits.adaptive
+    if adaptive.enabled:
+        bounds = (
+            f"limits.adaptive is on: between {adaptive.minimum} and {adaptive.maximum} turns "
+            f"at once, starting at {adaptive.start}"
+        )
+        if cap is None:
+            return "ok", f"{bounds}; no ceiling (limits.global_concurrent_turns is unset)", ""
+        return "ok", f"{bounds}, under the ceiling limits.global_concurrent_turns = {cap}", ""
+    off = (
+        "limits.adaptive is off (limits.io_pressure is on)"
+        if limits.adaptive_off_for_io_pressure
+        else "limits.adaptive is off"
+    )
     if cap is not None:
-        return "ok", f"limits.global_concurrent_turns = {cap}", ""
+        return "ok", f"limits.global_concurrent_turns = {cap} ({off})", ""
     state_dir = settings.gate.state_dir
     if device is None:
         st_dev = existing_ancestor(state_dir).stat().st_dev
         device = (os.major(st_dev), os.minor(st_dev))
     disk = block_device_dir(*device, sys_root)
     kind = flash_kind(disk) if disk is not None else None
+    unset = f"{off} and limits.global_concurrent_turns is unset"
     if disk is None or kind is None:
         where = f"on {disk.name}" if disk is not None else "on no block device"
-        return "ok", f"limits.global_concurrent_turns is unset (no cap); {state_dir} is {where}", ""
+        return "ok", f"{unset} (no global limit); {state_dir} is {where}", ""
+    turn_on = (
+        "set limits.io_pressure.enabled = false to let the adaptive limit take over"
+        if limits.adaptive_off_for_io_pressure
+        else "remove limits.adaptive.enabled = false (the adaptive limit is on by default)"
+    )
     return (
         "warn",
-        f"limits.global_concurrent_turns is unset, and {state_dir} is on {disk.name}, {kind}: "
+        f"{unset}, and {state_dir} is on {disk.name}, {kind}: "
         "turns that all wake at once can stall it until the host starves",
-        "set limits.global_concurrent_turns = 2 in the config (its comment says why)",
+        f"{turn_on}, or set limits.global_concurrent_turns = 2 in the config",
     )
 
 
