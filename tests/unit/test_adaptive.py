@@ -39,6 +39,8 @@ from volutectl.core.adaptive import (
     resume,
     step,
 )
+from volutectl.core.admission import Delivery, Limits, LiveTurn, admit
+from volutectl.states import HoldReason
 
 BOUNDS = Bounds(start=2, minimum=1, maximum=16)
 INTERVAL = 0.5
@@ -225,3 +227,25 @@ def test_the_rules_compared() -> None:
     aimd_network = simulate(12, rule="aimd", write_share=0.02)[1].limits
     assert gradient_network.index(16) <= 6
     assert BOUNDS.maximum not in aimd_network
+
+
+def test_admission_caps_at_the_lower_of_ceiling_and_limit_and_names_which_holds() -> None:
+    pending = [Delivery(i, f"m{i}", "s") for i in range(1, 6)]
+    live = [LiveTurn(10, "other", "s")]
+    held = admit(pending, live, Limits(global_cap=8, adaptive=3), now=0.0)
+    assert len(held.starts) == 2
+    assert {hold.reason for hold in held.holds} == {HoldReason.ADAPTIVE_LIMIT}
+    held = admit(pending, live, Limits(global_cap=2, adaptive=3), now=0.0)
+    assert len(held.starts) == 1
+    assert {hold.reason for hold in held.holds} == {HoldReason.GLOBAL_CAP}
+    # Other work (test runs) filling the cap is named as such, whichever cap it fills.
+    held = admit(
+        pending,
+        [],
+        Limits(adaptive=2),
+        now=0.0,
+        other_busy=2,
+        other_busy_reason=HoldReason.TEST_RUN,
+    )
+    assert held.starts == [] and {hold.reason for hold in held.holds} == {HoldReason.TEST_RUN}
+    assert Limits(global_cap=None, adaptive=None).cap is None

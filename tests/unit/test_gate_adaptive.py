@@ -240,3 +240,17 @@ def test_an_idle_gate_does_not_wake_for_the_limit(tmp_path: Path, harnesses: lis
     harness.pump(lambda: not harness.gate.state.turns.all())
     harness.pump(lambda: adaptive.deadline() is None)
     assert adaptive.probe is not None and adaptive.probe.path.exists()
+
+
+def test_a_probe_that_fails_falls_back_to_the_start_value(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = adaptive_harness(tmp_path, harnesses, adaptive={"interval_seconds": 0.1})
+    adaptive = limit_of(harness)
+    assert adaptive.probe is not None
+    adaptive.probe.path = tmp_path / "no such directory" / "adaptive-probe"
+    fan_out(harness)
+    harness.pump(lambda: mode_of(adaptive) is AdaptiveMode.FALLBACK)
+    [fallback] = harness.journal.of(events.AdaptiveFallback)
+    assert "the probe of" in fallback.why and "no such directory" in fallback.why
+    assert adaptive.limit() == 2

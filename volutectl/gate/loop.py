@@ -2,11 +2,13 @@
 
 It waits in one select() (volutectl/gate/reactor.py) on: the listening socket and its
 clients (volutectl/gate/server.py), the D-Bus connection (scope-ended signals), a pidfd
-per turn's main process, the test-slot watch, the PSI trigger when enabled, and a stop
-fd; each part registers its descriptors with a callback. The select() times out only
-for real deadlines, all on the monotonic clock: a failed delivery's backoff, a turn's
+per turn's main process, the test-slot watch, the PSI trigger when enabled, the
+adaptive limit's probe (volutectl/gate/adaptive.py), and a stop fd; each part
+registers its descriptors with a callback. The select() times out only for real
+deadlines, all on the monotonic clock: a failed delivery's backoff, a turn's
 time limit, a question to systemd to ask again, a retry of admission, a checkpoint of
-the queue, an idle client, the watchdog, and retention's next batch.
+the queue, an idle client, the watchdog, retention's next batch, and the adaptive
+limit's next reading (only while turns run or wait) and its held-back journal entry.
 
 Each pass (`step`): answer the requests that came (volutectl/gate/serving.py:
 deliveries share one durable commit, then are acknowledged), learn which turns ended
