@@ -149,6 +149,9 @@ class AdaptiveSettings(Section):
     minimum: Positive = 1
     maximum: Positive = 16
     interval_seconds: Annotated[float, Field(ge=0.1, le=10)] = 0.5
+    # The control rule (volutectl/core/adaptive.py's RULES): "gradient" moves on the
+    # latency of the gate's own synced probe, "aimd" on PSI's stalled share.
+    rule: Literal["gradient", "aimd"] = "gradient"
 
     @model_validator(mode="after")
     def _bounds(self) -> AdaptiveSettings:
