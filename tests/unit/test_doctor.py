@@ -18,6 +18,8 @@ from volutectl.host import doctor
 from volutectl.host.doctor import Check
 from volutectl.kernel.probes import existing_ancestor
 from volutectl.launcher import preflight
+from volutectl.states import AdaptiveMode
+from volutectl.wire.messages import AdaptiveStatus
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"
 PI_CONTROLLERS = "cpuset cpu io pids"  # a stock Raspberry Pi: cgroup_disable=memory
@@ -351,6 +353,7 @@ def test_invalid_config_exits_78_and_still_reports_the_host(tmp_path: Path) -> N
         "socket-unit",
         "socket-access",
         "turn-cap",
+        "adaptive",
     }  # and no mind: the defaults have none
     assert by_name["config"]["status"] == "fail"
     assert "gate.bogus" in by_name["config"]["found"]
@@ -384,6 +387,7 @@ def test_text_report_is_one_line_per_check(tmp_path: Path) -> None:
         "socket-unit",
         "socket-access",
         "turn-cap",
+        "adaptive",
     ]
     assert lines[0].startswith("ok   config")
     assert f"{tmp_path}/gate.sock does not exist" in lines[7]
@@ -435,3 +439,34 @@ def test_a_failing_mind_keeps_its_warnings_and_fails() -> None:
 def test_a_mind_kept_apart_is_ok() -> None:
     check = doctor.check_mind(preflight.MindReport("a", "alice", (), ()))
     assert (check.status, check.change) == ("ok", "")
+
+
+# -- the adaptive limit, as the running gate has it ------------------------------------------
+
+
+def adaptive_status(mode: str, limit: int | None, reason: str | None) -> AdaptiveStatus:
+    return AdaptiveStatus(
+        mode=AdaptiveMode(mode), limit=limit, minimum=1, maximum=16, ceiling=None, reason=reason
+    )
+
+
+def test_adaptive_fallback_is_a_warning_that_names_the_failed_signal() -> None:
+    why = "/proc/pressure/io cannot be read (not PSI text)"
+    check = doctor.check_adaptive(adaptive_status("fallback", 2, why))
+    assert check.status == "warn"
+    assert "fell back to a static 2 turns" in check.found and why in check.found
+    assert "psi" in check.change
+
+
+def test_adaptive_measuring_or_off_is_ok_and_says_the_limit() -> None:
+    check = doctor.check_adaptive(adaptive_status("adaptive", 5, "probe 3 ms: healthy"))
+    assert check.status == "ok" and "is 5 turns at once (between 1 and 16)" in check.found
+    off = doctor.check_adaptive(adaptive_status("static", None, None))
+    assert off.status == "ok" and "off" in off.found
+
+
+def test_adaptive_of_a_gate_out_of_reach_says_why(tmp_path: Path) -> None:
+    status, problem = doctor.gate_adaptive(tmp_path / "gate.sock")
+    assert status is None and problem is not None and "not running" in problem
+    check = doctor.check_adaptive(status, problem)
+    assert check.status == "warn" and "cannot ask the gate" in check.found

@@ -12,15 +12,21 @@ is about measuring (fallback, idling).
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.unit.gate_harness import Harness
 from tests.unit.test_gate_pause import deliver, notified, request, statuses
 from volutectl import events
 from volutectl.core.adaptive import Controller, Reading
+from volutectl.core.psi import parse_total
+from volutectl.gate import adaptive as gate_adaptive
 from volutectl.gate.adaptive import EVENT_SECONDS, AdaptiveLimit
+from volutectl.host import doctor
 from volutectl.states import AdaptiveMode, HoldReason
 
 __all__ = ["notified"]  # the fixture, used by name
@@ -254,3 +260,62 @@ def test_a_probe_that_fails_falls_back_to_the_start_value(
     [fallback] = harness.journal.of(events.AdaptiveFallback)
     assert "the probe of" in fallback.why and "no such directory" in fallback.why
     assert adaptive.limit() == 2
+
+
+def test_a_psi_file_lost_with_no_other_to_read_stays_in_fallback_and_doctor_says_so(
+    tmp_path: Path, harnesses: list[Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the packaged gate finds its file (no test's file given): when the one it read
+    turns to garbage and pressure_file() then finds none that reads as PSI, the gate
+    stays at the start value reading after reading, not only for the one reading that
+    failed (a host that never had PSI measures by the probe; one that lost it does not
+    trust it). `volutectl doctor`'s adaptive check, asking the live gate, warns."""
+    psi = tmp_path / "io.pressure"
+    psi.write_text(PSI.format(1000))
+
+    def found(settings: object) -> Path | None:
+        try:
+            parse_total(psi.read_text())
+        except (OSError, ValueError):
+            return None
+        return psi
+
+    monkeypatch.setattr(gate_adaptive, "pressure_file", found)
+    harness = adaptive_harness(tmp_path, harnesses, adaptive={"interval_seconds": 0.1})
+    adaptive = limit_of(harness)
+    assert adaptive.psi_path == psi
+    fan_out(harness)
+    harness.run_for(0.25)
+    assert mode_of(adaptive) is AdaptiveMode.ADAPTIVE
+    psi.write_text("garbage\n")
+    harness.pump(lambda: mode_of(adaptive) is AdaptiveMode.FALLBACK)
+    readings = adaptive.last
+    harness.pump(lambda: adaptive.last is not readings, timeout=5)
+    harness.run_for(0.5)  # several readings with no PSI file at all: still fallback
+    assert mode_of(adaptive) is AdaptiveMode.FALLBACK and adaptive.limit() == 2
+    assert harness.journal.of(events.AdaptiveMeasuring) == []
+    assert len(harness.journal.of(events.AdaptiveFallback)) == 1
+
+    check = doctor_check(harness)
+    assert check.status == "warn" and "fell back to a static 2" in check.found
+    assert str(psi) in check.found
+
+    psi.write_text(PSI.format(5000))  # readable again: measuring again
+    harness.pump(lambda: mode_of(adaptive) is AdaptiveMode.ADAPTIVE)
+    assert len(harness.journal.of(events.AdaptiveMeasuring)) == 1
+    assert doctor_check(harness).status == "ok"
+
+
+def doctor_check(harness: Harness) -> doctor.Check:
+    """`volutectl doctor`'s adaptive check against the harness's gate: its blocking
+    request runs in a thread while the test steps the gate."""
+    result: list[doctor.Check] = []
+    asking = threading.Thread(
+        target=lambda: result.append(
+            doctor.check_adaptive(*doctor.gate_adaptive(harness.socket_path, timeout=10))
+        )
+    )
+    asking.start()
+    harness.pump(lambda: not asking.is_alive())
+    asking.join()
+    return result[0]

@@ -207,6 +207,7 @@ class AdaptiveLimit:
         self._failure: str | None = None  # what failed since the last reading
         self._probe_running = 0  # the most turns running while the probe ran
         self._psi_mark: tuple[int, float] | None = None
+        self._psi_lost: str | None = None  # why the PSI file that read failed, until one reads
         self.running = 0
         self.waiting = 0
         self.last: Reading | None = None
@@ -334,17 +335,25 @@ class AdaptiveLimit:
             self._latency = max(self._latency or 0.0, result)
 
     def _psi_total(self, now: float) -> tuple[int, float] | None:
+        if self.psi_path is None and self._psi_lost is not None:
+            # PSI read once and failed: look for a file again (the slice's cgroup may
+            # have gone with the slice), and stay in fallback until one reads as PSI;
+            # no file at all is not "a host with no PSI", which measures by the probe.
+            self.psi_path = self._psi_given or pressure_file(self._settings)
+            if self.psi_path is None:
+                self._failure = self._psi_lost
+                return None
         if self.psi_path is None:
             return None
         try:
-            return parse_total(self.psi_path.read_text()), now
+            total = parse_total(self.psi_path.read_text())
         except (OSError, ValueError) as error:
             why = error.strerror if isinstance(error, OSError) else "not PSI text"
-            self._failure = f"{self.psi_path} cannot be read ({why})"
-            # The next reading looks for a file again (the slice's cgroup may have
-            # gone with the slice): fallback lasts until one reads as PSI.
+            self._failure = self._psi_lost = f"{self.psi_path} cannot be read ({why})"
             self.psi_path = self._psi_given or pressure_file(self._settings)
             return None
+        self._psi_lost = None
+        return total, now
 
     def _psi_stalled(self, now: float) -> float | None:
         mark, self._psi_mark = self._psi_mark, self._psi_total(now)

@@ -37,6 +37,9 @@ from volutectl.kernel.probes import (
     slice_cgroup,
 )
 from volutectl.launcher import preflight
+from volutectl.states import AdaptiveMode
+from volutectl.wire import messages, protocol
+from volutectl.wire.messages import AdaptiveStatus, StatusReply, StatusRequest
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -352,6 +355,54 @@ def _socket_unit_check(configured: Path, user: bool) -> Check:
     return check_socket_unit(configured, unit.load_state, unit.active_state, list(unit.listen))
 
 
+# -- the adaptive limit, as the running gate has it -----------------------------------------
+
+ADAPTIVE_FALLBACK_CHANGE = (
+    "the gate measures again by itself once the signal named works (the psi check above "
+    "says whether PSI reads); until then it admits at most limits.adaptive.start turns"
+)
+
+
+def check_adaptive(adaptive: AdaptiveStatus | None, problem: str | None = None) -> Check:
+    """The limit in force, from the running gate: a fallback to the start value (a PSI
+    file or the probe that failed) is a warning; the config alone cannot say so."""
+    if problem is not None:
+        return Check("adaptive", "warn", f"cannot ask the gate for its limit: {problem}")
+    if adaptive is None:
+        return Check("adaptive", "ok", "the gate reports no adaptive limit (it predates it)")
+    ceiling = f", under the ceiling {adaptive.ceiling}" if adaptive.ceiling is not None else ""
+    if adaptive.mode == AdaptiveMode.STATIC:
+        cap = f"the ceiling {adaptive.ceiling}" if adaptive.ceiling is not None else "no cap"
+        return Check("adaptive", "ok", f"the adaptive limit is off: {cap} bounds the turns")
+    if adaptive.mode == AdaptiveMode.FALLBACK:
+        found = (
+            f"the adaptive limit fell back to a static {adaptive.limit} turns at once"
+            f"{ceiling}: {adaptive.reason}"
+        )
+        return Check("adaptive", "warn", found, ADAPTIVE_FALLBACK_CHANGE)
+    why = f"; last move: {adaptive.reason}" if adaptive.reason else ""
+    found = (
+        f"the gate's adaptive limit is {adaptive.limit} turns at once (between "
+        f"{adaptive.minimum} and {adaptive.maximum}{ceiling}){why}"
+    )
+    return Check("adaptive", "ok", found)
+
+
+def gate_adaptive(path: Path, timeout: float = 2.0) -> tuple[AdaptiveStatus | None, str | None]:
+    """(the gate's adaptive status, or why it could not be read)."""
+    try:
+        connection = protocol.Connection(str(path), timeout=timeout)
+    except VoluteError as error:
+        return None, error.message
+    try:
+        connection.send(StatusRequest().to_wire())
+        return messages.expect(StatusReply, connection.receive()).status.adaptive, None
+    except (VoluteError, OSError) as error:
+        return None, error.message if isinstance(error, VoluteError) else str(error)
+    finally:
+        connection.close()
+
+
 # -- the report ------------------------------------------------------------------------
 
 
@@ -383,6 +434,7 @@ def run_checks(config_path: str | None) -> list[Check]:
     checks.append(_socket_unit_check(settings.gate.socket, which == "user"))
     checks.append(check_socket_access(settings))
     checks.append(Check("turn-cap", *preflight.check_cap(settings)))
+    checks.append(check_adaptive(*gate_adaptive(settings.gate.socket)))
     checks.extend(check_mind(report) for report in preflight.check_minds(settings))
     return checks
 
