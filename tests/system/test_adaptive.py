@@ -1,0 +1,222 @@
+"""The adaptive limit (limits.adaptive, on by default) on a real systemd: it moves, and
+`status --json`, STATUS= and the journal say so; a gate restarted or SIGKILLed while it is
+raised starts again at `start` and loses and repeats nothing; a PSI file that turns to
+garbage under the running gate holds it to `start`, and status, the journal and
+`volutectl doctor` say so.
+
+The slow-disk test (a fan-out of synced writers under the default config keeps a probe
+of the same disk within cap 2's bound) is tests/system/test_adaptive_disk.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from volute_testbed.faults import assert_exactly_once, fast_restarts, gate_pid, wait_gate_up
+from volute_testbed.gate import (
+    VOLUTECTL,
+    all_settled,
+    gate_config,
+    gate_events,
+    install_probe,
+    queue_rows,
+    start_gate,
+    status,
+    turn_log,
+    unit_property,
+    wait_for,
+)
+from volute_testbed.machine import Machine
+
+pytestmark = pytest.mark.system
+
+START = 2  # limits.adaptive.start's default
+# STATUS= with the adaptive limit as the cap: "3/4 turns (adaptive limit), 9 held ..."
+STATUS_LINE = re.compile(r"^(\d+)/(\d+) turns \(adaptive limit\)")
+CHANGED = "VOLUTE_EVENT=adaptive_limit_changed"
+CHANGED_ID = "78ac394cee0541889f41bad11b6f8d7c"  # docs/journal.md
+FALLBACK_ID = "1016b81a25c94289a853e7e24964d033"
+
+
+def network_bound(count: int, seconds: float) -> dict[str, str]:
+    """Minds whose turns wait (on "the model's API") and write next to nothing."""
+    return {f"n{i:02d}": f"turn-probe {seconds}" for i in range(count)}
+
+
+def fan_out(machine: Machine, minds: dict[str, str]) -> list[int]:
+    """One delivery to each mind, all at once (one shell, the clients in parallel)."""
+    script = " ".join(
+        f"{VOLUTECTL} deliver {mind} --message wake > /var/tmp/id.{mind} &" for mind in minds
+    )
+    machine.sh(f"{script} wait")
+    return [int(machine.host_path(f"/var/tmp/id.{mind}").read_text()) for mind in minds]
+
+
+def adaptive_status(machine: Machine) -> dict[str, Any]:
+    result: dict[str, Any] = status(machine)["adaptive"]
+    return result
+
+
+def status_line_limit(machine: Machine) -> int | None:
+    """The limit STATUS= shows (systemctl show -p StatusText), None without one."""
+    match = STATUS_LINE.match(unit_property(machine, "volute-gate.service", "StatusText"))
+    return int(match.group(2)) if match else None
+
+
+def test_status_the_status_line_and_the_journal_show_the_limit_rising_for_network_bound_turns(
+    machine: Machine,
+) -> None:
+    """Sixteen turns that sleep 3 s and write nothing: the disk stays healthy while
+    deliveries wait at the limit, so it grows past `start` (by slow start, within a few
+    intervals), and each of the three views shows it."""
+    install_probe(machine)
+    minds = network_bound(16, 3.0)
+    start_gate(machine, gate_config(minds, adaptive=True))  # the default: no cap, adaptive
+    at_rest = adaptive_status(machine)
+    assert (at_rest["mode"], at_rest["limit"], at_rest["ceiling"]) == ("adaptive", START, None)
+    assert status_line_limit(machine) == START  # STATUS=: 0/2 turns (adaptive limit)
+
+    acked = fan_out(machine, minds)
+    seen_status: list[int] = []
+    seen_line: list[int] = []
+
+    def raised_in_both() -> bool:
+        seen_status.append(int(adaptive_status(machine)["limit"]))
+        line = status_line_limit(machine)
+        if line is not None:
+            seen_line.append(line)
+        return max(seen_status) > START and max(seen_line, default=0) > START
+
+    wait_for(raised_in_both, timeout=30, interval=0.1)
+    wait_for(lambda: all_settled(machine), timeout=90, interval=0.3)
+
+    assert_exactly_once(turn_log(machine), acked)
+    assert sorted(int(r["id"]) for r in queue_rows(machine, "done")) == sorted(acked)
+    changes = gate_events(machine, CHANGED)
+    assert changes, "no adaptive_limit_changed entry in the journal"
+    assert {str(entry["MESSAGE_ID"]) for entry in changes} == {CHANGED_ID}
+    first = changes[0]
+    assert int(str(first["VOLUTE_OLD_LIMIT"])) == START
+    assert int(str(first["VOLUTE_NEW_LIMIT"])) > START  # it grew, from the start value
+    assert "VOLUTE_PROBE_MS" in first and "VOLUTE_BASELINE_MS" in first  # the measurement
+    # Rate-limited: at most one entry every 5 s (docs/journal.md), however often it moved.
+    stamps = [int(str(entry["__MONOTONIC_TIMESTAMP"])) / 1e6 for entry in changes]
+    gaps = [later - earlier for earlier, later in zip(stamps, stamps[1:], strict=False)]
+    assert all(gap >= 4.9 for gap in gaps), stamps
+
+
+@pytest.mark.parametrize("how", ["restart", "sigkill"])
+def test_a_gate_restarted_while_the_limit_is_raised_starts_at_start_and_loses_nothing(
+    machine: Machine, how: str
+) -> None:
+    """The limit is not kept: the gate that comes back after `systemctl restart` (SIGTERM)
+    or a SIGKILL of its whole cgroup answers `start` at once, adopts the turns running
+    over it (none is stopped), and every delivery settles exactly once.
+
+    interval_seconds = 2 (the default is 0.5) so that the new gate's first reading, the
+    earliest it may move, comes well after the first `status` it answers, even on a
+    loaded machine."""
+    install_probe(machine)
+    fast_restarts(machine)
+    minds = network_bound(14, 6.0)
+    sections: dict[str, Mapping[str, object]] = {
+        "limits.adaptive": {"start": START, "interval_seconds": 2.0}
+    }
+    start_gate(machine, gate_config(minds, adaptive=True, **sections))
+    acked = fan_out(machine, minds)
+    wait_for(lambda: adaptive_status(machine)["limit"] > START, timeout=30, interval=0.1)
+    raised = int(adaptive_status(machine)["limit"])
+    first = gate_pid(machine)
+    if how == "restart":
+        machine.run(["systemctl", "restart", "volute-gate.service"], timeout=60)
+    else:
+        machine.run(["systemctl", "kill", "--signal=SIGKILL", "volute-gate.service"])
+    wait_for(lambda: gate_pid(machine) not in (0, first), timeout=30, interval=0.05)
+    wait_gate_up(machine)
+    again = adaptive_status(machine)
+    assert (again["mode"], again["limit"]) == ("adaptive", START), (raised, again)
+    # What the new gate says first in the journal moves from the start value, too.
+    later = gate_events(machine, CHANGED, f"_PID={gate_pid(machine)}")
+    assert all(int(str(e["VOLUTE_OLD_LIMIT"])) <= raised for e in later)
+    if later:
+        assert int(str(later[0]["VOLUTE_OLD_LIMIT"])) == START, later[0]
+
+    wait_for(lambda: all_settled(machine), timeout=120, interval=0.3)
+    assert_exactly_once(turn_log(machine), acked)
+    rows = queue_rows(machine, "done")
+    assert sorted(int(r["id"]) for r in rows) == sorted(acked)
+    assert all(r["attempts"] == 0 for r in rows), rows  # a restart is never a turn's failure
+
+
+# Visible in the gate's own mount namespace (its /tmp and /var/tmp are private).
+GARBAGE = "/etc/volute/psi-garbage"
+
+
+def psi_files(machine: Machine) -> list[str]:
+    """The PSI files the gate may read (gate/adaptive.py's pressure_file): the turns
+    slice's io.pressure where a cgroup v2 hierarchy has one, and /proc/pressure/io."""
+    found = machine.sh(
+        "ls -d /sys/fs/cgroup/volute.slice/volute-turns.slice/io.pressure "
+        "/sys/fs/cgroup/unified/volute.slice/volute-turns.slice/io.pressure "
+        "/proc/pressure/io 2>/dev/null",
+        check=False,
+    ).stdout.split()
+    return [path for path in found if machine.run(["cat", path], check=False).returncode == 0]
+
+
+def test_a_psi_file_that_turns_to_garbage_under_the_gate_holds_it_to_start_and_says_so(
+    machine: Machine,
+) -> None:
+    """The kernel's PSI files cannot be made to vanish in a container, but a file bound
+    over each of them inside the running gate's own mount namespace (nsenter -m; a bind
+    in the machine's namespace does not reach the gate's private one) reads as garbage
+    to the gate exactly as a broken one would: the gate falls back to `start` and holds
+    there reading after reading, `status` says mode "fallback", the journal has one
+    adaptive_fallback entry, and `volutectl doctor` warns. Unbound, the files read
+    again: the gate measures again (adaptive_measuring) and the queue drains, each
+    delivery once."""
+    install_probe(machine)
+    minds = network_bound(10, 2.0)
+    machine.run(["systemctl", "start", "volute-turns.slice"])  # its cgroup, and io.pressure
+    start_gate(machine, gate_config(minds, adaptive=True))
+    files = psi_files(machine)
+    assert "/proc/pressure/io" in files, "no readable PSI in this machine: nothing to break"
+    machine.write(GARBAGE, "this is not PSI\n")
+    in_gate = ["nsenter", "-t", str(gate_pid(machine)), "-m"]
+    for path in files:
+        machine.run([*in_gate, "mount", "--bind", GARBAGE, path])
+    try:
+        seen = [machine.run([*in_gate, "cat", path]).stdout for path in files]
+        assert seen == ["this is not PSI\n"] * len(files)
+        acked = fan_out(machine, minds)
+        wait_for(lambda: adaptive_status(machine)["mode"] == "fallback", timeout=20)
+        held: list[dict[str, Any]] = []
+        for _ in range(10):  # about 3 s, several intervals: it stays at the start value
+            held.append(adaptive_status(machine))
+            time.sleep(0.2)
+        assert all((s["mode"], s["limit"]) == ("fallback", START) for s in held), held
+        assert all(int(status(machine)["active_turns"]) <= START for _ in range(3))
+        [fallback] = gate_events(machine, "VOLUTE_EVENT=adaptive_fallback")
+        assert fallback["MESSAGE_ID"] == FALLBACK_ID
+        assert int(str(fallback["VOLUTE_LIMIT"])) == START
+        assert gate_events(machine, "VOLUTE_EVENT=adaptive_measuring") == []
+        doctor = json.loads(machine.run([VOLUTECTL, "doctor", "--json"], check=False).stdout)
+        [check] = [c for c in doctor["checks"] if c["check"] == "adaptive"]
+        assert check["status"] == "warn", check
+        assert f"fell back to a static {START}" in check["found"], check
+    finally:
+        for path in files:
+            machine.run([*in_gate, "umount", path], check=False)
+    wait_for(
+        lambda: bool(gate_events(machine, "VOLUTE_EVENT=adaptive_measuring")),
+        timeout=20,
+        interval=0.2,
+    )
+    wait_for(lambda: all_settled(machine), timeout=90, interval=0.3)
+    assert_exactly_once(turn_log(machine), acked)
