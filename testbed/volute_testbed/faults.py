@@ -4,7 +4,9 @@ the exactly-once check over the turn probe's log (volute_testbed.turn_probe)."""
 from __future__ import annotations
 
 import collections
+import json
 import time
+from typing import Any
 
 from volute_testbed.gate import VOLUTECTL, live_turn_scopes, wait_for
 from volute_testbed.machine import Machine
@@ -49,6 +51,21 @@ def wait_gate_up(machine: Machine, timeout: float = 30) -> int:
 
     wait_for(answers, timeout=timeout, interval=0.1)
     return gate_pid(machine)
+
+
+def first_status(machine: Machine, timeout: float = 30) -> dict[str, Any]:
+    """The first `status --json` the gate answers (after a restart: the new gate's, as
+    early as a client can have it, before its first interval can move anything)."""
+    answers: list[dict[str, Any]] = []
+
+    def answered() -> bool:
+        proc = machine.run([VOLUTECTL, "status", "--json"], check=False)
+        if proc.returncode == 0:
+            answers.append(json.loads(proc.stdout))
+        return bool(answers)
+
+    wait_for(answered, timeout=timeout, interval=0.05)
+    return answers[0]
 
 
 def turns_by_outcome(log: list[list[str]]) -> dict[int, tuple[list[int], int | None]]:

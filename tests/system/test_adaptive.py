@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from volute_testbed.faults import assert_exactly_once, fast_restarts, gate_pid, wait_gate_up
+from volute_testbed.faults import assert_exactly_once, fast_restarts, first_status, gate_pid
 from volute_testbed.gate import (
     VOLUTECTL,
     all_settled,
@@ -138,8 +138,7 @@ def test_a_gate_restarted_while_the_limit_is_raised_starts_at_start_and_loses_no
     else:
         machine.run(["systemctl", "kill", "--signal=SIGKILL", "volute-gate.service"])
     wait_for(lambda: gate_pid(machine) not in (0, first), timeout=30, interval=0.05)
-    wait_gate_up(machine)
-    again = adaptive_status(machine)
+    again = first_status(machine)["adaptive"]
     assert (again["mode"], again["limit"]) == ("adaptive", START), (raised, again)
     # What the new gate says first in the journal moves from the start value, too.
     later = gate_events(machine, CHANGED, f"_PID={gate_pid(machine)}")
