@@ -194,6 +194,26 @@ def test_doctor_runs_and_reaches_the_manager(installed: Installed) -> None:
     artifact("doctor.txt", m.run(["volutectl", "doctor"], check=False).stdout)
 
 
+def test_the_gate_runs_the_adaptive_limit_with_no_configuration(installed: Installed) -> None:
+    """Issue 21: a fresh install that changes nothing is protected. The config is the
+    shipped one, every key commented out; the gate (started by its socket) runs the
+    adaptive limit at its start value, with no ceiling, and says so in `status`, STATUS=
+    and `doctor`."""
+    m = installed.machine
+    shipped = (REPO / "packaging" / "volutectl.toml").read_text()
+    assert m.host_path("/etc/volute/volutectl.toml").read_text() == shipped
+    status = json.loads(m.run(["volutectl", "status", "--json"]).stdout)
+    adaptive = status["adaptive"]
+    assert (adaptive["mode"], adaptive["limit"], adaptive["ceiling"]) == ("adaptive", 2, None)
+    assert (adaptive["minimum"], adaptive["maximum"]) == (1, 16), adaptive
+    assert status["global_cap"] is None, status  # no static cap: the adaptive limit alone
+    line = show(m, "volute-gate.service", "StatusText")
+    assert line.startswith("0/2 turns (adaptive limit)"), line
+    report = json.loads(m.run(["volutectl", "doctor", "--json"], check=False).stdout)
+    [check] = [c for c in report["checks"] if c["check"] == "adaptive"]
+    assert check["status"] == "ok" and "2 turns at once" in check["found"], check
+
+
 def test_gate_runs_a_delivered_turn_as_a_scope_in_the_slice(installed: Installed) -> None:
     m = installed.machine
     config = m.host_path("/etc/volute/volutectl.toml")
