@@ -116,7 +116,13 @@ def test_pressure_holds_new_turns_and_release_resumes_them_in_fifo_order(
     assert all(done[i]["attempts"] == 0 for i in done)
     assert all(int(done[i]["held_ms"]) > 0 for i in held)
     assert gate_events(machine, "VOLUTE_EVENT=hold_end", "VOLUTE_REASON=io_pressure")
-    assert gate_events(machine, "VOLUTE_EVENT=io_pressure_fell")
+    # The fall is said at the next re-read below the resume threshold, which may come
+    # after the queue drained: one turn may always run, so the held ones can finish first.
+    wait_for(
+        lambda: bool(gate_events(machine, "VOLUTE_EVENT=io_pressure_fell")),
+        timeout=20,
+        interval=0.3,
+    )
 
 
 def test_pressure_gate_off_by_default_starts_everything_at_once(
