@@ -25,7 +25,9 @@ directory (a cold gate: it has never seen these minds):
 - cap1, cap2, cap4, cap8, cap16: limits.global_concurrent_turns, adaptive off;
 - pressure: today's PSI hold (limits.io_pressure.enabled), adaptive off;
 - adaptive: the default config; adaptive-RULE: each other `limits.adaptive.rule`
-  the gate offers.
+  the gate offers;
+- adaptive-warm: the same fan-out again right after the first adaptive run, on the gate
+  it left (what it learnt from the first); by default on the mixed workload only.
 Until the gate knows `[limits.adaptive]` (volutectl.config.settings), the adaptive runs
 are left out and the others run without the `enabled = false` line.
 
@@ -163,6 +165,7 @@ def adaptive_support() -> AdaptiveSupport:
 def run_labels(support: AdaptiveSupport) -> list[str]:
     """Every run this gate can do, in the order a cell runs them."""
     labels = [label for label in DEFAULT_RUNS if label != "adaptive" or support.present]
+    labels += ["adaptive-warm"] if support.present else []
     labels += [f"adaptive-{rule}" for rule in support.rules if rule != support.default_rule]
     return labels
 
@@ -176,7 +179,7 @@ def run_sections(label: str, support: AdaptiveSupport) -> dict[str, dict[str, ob
         return {"limits": {"global_concurrent_turns": STATIC_CAPS[label]}, **off}
     if label == "pressure":
         return {"limits.io_pressure": {"enabled": True}, **off}
-    if label == "adaptive":
+    if label in ("adaptive", "adaptive-warm"):
         return {}
     if label.startswith("adaptive-"):
         return {"limits.adaptive": {"rule": label.removeprefix("adaptive-")}}
@@ -190,7 +193,8 @@ class Run:
     profile: str
     workload: str
     label: str
-    makespan: float | None  # None: not every turn ended within the timeout
+    makespan: float | None  # None: stopped, or not every turn ended within the timeout
+    stopped_after: float | None  # when it was stopped (None: it finished)
     p50: float
     p99: float
     most_at_once: int
@@ -286,44 +290,67 @@ def limit_changes(machine: Machine, since: float, t0: float) -> list[tuple[float
     return sorted(steps)
 
 
-def fan_out(rig: Rig, workload: str, label: str, support: AdaptiveSupport) -> Run:
+def fan_out(
+    rig: Rig, workload: str, label: str, support: AdaptiveSupport, give_up: float | None = None
+) -> Run:
+    """One fan-out on a fresh gate. `give_up`: stop it after this many seconds (a static
+    cap already slower than the best safe cap so far, which it cannot be)."""
     machine = rig.machine
     names = [f"m{i:02d}" for i in range(rig.minds)]
     minds = {
         name: logged_turn(WORKLOADS[workload](i, rig.disk.mount)) for i, name in enumerate(names)
     }
     reset_turn_log(machine)
-    since = restart_gate(machine, gate_config(minds, **run_sections(label, support)))
+    if label == "adaptive-warm":  # the gate the adaptive run left, and what it learnt
+        since = time.time()
+    else:
+        since = restart_gate(machine, gate_config(minds, **run_sections(label, support)))
     start_limit = adaptive_limit(machine) if support.present else None
     time.sleep(rig.settle)  # a quiet stretch: the previous run's writes have drained
     script = "\n".join(f"{VOLUTECTL} deliver {name} --message wake >/dev/null &" for name in names)
     t0 = time.time()
     machine.sh(script + "\nwait", timeout=rig.timeout)
-    deadline = time.monotonic() + rig.timeout
+    deadline = time.monotonic() + min(rig.timeout, give_up or rig.timeout) - (time.time() - t0)
     starts, ends = turn_times(machine)
     while len(ends) < rig.minds and time.monotonic() < deadline:
         time.sleep(0.2)
         starts, ends = turn_times(machine)
-    t_end = max(ends.values()) if len(ends) == rig.minds else time.time()
+    done = len(ends) == rig.minds
+    t_end = max(ends.values()) if done else time.time()
+    if not done:
+        stop_the_rest(rig)
     wait_for_scopes_to_go(machine)
     samples = rig.probe.samples(t0, t_end)
     latencies = [ms for _, ms in samples]
     limit = [] if start_limit is None else [(since - t0, start_limit)]
     limit += limit_changes(machine, since, t0)
+    stopped = not done and give_up is not None and give_up < rig.timeout
     return Run(
         profile=rig.profile,
         workload=workload,
         label=label,
-        makespan=(t_end - t0) if len(ends) == rig.minds else None,
+        makespan=(t_end - t0) if done else None,
+        stopped_after=None if done else t_end - t0,
         p50=statistics.median(latencies) if latencies else float("nan"),
         p99=percentile(latencies, 0.99),
         most_at_once=max_overlap(starts, ends),
         samples=len(samples),
-        note="" if len(ends) == rig.minds else f"{len(ends)}/{rig.minds} ended in time",
+        note=""
+        if done
+        else f"{'stopped' if stopped else 'timed out'} with {len(ends)}/{rig.minds} turns done",
         probe=[(wall - t0, ms) for wall, ms in samples],
         at_once=[(at - t0, n) for at, n in running_at_once(starts, ends)],
         limit=limit,
     )
+
+
+def stop_the_rest(rig: Rig) -> None:
+    """The gate stopped (it starts nothing more), its turns killed, their files removed."""
+    rig.machine.run(["systemctl", "stop", "volute-gate.service"], timeout=60)
+    rig.machine.run(["systemctl", "kill", "-s", "KILL", "volute-turn-*.scope"], check=False)
+    wait_for_scopes_to_go(rig.machine)
+    for leftover in rig.disk.mount.glob("w.*"):
+        leftover.unlink(missing_ok=True)
 
 
 def wait_for_scopes_to_go(machine: Machine, timeout: float = 15.0) -> None:
@@ -343,7 +370,8 @@ class Summary:
 
     label: str
     runs: int
-    makespan: float | None  # None if any repeat timed out
+    makespan: float | None  # None if any repeat was stopped or timed out
+    stopped_after: float | None  # the longest a repeat ran before it was stopped
     p99: float
     most_at_once: int
 
@@ -354,6 +382,7 @@ def summarize(runs: list[Run]) -> Summary:
         label=runs[0].label,
         runs=len(runs),
         makespan=None if None in spans else statistics.median(s for s in spans if s is not None),
+        stopped_after=max((r.stopped_after for r in runs if r.stopped_after), default=None),
         p99=statistics.median(run.p99 for run in runs),
         most_at_once=max(run.most_at_once for run in runs),
     )
@@ -379,24 +408,35 @@ def best_safe_cap(summaries: dict[str, Summary], bound: float | None) -> str | N
 
 
 def run_cell(
-    rig: Rig, workload: str, labels: list[str], repeats: int, support: AdaptiveSupport
+    rig: Rig, workload: str, labels: list[str], repeats: int, support: AdaptiveSupport, full: bool
 ) -> list[Run]:
-    """Each run once, then adaptive, cap2 and the best safe cap again, interleaved, until
-    each has run `repeats` times."""
+    """Each run once, cap2 first (it sets the bound), then adaptive, cap2 and the best safe
+    cap again, interleaved, until each has run `repeats` times. Unless `full`, a static cap
+    still running when the best safe cap so far had finished is stopped: it cannot be it."""
     runs: list[Run] = []
-    for label in labels:
-        runs.append(report(fan_out(rig, workload, label, support)))
-    summaries = {run.label: summarize([run]) for run in runs}
+    for label in sorted(labels, key=first_pass_order):
+        summaries = cell_summaries(runs)
+        best = best_safe_cap(summaries, probe_bound(summaries))
+        best_span = summaries[best].makespan if best and not full else None
+        give_up = best_span + 1.0 if best_span is not None and label in STATIC_CAPS else None
+        runs.append(report(fan_out(rig, workload, label, support, give_up)))
+    summaries = cell_summaries(runs)
     best = best_safe_cap(summaries, probe_bound(summaries))
     again = [label for label in dict.fromkeys(["adaptive", "cap2", best]) if label in labels]
     for _ in range(repeats - 1):
         for label in again:
             runs.append(report(fan_out(rig, workload, label, support)))
-    return runs
+    return sorted(runs, key=lambda run: labels.index(run.label))
+
+
+def first_pass_order(label: str) -> int:
+    """cap2 first, then the widest caps: the best safe cap so far is found early."""
+    order = ["cap2", "ungated", "cap16", "cap8", "cap4", "cap1"]
+    return order.index(label) if label in order else len(order)
 
 
 def report(run: Run) -> Run:
-    span = f"{run.makespan:.1f} s" if run.makespan is not None else "timed out"
+    span = seconds(run.makespan, run.stopped_after)
     print(
         f"  {run.profile}/{run.workload} {run.label}: makespan {span}, probe p50 {run.p50:.0f} "
         f"ms p99 {run.p99:.0f} ms, at once {run.most_at_once} {run.note}",
@@ -415,8 +455,10 @@ def cell_summaries(runs: list[Run]) -> dict[str, Summary]:
     return {label: summarize(group) for label, group in by_label.items()}
 
 
-def seconds(value: float | None) -> str:
-    return "timed out" if value is None else f"{value:.1f} s"
+def seconds(value: float | None, stopped_after: float | None = None) -> str:
+    if value is not None:
+        return f"{value:.1f} s"
+    return "timed out" if stopped_after is None else f"> {stopped_after:.1f} s (stopped)"
 
 
 def table(cells: dict[tuple[str, str], list[Run]]) -> str:
@@ -434,8 +476,9 @@ def table(cells: dict[tuple[str, str], list[Run]]) -> str:
                 marks.append("over the bound")
             if label == best:
                 marks.append("best safe cap")
+            span = seconds(s.makespan, s.stopped_after)
             lines.append(
-                f"| {profile} | {workload} | {label} | {seconds(s.makespan)} | {s.p99:.0f} ms "
+                f"| {profile} | {workload} | {label} | {span} | {s.p99:.0f} ms "
                 f"| {s.most_at_once} | {s.runs} | {', '.join(marks)} |"
             )
     return "\n".join(lines)
@@ -542,6 +585,12 @@ def choose(value: str, known: list[str], what: str) -> list[str]:
     return chosen
 
 
+def cell_labels(labels: list[str], workload: str, explicit: bool) -> list[str]:
+    """A cell's runs: adaptive-warm only on the mixed workload, unless asked for."""
+    keep_warm = explicit or workload == "mixed"
+    return [label for label in labels if label != "adaptive-warm" or keep_warm]
+
+
 def matplotlib_missing() -> bool:
     return importlib.util.find_spec("matplotlib") is None
 
@@ -556,6 +605,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0, help="per fan-out, seconds")
     parser.add_argument("--settle", type=float, default=1.0, help="quiet seconds before each")
     parser.add_argument("--out", type=Path, help="directory for results.json and the PNGs")
+    parser.add_argument(
+        "--full", action="store_true", help="never stop a static cap early (takes longer)"
+    )
     parser.add_argument("--no-plots", action="store_true", help="no PNGs (no matplotlib)")
     return parser.parse_args()
 
@@ -563,11 +615,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     support = adaptive_support()
-    profiles = choose(args.profiles, list(PROFILES), "profile")
-    workloads = choose(args.workloads, list(WORKLOADS), "workload")
-    known = [*STATIC_CAPS, "ungated", "pressure", "adaptive", *run_labels(support)]
-    labels = [label for label in run_labels(support) if label in choose(args.runs, known, "run")]
-    skipped = [label for label in choose(args.runs, known, "run") if label not in labels]
+    known = list(dict.fromkeys([*DEFAULT_RUNS, "adaptive-warm", *run_labels(support)]))
+    asked = choose(args.runs, known, "run")
+    labels = [label for label in run_labels(support) if label in asked]
+    skipped = [label for label in asked if label not in labels]
     if not args.no_plots and matplotlib_missing():
         raise SystemExit(
             "bench_adaptive: matplotlib is missing, and the pictures need it. Install the "
@@ -579,26 +630,7 @@ def main() -> None:
     if skipped:
         print(f"left out (this gate has no [limits.adaptive]): {', '.join(skipped)}", flush=True)
     started = time.monotonic()
-    cells: dict[tuple[str, str], list[Run]] = {}
-    work = Path(tempfile.mkdtemp(prefix="volute-adaptive-work.", dir="/var/tmp"))
-    try:
-        for profile in profiles:
-            with rig(profile, args.minds, args.timeout, args.settle, work) as bench_rig:
-                for workload in workloads:
-                    cells[(profile, workload)] = run_cell(
-                        bench_rig, workload, labels, args.repeats, support
-                    )
-                    write_results(out, cells, args)
-                    if not args.no_plots:
-                        title = f"{PROFILES[profile].title}, {workload}: {args.minds} minds"
-                        plot_cell(
-                            cells[(profile, workload)], title, out / f"{profile}-{workload}.png"
-                        )
-    finally:
-        with contextlib.suppress(OSError):
-            for leftover in work.iterdir():
-                leftover.unlink()
-            work.rmdir()
+    cells = run_bench(args, labels, support, out)
     print()
     print(
         f"{args.minds} minds per fan-out, medians of up to {args.repeats} runs; "
@@ -608,6 +640,31 @@ def main() -> None:
     print()
     for line in verdicts(cells):
         print(line)
+
+
+def run_bench(
+    args: argparse.Namespace, labels: list[str], support: AdaptiveSupport, out: Path
+) -> dict[tuple[str, str], list[Run]]:
+    """Every cell, profile by profile; results.json and the pictures as each cell ends."""
+    cells: dict[tuple[str, str], list[Run]] = {}
+    work = Path(tempfile.mkdtemp(prefix="volute-adaptive-work.", dir="/var/tmp"))
+    try:
+        for profile in choose(args.profiles, list(PROFILES), "profile"):
+            with rig(profile, args.minds, args.timeout, args.settle, work) as bench_rig:
+                for workload in choose(args.workloads, list(WORKLOADS), "workload"):
+                    mine = cell_labels(labels, workload, explicit=bool(args.runs))
+                    runs = run_cell(bench_rig, workload, mine, args.repeats, support, args.full)
+                    cells[(profile, workload)] = runs
+                    write_results(out, cells, args)
+                    if not args.no_plots:
+                        title = f"{PROFILES[profile].title}, {workload}: {args.minds} minds"
+                        plot_cell(runs, title, out / f"{profile}-{workload}.png")
+    finally:
+        with contextlib.suppress(OSError):
+            for leftover in work.iterdir():
+                leftover.unlink()
+            work.rmdir()
+    return cells
 
 
 def write_results(out: Path, cells: dict[tuple[str, str], list[Run]], args: Any) -> None:
