@@ -62,6 +62,7 @@ import importlib.util
 import json
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,8 +81,9 @@ from volute_testbed.fanout import (
     synced_writes,
     turn_times,
 )
-from volute_testbed.gate import VOLUTECTL, gate_config, gate_events, install_units
+from volute_testbed.gate import VOLUTECTL, gate_config, install_units
 from volute_testbed.machine import Machine, dev_machine
+from volute_testbed.paths import PYTHON
 from volute_testbed.slowdisk import SlowDisk, slow_disk
 
 MIB = 1024 * 1024
@@ -236,20 +238,18 @@ def rig(profile: str, minds: int, timeout: float, settle: float, work: Path) -> 
                 probe.stop()
 
 
-def restart_gate(machine: Machine, config: str) -> float:
-    """A fresh gate on an empty state directory; the wall-clock time it was started."""
+def restart_gate(machine: Machine, config: str) -> None:
+    """A fresh gate on an empty state directory."""
     machine.run(["systemctl", "stop", "volute-gate.service"], timeout=60)
     machine.run(["find", STATE_DIR, "-mindepth", "1", "-delete"])
     machine.write("/etc/volute/volutectl.toml", config)
     # The slice's cgroup must exist when the PSI hold registers its trigger there.
     machine.run(["systemctl", "start", "volute-turns.slice"])
-    started = time.time()
     try:
         machine.run(["systemctl", "start", "volute-gate.service"], timeout=60)
     except Exception:
         print(journal_tail(machine), file=sys.stderr)
         raise
-    return started
 
 
 def journal_tail(machine: Machine) -> str:
@@ -257,37 +257,51 @@ def journal_tail(machine: Machine) -> str:
     return machine.run(command, check=False).stdout
 
 
-def first_int(entry: dict[str, Any], *keys: str) -> int | None:
-    for key in keys:
-        value = entry.get(key)
-        if value is not None:
-            with contextlib.suppress(TypeError, ValueError):
-                return int(str(value))
-    return None
+# In the machine: the status reply's adaptive limit every 0.25 s, as "epoch limit" lines.
+# Polled, not read from the journal: the gate writes at most one AdaptiveLimitChanged
+# entry every 5 s (the journal may live on the stalled disk), too coarse for a timeline.
+POLLER = r"""
+import os, sys, time
+from volutectl.cli.deliver import call
+from volutectl.wire.messages import StatusReply, StatusRequest
+out, stop = sys.argv[1:3]
+with open(out, "w", buffering=1) as log:
+    while not os.path.exists(stop):
+        try:
+            adaptive = call(StatusRequest(), StatusReply, None, None).status.to_wire()
+            adaptive = adaptive.get("adaptive") or {}
+        except Exception:
+            adaptive = {}
+        if adaptive.get("limit") is not None:
+            log.write(f"{time.time():.3f} {adaptive['limit']}\n")
+        time.sleep(0.25)
+"""
 
 
-def adaptive_limit(machine: Machine) -> int | None:
-    """The status reply's adaptive limit (None: the gate has none, or it is off)."""
-    reply = machine.run([VOLUTECTL, "status", "--json"], check=False).stdout
-    try:
-        adaptive = json.loads(reply).get("adaptive") or {}
-    except ValueError:
-        return None
-    return None if adaptive.get("mode") == "static" else first_int(adaptive, "limit")
+class LimitPoller:
+    """POLLER, running in the machine while one run lasts."""
 
+    def __init__(self, machine: Machine) -> None:
+        self.machine = machine
+        self.out = f"/var/tmp/limit-{time.monotonic_ns()}.log"
+        self.stop_file = self.out + ".stop"
+        self.proc = machine.popen([PYTHON, "-c", POLLER, self.out, self.stop_file])
 
-def limit_changes(machine: Machine, since: float, t0: float) -> list[tuple[float, int]]:
-    """Each change of the adaptive limit the gate's journal recorded since `since` (the
-    events are rate-limited: a burst of changes may show as its last), at t - t0."""
-    steps = []
-    for entry in gate_events(machine):
-        if "adaptive" not in str(entry.get("VOLUTE_EVENT", "")):
-            continue
-        at = int(str(entry["__REALTIME_TIMESTAMP"])) / 1e6
-        new = first_int(entry, "VOLUTE_NEW", "VOLUTE_NEW_LIMIT", "VOLUTE_LIMIT")
-        if at >= since and new is not None:
-            steps.append((at - t0, new))
-    return sorted(steps)
+    def stop(self, t0: float) -> list[tuple[float, int]]:
+        """Each change of the limit, at t - t0 (the first reading counts as one)."""
+        self.machine.write(self.stop_file, "")
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        path = self.machine.host_path(self.out)
+        steps: list[tuple[float, int]] = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            fields = line.split()
+            if len(fields) == 2 and (not steps or steps[-1][1] != int(fields[1])):
+                steps.append((float(fields[0]) - t0, int(fields[1])))
+        return steps
 
 
 def fan_out(
@@ -301,11 +315,9 @@ def fan_out(
         name: logged_turn(WORKLOADS[workload](i, rig.disk.mount)) for i, name in enumerate(names)
     }
     reset_turn_log(machine)
-    if label == "adaptive-warm":  # the gate the adaptive run left, and what it learnt
-        since = time.time()
-    else:
-        since = restart_gate(machine, gate_config(minds, **run_sections(label, support)))
-    start_limit = adaptive_limit(machine) if support.present else None
+    if label != "adaptive-warm":  # which goes on with the gate the adaptive run left
+        restart_gate(machine, gate_config(minds, **run_sections(label, support)))
+    poller = LimitPoller(machine) if label.startswith("adaptive") else None
     time.sleep(rig.settle)  # a quiet stretch: the previous run's writes have drained
     script = "\n".join(f"{VOLUTECTL} deliver {name} --message wake >/dev/null &" for name in names)
     t0 = time.time()
@@ -322,8 +334,7 @@ def fan_out(
     wait_for_scopes_to_go(machine)
     samples = rig.probe.samples(t0, t_end)
     latencies = [ms for _, ms in samples]
-    limit = [] if start_limit is None else [(since - t0, start_limit)]
-    limit += limit_changes(machine, since, t0)
+    limit = poller.stop(t0) if poller is not None else []
     stopped = not done and give_up is not None and give_up < rig.timeout
     return Run(
         profile=rig.profile,
