@@ -52,6 +52,9 @@ class Event(StrEnum):
     IO_PRESSURE_OFF = "io_pressure_off"
     IO_PRESSURE_HIGH = "io_pressure_high"
     IO_PRESSURE_FELL = "io_pressure_fell"
+    ADAPTIVE_LIMIT_CHANGED = "adaptive_limit_changed"
+    ADAPTIVE_FALLBACK = "adaptive_fallback"
+    ADAPTIVE_MEASURING = "adaptive_measuring"
     REPOSITORY_FORGOTTEN = "repository_forgotten"
     REPOSITORY_REFUSED = "repository_refused"
     REPOSITORY_UNWATCHABLE = "repository_unwatchable"
@@ -89,6 +92,9 @@ MESSAGE_IDS: Mapping[Event, str] = {
     Event.IO_PRESSURE_OFF: "4733b775a00d4429b48276a3f6f919c1",
     Event.IO_PRESSURE_HIGH: "cca007b348a740a4998de8123dddc886",
     Event.IO_PRESSURE_FELL: "dd495b5dcc9c4e0f8407b2c907b9d50b",
+    Event.ADAPTIVE_LIMIT_CHANGED: "78ac394cee0541889f41bad11b6f8d7c",
+    Event.ADAPTIVE_FALLBACK: "1016b81a25c94289a853e7e24964d033",
+    Event.ADAPTIVE_MEASURING: "d43b51852fe145e8ab3603e2679b8b46",
     Event.REPOSITORY_FORGOTTEN: "193bf4dcbaaa417086d5751012703481",
     Event.REPOSITORY_REFUSED: "c8807590b9ac43b5a39236ae3cb279e2",
     Event.REPOSITORY_UNWATCHABLE: "03c602b4041d41cf971b151baebdcea0",
@@ -822,6 +828,54 @@ class PressureFell(BaseEvent):
             f"io pressure fell to {self.stalled_percent:.1f}% stalled (below "
             f"{self.resume_below_percent:g}%): admitting turns again"
         )
+
+
+# -- the adaptive limit -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptiveLimitChanged(BaseEvent):
+    """The adaptive limit moved from `old_limit` to `new_limit`. Rate-limited (the journal
+    may live on the stalled disk): `changes` moves since the last entry are said in one,
+    with the measurement of the latest."""
+
+    EVENT = Event.ADAPTIVE_LIMIT_CHANGED
+    old_limit: int
+    new_limit: int
+    changes: int = 1
+    probe_ms: float | None = None  # the gate's synced probe of its state disk
+    baseline_ms: float | None = None  # the probe's latency on a quiet disk, as learnt
+    stalled_percent: float | None = None  # PSI io `some` over the interval
+    why: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        moves = f" ({self.changes} moves)" if self.changes > 1 else ""
+        return f"adaptive limit {self.old_limit} -> {self.new_limit} turns{moves}: {self.why}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptiveFallback(BaseEvent):
+    """A signal of the adaptive limit failed (the probe, or a PSI file that vanished or
+    reads as garbage): the gate holds to the static `limit` (limits.adaptive.start)."""
+
+    LEVEL = "warning"
+    EVENT = Event.ADAPTIVE_FALLBACK
+    limit: int
+    why: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        return f"adaptive limit: {self.why}; holding to {self.limit} turns at once until it works"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptiveMeasuring(BaseEvent):
+    """The adaptive limit's signals work again: it moves from `limit` again."""
+
+    EVENT = Event.ADAPTIVE_MEASURING
+    limit: int
+
+    def message(self) -> str:
+        return f"adaptive limit: measuring again, from {self.limit} turns at once"
 
 
 # -- retention ----------------------------------------------------------------------------

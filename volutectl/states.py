@@ -53,10 +53,19 @@ class HoldReason(StrEnum):
 
     MIND_BUSY = "mind_busy"  # the mind already runs its limit of turns
     GLOBAL_CAP = "global_cap"  # limits.global_concurrent_turns reached
+    ADAPTIVE_LIMIT = "adaptive_limit"  # the adaptive limit reached, under the ceiling
     BEHIND_BACKOFF = "behind_backoff"  # an earlier row of this session is backing off
     IO_PRESSURE = "io_pressure"  # PSI says the storage is stalled
     TEST_RUN = "test_run"  # test runs fill the shared budget
     PAUSED = "paused"  # `volutectl pause`: no new turn until resumed
+
+
+class AdaptiveMode(StrEnum):
+    """What sets the global cap: the adaptive limit, or the static ceiling alone."""
+
+    ADAPTIVE = "adaptive"  # the limit moves with the storage's answers
+    STATIC = "static"  # limits.adaptive is off: global_concurrent_turns alone
+    FALLBACK = "fallback"  # a signal failed: limits.adaptive.start, until it works again
 
 
 # What `volutectl queue list` shows when no state is asked for.

@@ -250,6 +250,8 @@ class Harness:
             if turn.pidfd >= 0:
                 os.close(turn.pidfd)
         gate.state.slots.close()
+        if gate.state.adaptive is not None:
+            gate.state.adaptive.close()  # its worker thread: in this process, not the gate's
         gate.state.store.close()
         gate.state.turns.hands.close()
         gate.reactor.close()

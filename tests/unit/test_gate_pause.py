@@ -84,7 +84,11 @@ def test_a_paused_mind_holds_new_turns_folds_into_its_running_one_and_resumes_in
     tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness], notified: socket.socket
 ) -> None:
     command, log = probe
-    harness = Harness(tmp_path, minds={"m": f"{command} 0.5", "other": f"{command} 0.05"})
+    harness = Harness(
+        tmp_path,
+        minds={"m": f"{command} 0.5", "other": f"{command} 0.05"},
+        limits={"adaptive": {"enabled": False}},  # the line below is the static one's
+    )
     harnesses.append(harness)
     first = deliver(harness, "m", "s")
     harness.pump(lambda: log.started() == 1)
@@ -202,7 +206,7 @@ def test_the_status_line_is_sent_when_it_changes_not_on_every_pass(
     harness = Harness(
         tmp_path,
         minds={"a": f"{command} 0.4", "b": f"{command} 0.4", "c": "exit 3"},
-        limits={"global_concurrent_turns": 1},
+        limits={"global_concurrent_turns": 1, "adaptive": {"enabled": False}},
         max_attempts=1,
     )
     harnesses.append(harness)

@@ -29,7 +29,7 @@ from jsonschema import Draft202012Validator
 from tests import protocol_schema as schema
 from volutectl import names
 from volutectl.errors import EX_DATAERR, EX_PROTOCOL, EX_USAGE, VoluteError
-from volutectl.states import HoldReason, Outcome, QueueState
+from volutectl.states import AdaptiveMode, HoldReason, Outcome, QueueState
 from volutectl.wire import messages, protocol
 from volutectl.wire.messages import Op, Reply, Request
 from volutectl.wire.records import Record
@@ -45,7 +45,7 @@ RECORDS: dict[str, type[Record]] = {
 MESSAGES = {name: cls for name, cls in RECORDS.items() if issubclass(cls, Request | Reply)}
 REQUEST_CLASSES = {cls.__name__: cls for cls in messages.REQUESTS.values()}
 REPLY_CLASSES = {name: cls for name, cls in RECORDS.items() if issubclass(cls, Reply)}
-ENUMS = {cls.__name__: cls for cls in (QueueState, HoldReason, Outcome)}
+ENUMS = {cls.__name__: cls for cls in (QueueState, HoldReason, Outcome, AdaptiveMode)}
 # Definitions that are no class: the version, the unions, and a shared field type.
 HELPERS = {"Version", "Request", "Reply", "Event", "DeliveryIds"}
 

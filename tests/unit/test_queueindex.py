@@ -142,6 +142,7 @@ def apply(world: World, op: str, seed: int) -> None:
             global_cap=rng.choice([None, 1, 2, 3]),
             turns_per_mind=rng.choice([1, 2]),
             per_mind={"a": rng.choice([1, 3])},
+            adaptive=rng.choice([None, None, 1, 2, 4]),
         )
 
 

@@ -4,8 +4,9 @@ idle ones counted rather than listed, then the totals, in the one duration forma
 from __future__ import annotations
 
 from volutectl.cli.statusview import format_status, table
-from volutectl.states import Outcome
+from volutectl.states import AdaptiveMode, Outcome
 from volutectl.wire.messages import (
+    AdaptiveStatus,
     MindStatus,
     PausedMind,
     PressureStatus,
@@ -136,3 +137,32 @@ def test_a_mind_failing_preflight_is_flagged_in_the_totals_idle_or_not() -> None
     assert not any(
         line.startswith("preflight:") for line in format_status(status(), now=NOW).splitlines()
     )
+
+
+def test_the_adaptive_limit_shows_its_mode_limit_bounds_and_last_move() -> None:
+    adaptive = AdaptiveStatus(
+        mode=AdaptiveMode.ADAPTIVE,
+        limit=3,
+        minimum=1,
+        maximum=16,
+        ceiling=8,
+        reason="probe 4 ms with 2 running, baseline 2 ms: healthy, 5 waiting",
+    )
+    text = format_status(status(global_cap=8, adaptive=adaptive), now=NOW)
+    assert "turns: 2 running of 3 (adaptive limit)" in text
+    assert "adaptive limit: 3 turns (1..16, ceiling 8); probe 4 ms" in text
+    fallback = AdaptiveStatus(
+        mode=AdaptiveMode.FALLBACK,
+        limit=2,
+        minimum=1,
+        maximum=16,
+        ceiling=None,
+        reason="/proc/pressure/io cannot be read (not PSI text)",
+    )
+    text = format_status(status(global_cap=None, adaptive=fallback), now=NOW)
+    assert "adaptive limit (FALLBACK): 2 turns (1..16); /proc/pressure/io cannot" in text
+    static = AdaptiveStatus(
+        mode=AdaptiveMode.STATIC, limit=None, minimum=1, maximum=16, ceiling=2, reason=None
+    )
+    text = format_status(status(adaptive=static), now=NOW)
+    assert "turns: 2 running of 2 (" in text and "adaptive limit: off" in text

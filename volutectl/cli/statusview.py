@@ -12,7 +12,8 @@ import time
 from collections.abc import Sequence
 
 from volutectl.durations import format_duration
-from volutectl.wire.messages import MindStatus, PausedMind, Status
+from volutectl.states import AdaptiveMode
+from volutectl.wire.messages import AdaptiveStatus, MindStatus, PausedMind, Status
 
 COLUMNS = ("MIND", "RUNNING", "PENDING", "ATTEMPTS", "NEXT RETRY", "LAST TURN", "DEAD", "PAUSED")
 NUMERIC = {"PENDING", "ATTEMPTS", "DEAD"}  # right-aligned
@@ -87,8 +88,25 @@ def format_status(status: Status, *, every_mind: bool = False, now: float | None
     return "\n".join(lines + [""] + _totals(status, now))
 
 
+def _adaptive(adaptive: AdaptiveStatus) -> str:
+    """The adaptive limit in one line: its mode, limit, bounds, ceiling and last move."""
+    ceiling = f", ceiling {adaptive.ceiling}" if adaptive.ceiling is not None else ""
+    if adaptive.mode == AdaptiveMode.STATIC:
+        return "adaptive limit: off (static cap)"
+    mode = "" if adaptive.mode == AdaptiveMode.ADAPTIVE else f" ({adaptive.mode.upper()})"
+    reason = f"; {adaptive.reason}" if adaptive.reason else ""
+    return (
+        f"adaptive limit{mode}: {adaptive.limit} turns "
+        f"({adaptive.minimum}..{adaptive.maximum}{ceiling}){reason}"
+    )
+
+
 def _totals(status: Status, now: float) -> list[str]:
-    cap = status.global_cap if status.global_cap is not None else "no cap"
+    cap: int | str = status.global_cap if status.global_cap is not None else "no cap"
+    adaptive = status.adaptive
+    if adaptive is not None and adaptive.limit is not None:
+        cap = min(adaptive.limit, status.global_cap or adaptive.limit)
+        cap = f"{cap} (adaptive limit)"
     other = f", {status.foreign_scopes} of them other scopes" if status.foreign_scopes else ""
     lines = [
         f"turns: {status.active_turns} running of {cap}{other} "
@@ -104,6 +122,8 @@ def _totals(status: Status, now: float) -> list[str]:
         lines.append(_pauses(status.paused, now))
     for mind, problems in sorted(status.preflight.items()):
         lines.append(f"preflight: mind {mind} cannot start turns: {'; '.join(problems)}")
+    if status.adaptive is not None:
+        lines.append(_adaptive(status.adaptive))
     pressure = status.io_pressure
     if pressure.enabled:
         state = f"HIGH ({pressure.reason}): holding new turns" if pressure.high else "ok"

@@ -134,11 +134,42 @@ class IoPressureSettings(Section):
         return self
 
 
+class AdaptiveSettings(Section):
+    """limits.adaptive: the gate finds how many turns the storage bears at once.
+
+    The limit starts at `start`, grows while deliveries wait at it and the storage
+    answers quickly, and shrinks when it stalls; it stays within minimum..maximum, and
+    under limits.global_concurrent_turns when that is set. It moves at most once every
+    interval_seconds, measured only while turns run or wait (volutectl/gate/adaptive.py).
+    """
+
+    enabled: bool = True
+    start: Positive = 2
+    minimum: Positive = 1
+    maximum: Positive = 16
+    interval_seconds: Annotated[float, Field(ge=0.1, le=10)] = 0.5
+    # The control rule (volutectl/core/adaptive.py's RULES): "gradient" moves on the
+    # latency of the gate's own synced probe, "aimd" on PSI's stalled share.
+    rule: Literal["gradient", "aimd"] = "gradient"
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AdaptiveSettings:
+        if self.minimum > self.maximum:
+            raise ValueError(f"minimum ({self.minimum}) must not be over maximum ({self.maximum})")
+        if not self.minimum <= self.start <= self.maximum:
+            raise ValueError(
+                f"start ({self.start}) must be within minimum..maximum "
+                f"({self.minimum}..{self.maximum})"
+            )
+        return self
+
+
 class LimitsSettings(Section):
     global_concurrent_turns: Positive | None = None
     turns_per_mind: Positive = 1
     test_runs_count_as_turns: bool = False
     io_pressure: IoPressureSettings = Field(default_factory=IoPressureSettings)
+    adaptive: AdaptiveSettings = Field(default_factory=AdaptiveSettings)
 
 
 class TurnsSettings(Section):

@@ -49,12 +49,32 @@ class LiveTurn:
 
 @dataclass(frozen=True)
 class Limits:
-    global_cap: int | None = None  # None: unlimited
+    global_cap: int | None = None  # the static ceiling; None: unlimited
     turns_per_mind: int = 1
     per_mind: Mapping[str, int] = field(default_factory=dict)
+    adaptive: int | None = None  # the adaptive limit (volutectl/core/adaptive.py), if on
 
     def for_mind(self, mind: str) -> int:
         return self.per_mind.get(mind, self.turns_per_mind)
+
+    @property
+    def cap(self) -> int | None:
+        """The global cap in force: the lower of the ceiling and the adaptive limit."""
+        caps = [cap for cap in (self.global_cap, self.adaptive) if cap is not None]
+        return min(caps) if caps else None
+
+    def held_by(self, busy: int, running: int, other_reason: HoldReason) -> HoldReason | None:
+        """Why a new turn may not start with `busy` places taken (`running` of them
+        turns), or None if the cap lets it: other work filling the cap (`other_reason`),
+        the ceiling, or the adaptive limit where the ceiling alone would let it start."""
+        cap = self.cap
+        if cap is None or busy < cap:
+            return None
+        if running < cap:
+            return other_reason
+        if self.global_cap is not None and busy >= self.global_cap:
+            return HoldReason.GLOBAL_CAP
+        return HoldReason.ADAPTIVE_LIMIT
 
 
 @dataclass(frozen=True)
@@ -108,7 +128,8 @@ def admit(
       `io_pressure`.
     - A new turn starts only if the mind is under its limit, the global count (live
       turns plus `other_busy`, e.g. foreign scopes or test runs that share the budget)
-      is under the cap, and, under pressure, nothing else runs at all.
+      is under the cap (the lower of the ceiling and the adaptive limit:
+      `Limits.held_by` says which holds), and, under pressure, nothing else runs at all.
     - A started turn takes every eligible pending row of its session (batch flush).
     - A row behind a backing-off row of its session waits, so a session's rows reach
       turns in id order.
@@ -150,9 +171,9 @@ def admit(
             holds.append(Hold(delivery.id, HoldReason.MIND_BUSY))
             continue
         busy = running + other_busy
-        if limits.global_cap is not None and busy >= limits.global_cap:
-            reason = other_busy_reason if running < limits.global_cap else HoldReason.GLOBAL_CAP
-            holds.append(Hold(delivery.id, reason))
+        cap_reason = limits.held_by(busy, running, other_busy_reason)
+        if cap_reason is not None:
+            holds.append(Hold(delivery.id, cap_reason))
             continue
         if pressure and busy >= 1:
             holds.append(Hold(delivery.id, HoldReason.IO_PRESSURE))

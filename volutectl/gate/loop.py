@@ -2,11 +2,13 @@
 
 It waits in one select() (volutectl/gate/reactor.py) on: the listening socket and its
 clients (volutectl/gate/server.py), the D-Bus connection (scope-ended signals), a pidfd
-per turn's main process, the test-slot watch, the PSI trigger when enabled, and a stop
-fd; each part registers its descriptors with a callback. The select() times out only
-for real deadlines, all on the monotonic clock: a failed delivery's backoff, a turn's
+per turn's main process, the test-slot watch, the PSI trigger when enabled, the
+adaptive limit's probe (volutectl/gate/adaptive.py), and a stop fd; each part
+registers its descriptors with a callback. The select() times out only for real
+deadlines, all on the monotonic clock: a failed delivery's backoff, a turn's
 time limit, a question to systemd to ask again, a retry of admission, a checkpoint of
-the queue, an idle client, the watchdog, and retention's next batch.
+the queue, an idle client, the watchdog, retention's next batch, and the adaptive
+limit's next reading (only while turns run or wait) and its held-back journal entry.
 
 Each pass (`step`): answer the requests that came (volutectl/gate/serving.py:
 deliveries share one durable commit, then are acknowledged), learn which turns ended
@@ -31,6 +33,7 @@ import socket
 import sqlite3
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from volutectl import events
@@ -38,6 +41,7 @@ from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import VoluteError
 from volutectl.gate import handlers, status
+from volutectl.gate.adaptive import AdaptiveLimit
 from volutectl.gate.liveness import Liveness
 from volutectl.gate.outcomes import Settled, Waiters
 from volutectl.gate.pressure import open_for_turns
@@ -113,6 +117,7 @@ class Gate:
             self.reactor.watch(self.state.manager.fileno(), only_wake)
             self.reactor.watch(self.state.slots.fileno(), self._on_slots)
             self._open_pressure()
+            self._open_adaptive()
             preflight.log_failing(settings, self.journal.emit)  # status shows it too
             # What start loaded (a deep queue's index, the imports) lives as long as the
             # gate: keep the cyclic collector from scanning it again and again.
@@ -194,6 +199,13 @@ class Gate:
             self.reactor.watch(pressure.fileno(), self._on_pressure)
         self.state.pressure = pressure
 
+    def _open_adaptive(self) -> None:
+        adaptive = AdaptiveLimit(self.settings, self.journal.emit)
+        self._opened.append(adaptive)
+        if adaptive.probe is not None:
+            self.reactor.watch(adaptive.probe.fileno(), adaptive.on_probe_done)
+        self.state.adaptive = adaptive
+
     def _starting(self) -> None:
         """Still busy starting (retention's first pass over an old database)."""
         sd_notify(
@@ -212,6 +224,8 @@ class Gate:
         self.state.slots.close()
         if self.state.pressure is not None:
             self.state.pressure.close()
+        if self.state.adaptive is not None:
+            self.state.adaptive.close()
         self.state.store.close()
         self.state.turns.hands.close()
         self.state.manager.close()
@@ -263,6 +277,8 @@ class Gate:
         clock; a part's stored wall-clock time is turned into it here."""
         self.reactor.at(lambda: self.next_ping, self._ping_watchdog)
         self.reactor.at(self._pressure_deadline, self._on_pressure_deadline)
+        self.reactor.at(self._adaptive_deadline, self._on_adaptive_deadline)
+        self.reactor.at(self._adaptive_log_deadline, self._on_adaptive_log_deadline)
         self.reactor.at(self._backoff_deadline, self._on_backoff_end)
         self.reactor.at(lambda: self.admit_retry, self._retry_admission)
         self.reactor.at(self.state.store.checkpoint_deadline, self._checkpoint)
@@ -285,6 +301,24 @@ class Gate:
     def _on_pressure_deadline(self, now: float) -> None:
         if self.state.pressure is not None and self.state.pressure.on_deadline(now):
             self.state.dirty = True  # pressure fell below the resume threshold
+
+    # The adaptive limit: built after the deadlines are registered, so asked through here.
+
+    def _adaptive_deadline(self) -> float | None:
+        adaptive = self.state.adaptive
+        return adaptive.deadline() if adaptive is not None else None
+
+    def _on_adaptive_deadline(self, now: float) -> None:
+        if self.state.adaptive is not None and self.state.adaptive.on_deadline(now):
+            self.state.dirty = True  # the limit moved: admission decides again
+
+    def _adaptive_log_deadline(self) -> float | None:
+        adaptive = self.state.adaptive
+        return adaptive.log.deadline() if adaptive is not None else None
+
+    def _on_adaptive_log_deadline(self, now: float) -> None:
+        if self.state.adaptive is not None:
+            self.state.adaptive.log.on_deadline(now)
 
     def _backoff_deadline(self) -> float | None:
         """The next backoff to end. One that has ended stays due until a pass took it."""
@@ -384,9 +418,12 @@ class Gate:
             test_runs = len(state.slots.held())
         now = time.time()
         pressure = state.pressure
+        adaptive = state.adaptive
+        assert adaptive is not None
+        adaptive.before_pass(time.monotonic())
         decision, changes = state.store.index.admit(
             live,
-            state.limits,
+            replace(state.limits, adaptive=adaptive.limit()),
             now=now,
             other_busy=state.foreign_live + test_runs,
             other_busy_reason=HoldReason.TEST_RUN if test_runs else HoldReason.GLOBAL_CAP,
@@ -409,4 +446,7 @@ class Gate:
         if pressure is not None and decision.starts:
             pressure.note_started(time.monotonic())
         state.turns.record_holds(changes, now)
+        busy = len(live) + len(decision.starts) + state.foreign_live + test_runs
+        waiting = state.store.index.counts[HoldReason.ADAPTIVE_LIMIT]
+        adaptive.after_pass(time.monotonic(), busy, waiting)
         self.notifier.update(status.gate_line(state, now, test_runs))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from volutectl.config.settings import Settings
 from volutectl.core import admission
+from volutectl.gate.adaptive import AdaptiveLimit
 from volutectl.gate.liveness import Liveness
 from volutectl.gate.outcomes import Settled
 from volutectl.gate.pressure import PressureWatch
@@ -40,3 +41,4 @@ class GateState:
     paused: frozenset[str] | admission.EveryMind = frozenset()  # the store's pauses
     foreign_live: int = 0  # other scopes holding a place in the turns slice, last counted
     over_quota: set[int | None] = field(default_factory=set)  # uids refused, as logged
+    adaptive: AdaptiveLimit | None = None  # the adaptive limit; set once the rest is up

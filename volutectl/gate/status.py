@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from volutectl.core import admission
 from volutectl.errors import VoluteError
 from volutectl.launcher import preflight
 from volutectl.slots.scopes import list_in_flight
-from volutectl.states import QueueState
+from volutectl.states import AdaptiveMode, QueueState
 from volutectl.store.minds import EVERY_MIND
 from volutectl.systemd.journal import sd_notify
 from volutectl.wire.messages import (
@@ -67,6 +68,7 @@ def build(state: GateState) -> Status:
         test_runs_count_as_turns=state.settings.limits.test_runs_count_as_turns,
         preflight=preflight.failing_recently(state.settings),  # a fix shows within 2 s
         paused=tuple(PausedMind(mind, since) for mind, since in pauses.items()),
+        adaptive=state.adaptive.status() if state.adaptive is not None else None,
     )
 
 
@@ -144,9 +146,13 @@ def _pressure(state: GateState) -> PressureStatus:
 def gate_line(state: GateState, now: float, tests: int) -> str:
     """The status line after an admission pass, from the index's counts (no scan)."""
     index = state.store.index
+    adaptive = state.adaptive
+    limit = adaptive.limit() if adaptive is not None else None
     return status_line(
         turns=len(state.turns.all()) + state.foreign_live,
-        cap=state.limits.global_cap,
+        cap=replace(state.limits, adaptive=limit).cap,
+        adaptive=adaptive.mode if adaptive is not None and limit is not None else None,
+        ceiling=state.limits.global_cap,
         test_runs=tests,
         holds={str(reason): count for reason, count in index.counts.items()},
         backing_off=len(index.backing_off(now)),
@@ -159,6 +165,8 @@ def status_line(
     *,
     turns: int,
     cap: int | None,
+    adaptive: str | None = None,
+    ceiling: int | None = None,
     test_runs: int,
     holds: Mapping[str, int],
     backing_off: int,
@@ -166,8 +174,13 @@ def status_line(
     paused: frozenset[str] | admission.EveryMind,
 ) -> str:
     """The gate's state in one line for systemd's STATUS=, e.g.
-    `2/2 turns, 5 held (global_cap), 0 backing off, 0 dead, 1 paused`."""
+    `2/2 turns, 5 held (global_cap), 0 backing off, 0 dead, 1 paused`, or with the
+    adaptive limit (`adaptive`: its mode) as the cap,
+    `4/4 turns (adaptive limit, ceiling 8), 5 held (adaptive_limit), ...`."""
     line = f"{turns}/{cap} turns" if cap is not None else f"{turns} turn{_s(turns)} (no cap)"
+    if adaptive is not None:
+        kind = "adaptive limit" if adaptive == AdaptiveMode.ADAPTIVE else f"adaptive {adaptive}"
+        line += f" ({kind}, ceiling {ceiling})" if ceiling is not None else f" ({kind})"
     if test_runs:
         line += f" + {test_runs} test run{_s(test_runs)}"
     reasons = {reason: n for reason, n in holds.items() if n}

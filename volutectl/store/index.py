@@ -12,7 +12,8 @@ Why the same decisions can be had per session and per mind (admission.admit's ru
 - A held session's reason depends only on its mind and on where admission stopped
   starting turns: `paused` if the mind is, else `mind_busy` if the mind is at its limit,
   else the *regime* that stopped the starts: the cap's reason (`test_run` when other
-  work fills it) or `io_pressure`. Once the regime holds one session no start happens
+  work fills it, `adaptive_limit` when the adaptive limit is below the ceiling) or
+  `io_pressure`. Once the regime holds one session no start happens
   after it, so one regime reason holds for every mind it holds.
 - Turns start in the order of their sessions' heads: a heap of each startable mind's
   oldest eligible head gives them; a pass pops only the starts it makes, plus the one
@@ -39,7 +40,12 @@ from volutectl.states import HoldReason
 
 Key = tuple[str, str]  # (mind, session)
 Change = tuple[int, HoldReason | None]  # a row's hold reason to record (None: not held)
-REGIME = (HoldReason.GLOBAL_CAP, HoldReason.TEST_RUN, HoldReason.IO_PRESSURE)
+REGIME = (
+    HoldReason.GLOBAL_CAP,
+    HoldReason.ADAPTIVE_LIMIT,
+    HoldReason.TEST_RUN,
+    HoldReason.IO_PRESSURE,
+)
 
 
 @dataclass(eq=False)
@@ -224,10 +230,9 @@ class PendingIndex:
         starts, busy, running = self._starts(
             limits, per_mind, len(live), other_busy, pressure, max_starts
         )
-        regime: HoldReason | None = None
-        if limits.global_cap is not None and busy >= limits.global_cap:
-            regime = other_busy_reason if running < limits.global_cap else HoldReason.GLOBAL_CAP
-        elif (pressure and busy >= 1) or (max_starts is not None and len(starts) >= max_starts):
+        regime = limits.held_by(busy, running, other_busy_reason)
+        paced = max_starts is not None and len(starts) >= max_starts
+        if regime is None and ((pressure and busy >= 1) or paced):
             regime = HoldReason.IO_PRESSURE
         changes = self._reasons(limits, per_mind, regime, starts, folds)
         # What was decided is carried out by the store, whose commits come back here; a
@@ -326,7 +331,7 @@ class PendingIndex:
             if self._paused(mind) or per_mind[mind] >= limits.for_mind(mind):
                 heapq.heappop(self.startable)  # back when its pause or a turn ends
                 continue
-            if limits.global_cap is not None and busy >= limits.global_cap:
+            if limits.cap is not None and busy >= limits.cap:
                 break
             if pressure and busy >= 1:
                 break

@@ -23,7 +23,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from volutectl.errors import EX_PROTOCOL, EX_USAGE, DataError, VoluteError
-from volutectl.states import HoldReason, Outcome, QueueState
+from volutectl.states import AdaptiveMode, HoldReason, Outcome, QueueState
 from volutectl.wire import fields
 from volutectl.wire.fields import QUEUE_LIMIT as QUEUE_LIMIT
 from volutectl.wire.fields import QUEUE_LIMIT_MAX as QUEUE_LIMIT_MAX
@@ -67,7 +67,7 @@ class Op(StrEnum):
     WAIT = "wait"
 
 
-for _enum in (QueueState, HoldReason, Outcome, Op):
+for _enum in (QueueState, HoldReason, Outcome, AdaptiveMode, Op):
     register_enum(_enum)
 
 
@@ -399,6 +399,20 @@ class PressureStatus(Record):
     trigger: str | None
 
 
+class AdaptiveStatus(Record):
+    """The adaptive limit (limits.adaptive): "adaptive", "static" (off: the ceiling
+    alone), or "fallback" (a signal failed: the start value, until it works again)."""
+
+    mode: AdaptiveMode
+    limit: int | None  # the adaptive cap in force; None when static
+    minimum: int
+    maximum: int
+    ceiling: int | None  # limits.global_concurrent_turns, over the adaptive limit
+    reason: str | None  # why it last moved, or why it falls back
+    rule: str = "gradient"
+    probe_ms: float | None = None  # the last reading of the gate's synced probe
+
+
 class Status(Record):
     active_turns: int  # turn scopes that hold a process, ours and others in the slice
     global_cap: int | None
@@ -417,6 +431,7 @@ class Status(Record):
     # Minds whose turns cannot start (volutectl/launcher/preflight.py): mind -> what is wrong.
     preflight: dict[str, tuple[str, ...]] = {}
     paused: tuple[PausedMind, ...] = ()
+    adaptive: AdaptiveStatus | None = None  # None from a gate before it
 
 
 class StatusReply(Reply):

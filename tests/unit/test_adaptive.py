@@ -1,0 +1,251 @@
+"""volutectl/core/adaptive.py against a simulated disk.
+
+The disk is a service-time model: the probe's synced write waits behind the turns that
+write, so its latency grows with the writers at once (`base_ms + per_writer_ms x
+writers`), and PSI's `some` share is the chance that at least one turn is stalled. A
+turn writes for `write_share` of its time: 1.0 for an all-write turn, 0.02 for one that
+mostly waits on the network.
+
+The comparison of the rules (`test_the_rules_compared`), on a disk where about two
+writers at once keep the probe healthy:
+
+- all-write, 40 waiting: gradient settles at 2, the probe within its healthy bound;
+  aimd is held at 1, as PSI `some` reads 100 % stalled with one writer.
+- network-bound, 40 waiting: gradient reaches the maximum (16) in 6 intervals (3 s at
+  0.5 s); aimd stops at 9, where nine turns that write 2 % of the time read as 17 %
+  stalled.
+
+gradient is the default: it finds the concurrency the probe bears on write-heavy work,
+where aimd (on PSI `some`) cannot tell a lone writer's own waits from a queue, and it
+opens all the way for network-bound turns.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from volutectl.core.adaptive import (
+    QUIET_SECONDS,
+    RULES,
+    Bounds,
+    Controller,
+    Reading,
+    healthy_below_ms,
+    initial,
+    resume,
+    step,
+)
+from volutectl.core.admission import Delivery, Limits, LiveTurn, admit
+from volutectl.states import HoldReason
+
+BOUNDS = Bounds(start=2, minimum=1, maximum=16)
+INTERVAL = 0.5
+
+
+@dataclass
+class Disk:
+    base_ms: float = 2.0
+    per_writer_ms: float = 8.0
+    noise: float = 0.0  # +- this share of the latency, at random
+
+    def latency_ms(self, running: int, write_share: float, rng: random.Random) -> float:
+        latency = self.base_ms + self.per_writer_ms * running * write_share
+        return latency * (1 + rng.uniform(-self.noise, self.noise))
+
+    def stalled(self, running: int, write_share: float) -> float:
+        return 1 - (1 - write_share) ** running
+
+
+@dataclass
+class Run:
+    limits: list[int]
+    latencies: list[float]
+
+
+def simulate(
+    intervals: int,
+    *,
+    rule: str = "gradient",
+    disk: Disk | None = None,
+    write_share: float = 1.0,
+    demand: int = 40,
+    state: Controller | None = None,
+    start_at: float = 0.0,
+    seed: int = 1,
+) -> tuple[Controller, Run]:
+    """`demand` turns want to run at once; the limit lets `limit` of them; the others
+    wait at it. As in the gate, each interval's probe started at the last interval's
+    end, before admission let more turns in: it measures the disk one interval late,
+    and the first one (started as the first turns start) an idle disk."""
+    disk = disk or Disk()
+    rng = random.Random(seed)
+    state = state or initial(BOUNDS)
+    run = Run([], [])
+    measured = 0 if state.last_reading is None else min(state.limit, demand)
+    for i in range(intervals):
+        running = min(state.limit, demand)
+        latency = disk.latency_ms(measured, write_share, rng)
+        reading = Reading(
+            now=start_at + i * INTERVAL,
+            latency_ms=latency,
+            stalled=disk.stalled(measured, write_share),
+            running=measured,
+            waiting=demand - running,
+        )
+        measured = running
+        state, _change = step(state, reading, BOUNDS, rule)
+        run.limits.append(state.limit)
+        run.latencies.append(latency)
+    return state, run
+
+
+def test_a_gate_starts_at_the_start_value() -> None:
+    assert initial(BOUNDS).limit == 2
+    assert initial(Bounds(start=5, minimum=1, maximum=4)).limit == 4
+
+
+def test_it_converges_on_a_steady_write_load_and_then_moves_by_one_around_its_mean() -> None:
+    _, run = simulate(200, disk=Disk(noise=0.1))
+    settled = run.limits[20:]
+    mean = sum(settled) / len(settled)
+    assert all(abs(limit - mean) <= 1 for limit in settled), settled
+    assert all(abs(b - a) <= 1 for a, b in zip(settled, settled[1:], strict=False))
+    # Around the concurrency the probe bears: 2 writers at 2 + 8 x 2 = 18 ms < 22 ms.
+    assert 1.5 <= mean <= 3.5
+    healthy = healthy_below_ms(2.0)
+    over = [latency for latency in run.latencies[20:] if latency > 2 * healthy]
+    assert over == []  # never far over healthy once converged
+
+
+def test_it_converges_from_above_after_a_restart_under_pressure() -> None:
+    """A limit far too high for the disk (the maximum) comes down within a few
+    intervals, multiplicatively, to the same band."""
+    state = Controller(limit=16, baseline_ms=2.0, slow_start=False)
+    _, run = simulate(30, state=state)
+    assert run.limits[5] <= 6
+    assert all(limit <= 4 for limit in run.limits[10:])
+
+
+def test_network_bound_turns_reach_the_maximum_within_a_few_seconds() -> None:
+    _, run = simulate(12, write_share=0.02)
+    reached = run.limits.index(BOUNDS.maximum)
+    assert reached * INTERVAL <= 3.0, run.limits
+    assert run.limits[reached:] == [BOUNDS.maximum] * (12 - reached)
+
+
+def test_it_backs_off_within_a_few_intervals_of_a_sudden_slowdown() -> None:
+    state, run = simulate(40, write_share=0.1)  # 16 x 0.1 writers: 14.8 ms, healthy
+    assert state.limit == BOUNDS.maximum
+    slower = Disk(per_writer_ms=80.0)  # the same turns now cost ten times as much
+    _, after = simulate(40, state=state, disk=slower, write_share=0.1, start_at=20.0)
+    assert after.limits[3] <= BOUNDS.maximum // 2, after.limits
+    settled = after.limits[15:]
+    assert max(settled) - min(settled) <= 2
+    assert max(settled) <= 4  # 80 x 0.1 x 3 + 2 = 26 ms: about 2-3 turns stay healthy
+
+
+def test_it_opens_only_while_deliveries_wait() -> None:
+    # Healthy, but nothing waits at the limit: it stays where it is, however long.
+    _, run = simulate(100, write_share=0.0, demand=2)
+    assert set(run.limits) == {2}
+    # Deliveries arrive: it opens.
+    _, run = simulate(12, write_share=0.0, demand=10)
+    assert run.limits[-1] >= 10  # slow start may step past what waits...
+    assert run.limits[-4:] == [run.limits[-1]] * 4  # ...but not on, once nothing does
+
+
+def test_an_idle_gate_does_not_drift_up_and_a_fan_out_after_quiet_starts_at_start() -> None:
+    state, _ = simulate(40, write_share=0.02)
+    assert state.limit == BOUNDS.maximum
+    later = (state.last_reading or 0) + QUIET_SECONDS + 3600
+    resumed, change = resume(state, later, BOUNDS)
+    assert resumed.limit == BOUNDS.start and change is not None
+    assert (change.old, change.new) == (16, 2)
+    assert resumed.baseline_ms == state.baseline_ms  # what was learnt of the disk stays
+    # A short pause is no quiet spell.
+    assert resume(state, (state.last_reading or 0) + 1.0, BOUNDS) == (state, None)
+
+
+def test_one_stray_slow_probe_costs_one_not_a_third() -> None:
+    state = Controller(limit=12, baseline_ms=2.0, slow_start=False)
+    slow = Reading(now=0.0, latency_ms=500.0, stalled=None, running=12, waiting=5)
+    state, change = step(state, slow, BOUNDS)
+    assert change is not None and change.new == 11
+    state, change = step(state, Reading(1.0, 500.0, None, 11, 5), BOUNDS)
+    assert change is not None and change.new == 7  # it lasted: multiplicative
+
+
+def test_no_signal_moves_nothing() -> None:
+    state = Controller(limit=5, baseline_ms=2.0)
+    for rule in RULES:
+        same, change = step(state, Reading(0.0, None, None, 5, 10), BOUNDS, rule)
+        assert change is None and same.limit == 5
+
+
+readings = st.builds(
+    Reading,
+    now=st.floats(0, 1e6),
+    latency_ms=st.none() | st.floats(0, 10_000),
+    stalled=st.none() | st.floats(0, 1),
+    running=st.integers(0, 100),
+    waiting=st.integers(0, 100),
+)
+
+
+@given(
+    st.lists(readings, max_size=60),
+    st.sampled_from(sorted(RULES)),
+    st.integers(1, 4),
+    st.integers(0, 20),
+)
+def test_the_limit_stays_within_its_bounds_and_never_below_one(
+    sequence: list[Reading], rule: str, minimum: int, extra: int
+) -> None:
+    bounds = Bounds(start=minimum, minimum=minimum, maximum=minimum + extra)
+    state = initial(bounds)
+    for reading in sequence:
+        before = state.limit
+        state, change = step(state, reading, bounds, rule)
+        assert 1 <= bounds.minimum <= state.limit <= bounds.maximum
+        if change is not None:
+            assert (change.old, change.new) == (before, state.limit) and change.reason
+            if change.new > change.old:
+                assert reading.waiting > 0  # it grows only while deliveries wait
+
+
+def test_the_rules_compared() -> None:
+    """The table in this module's docstring."""
+    gradient_writes = simulate(60, rule="gradient")[1].limits[20:]
+    aimd_writes = simulate(60, rule="aimd")[1].limits[20:]
+    assert 2 <= sum(gradient_writes) / len(gradient_writes) <= 3
+    assert set(aimd_writes) == {1}
+    gradient_network = simulate(12, rule="gradient", write_share=0.02)[1].limits
+    aimd_network = simulate(12, rule="aimd", write_share=0.02)[1].limits
+    assert gradient_network.index(16) <= 6
+    assert BOUNDS.maximum not in aimd_network
+
+
+def test_admission_caps_at_the_lower_of_ceiling_and_limit_and_names_which_holds() -> None:
+    pending = [Delivery(i, f"m{i}", "s") for i in range(1, 6)]
+    live = [LiveTurn(10, "other", "s")]
+    held = admit(pending, live, Limits(global_cap=8, adaptive=3), now=0.0)
+    assert len(held.starts) == 2
+    assert {hold.reason for hold in held.holds} == {HoldReason.ADAPTIVE_LIMIT}
+    held = admit(pending, live, Limits(global_cap=2, adaptive=3), now=0.0)
+    assert len(held.starts) == 1
+    assert {hold.reason for hold in held.holds} == {HoldReason.GLOBAL_CAP}
+    # Other work (test runs) filling the cap is named as such, whichever cap it fills.
+    held = admit(
+        pending,
+        [],
+        Limits(adaptive=2),
+        now=0.0,
+        other_busy=2,
+        other_busy_reason=HoldReason.TEST_RUN,
+    )
+    assert held.starts == [] and {hold.reason for hold in held.holds} == {HoldReason.TEST_RUN}
+    assert Limits(global_cap=None, adaptive=None).cap is None

@@ -1,0 +1,256 @@
+"""The adaptive limit in the real gate, in-process (tests/unit/gate_harness.py, with
+tests/unit/fake_systemd.py for systemd): admission holds at the limit with its own
+reason, the limit moves with the readings fed to it, status and STATUS= show it, each
+move is one rate-limited event, a PSI file that turns to garbage falls back to the start
+value, a restarted gate starts at the start value, and an idle gate does not wake for it.
+
+Readings are fed with `AdaptiveLimit.apply` where a test wants the limit to move (the
+rule itself is tests/unit/test_adaptive.py's); the real probe and PSI run where a test
+is about measuring (fallback, idling).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.unit.gate_harness import Harness
+from tests.unit.test_gate_pause import deliver, notified, request, statuses
+from volutectl import events
+from volutectl.core.adaptive import Controller, Reading
+from volutectl.gate.adaptive import EVENT_SECONDS, AdaptiveLimit
+from volutectl.states import AdaptiveMode, HoldReason
+
+__all__ = ["notified"]  # the fixture, used by name
+
+MINDS = {f"m{i}": "exec sleep 30" for i in range(5)}
+PSI = (
+    "some avg10=0.00 avg60=0.00 avg300=0.00 total={}\n"
+    "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+)
+
+
+def adaptive_harness(tmp_path: Path, harnesses: list[Harness], **limits: Any) -> Harness:
+    config = {"start": 2, "minimum": 1, "maximum": 4, "interval_seconds": 10.0}
+    config |= limits.pop("adaptive", {})
+    harness = Harness(tmp_path, minds=MINDS, limits={"adaptive": config, **limits})
+    harnesses.append(harness)
+    return harness
+
+
+def limit_of(harness: Harness) -> AdaptiveLimit:
+    adaptive = harness.gate.state.adaptive
+    assert adaptive is not None
+    return adaptive
+
+
+def mode_of(adaptive: AdaptiveLimit) -> AdaptiveMode:
+    return adaptive.mode
+
+
+def running(harness: Harness) -> int:
+    return len(harness.gate.state.turns.all())
+
+
+def holds(harness: Harness) -> dict[str, int]:
+    return {str(k): v for k, v in harness.gate.state.store.index.counts.items()}
+
+
+def feed(harness: Harness, latency_ms: float) -> None:
+    """One reading, as if the interval had ended: the probe took `latency_ms`."""
+    adaptive = limit_of(harness)
+    reading = Reading(
+        now=time.monotonic(),
+        latency_ms=latency_ms,
+        stalled=None,
+        running=running(harness),
+        waiting=adaptive.waiting,
+    )
+    if adaptive.apply(reading):
+        harness.gate.mark_dirty()
+
+
+def fan_out(harness: Harness) -> list[int]:
+    ids = [deliver(harness, mind) for mind in MINDS]
+    harness.pump(lambda: running(harness) == 2 and sum(holds(harness).values()) == 3)
+    return ids
+
+
+def test_the_limit_holds_a_fan_out_with_its_own_reason_and_moves_with_readings(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = adaptive_harness(tmp_path, harnesses)
+    fan_out(harness)
+    assert holds(harness) == {HoldReason.ADAPTIVE_LIMIT: 3}
+    assert limit_of(harness).waiting == 3
+    feed(harness, 1.0)  # healthy, deliveries wait: it grows
+    harness.pump(lambda: running(harness) == 3)
+    feed(harness, 1.0)
+    harness.pump(lambda: running(harness) == 4)
+    assert holds(harness) == {HoldReason.ADAPTIVE_LIMIT: 1}
+    feed(harness, 1.0)  # at the maximum: no further
+    harness.run_for(0.1)
+    assert running(harness) == 4 and limit_of(harness).limit() == 4
+    feed(harness, 500.0)  # far over healthy: down by one...
+    feed(harness, 500.0)  # ...and by a third when it lasts; running turns go on
+    assert limit_of(harness).limit() == 2
+    harness.run_for(0.1)
+    assert running(harness) == 4 and holds(harness) == {HoldReason.ADAPTIVE_LIMIT: 1}
+
+
+def test_each_move_is_one_event_and_moves_within_a_few_seconds_are_said_together(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = adaptive_harness(tmp_path, harnesses)
+    fan_out(harness)
+    feed(harness, 1.0)
+    feed(harness, 1.0)
+    [first] = harness.journal.of(events.AdaptiveLimitChanged)
+    assert (first.old_limit, first.new_limit, first.changes) == (2, 3, 1)
+    assert first.probe_ms == 1.0 and first.baseline_ms == 1.0
+    assert first.message_id() is not None
+    log = limit_of(harness).log
+    due = log.deadline()
+    assert due is not None and due > time.monotonic() + EVENT_SECONDS - 1
+    log.on_deadline(due)
+    second = harness.journal.of(events.AdaptiveLimitChanged)[1]
+    assert (second.old_limit, second.new_limit, second.changes) == (3, 4, 1)
+    feed(harness, 500.0)  # within 5 s of the last entry: kept...
+    feed(harness, 500.0)
+    assert len(harness.journal.of(events.AdaptiveLimitChanged)) == 2
+    log.on_deadline(due + EVENT_SECONDS)  # ...and said as one
+    third = harness.journal.of(events.AdaptiveLimitChanged)[2]
+    assert (third.old_limit, third.new_limit, third.changes) == (4, 2, 2)
+    assert third.probe_ms == 500.0
+    assert log.deadline() is None
+
+
+def test_the_static_ceiling_holds_with_its_own_reason_under_the_limit(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = adaptive_harness(tmp_path, harnesses, global_concurrent_turns=1)
+    for mind in MINDS:
+        deliver(harness, mind)
+    harness.pump(lambda: running(harness) == 1 and sum(holds(harness).values()) == 4)
+    assert holds(harness) == {HoldReason.GLOBAL_CAP: 4}
+    assert limit_of(harness).waiting == 0  # none waits at the adaptive limit: no growth
+    feed(harness, 1.0)
+    assert limit_of(harness).limit() == 2
+
+
+def test_status_and_the_status_line_show_the_mode_and_the_limit(
+    tmp_path: Path, harnesses: list[Harness], notified: socket.socket
+) -> None:
+    harness = adaptive_harness(tmp_path, harnesses, global_concurrent_turns=8)
+    fan_out(harness)
+    harness.run_for(0.05)
+    line = "2/2 turns (adaptive limit, ceiling 8), 3 held (adaptive_limit), "
+    assert statuses(notified)[-1].startswith(line)
+    feed(harness, 1.0)
+    harness.pump(lambda: running(harness) == 3)
+    reply = request(harness, op="status")["status"]
+    assert reply["holds"] == {"adaptive_limit": 2}
+    adaptive = reply["adaptive"]
+    assert {k: adaptive[k] for k in ("mode", "limit", "minimum", "maximum", "ceiling")} == {
+        "mode": "adaptive",
+        "limit": 3,
+        "minimum": 1,
+        "maximum": 4,
+        "ceiling": 8,
+    }
+    assert "healthy" in adaptive["reason"] and adaptive["rule"] == "gradient"
+    assert statuses(notified)[-1].startswith("3/3 turns (adaptive limit, ceiling 8)")
+
+
+def test_off_it_is_static_and_only_the_ceiling_holds(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = adaptive_harness(tmp_path, harnesses, adaptive={"enabled": False})
+    for mind in MINDS:
+        deliver(harness, mind)
+    harness.pump(lambda: running(harness) == 5)
+    adaptive = request(harness, op="status")["status"]["adaptive"]
+    assert (adaptive["mode"], adaptive["limit"]) == ("static", None)
+    assert limit_of(harness).deadline() is None  # nothing measured
+
+
+def test_a_psi_file_that_turns_to_garbage_falls_back_to_the_start_value(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = adaptive_harness(tmp_path, harnesses, adaptive={"interval_seconds": 0.1})
+    psi = tmp_path / "io.pressure"
+    psi.write_text(PSI.format(1000))
+    adaptive = limit_of(harness)
+    adaptive.use_pressure_file(psi)
+    fan_out(harness)
+    harness.run_for(0.25)  # readings go on: PSI reads, the probe answers
+    assert mode_of(adaptive) is AdaptiveMode.ADAPTIVE and adaptive.last is not None
+    adaptive.controller = Controller(limit=3)  # as if it had grown
+    psi.write_text("some garbage\n")
+    harness.pump(lambda: mode_of(adaptive) is AdaptiveMode.FALLBACK)
+    [fallback] = harness.journal.of(events.AdaptiveFallback)
+    assert fallback.limit == 2 and str(psi) in fallback.why
+    status = request(harness, op="status")["status"]["adaptive"]
+    assert (status["mode"], status["limit"]) == ("fallback", 2)
+    assert str(psi) in status["reason"]
+    psi.unlink()  # gone altogether: still fallback, said once
+    harness.run_for(0.25)
+    assert mode_of(adaptive) is AdaptiveMode.FALLBACK
+    assert len(harness.journal.of(events.AdaptiveFallback)) == 1
+    psi.write_text(PSI.format(2000))  # back: it measures again, from the start value
+    harness.pump(lambda: mode_of(adaptive) is AdaptiveMode.ADAPTIVE)
+    [again] = harness.journal.of(events.AdaptiveMeasuring)
+    assert again.limit == 2
+
+
+def test_a_restarted_gate_starts_at_the_start_value_not_where_it_was(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = adaptive_harness(tmp_path, harnesses)
+    fan_out(harness)
+    feed(harness, 1.0)
+    feed(harness, 1.0)
+    harness.pump(lambda: running(harness) == 4)
+    harness.crash()
+    harness.restart()
+    assert limit_of(harness).limit() == 2
+    harness.pump(lambda: len(harness.gate.state.turns.all()) == 4)  # adopted, not stopped
+    harness.run_for(0.1)
+    # Four run (adopted), over the limit: none of them is stopped, and the fifth waits.
+    assert holds(harness) == {HoldReason.ADAPTIVE_LIMIT: 1}
+    status = request(harness, op="status")["status"]["adaptive"]
+    assert status["limit"] == 2
+
+
+def test_an_idle_gate_does_not_wake_for_the_limit(tmp_path: Path, harnesses: list[Harness]) -> None:
+    harness = adaptive_harness(tmp_path, harnesses, adaptive={"interval_seconds": 0.1})
+    adaptive = limit_of(harness)
+    assert adaptive.deadline() is None
+    harness = Harness(
+        tmp_path / "short",
+        minds={"quick": "true"},
+        limits={"adaptive": {"interval_seconds": 0.1}},
+    )
+    harnesses.append(harness)
+    adaptive = limit_of(harness)
+    deliver(harness, "quick")
+    assert adaptive.deadline() is not None  # a turn runs: it measures
+    harness.pump(lambda: not harness.gate.state.turns.all())
+    harness.pump(lambda: adaptive.deadline() is None)
+    assert adaptive.probe is not None and adaptive.probe.path.exists()
+
+
+def test_a_probe_that_fails_falls_back_to_the_start_value(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = adaptive_harness(tmp_path, harnesses, adaptive={"interval_seconds": 0.1})
+    adaptive = limit_of(harness)
+    assert adaptive.probe is not None
+    adaptive.probe.path = tmp_path / "no such directory" / "adaptive-probe"
+    fan_out(harness)
+    harness.pump(lambda: mode_of(adaptive) is AdaptiveMode.FALLBACK)
+    [fallback] = harness.journal.of(events.AdaptiveFallback)
+    assert "the probe of" in fallback.why and "no such directory" in fallback.why
+    assert adaptive.limit() == 2

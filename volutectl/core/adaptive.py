@@ -1,0 +1,209 @@
+"""The pure part of adaptive admission: how many turns may run at once, learnt from how
+the storage answers.
+
+Every interval, while turns run or wait, the gate measures (volutectl/gate/adaptive.py)
+and hands `step` a `Reading`: the latency of its own synced 4 KiB probe of the state
+disk, PSI's stalled share of the interval, the turns running, and the deliveries that
+wait at the limit. `step` says whether the limit moves, and why.
+
+- **It grows only while deliveries wait at it** and the storage is healthy: by half
+  while nothing has gone wrong yet (slow start, as TCP's), so that turns that mostly wait
+  on the network reach the maximum within a few seconds; by one after the first
+  distress (congestion avoidance).
+- **It shrinks on distress**: by one when the storage is slower than healthy; by a
+  third (multiplicative decrease) when it is far slower twice in a row, so a sudden
+  slowdown is answered within a few intervals and one stray slow sample is not.
+- **It never drifts up when idle**: no waiting, no growth. After a quiet spell
+  (`QUIET_SECONDS` without a reading) `resume` starts it again from `start`, so a
+  fan-out after an hour of quiet is let in at the start value and grows from there.
+- It stays within the bounds; a new gate starts at `start` (the limit is not kept).
+
+Two rules judge a reading (`RULES`, by name for the benchmark):
+- "gradient" (the default): the probe's latency against a learnt baseline, as TCP
+  Vegas and Netflix's Gradient limiter do. Healthy below max(2 x baseline, baseline +
+  20 ms); far slower above twice that. A reading is scaled from the turns that ran
+  while the probe did to the limit now (the queueing delay per turn), so a reading one
+  interval old does not make the limit overshoot. The baseline is the lowest latency
+  seen, let up slowly only by readings taken while no turn ran.
+- "aimd": PSI's `some` stalled share of the interval (healthy below 10 %, distress
+  over 30 %, far over 60 %), as systemd-oomd reads PSI; the probe's latency when PSI is
+  unreadable.
+
+tests/unit/test_adaptive.py runs both against a simulated disk, and says why gradient
+is the default: PSI `some` counts a lone writer's own waits, so a disk kept busy by
+one turn reads as stalled, and aimd holds write-heavy work to one turn where the probe
+shows the disk bears more.
+
+No I/O and no clock here: times come in with the readings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from enum import Enum
+
+QUIET_SECONDS = 60.0  # no reading for this long: the next fan-out starts from `start`
+TOLERANCE_RATIO = 2.0  # healthy: latency within this multiple of the baseline...
+TOLERANCE_MS = 20.0  # ...or within this much of it, whichever is larger
+BASELINE_RISE = 0.05  # how far an idle disk's reading lets the baseline up
+BACK_OFF = 0.7  # the multiplicative decrease
+STALL_HEALTHY = 0.10  # aimd: PSI some share of the interval
+STALL_DISTRESS = 0.30
+STALL_SEVERE = 0.60
+
+
+@dataclass(frozen=True)
+class Bounds:
+    start: int
+    minimum: int
+    maximum: int
+
+    def clamp(self, limit: int) -> int:
+        return max(self.minimum, min(self.maximum, limit))
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What one interval measured."""
+
+    now: float  # monotonic seconds
+    latency_ms: float | None  # the gate's synced probe of the state disk (None: none)
+    stalled: float | None  # PSI io `some`: the share of the interval stalled, 0..1
+    running: int  # turns running while the probe ran (at most)
+    waiting: int  # deliveries held by the adaptive limit, and by nothing else
+
+
+@dataclass(frozen=True)
+class Change:
+    old: int
+    new: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Controller:
+    """The limit and what the rule has learnt."""
+
+    limit: int
+    baseline_ms: float | None = None  # the probe's latency on a quiet disk
+    slow_start: bool = True  # no distress seen since the start: grow by half
+    strained: int = 0  # readings in a row that were far over healthy
+    last_reading: float | None = None
+
+
+class Verdict(Enum):
+    HEALTHY = "healthy"
+    NEUTRAL = "neutral"  # neither grow nor shrink
+    DISTRESS = "distress"  # shrink by one
+    SEVERE = "severe"  # far over: shrink by a third if it lasts
+
+
+Judgement = tuple[Verdict, str]
+Rule = Callable[[Controller, Reading], Judgement]
+
+
+def initial(bounds: Bounds) -> Controller:
+    """A gate that starts, or starts again: the start value, nothing learnt."""
+    return Controller(limit=bounds.clamp(bounds.start))
+
+
+def healthy_below_ms(baseline_ms: float) -> float:
+    return max(TOLERANCE_RATIO * baseline_ms, baseline_ms + TOLERANCE_MS)
+
+
+def learn_baseline(state: Controller, reading: Reading) -> float | None:
+    """The lowest latency seen; let up slowly, and only by readings of an idle disk
+    (no turn ran), so that a steady load cannot teach it that a queue is normal."""
+    latency = reading.latency_ms
+    if latency is None:
+        return state.baseline_ms
+    if state.baseline_ms is None or latency < state.baseline_ms:
+        return latency
+    if reading.running == 0:
+        return state.baseline_ms + BASELINE_RISE * (latency - state.baseline_ms)
+    return state.baseline_ms
+
+
+def judge_latency(state: Controller, reading: Reading) -> Judgement:
+    """Gradient: the probe's latency against the learnt baseline, as Vegas does it.
+
+    The probe measured the disk while `reading.running` turns ran, which need not be
+    the limit now (the limit moved since it started): its queueing delay, per turn,
+    says what the current limit, and one more, would cost. So a reading taken before
+    the last move is read at the concurrency it saw, and the limit does not overshoot
+    by chasing stale readings."""
+    latency, baseline = reading.latency_ms, state.baseline_ms
+    if latency is None or baseline is None:
+        return Verdict.NEUTRAL, "no probe"
+    healthy = healthy_below_ms(baseline)
+    per_turn = max(0.0, latency - baseline) / max(1, reading.running)
+
+    def at(turns: int) -> float:
+        return baseline + per_turn * turns
+
+    measured = f"probe {latency:.0f} ms with {reading.running} running, baseline {baseline:.0f} ms"
+    if at(state.limit) > 2 * healthy:
+        return Verdict.SEVERE, f"{measured}: far over healthy ({healthy:.0f} ms)"
+    if at(state.limit) > healthy:
+        return Verdict.DISTRESS, f"{measured}: over healthy ({healthy:.0f} ms)"
+    if at(state.limit + 1) > healthy:
+        return Verdict.NEUTRAL, f"{measured}: one more would be over healthy"
+    return Verdict.HEALTHY, f"{measured}: healthy"
+
+
+def judge_stall(state: Controller, reading: Reading) -> Judgement:
+    """AIMD: PSI's stalled share of the interval; the probe when PSI is unreadable."""
+    if reading.stalled is None:
+        return judge_latency(state, reading)
+    measured = f"{reading.stalled * 100:.0f}% stalled"
+    if reading.stalled > STALL_SEVERE:
+        return Verdict.SEVERE, f"{measured} (over {STALL_SEVERE * 100:.0f}%)"
+    if reading.stalled > STALL_DISTRESS:
+        return Verdict.DISTRESS, f"{measured} (over {STALL_DISTRESS * 100:.0f}%)"
+    if reading.stalled < STALL_HEALTHY:
+        return Verdict.HEALTHY, f"{measured}: healthy"
+    return Verdict.NEUTRAL, measured
+
+
+RULES: Mapping[str, Rule] = {"gradient": judge_latency, "aimd": judge_stall}
+DEFAULT_RULE = "gradient"
+
+
+def step(
+    state: Controller, reading: Reading, bounds: Bounds, rule: str = DEFAULT_RULE
+) -> tuple[Controller, Change | None]:
+    """One interval: learn from `reading`, and move the limit at most once."""
+    state = replace(state, baseline_ms=learn_baseline(state, reading), last_reading=reading.now)
+    verdict, why = RULES[rule](state, reading)
+    limit = state.limit
+    if verdict is Verdict.SEVERE:
+        state = replace(state, slow_start=False, strained=state.strained + 1)
+        new = int(limit * BACK_OFF) if state.strained >= 2 else limit - 1
+    elif verdict is Verdict.DISTRESS:
+        state = replace(state, slow_start=False, strained=0)
+        new = limit - 1
+    elif verdict is Verdict.HEALTHY and reading.waiting > 0:
+        state = replace(state, strained=0)
+        new = limit + max(1, limit // 2) if state.slow_start else limit + 1
+        why += f", {reading.waiting} waiting"
+    else:
+        state = replace(state, strained=0)
+        new = limit
+    new = bounds.clamp(new)
+    if new == limit:
+        return state, None
+    return replace(state, limit=new), Change(limit, new, why)
+
+
+def resume(state: Controller, now: float, bounds: Bounds) -> tuple[Controller, Change | None]:
+    """Work arrives: after a quiet spell, start again from `start` (what was learnt of
+    the disk stays), so that a fan-out is let in at the start value and grows from there."""
+    if state.last_reading is None or now - state.last_reading < QUIET_SECONDS:
+        return state, None
+    quiet = f"quiet for {now - state.last_reading:.0f} s: starting again from {bounds.start}"
+    state = replace(state, slow_start=True, strained=0, last_reading=now)
+    start = bounds.clamp(bounds.start)
+    if state.limit == start:
+        return state, None
+    return replace(state, limit=start), Change(state.limit, start, quiet)

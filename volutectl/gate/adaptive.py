@@ -1,0 +1,376 @@
+"""The adaptive limit, the gate's side: it measures the storage, moves the limit with
+volutectl/core/adaptive.py's rule, and says so.
+
+Every `limits.adaptive.interval_seconds`, and only while turns run or deliveries wait
+(an idle gate has no deadline here, so it never wakes for it), the gate takes a
+reading:
+- **the probe**: a 4 KiB write and fdatasync to a file of its own in its state
+  directory, the disk its queue commits to (on a Pi, the disk its turns write to),
+  timed in a worker thread so that a stalled disk never blocks the loop; the thread
+  says it is done through a pipe the reactor watches. A probe still running when the
+  interval ends is read as at least that slow;
+- **PSI**: the `some total=` stall of the turns slice's io.pressure when readable, else
+  of /proc/pressure/io, as the share of the interval (plain reads, no trigger).
+
+A probe that fails, or a PSI file that was readable and then vanishes or reads as
+garbage, puts the gate in mode "fallback": a static cap of `start`, said once in the
+journal (AdaptiveFallback) and in `status`, until the signals work again
+(AdaptiveMeasuring). A host with no PSI at all measures with the probe alone.
+
+Admission takes `limit()` as its adaptive cap (volutectl/gate/loop.py: the effective
+cap is the lower of it and `global_concurrent_turns`). Each move is one
+AdaptiveLimitChanged event, at most one every `EVENT_SECONDS`: the moves in between are
+said in one entry, with their count (the journal may live on the stalled disk).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from volutectl import events
+from volutectl.core import adaptive
+from volutectl.core.adaptive import Bounds, Change, Reading
+from volutectl.core.psi import parse_total, stall_fraction
+from volutectl.events import Emit
+from volutectl.kernel.probes import SYSTEM_PRESSURE, slice_cgroup
+from volutectl.states import AdaptiveMode
+from volutectl.wire.messages import AdaptiveStatus
+
+if TYPE_CHECKING:
+    from volutectl.config.settings import Settings
+
+EVENT_SECONDS = 5.0  # at most one AdaptiveLimitChanged entry this often
+PROBE_BYTES = 4096
+PROBE_FILE = "adaptive-probe"
+
+
+class Probe:
+    """A timed 4 KiB synced write, done by a worker thread; `fileno()` becomes readable
+    when one is done, and `take()` gives its latency in ms, or the OSError it met."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wanted = threading.Semaphore(0)
+        self._lock = threading.Lock()
+        self._result: float | OSError | None = None
+        self._closing = False
+        self.started_at: float | None = None  # monotonic: the probe in flight, if any
+        self._thread: threading.Thread | None = None
+
+    def fileno(self) -> int:
+        return self._read_fd
+
+    @property
+    def in_flight(self) -> bool:
+        return self.started_at is not None
+
+    def start(self, now: float) -> None:
+        """Ask for one probe, unless one is in flight (a stalled disk is not piled on)."""
+        if self.in_flight or self._closing:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="adaptive-probe", daemon=True)
+            self._thread.start()
+        self.started_at = now
+        self._wanted.release()
+
+    def take(self) -> float | OSError | None:
+        """The probe that ended, if one did since the last take."""
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._read_fd, 64)
+        with self._lock:
+            result, self._result = self._result, None
+        if result is not None:
+            self.started_at = None
+        return result
+
+    def _work(self) -> None:
+        block = b"\0" * PROBE_BYTES
+        fd = -1
+        while True:
+            self._wanted.acquire()
+            if self._closing:
+                break
+            began = time.monotonic()
+            result: float | OSError
+            try:
+                if fd < 0:
+                    fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                os.pwrite(fd, block, 0)
+                os.fdatasync(fd)
+                result = (time.monotonic() - began) * 1000
+            except OSError as error:
+                result = error
+                if fd >= 0:
+                    os.close(fd)
+                    fd = -1
+            with self._lock:
+                self._result = result
+            with contextlib.suppress(OSError):
+                os.write(self._write_fd, b"!")
+        if fd >= 0:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Stop the worker; one stuck in a stalled fdatasync is left to finish alone."""
+        self._closing = True
+        self._wanted.release()
+        if self._thread is not None:
+            self._thread.join(timeout=0.1)
+        if self._thread is None or not self._thread.is_alive():
+            for fd in (self._read_fd, self._write_fd):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def pressure_file(settings: Settings) -> Path | None:
+    """The turns slice's io.pressure when it reads as PSI, else the system's, else None."""
+    candidates = [SYSTEM_PRESSURE]
+    cgroup = slice_cgroup(settings.turns.slice)
+    if cgroup is not None:
+        candidates.insert(0, cgroup / "io.pressure")
+    for path in candidates:
+        try:
+            parse_total(path.read_text())
+        except (OSError, ValueError):
+            continue
+        return path
+    return None
+
+
+class ChangeLog:
+    """AdaptiveLimitChanged entries, at most one every EVENT_SECONDS: the moves within
+    are said in the next entry, from the first's old limit to the last's new one."""
+
+    def __init__(self, emit: Emit) -> None:
+        self._emit = emit
+        self._last_sent: float | None = None
+        self._pending: events.AdaptiveLimitChanged | None = None
+
+    def note(self, event: events.AdaptiveLimitChanged, now: float) -> None:
+        if self._pending is not None:
+            event = replace(
+                event, old_limit=self._pending.old_limit, changes=self._pending.changes + 1
+            )
+        if self._last_sent is None or now - self._last_sent >= EVENT_SECONDS:
+            self._send(event, now)
+        else:
+            self._pending = event
+
+    def deadline(self) -> float | None:
+        if self._pending is None or self._last_sent is None:
+            return None
+        return self._last_sent + EVENT_SECONDS
+
+    def on_deadline(self, now: float) -> None:
+        if self._pending is not None:
+            self._send(self._pending, now)
+
+    def _send(self, event: events.AdaptiveLimitChanged, now: float) -> None:
+        self._pending = None
+        self._last_sent = now
+        if event.old_limit != event.new_limit:  # moves that came back say nothing
+            self._emit(event)
+
+
+class AdaptiveLimit:
+    """The limit, its measurements and its mode: "adaptive", "static" (limits.adaptive
+    is off) or "fallback" (a signal failed: `start`, until it works again)."""
+
+    def __init__(self, settings: Settings, emit: Emit, psi: Path | None = None) -> None:
+        config = settings.limits.adaptive
+        # limits.io_pressure is today's binary hold: the two are not stacked (the
+        # config's checks refuse both, and turn this off when only that is set).
+        self.enabled = config.enabled and not settings.limits.io_pressure.enabled
+        self.bounds = Bounds(config.start, config.minimum, config.maximum)
+        self.rule = config.rule
+        self.interval = config.interval_seconds
+        self.ceiling = settings.limits.global_concurrent_turns
+        self.controller = adaptive.initial(self.bounds)
+        self.fallback: str | None = None  # why, while in fallback
+        self.reason: str | None = None  # of the last change
+        self._settings = settings
+        self._psi_given = psi  # a test's file: no other is looked for
+        self.psi_path = psi if psi is not None or not self.enabled else pressure_file(settings)
+        self.probe = Probe(settings.gate.state_dir / PROBE_FILE) if self.enabled else None
+        self.log = ChangeLog(emit)
+        self._emit = emit
+        self._deadline: float | None = None
+        self._latency: float | None = None  # the last probe that ended, not yet read
+        self._failure: str | None = None  # what failed since the last reading
+        self._probe_running = 0  # the most turns running while the probe ran
+        self._psi_mark: tuple[int, float] | None = None
+        self.running = 0
+        self.waiting = 0
+        self.last: Reading | None = None
+
+    def use_pressure_file(self, path: Path) -> None:
+        """Read PSI from `path` alone (a test's file), from the next interval on."""
+        self._psi_given = self.psi_path = path
+        self._psi_mark = None
+
+    @property
+    def mode(self) -> AdaptiveMode:
+        if not self.enabled:
+            return AdaptiveMode.STATIC
+        return AdaptiveMode.FALLBACK if self.fallback is not None else AdaptiveMode.ADAPTIVE
+
+    def limit(self) -> int | None:
+        """The adaptive cap for admission; None when off."""
+        if not self.enabled:
+            return None
+        if self.fallback is not None:
+            return self.bounds.clamp(self.bounds.start)
+        return self.controller.limit
+
+    # -- around each admission pass ----------------------------------------------------
+
+    def before_pass(self, now: float) -> None:
+        """Work may arrive after a quiet spell: start again from `start` before admission
+        lets a fan-out in whole at what was learnt an hour ago."""
+        if self.enabled and self._deadline is None:
+            self.controller, change = adaptive.resume(self.controller, now, self.bounds)
+            if change is not None:
+                self._changed(change, now)
+
+    def after_pass(self, now: float, running: int, waiting: int) -> None:
+        """What admission left: measure while anything runs or waits, else sleep."""
+        self.running, self.waiting = running, waiting
+        if self.probe is not None and self.probe.in_flight:
+            self._probe_running = max(self._probe_running, running)
+        if not self.enabled or not (running or waiting):
+            self._deadline = None  # idle: no wakeups
+            self._psi_mark = None
+            return
+        if self._deadline is None:
+            self._deadline = now + self.interval
+            self._psi_mark = self._psi_total(now)
+            self._start_probe(now)
+
+    # -- the interval ------------------------------------------------------------------
+
+    def deadline(self) -> float | None:
+        return self._deadline
+
+    def on_deadline(self, now: float) -> bool:
+        """Take a reading and apply it; True if the limit moved."""
+        self.on_probe_done(0)
+        latency = self._latency
+        if self.probe is not None and self.probe.started_at is not None:
+            # Still in flight: at least this slow (it started an interval ago or more).
+            latency = max(latency or 0.0, (now - self.probe.started_at) * 1000)
+        stalled = self._psi_stalled(now)
+        reading = Reading(
+            now=now,
+            latency_ms=latency,
+            stalled=stalled,
+            running=self._probe_running,
+            waiting=self.waiting,
+        )
+        self._latency = None
+        self._deadline = now + self.interval if (self.running or self.waiting) else None
+        moved = self.apply(reading, self._failure)
+        self._failure = None
+        self._start_probe(now)
+        return moved
+
+    def apply(self, reading: Reading, failure: str | None = None) -> bool:
+        """Move the limit by one reading (or enter or leave fallback); True if it moved."""
+        before = self.limit()
+        self.last = reading
+        if failure is not None:
+            if self.fallback is None:
+                self.fallback = failure
+                start = self.bounds.clamp(self.bounds.start)
+                self.controller = replace(self.controller, limit=start, slow_start=True)
+                self._emit(events.AdaptiveFallback(limit=start, why=failure))
+            return self.limit() != before
+        if self.fallback is not None:
+            self.fallback = None
+            self._emit(events.AdaptiveMeasuring(limit=self.controller.limit))
+        self.controller, change = adaptive.step(self.controller, reading, self.bounds, self.rule)
+        if change is not None:
+            self._changed(change, reading.now)
+        return self.limit() != before
+
+    def _changed(self, change: Change, now: float) -> None:
+        self.reason = change.reason
+        reading = self.last
+        stalled = reading.stalled if reading is not None else None
+        self.log.note(
+            events.AdaptiveLimitChanged(
+                old_limit=change.old,
+                new_limit=change.new,
+                probe_ms=_round(reading.latency_ms if reading is not None else None),
+                baseline_ms=_round(self.controller.baseline_ms),
+                stalled_percent=_round(stalled * 100 if stalled is not None else None),
+                why=change.reason,
+            ),
+            now,
+        )
+
+    # -- the probe and PSI -------------------------------------------------------------
+
+    def _start_probe(self, now: float) -> None:
+        if self.probe is not None and not self.probe.in_flight:
+            self._probe_running = self.running
+            self.probe.start(now)
+
+    def on_probe_done(self, mask: int) -> None:
+        """The worker finished a probe (the reactor saw its pipe), or a reading looks."""
+        if self.probe is None:
+            return
+        result = self.probe.take()
+        if isinstance(result, OSError):
+            self._failure = f"the probe of {self.probe.path} failed: {result.strerror}"
+        elif result is not None:
+            self._latency = max(self._latency or 0.0, result)
+
+    def _psi_total(self, now: float) -> tuple[int, float] | None:
+        if self.psi_path is None:
+            return None
+        try:
+            return parse_total(self.psi_path.read_text()), now
+        except (OSError, ValueError) as error:
+            why = error.strerror if isinstance(error, OSError) else "not PSI text"
+            self._failure = f"{self.psi_path} cannot be read ({why})"
+            # The next reading looks for a file again (the slice's cgroup may have
+            # gone with the slice): fallback lasts until one reads as PSI.
+            self.psi_path = self._psi_given or pressure_file(self._settings)
+            return None
+
+    def _psi_stalled(self, now: float) -> float | None:
+        mark, self._psi_mark = self._psi_mark, self._psi_total(now)
+        if mark is None or self._psi_mark is None:
+            return None
+        return stall_fraction(mark[0], self._psi_mark[0], now - mark[1])
+
+    # -- what it shows -----------------------------------------------------------------
+
+    def status(self) -> AdaptiveStatus:
+        reading = self.last
+        return AdaptiveStatus(
+            mode=self.mode,
+            limit=self.limit(),
+            minimum=self.bounds.minimum,
+            maximum=self.bounds.maximum,
+            ceiling=self.ceiling,
+            reason=self.fallback or self.reason,
+            rule=self.rule,
+            probe_ms=_round(reading.latency_ms) if reading is not None else None,
+        )
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
+
+
+def _round(value: float | None) -> float | None:
+    return round(value, 1) if value is not None else None
