@@ -37,14 +37,19 @@ p99, cap2's p99 + 20 ms); its best safe cap is the static cap with the shortest 
 within that bound. Then adaptive, cap2 and the best safe cap run again, interleaved,
 until each has run --repeats times, and the table gives medians.
 
+To fit the whole bench in an hour, cap2 runs first (it sets the bound), then the widest
+caps, and a static cap still running when the best safe cap so far had finished is
+stopped: it cannot be the best. The table shows it as "> N s (stopped)"; --full lets
+every run finish.
+
 Out: one table on stdout, results.json (every run, with its timeline) and one PNG per
-cell (turns running at once, the adaptive limit and the probe's latency over time, one
-line per run) in --out. The pictures need matplotlib, the `bench` extra:
-`.venv/bin/pip install -e '.[bench]'`.
+cell (turns running at once, the adaptive limit polled from the status reply, and the
+probe's latency over time, one line per run) in --out. The pictures need matplotlib, the
+`bench` extra: `.venv/bin/pip install -e '.[bench]'`.
 
     .venv/bin/python bench/bench_adaptive.py [--profiles sd,emmc,unthrottled]
         [--workloads all-write,network,mixed,cpu] [--runs ungated,cap2,adaptive,...]
-        [--minds 16] [--repeats 3] [--out DIR] [--no-plots]
+        [--minds 16] [--repeats 3] [--out DIR] [--full] [--no-plots]
 
 A smoke run (a few minutes):
     .venv/bin/python bench/bench_adaptive.py --profiles sd --workloads network,all-write \
