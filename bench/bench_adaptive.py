@@ -576,10 +576,11 @@ def plot_cell(runs: list[Run], title: str, path: Path) -> None:
     probe.set_xlabel("seconds since the first delivery")
     for axes in (turns, limit, probe):
         axes.grid(alpha=0.3)
-    turns.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     turns.set_title(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    # One legend for the three panels, right of them, however many runs the cell had.
+    figure.subplots_adjust(right=0.84, hspace=0.08)
+    figure.legend(*turns.get_legend_handles_labels(), loc="center right", fontsize="small")
+    figure.savefig(path, dpi=110, bbox_inches="tight")
     pyplot.close(figure)
 
 
