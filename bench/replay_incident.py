@@ -49,76 +49,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from volute_testbed.diskprobe import Probe, percentile
+from volute_testbed.fanout import (
+    logged_turn,
+    max_overlap,
+    reset_turn_log,
+    synced_writes,
+    turn_times,
+)
 from volute_testbed.gate import VOLUTECTL, gate_config, start_gate
 from volute_testbed.machine import dev_machine
 from volute_testbed.slowdisk import WRITE_BPS, WRITE_IOPS, SlowDisk, slow_disk
-
-TURN_LOG = "/var/tmp/replay-turns.log"  # inside the container: on its tmpfs, not the slow disk
-
-# The probe: a 4 KiB write+fsync every 200 ms (on a fixed grid; a late write skips
-# the ticks it missed), one "start_epoch latency_ms" line per write.
-PROBE = r"""
-import os, sys, time
-path, out, stop = sys.argv[1:4]
-fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-block = b"p" * 4096
-with open(out, "w", buffering=1) as log:
-    tick = time.monotonic()
-    while not os.path.exists(stop):
-        t0 = time.monotonic()
-        wall = time.time()
-        os.pwrite(fd, block, 0)
-        os.fsync(fd)
-        log.write(f"{wall:.6f} {(time.monotonic() - t0) * 1000:.3f}\n")
-        tick += 0.2
-        now = time.monotonic()
-        while tick < now:
-            tick += 0.2
-        time.sleep(tick - now)
-"""
-
-
-# -- measuring ---------------------------------------------------------------------------------
-
-
-class Probe:
-    """The 4 KiB write+fsync probe, as a child in the blkio cgroup (inherited)."""
-
-    def __init__(self, disk: SlowDisk, work: Path) -> None:
-        self.out = work / f"probe-{time.monotonic_ns()}.log"
-        self.stop_file = work / f"probe-{time.monotonic_ns()}.stop"
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                PROBE,
-                str(disk.mount / "probe.dat"),
-                str(self.out),
-                str(self.stop_file),
-            ]
-        )
-
-    def stop(self) -> list[tuple[float, float]]:
-        self.stop_file.touch()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.stop_file.unlink()
-        samples = []
-        for line in self.out.read_text().splitlines():
-            wall, ms = line.split()
-            samples.append((float(wall), float(ms)))
-        self.out.unlink()
-        return samples
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
 @dataclass
@@ -142,20 +83,9 @@ class Result:
         return max(self.samples) if self.samples else float("nan")
 
 
-def writer_command(mount: Path, writes: int) -> str:
-    """The turn command: W 64 KiB writes, each synced (O_DSYNC), to a file of its own."""
-    target = f"{mount}/w.$VOLUTE_MIND.$$"
-    return (
-        f'echo "start $VOLUTE_MIND $(date +%s.%N)" >> {TURN_LOG}; '
-        f"dd if=/dev/zero of={target} bs=64k count={writes} oflag=dsync status=none; "
-        f"rm -f {target}; "
-        f'echo "end $VOLUTE_MIND $(date +%s.%N)" >> {TURN_LOG}'
-    )
-
-
 def plain_writers(disk: SlowDisk, count: int, seconds: float, probe_work: Path) -> Result:
     """Baseline: `count` plain 64 KiB write+fsync loops for `seconds`, no gate, with the probe."""
-    probe = Probe(disk, probe_work)
+    probe = Probe(disk.mount, probe_work)
     time.sleep(1.0)
     start = time.time()
     procs = [
@@ -182,31 +112,6 @@ def plain_writers(disk: SlowDisk, count: int, seconds: float, probe_work: Path) 
     return Result(f"{count} plain writer{'s' if count != 1 else ''}", samples, None, count)
 
 
-def turn_times(machine: Any) -> tuple[dict[str, float], dict[str, float]]:
-    starts: dict[str, float] = {}
-    ends: dict[str, float] = {}
-    path = machine.host_path(TURN_LOG)
-    if not path.exists():
-        return starts, ends
-    for line in path.read_text().splitlines():
-        fields = line.split()
-        if len(fields) == 3:
-            (starts if fields[0] == "start" else ends)[fields[1]] = float(fields[2])
-    return starts, ends
-
-
-def max_overlap(starts: dict[str, float], ends: dict[str, float]) -> int:
-    events = sorted(
-        [(t, 1) for t in starts.values()] + [(t, -1) for t in ends.values()],
-        key=lambda e: (e[0], e[1]),
-    )
-    running = best = 0
-    for _, step in events:
-        running += step
-        best = max(best, running)
-    return best
-
-
 def fan_out(
     disk: SlowDisk,
     work: Path,
@@ -219,11 +124,10 @@ def fan_out(
     timeout: float,
 ) -> Result:
     names = [f"m{i:02d}" for i in range(minds)]
-    command = writer_command(disk.mount, writes)
+    command = logged_turn(synced_writes(disk.mount, writes))
     name = f"replay-{label.replace(' ', '-')}"[:30]
     with dev_machine(name=name, binds=[disk.mount]) as machine:
-        machine.write(TURN_LOG, "")
-        machine.run(["chmod", "666", TURN_LOG])
+        reset_turn_log(machine)
         if gated:
             sections: dict[str, dict[str, object]] = {}
             plain_limits = {k: v for k, v in limits.items() if not isinstance(v, dict)}
@@ -255,7 +159,7 @@ def fan_out(
                 f"sh -c {shlex.quote(command)} &"
                 for name in names
             )
-        probe = Probe(disk, work)
+        probe = Probe(disk.mount, work)
         time.sleep(2.0)  # a quiet stretch before the fan-out
         t0 = time.time()
         machine.sh(script + "\nwait", timeout=timeout)

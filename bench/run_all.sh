@@ -3,7 +3,9 @@
 # each with its default arguments; exits non-zero if any of them failed.
 #   bench/run_all.sh
 # Needs root (the scope and gate benchmarks boot a throwaway systemd with
-# systemd-nspawn) and the venv: packaging/dev-setup makes both ready.
+# systemd-nspawn) and the venv: packaging/dev-setup makes both ready. bench_adaptive.py
+# also needs the bench extra for its pictures (.venv/bin/pip install -e '.[bench]') and
+# takes up to an hour.
 set -u
 repo=$(cd "$(dirname "$0")/.." && pwd)
 python="$repo/.venv/bin/python"

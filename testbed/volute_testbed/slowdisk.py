@@ -2,12 +2,13 @@
 
 A file-backed loop device with ext4 stands in for a Raspberry Pi's SD card, throttled by
 a cgroup-v1 blkio limit (60 write IOPS, 2 MB/s by default, on the loop device's
-major:minor only). The calling process moves itself into that blkio cgroup, so
-everything it starts inherits the limit: a machine booted then (systemd-nspawn), its
-systemd, the gate and every turn scope (the container's systemd does not manage the v1
-blkio hierarchy). Bind the mount into a machine at the same path.
+major:minor only; a limit of 0 is left off, so iops=0, bps=0 is the rig unthrottled).
+The calling process moves itself into that blkio cgroup, so everything it starts
+inherits the limit: a machine booted then (systemd-nspawn), its systemd, the gate and
+every turn scope (the container's systemd does not manage the v1 blkio hierarchy). Bind
+the mount into a machine at the same path.
 
-Used by bench/replay_incident.py and tests/system/test_pressure.py.
+Used by bench/replay_incident.py, bench/bench_adaptive.py and tests/system/test_pressure.py.
 """
 
 from __future__ import annotations
@@ -74,8 +75,7 @@ def slow_disk(
             raise SystemExit(f"no cgroup-v1 blkio throttle at {BLKIO}: cannot slow the disk")
         cgroup = BLKIO / f"volute-{name}-{os.getpid()}"
         cgroup.mkdir()
-        (cgroup / "blkio.throttle.write_iops_device").write_text(f"{majmin} {iops}\n")
-        (cgroup / "blkio.throttle.write_bps_device").write_text(f"{majmin} {bps}\n")
+        _throttle(cgroup, majmin, iops, bps)
         (cgroup / "cgroup.procs").write_text(str(os.getpid()))
         entered = True
         yield SlowDisk(device, majmin, mount, cgroup)
@@ -100,6 +100,14 @@ def slow_disk(
             mount.rmdir()
         with contextlib.suppress(OSError):
             work.rmdir()
+
+
+def _throttle(cgroup: Path, majmin: str, iops: int, bps: int) -> None:
+    """The write limits on the device `majmin`; a limit of 0 is left off."""
+    if iops:
+        (cgroup / "blkio.throttle.write_iops_device").write_text(f"{majmin} {iops}\n")
+    if bps:
+        (cgroup / "blkio.throttle.write_bps_device").write_text(f"{majmin} {bps}\n")
 
 
 def _remove_cgroup(cgroup: Path) -> None:
