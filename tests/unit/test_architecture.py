@@ -59,14 +59,22 @@ FORBIDDEN = [
 ]
 
 
+@pytest.fixture(scope="module")
+def clean_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A scratch copy of the package and its contracts, checked clean once."""
+    root = tmp_path_factory.mktemp("clean")
+    shutil.copytree(PACKAGE, root / "volutectl", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    clean = lint_imports(root)
+    assert clean.returncode == 0, clean.stdout + clean.stderr  # the copy itself is clean
+    return root
+
+
 @pytest.mark.parametrize(("module", "statement", "contract"), FORBIDDEN)
 def test_a_forbidden_import_in_a_scratch_copy_breaks_its_contract(
-    tmp_path: Path, module: str, statement: str, contract: str
+    clean_copy: Path, tmp_path: Path, module: str, statement: str, contract: str
 ) -> None:
-    shutil.copytree(PACKAGE, tmp_path / "volutectl", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    clean = lint_imports(tmp_path)
-    assert clean.returncode == 0, clean.stdout + clean.stderr  # the copy itself is clean
+    shutil.copytree(clean_copy, tmp_path, dirs_exist_ok=True)
     with open(tmp_path / "volutectl" / module, "a") as file:
         file.write(f"\n{statement}  # a forbidden import, for this test\n")
     broken = lint_imports(tmp_path)
