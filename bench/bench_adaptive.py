@@ -321,7 +321,11 @@ def fan_out(
     }
     reset_turn_log(machine)
     if label != "adaptive-warm":  # which goes on with the gate the adaptive run left
-        restart_gate(machine, gate_config(minds, **run_sections(label, support)))
+        # adaptive=True: the package's default; without it volute_testbed's gate_config
+        # turns the adaptive limit off (for the tests written before it), and the
+        # "adaptive" run would be an ungated one.
+        config = gate_config(minds, adaptive=label == "adaptive", **run_sections(label, support))
+        restart_gate(machine, config)
     poller = LimitPoller(machine) if label.startswith("adaptive") else None
     time.sleep(rig.settle)  # a quiet stretch: the previous run's writes have drained
     script = "\n".join(f"{VOLUTECTL} deliver {name} --message wake >/dev/null &" for name in names)
