@@ -22,7 +22,8 @@ import pytest
 from tests.unit.gate_harness import Harness
 from tests.unit.test_gate_pause import deliver, notified, request, statuses
 from volutectl import events
-from volutectl.core.adaptive import Controller, Reading
+from volutectl.core.adaptive import GROW_AFTER, Controller, Reading
+from volutectl.core.iocost import FLOOR
 from volutectl.core.psi import parse_total
 from volutectl.gate import adaptive as gate_adaptive
 from volutectl.gate.adaptive import EVENT_SECONDS, AdaptiveLimit
@@ -79,8 +80,13 @@ def feed(harness: Harness, latency_ms: float) -> None:
 
 
 def fan_out(harness: Harness) -> list[int]:
+    """Five deliveries, two started, three held at the limit; and the healthy readings
+    in a row that move nothing (GROW_AFTER - 1), so that the next healthy one grows it."""
     ids = [deliver(harness, mind) for mind in MINDS]
     harness.pump(lambda: running(harness) == 2 and sum(holds(harness).values()) == 3)
+    for _ in range(GROW_AFTER - 1):
+        feed(harness, 1.0)
+    assert limit_of(harness).limit() == 2
     return ids
 
 
@@ -319,3 +325,31 @@ def doctor_check(harness: Harness) -> doctor.Check:
     harness.pump(lambda: not asking.is_alive())
     asking.join()
     return result[0]
+
+
+def test_a_turn_tells_what_it_wrote_and_light_minds_pass_while_a_heavy_one_writes(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    hold = tmp_path / "hold"  # while it exists, turns stay (sleep) after they wrote
+    then = f"if [ -e {hold} ]; then exec sleep 30; fi"
+    writes = f"head -c {3 << 20} /dev/zero > {tmp_path}/written-$VOLUTE_MIND; {then}"
+    minds = {"heavy": writes, "heavy2": writes, "heavy3": writes}
+    minds |= {f"light{i}": then for i in range(3)}
+    config = {"start": 2, "minimum": 1, "maximum": 4, "interval_seconds": 10.0}
+    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config})
+    harnesses.append(harness)
+    adaptive = limit_of(harness)
+    assert adaptive.costs() == {}  # cold: every mind costs 1, the limit counts turns
+    for mind in ["heavy", "light0", "light1", "light2"]:
+        deliver(harness, mind)
+    harness.pump(lambda: len(adaptive.costs()) == 4 and running(harness) == 0)
+    assert adaptive.io_costs.written["heavy"] >= 3 << 20  # the turn's own rusage
+    assert adaptive.costs() == {"heavy": 1.0} | {f"light{i}": FLOOR for i in range(3)}
+    # Warm: the heavy mind takes one place of two; light ones fit beside it; a second
+    # heavy one (unknown: as heavy) takes the other, a third waits, and a light one
+    # behind it passes it (the light turns cost less than a place).
+    hold.touch()
+    for mind in ["heavy", "light0", "heavy2", "light1", "heavy3", "light2"]:
+        deliver(harness, mind)
+    harness.pump(lambda: running(harness) == 5 and holds(harness) == {"adaptive_limit": 1})
+    assert "heavy3" not in {turn.mind for turn in harness.gate.state.turns.all()}

@@ -49,6 +49,7 @@ def test_every_reply_goes_through_the_channel_unchanged() -> None:
         orders.Done(),
         orders.Started(42),
         orders.Report(started=True, exit_status=None, ended_at=1.5, not_taken=(3, 4)),
+        orders.Report(True, 0, 1.5, (), written_bytes=3 << 20),
         orders.Refused("no"),
     ):
         assert orders.decode_reply(orders.encode(reply).rstrip(b"\n")) == reply

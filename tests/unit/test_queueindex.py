@@ -2,7 +2,8 @@
 
 Random histories: deliveries arrive (some backing off after a failure, some returned to
 the queue with their old ids), turns start and fold as decided, turns end, time passes,
-minds are paused and resumed, pressure and other work come and go. After every step
+minds are paused and resumed, pressure and other work come and go, limits and the
+minds' IO costs change. After every step
 both admissions run over the same state, and must agree on the starts, the folds, and
 the hold reason of every pending row (what the store records for it).
 """
@@ -143,6 +144,9 @@ def apply(world: World, op: str, seed: int) -> None:
             turns_per_mind=rng.choice([1, 2]),
             per_mind={"a": rng.choice([1, 3])},
             adaptive=rng.choice([None, None, 1, 2, 4]),
+            # IO costs per mind (core/iocost.py): the budget holds a heavy head and,
+            # FIFO, every lighter delivery behind it.
+            costs=rng.choice([{}, {"a": 0.25, "b": 0.5}, {"c": 0.0625, "d": 0.125}]),
         )
 
 

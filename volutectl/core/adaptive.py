@@ -9,21 +9,30 @@ wait at the limit. `step` says whether the limit moves, and why.
 - **It grows only while deliveries wait at it** and the storage is healthy: by half
   while nothing has gone wrong yet (slow start, as TCP's), so that turns that mostly wait
   on the network reach the maximum within a few seconds; by one after the first
-  distress (congestion avoidance).
+  distress (congestion avoidance). Healthy means `GROW_AFTER` readings in a row: one
+  probe is one 4 KiB write, and behind a disk kept busy by synced 64 KiB writes it is
+  quick or slow by luck, so a lucky one alone let the limit grow while the heavy
+  writers already queued (the SD card's mixed workload, docs/benchmarks.md).
 - **It shrinks on distress**: by one when the storage is slower than healthy; by a
   third (multiplicative decrease) when it is far slower twice in a row, so a sudden
   slowdown is answered within a few intervals and one stray slow sample is not.
-- **It never drifts up when idle**: no waiting, no growth. After a quiet spell
-  (`QUIET_SECONDS` without a reading) `resume` starts it again from `start`, so a
+- **It never drifts up when idle**: no waiting, no growth. Work that arrives at a gate
+  gone idle (nothing ran or waited) starts it again from `start` (`resume`), so a
   fan-out after an hour of quiet is let in at the start value and grows from there.
+  Not only after an hour: the limit says what the turns running at once bear, and
+  that mix is gone when the gate is idle. What the gate learnt stays: the disk's
+  baseline, and each mind's IO cost (core/iocost.py), by which a fan-out of light turns
+  it knows fits a low limit, and one of heavy turns it knows starts no more of them at
+  once than the start value, whatever the limit grew to for the last mix.
 - It stays within the bounds; a new gate starts at `start` (the limit is not kept).
 
 Two rules judge a reading (`RULES`, by name for the benchmark):
 - "gradient" (the default): the probe's latency against a learnt baseline, as TCP
   Vegas and Netflix's Gradient limiter do. Healthy below max(2 x baseline, baseline +
   20 ms); far slower above twice that. A reading is scaled from the turns that ran
-  while the probe did to the limit now (the queueing delay per turn), so a reading one
-  interval old does not make the limit overshoot. The baseline is the lowest latency
+  while the probe did to the limit now (the queueing delay per turn, or per unit of
+  IO cost when the turns' costs are known: core/iocost.py), so a reading one interval
+  old does not make the limit overshoot. The baseline is the lowest latency
   seen, let up slowly only by readings taken while no turn ran.
 - "aimd": PSI's `some` stalled share of the interval (healthy below 10 %, distress
   over 30 %, far over 60 %), as systemd-oomd reads PSI; the probe's latency when PSI is
@@ -43,11 +52,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
 
-QUIET_SECONDS = 60.0  # no reading for this long: the next fan-out starts from `start`
 TOLERANCE_RATIO = 2.0  # healthy: latency within this multiple of the baseline...
 TOLERANCE_MS = 20.0  # ...or within this much of it, whichever is larger
 BASELINE_RISE = 0.05  # how far an idle disk's reading lets the baseline up
 BACK_OFF = 0.7  # the multiplicative decrease
+GROW_AFTER = 3  # healthy readings in a row before the limit grows
 STALL_HEALTHY = 0.10  # aimd: PSI some share of the interval
 STALL_DISTRESS = 0.30
 STALL_SEVERE = 0.60
@@ -72,6 +81,7 @@ class Reading:
     stalled: float | None  # PSI io `some`: the share of the interval stalled, 0..1
     running: int  # turns running while the probe ran (at most)
     waiting: int  # deliveries held by the adaptive limit, and by nothing else
+    load: float | None = None  # those turns' IO costs (core/iocost.py); None: one each
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,7 @@ class Controller:
     baseline_ms: float | None = None  # the probe's latency on a quiet disk
     slow_start: bool = True  # no distress seen since the start: grow by half
     strained: int = 0  # readings in a row that were far over healthy
+    healthy: int = 0  # readings in a row that were healthy
     last_reading: float | None = None
 
 
@@ -137,7 +148,8 @@ def judge_latency(state: Controller, reading: Reading) -> Judgement:
     if latency is None or baseline is None:
         return Verdict.NEUTRAL, "no probe"
     healthy = healthy_below_ms(baseline)
-    per_turn = max(0.0, latency - baseline) / max(1, reading.running)
+    load = reading.running if reading.load is None else reading.load
+    per_turn = max(0.0, latency - baseline) / max(1.0, load)
 
     def at(turns: int) -> float:
         return baseline + per_turn * turns
@@ -183,13 +195,17 @@ def step(
     elif verdict is Verdict.DISTRESS:
         state = replace(state, slow_start=False, strained=0)
         new = limit - 1
-    elif verdict is Verdict.HEALTHY and reading.waiting > 0:
-        state = replace(state, strained=0)
-        new = limit + max(1, limit // 2) if state.slow_start else limit + 1
-        why += f", {reading.waiting} waiting"
+    elif verdict is Verdict.HEALTHY:
+        state = replace(state, strained=0, healthy=state.healthy + 1)
+        new = limit
+        if reading.waiting > 0 and state.healthy >= GROW_AFTER:
+            new = limit + max(1, limit // 2) if state.slow_start else limit + 1
+            why += f" {state.healthy} times in a row, {reading.waiting} waiting"
     else:
         state = replace(state, strained=0)
         new = limit
+    if verdict is not Verdict.HEALTHY:
+        state = replace(state, healthy=0)
     new = bounds.clamp(new)
     if new == limit:
         return state, None
@@ -197,12 +213,12 @@ def step(
 
 
 def resume(state: Controller, now: float, bounds: Bounds) -> tuple[Controller, Change | None]:
-    """Work arrives: after a quiet spell, start again from `start` (what was learnt of
+    """Work arrives at a gate gone idle: start again from `start` (what was learnt of
     the disk stays), so that a fan-out is let in at the start value and grows from there."""
-    if state.last_reading is None or now - state.last_reading < QUIET_SECONDS:
+    if state.last_reading is None:
         return state, None
-    quiet = f"quiet for {now - state.last_reading:.0f} s: starting again from {bounds.start}"
-    state = replace(state, slow_start=True, strained=0, last_reading=now)
+    quiet = f"idle for {now - state.last_reading:.0f} s: starting again from {bounds.start}"
+    state = replace(state, slow_start=True, strained=0, healthy=0, last_reading=now)
     start = bounds.clamp(bounds.start)
     if state.limit == start:
         return state, None

@@ -53,9 +53,15 @@ class Limits:
     turns_per_mind: int = 1
     per_mind: Mapping[str, int] = field(default_factory=dict)
     adaptive: int | None = None  # the adaptive limit (volutectl/core/adaptive.py), if on
+    # What one turn of each mind costs against the adaptive limit (core/iocost.py); a
+    # mind not listed, and any other work that shares the budget, costs 1.
+    costs: Mapping[str, float] = field(default_factory=dict)
 
     def for_mind(self, mind: str) -> int:
         return self.per_mind.get(mind, self.turns_per_mind)
+
+    def cost_of(self, mind: str) -> float:
+        return self.costs.get(mind, 1.0)
 
     @property
     def cap(self) -> int | None:
@@ -63,14 +69,36 @@ class Limits:
         caps = [cap for cap in (self.global_cap, self.adaptive) if cap is not None]
         return min(caps) if caps else None
 
-    def held_by(self, busy: int, running: int, other_reason: HoldReason) -> HoldReason | None:
-        """Why a new turn may not start with `busy` places taken (`running` of them
-        turns), or None if the cap lets it: other work filling the cap (`other_reason`),
-        the ceiling, or the adaptive limit where the ceiling alone would let it start."""
-        cap = self.cap
-        if cap is None or busy < cap:
+    def full(self, busy: int, load: float, cost: float = 1.0) -> bool:
+        """Whether a turn of `cost` may not start with `busy` places taken, of `load` in
+        costs. The ceiling counts turns. The adaptive limit counts whole turns of cost
+        1, and lighter ones fill what is left of the last place: a turn may start while
+        the load with it stays under the limit plus one. So with turns of cost 1 it
+        counts turns, as before costs; at a limit of 1, one heavy turn runs with light
+        ones beside it, whichever came first; and one turn may always start."""
+        if self.global_cap is not None and busy >= self.global_cap:
+            return True
+        return self.adaptive is not None and busy > 0 and load + cost >= self.adaptive + 1
+
+    def held_by(
+        self,
+        busy: int,
+        running: int,
+        other_reason: HoldReason,
+        *,
+        load: float | None = None,
+        running_load: float | None = None,
+        cost: float = 1.0,
+    ) -> HoldReason | None:
+        """Why a new turn of `cost` may not start with `busy` places taken (`running` of
+        them turns; `load` and `running_load` the same in costs, by default one each),
+        or None if the caps let it: other work filling the cap (`other_reason`), the
+        ceiling, or the adaptive limit where the ceiling alone would let it start."""
+        load = busy if load is None else load
+        running_load = running if running_load is None else running_load
+        if not self.full(busy, load, cost):
             return None
-        if running < cap:
+        if not self.full(running, running_load, cost):
             return other_reason
         if self.global_cap is not None and busy >= self.global_cap:
             return HoldReason.GLOBAL_CAP
@@ -128,8 +156,15 @@ def admit(
       `io_pressure`.
     - A new turn starts only if the mind is under its limit, the global count (live
       turns plus `other_busy`, e.g. foreign scopes or test runs that share the budget)
-      is under the cap (the lower of the ceiling and the adaptive limit:
-      `Limits.held_by` says which holds), and, under pressure, nothing else runs at all.
+      is under the ceiling, the running turns' costs (`Limits.costs`) leave room for
+      its own under the adaptive limit (`Limits.held_by` says which holds), and, under
+      pressure, nothing else runs at all.
+    - FIFO, with one bounded departure: once the caps (or the pressure) hold one
+      delivery, they hold every later one for the same reason, but that a turn lighter
+      than a whole place (cost under 1) may pass one the adaptive limit holds while the
+      light turns running, with it, cost less than one place (`may_pass`). So no turn
+      of cost 1 ever passes another, the light ones beside it never fill a place, and a
+      held turn starts once the whole turns running when it was held have ended.
     - A started turn takes every eligible pending row of its session (batch flush).
     - A row behind a backing-off row of its session waits, so a session's rows reach
       turns in id order.
@@ -143,6 +178,12 @@ def admit(
         per_mind[turn.mind] = per_mind.get(turn.mind, 0) + 1
         live_session.setdefault((turn.mind, turn.session), turn.turn_id)
     running = len(live)
+    running_load = sum(limits.cost_of(turn.mind) for turn in live)
+    light_load = sum(cost for cost in map(limits.cost_of, (t.mind for t in live)) if cost < 1)
+    # The first delivery the caps or the pressure hold holds every later one, for the
+    # same reason, but for the light turns `may_pass` lets by.
+    regime: HoldReason | None = None
+    passing = pressure is False and max_starts is None  # the pressure's holds are FIFO
 
     backing_off: set[tuple[str, str]] = set()
     started: dict[tuple[str, str], list[int]] = {}
@@ -171,20 +212,31 @@ def admit(
             holds.append(Hold(delivery.id, HoldReason.MIND_BUSY))
             continue
         busy = running + other_busy
-        cap_reason = limits.held_by(busy, running, other_busy_reason)
-        if cap_reason is not None:
-            holds.append(Hold(delivery.id, cap_reason))
-            continue
-        if pressure and busy >= 1:
-            holds.append(Hold(delivery.id, HoldReason.IO_PRESSURE))
-            continue
-        if max_starts is not None and len(start_order) >= max_starts:
-            holds.append(Hold(delivery.id, HoldReason.IO_PRESSURE))
+        cost = limits.cost_of(delivery.mind)
+        held = limits.held_by(
+            busy,
+            running,
+            other_busy_reason,
+            load=running_load + other_busy,
+            running_load=running_load,
+            cost=cost,
+        )
+        if regime is None and held is None:
+            if (pressure and busy >= 1) or (
+                max_starts is not None and len(start_order) >= max_starts
+            ):
+                held = HoldReason.IO_PRESSURE
+        if regime is None and held is not None:
+            regime = held
+        if regime is not None and not (passing and may_pass(regime, held, light_load, cost)):
+            holds.append(Hold(delivery.id, regime))
             continue
         started[key] = [delivery.id]
         start_order.append(key)
         per_mind[delivery.mind] = per_mind.get(delivery.mind, 0) + 1
         running += 1
+        running_load += cost
+        light_load += cost if cost < 1 else 0.0
 
     return Admission(
         starts=[
@@ -196,6 +248,18 @@ def admit(
         ],
         holds=holds,
     )
+
+
+def may_pass(regime: HoldReason, held: HoldReason | None, light_load: float, cost: float) -> bool:
+    """Whether a turn of `cost` may start past a delivery the caps hold (`regime`): only
+    past one the adaptive limit holds, only if the caps let it (`held` is None), and only
+    while the light turns running (`light_load`), with it, cost less than one place.
+
+    Why no turn starves: no turn of cost 1 passes, so the whole turns running when one
+    was held only end; the light ones never reach one place, so once those have ended
+    the load is under 1 and it fits (`Limits.full`), whatever the limit, and however
+    many light turns keep coming. tests/unit/test_iocost.py holds it to that."""
+    return regime is HoldReason.ADAPTIVE_LIMIT and held is None and light_load + cost < 1
 
 
 @dataclass(frozen=True)

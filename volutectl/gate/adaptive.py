@@ -18,7 +18,10 @@ journal (AdaptiveFallback) and in `status`, until the signals work again
 (AdaptiveMeasuring). A host with no PSI at all measures with the probe alone.
 
 Admission takes `limit()` as its adaptive cap (volutectl/gate/loop.py: the effective
-cap is the lower of it and `global_concurrent_turns`). Each move is one
+cap is the lower of it and `global_concurrent_turns`), as a budget of IO costs: each
+turn that ends tells `learn_cost` what it wrote (its rusage, reaped by the launcher),
+and `costs()` gives each known mind's cost (volutectl/core/iocost.py); the readings
+scale the probe's latency by the running turns' costs, not their count. Each move is one
 AdaptiveLimitChanged event, at most one every `EVENT_SECONDS`: the moves in between are
 said in one entry, with their count (the journal may live on the stalled disk).
 """
@@ -29,12 +32,13 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from volutectl import events
-from volutectl.core import adaptive
+from volutectl.core import adaptive, iocost
 from volutectl.core.adaptive import Bounds, Change, Reading
 from volutectl.core.psi import parse_total, stall_fraction
 from volutectl.events import Emit
@@ -206,6 +210,10 @@ class AdaptiveLimit:
         self._latency: float | None = None  # the last probe that ended, not yet read
         self._failure: str | None = None  # what failed since the last reading
         self._probe_running = 0  # the most turns running while the probe ran
+        self._probe_load = 0.0  # the most IO cost running while the probe ran
+        self.io_costs = iocost.Costs()  # what each mind's turns write, as learnt
+        self._costs: Mapping[str, float] = {}  # each known mind's cost, from io_costs
+        self.load = 0.0
         self._psi_mark: tuple[int, float] | None = None
         self._psi_lost: str | None = None  # why the PSI file that read failed, until one reads
         self.running = 0
@@ -234,18 +242,21 @@ class AdaptiveLimit:
     # -- around each admission pass ----------------------------------------------------
 
     def before_pass(self, now: float) -> None:
-        """Work may arrive after a quiet spell: start again from `start` before admission
-        lets a fan-out in whole at what was learnt an hour ago."""
+        """Work may arrive at a gate gone idle: start again from `start` before admission
+        lets a fan-out in at what the last one's mix bore."""
         if self.enabled and self._deadline is None:
             self.controller, change = adaptive.resume(self.controller, now, self.bounds)
             if change is not None:
                 self._changed(change, now)
 
-    def after_pass(self, now: float, running: int, waiting: int) -> None:
-        """What admission left: measure while anything runs or waits, else sleep."""
+    def after_pass(self, now: float, running: int, waiting: int, load: float | None = None) -> None:
+        """What admission left (`load`: the running turns' IO costs, by default one
+        each): measure while anything runs or waits, else sleep."""
         self.running, self.waiting = running, waiting
+        self.load = float(running) if load is None else load
         if self.probe is not None and self.probe.in_flight:
             self._probe_running = max(self._probe_running, running)
+            self._probe_load = max(self._probe_load, self.load)
         if not self.enabled or not (running or waiting):
             self._deadline = None  # idle: no wakeups
             self._psi_mark = None
@@ -254,6 +265,22 @@ class AdaptiveLimit:
             self._deadline = now + self.interval
             self._psi_mark = self._psi_total(now)
             self._start_probe(now)
+
+    # -- IO costs per mind (volutectl/core/iocost.py) -----------------------------------
+
+    def learn_cost(self, mind: str, written_bytes: int) -> None:
+        """A turn of `mind` ended having written `written_bytes` (its rusage)."""
+        if self.enabled:
+            self.io_costs = self.io_costs.learn(mind, written_bytes)
+            self._costs = self.io_costs.of()
+
+    def costs(self) -> Mapping[str, float]:
+        """Each known mind's cost against the limit, for admission; others cost 1."""
+        return self._costs
+
+    def load_of(self, minds: Iterable[str]) -> float:
+        """The IO cost of turns of these minds."""
+        return sum(self._costs.get(mind, iocost.UNKNOWN) for mind in minds)
 
     # -- the interval ------------------------------------------------------------------
 
@@ -274,6 +301,7 @@ class AdaptiveLimit:
             stalled=stalled,
             running=self._probe_running,
             waiting=self.waiting,
+            load=self._probe_load,
         )
         self._latency = None
         self._deadline = now + self.interval if (self.running or self.waiting) else None
@@ -321,7 +349,7 @@ class AdaptiveLimit:
 
     def _start_probe(self, now: float) -> None:
         if self.probe is not None and not self.probe.in_flight:
-            self._probe_running = self.running
+            self._probe_running, self._probe_load = self.running, self.load
             self.probe.start(now)
 
     def on_probe_done(self, mask: int) -> None:

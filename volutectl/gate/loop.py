@@ -205,6 +205,7 @@ class Gate:
         if adaptive.probe is not None:
             self.reactor.watch(adaptive.probe.fileno(), adaptive.on_probe_done)
         self.state.adaptive = adaptive
+        self.state.turns.on_written = adaptive.learn_cost
 
     def _starting(self) -> None:
         """Still busy starting (retention's first pass over an old database)."""
@@ -423,7 +424,7 @@ class Gate:
         adaptive.before_pass(time.monotonic())
         decision, changes = state.store.index.admit(
             live,
-            replace(state.limits, adaptive=adaptive.limit()),
+            replace(state.limits, adaptive=adaptive.limit(), costs=adaptive.costs()),
             now=now,
             other_busy=state.foreign_live + test_runs,
             other_busy_reason=HoldReason.TEST_RUN if test_runs else HoldReason.GLOBAL_CAP,
@@ -446,7 +447,9 @@ class Gate:
         if pressure is not None and decision.starts:
             pressure.note_started(time.monotonic())
         state.turns.record_holds(changes, now)
-        busy = len(live) + len(decision.starts) + state.foreign_live + test_runs
+        others = state.foreign_live + test_runs
+        busy = len(live) + len(decision.starts) + others
+        load = adaptive.load_of([t.mind for t in live] + [s.mind for s in decision.starts])
         waiting = state.store.index.counts[HoldReason.ADAPTIVE_LIMIT]
-        adaptive.after_pass(time.monotonic(), busy, waiting)
+        adaptive.after_pass(time.monotonic(), busy, waiting, load + others)
         self.notifier.update(status.gate_line(state, now, test_runs))

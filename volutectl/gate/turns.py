@@ -92,6 +92,8 @@ class Turns:
         self.watch_fd = watch_fd
         self.unwatch_fd = unwatch_fd
         self.wake = wake  # a turn ended or failed to start: admission should run
+        # Told what each ended turn wrote, by mind (the adaptive limit's IO costs).
+        self.on_written: Callable[[str, int], None] | None = None
         self._turns: dict[int, Turn] = {}
         # A start found systemd silent (a daemon-reexec): the gate's admission stops
         # starting turns in this pass and tries again a second later.
@@ -425,6 +427,8 @@ class Turns:
         now = time.time()
         rows = self.store.rows_of_turn(turn.id)
         report = self.hands.inspect(turn.id, [row.id for row in rows if row.folded])
+        if report.written_bytes is not None and self.on_written is not None:
+            self.on_written(turn.mind, report.written_bytes)
         outcome = admission.turn_outcome(
             exit_status=report.exit_status,
             started_marker=report.started,

@@ -113,6 +113,18 @@ def poll(pid: int) -> int | None:
     return exit_code(status) if done == pid else None
 
 
+BLOCK_BYTES = 512  # getrusage's ru_oublock counts these (the task's write_bytes / 512)
+
+
+def poll_written(pid: int) -> tuple[int, int] | None:
+    """Our child's exit code and the bytes it and the children it reaped wrote to
+    storage (its rusage's ru_oublock), if it has ended (reaping it), else None."""
+    done, status, usage = os.wait4(pid, os.WNOHANG)
+    if done != pid:
+        return None
+    return exit_code(status), usage.ru_oublock * BLOCK_BYTES
+
+
 def run(
     argv: Sequence[str],
     *,

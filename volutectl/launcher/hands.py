@@ -127,6 +127,10 @@ class LocalHands:
         # records the command's status, this the wrapper's own (e.g. SIGKILLed).
         self.children: dict[int, int] = {}
         self.statuses: dict[int, int] = {}
+        # What each reaped turn wrote to storage, in bytes: the wrapper's rusage, which
+        # holds the command's and every process it reaped (the adaptive limit's IO
+        # cost per mind, volutectl/core/iocost.py); on any cgroup hierarchy.
+        self.written: dict[int, int] = {}
         self.trash_waiting = False  # something was set aside in turns/.trash
         # Each turn's directory a tmpfs of these bounds (the launcher sets them; a test's
         # hands, not root, make plain directories).
@@ -230,15 +234,15 @@ class LocalHands:
         self.manager.stop_unit(names.turn_scope_name(mind, turn_id), wait=False)
 
     def reap(self) -> None:
-        """Collect the children that have exited (no wait)."""
+        """Collect the children that have exited (no wait), and what each wrote."""
         for turn_id, pid in list(self.children.items()):
             try:
-                status = processes.poll(pid)
+                ended = processes.poll_written(pid)
             except ChildProcessError:
-                status = None
+                ended = None
                 del self.children[turn_id]
-            if status is not None:
-                self.statuses[turn_id] = status
+            if ended is not None:
+                self.statuses[turn_id], self.written[turn_id] = ended
                 del self.children[turn_id]
 
     def inspect(self, turn_id: int, folded: Sequence[int]) -> orders.Report:
@@ -251,10 +255,12 @@ class LocalHands:
             exit_status=status if status is not None else record.exit_status,
             ended_at=record.ended_at,
             not_taken=tuple(sorted(turn_dir.not_taken(list(folded)))),
+            written_bytes=self.written.get(turn_id),
         )
 
     def remove(self, turn_id: int) -> None:
         self.statuses.pop(turn_id, None)
+        self.written.pop(turn_id, None)
         self._remove_dir(self.turn_dir(turn_id))
 
     def _remove_dir(self, turn_dir: fork.TurnDir) -> None:

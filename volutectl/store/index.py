@@ -35,7 +35,16 @@ from collections import Counter
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from volutectl.core.admission import Admission, Delivery, Fold, Hold, Limits, LiveTurn, Start
+from volutectl.core.admission import (
+    Admission,
+    Delivery,
+    Fold,
+    Hold,
+    Limits,
+    LiveTurn,
+    Start,
+    may_pass,
+)
 from volutectl.states import HoldReason
 
 Key = tuple[str, str]  # (mind, session)
@@ -64,6 +73,41 @@ class MindQueues:
     reason: HoldReason | None = None  # its held sessions' reason, as of the last pass
 
 
+@dataclass
+class Tally:
+    """What runs as a pass starts turns: places taken (turns and other work), turns,
+    and their IO costs (admission.Limits.costs), all and the light ones'."""
+
+    busy: int
+    running: int
+    load: float  # the turns' costs; other work costs 1 a place
+    light: float  # the costs under 1
+    other_busy: int
+
+    @classmethod
+    def of(cls, limits: Limits, live: Counter[str], running: int, other_busy: int) -> Tally:
+        costs = [(limits.cost_of(mind), n) for mind, n in live.items()]
+        load = sum(cost * n for cost, n in costs)
+        light = sum(cost * n for cost, n in costs if cost < 1)
+        return cls(running + other_busy, running, load, light, other_busy)
+
+    def held_by(self, limits: Limits, other_reason: HoldReason, cost: float) -> HoldReason | None:
+        return limits.held_by(
+            self.busy,
+            self.running,
+            other_reason,
+            load=self.load + self.other_busy,
+            running_load=self.load,
+            cost=cost,
+        )
+
+    def take(self, cost: float) -> None:
+        self.busy += 1
+        self.running += 1
+        self.load += cost
+        self.light += cost if cost < 1 else 0.0
+
+
 class PendingIndex:
     def __init__(self) -> None:
         self.rows: dict[int, Delivery] = {}
@@ -78,6 +122,7 @@ class PendingIndex:
         self.regime_minds: set[str] = set()  # minds whose held sessions the regime holds
         self.regime: HoldReason | None = None
         self.live: Counter[str] = Counter()  # live turns per mind, as of the last pass
+        self.other_busy_reason = HoldReason.GLOBAL_CAP  # as of the last pass
         self.live_sessions: dict[Key, int] = {}
         self.paused_minds: frozenset[str] = frozenset()
         self.all_paused = False
@@ -227,13 +272,8 @@ class PendingIndex:
             heapq.heapify(self.startable)
         per_mind = Counter(self.live)
         folds = self._folds()
-        starts, busy, running = self._starts(
-            limits, per_mind, len(live), other_busy, pressure, max_starts
-        )
-        regime = limits.held_by(busy, running, other_busy_reason)
-        paced = max_starts is not None and len(starts) >= max_starts
-        if regime is None and ((pressure and busy >= 1) or paced):
-            regime = HoldReason.IO_PRESSURE
+        self.other_busy_reason = other_busy_reason
+        starts, regime = self._starts(limits, per_mind, len(live), other_busy, pressure, max_starts)
         changes = self._reasons(limits, per_mind, regime, starts, folds)
         # What was decided is carried out by the store, whose commits come back here; a
         # start that fails before its commit must be offered again, so look again.
@@ -318,11 +358,17 @@ class PendingIndex:
         other_busy: int,
         pressure: bool,
         max_starts: int | None,
-    ) -> tuple[list[Start], int, int]:
-        """Start sessions in the order of their heads until the regime stops it."""
+    ) -> tuple[list[Start], HoldReason | None]:
+        """Start sessions in the order of their heads until the regime stops it, but for
+        the light heads admission.may_pass lets by a held one; the regime's reason, if
+        one stopped them (or would, at the next head)."""
         starts: list[Start] = []
-        busy = running + other_busy
-        while self.startable and (max_starts is None or len(starts) < max_starts):
+        tally = Tally.of(limits, self.live, running, other_busy)
+        least = min(limits.costs.values(), default=1.0)
+        passing = not pressure and max_starts is None
+        regime: HoldReason | None = None
+        passed: list[tuple[int, str]] = []  # held heads light ones went past
+        while self.startable:
             head, mind = self.startable[0]
             queues = self.minds.get(mind)
             if queues is None or not queues.heads or queues.heads[0][0] != head:
@@ -331,10 +377,20 @@ class PendingIndex:
             if self._paused(mind) or per_mind[mind] >= limits.for_mind(mind):
                 heapq.heappop(self.startable)  # back when its pause or a turn ends
                 continue
-            if limits.cap is not None and busy >= limits.cap:
-                break
-            if pressure and busy >= 1:
-                break
+            cost = limits.cost_of(mind)
+            held = tally.held_by(limits, self.other_busy_reason, cost)
+            if regime is None and held is None:
+                paced = max_starts is not None and len(starts) >= max_starts
+                if (pressure and tally.busy >= 1) or paced:
+                    held = HoldReason.IO_PRESSURE
+            regime = regime or held
+            if regime is not None and not (passing and may_pass(regime, held, tally.light, cost)):
+                if not passing or regime is not HoldReason.ADAPTIVE_LIMIT:
+                    break
+                if tally.light + least >= 1 or tally.held_by(limits, regime, least) is not None:
+                    break  # no light head could pass any more
+                passed.append(heapq.heappop(self.startable))
+                continue
             heapq.heappop(self.startable)
             _, session = heapq.heappop(queues.heads)
             queue = queues.sessions[session]
@@ -342,11 +398,17 @@ class PendingIndex:
                 Start(mind=mind, session=session, delivery_ids=tuple(queue.ids[: queue.eligible]))
             )
             per_mind[mind] += 1
-            running += 1
-            busy += 1
+            tally.take(cost)
             if queues.heads:
                 heapq.heappush(self.startable, (queues.heads[0][0], mind))
-        return starts, busy, running
+        for entry in passed:
+            heapq.heappush(self.startable, entry)
+        if regime is None:  # no head held: what the next one would meet
+            regime = tally.held_by(limits, self.other_busy_reason, 1.0)
+            paced = max_starts is not None and len(starts) >= max_starts
+            if regime is None and ((pressure and tally.busy >= 1) or paced):
+                regime = HoldReason.IO_PRESSURE
+        return starts, regime
 
     def _reasons(
         self,

@@ -154,6 +154,9 @@ class Report:
     exit_status: int | None  # recorded by the wrapper, or reaped by the launcher
     ended_at: float | None
     not_taken: tuple[int, ...]
+    # What the turn's processes wrote to storage (the wrapper's rusage, reaped by the
+    # launcher); None when it was not reaped there (a launcher that started again).
+    written_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,145 @@
+"""volutectl/core/iocost.py's costs per mind, and admission against the adaptive limit as
+a budget of them (volutectl/core/admission.py): light turns pass while a heavy one
+writes, FIFO holds, and no mind starves."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from volutectl.core.admission import Delivery, Limits, LiveTurn, admit
+from volutectl.core.iocost import FLOOR, FULL_BYTES, Costs, cost_of
+from volutectl.states import HoldReason
+
+MIB = 1 << 20
+REGIME = {HoldReason.GLOBAL_CAP, HoldReason.ADAPTIVE_LIMIT, HoldReason.TEST_RUN}
+
+
+def test_a_cost_is_a_share_of_a_full_turn_rounded_up_to_a_power_of_two() -> None:
+    assert cost_of(1.0) == 1.0
+    assert cost_of(0.6) == 1.0
+    assert cost_of(0.5) == 0.5
+    assert cost_of(0.3) == 0.5
+    assert cost_of(0.2) == 0.25
+    assert cost_of(128 / 3072) == FLOOR  # the mixed workload's light turns
+    assert cost_of(0.0) == FLOOR
+
+
+def test_unknown_minds_are_not_listed_and_so_cost_one() -> None:
+    costs = Costs().learn("heavy", 3 * MIB).learn("light", 128 << 10)
+    assert costs.of() == {"heavy": 1.0, "light": FLOOR}
+    assert Limits(costs=costs.of()).cost_of("new") == 1.0
+
+
+def test_a_uniform_workload_costs_one_a_turn_whatever_its_noise() -> None:
+    # Every turn alike: the limit counts turns, as before costs.
+    costs = Costs()
+    for i, written in enumerate([3.0, 3.1, 2.9, 3.05]):
+        costs = costs.learn(f"m{i}", int(written * MIB))
+    assert set(costs.of().values()) == {1.0}
+    # Small writers alike are each a share of FULL_BYTES, not of the heaviest.
+    costs = Costs().learn("a", 100 << 10).learn("b", 120 << 10)
+    assert set(costs.of().values()) == {1 / 8}
+
+
+def test_a_mind_that_turns_heavy_is_charged_at_once_and_one_that_turns_light_slowly() -> None:
+    costs = Costs().learn("m", 128 << 10).learn("other", FULL_BYTES)
+    assert costs.learn("m", FULL_BYTES).of()["m"] == 1.0
+    lighter = Costs().learn("m", 4 * MIB).learn("other", 4 * MIB).learn("m", 0)
+    assert lighter.of()["m"] == 0.5  # half believed after one light turn
+    for _ in range(5):
+        lighter = lighter.learn("m", 0)
+    assert lighter.of()["m"] == FLOOR
+
+
+def test_light_turns_pass_while_a_heavy_one_writes() -> None:
+    costs = {"heavy1": 1.0} | {f"light{i}": FLOOR for i in range(8)}
+    pending = [Delivery(i + 1, f"light{i}", "s") for i in range(8)]
+    live = [LiveTurn(100, "heavy1", "s")]
+    decided = admit(pending, live, Limits(adaptive=1, costs=costs), now=0.0)
+    assert len(decided.starts) == 8 and decided.holds == []
+    # Counted as turns, the same limit holds them all.
+    decided = admit(pending, live, Limits(adaptive=1), now=0.0)
+    assert decided.starts == []
+    # A heavy turn behind light ones, at a limit of 1, starts too: the light ones fill
+    # the last place, whichever came first.
+    decided = admit(
+        [Delivery(9, "heavy1", "s")],
+        [LiveTurn(1, "light0", "s")],
+        Limits(adaptive=1, costs=costs),
+        now=0.0,
+    )
+    assert [start.mind for start in decided.starts] == ["heavy1"]
+
+
+def test_light_turns_pass_a_heavy_one_the_limit_holds_until_they_fill_a_place() -> None:
+    costs = {"heavy1": 1.0, "heavy2": 1.0} | {f"light{i}": FLOOR for i in range(20)}
+    pending = [Delivery(1, "heavy2", "s")] + [Delivery(i + 2, f"light{i}", "s") for i in range(20)]
+    live = [LiveTurn(100, "heavy1", "s")]
+    decided = admit(pending, live, Limits(adaptive=1, costs=costs), now=0.0)
+    assert [start.mind for start in decided.starts] == [f"light{i}" for i in range(15)]
+    assert {(hold.delivery_id, hold.reason) for hold in decided.holds} == {
+        (i, HoldReason.ADAPTIVE_LIMIT) for i in [1, 17, 18, 19, 20, 21]
+    }
+    # The limit's ceiling holds are FIFO: none passes.
+    decided = admit(pending, live, Limits(global_cap=1, costs=costs), now=0.0)
+    assert decided.starts == []
+
+
+def test_a_light_turn_does_not_pass_while_light_ones_fill_a_place() -> None:
+    # One heavy and sixteen light turns run (one place of light ones): the heavy one
+    # held at 2 waits for no more than the heavy and the light turns running now, as
+    # none passes it, though the budget has room for one more light one.
+    costs = {"heavy1": 1.0, "heavy2": 1.0} | {f"light{i}": FLOOR for i in range(17)}
+    live = [LiveTurn(100, "heavy1", "s")] + [LiveTurn(101 + i, f"light{i}", "s") for i in range(16)]
+    pending = [Delivery(1, "heavy2", "s"), Delivery(2, "light16", "s")]
+    decided = admit(pending, live, Limits(adaptive=2, costs=costs), now=0.0)
+    assert decided.starts == []
+    assert {hold.reason for hold in decided.holds} == {HoldReason.ADAPTIVE_LIMIT}
+    # Ahead of the heavy one, it would have started.
+    decided = admit(pending[1:], live, Limits(adaptive=2, costs=costs), now=0.0)
+    assert [start.mind for start in decided.starts] == ["light16"]
+    # One turn may always run: a heavy turn over the whole limit starts on an idle gate.
+    decided = admit(pending, [], Limits(adaptive=1, costs=costs), now=0.0)
+    assert [start.mind for start in decided.starts] == ["heavy2", "light16"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from([1, 2, 3, 4]))
+def test_no_mind_starves_while_light_deliveries_keep_coming(seed: int, limit: int) -> None:
+    """Deliveries to heavy and light minds arrive all the time; turns run 1-5 passes.
+    Only light turns pass a delivery the caps hold, and only while the light turns cost
+    less than a place. So the oldest delivery waits at most for its mind's turn to end,
+    then for the whole turns then running: it starts within 11 passes of becoming the
+    oldest, however many light ones come behind it."""
+    rng = random.Random(seed)
+    minds = [f"h{i}" for i in range(3)] + [f"l{i}" for i in range(6)]
+    costs = {m: 1.0 if m[0] == "h" else rng.choice([FLOOR, 0.25, 0.5]) for m in minds}
+    limits = Limits(adaptive=limit, costs=costs)
+    pending: dict[int, Delivery] = {}
+    live: dict[int, tuple[LiveTurn, int]] = {}  # turn id: (turn, the pass it ends at)
+    oldest: tuple[int, int] | None = None  # (delivery id, the pass it became the oldest)
+    next_id = 1
+    for tick in range(300):
+        for _ in range(rng.randrange(3)):
+            pending[next_id] = Delivery(next_id, rng.choice(minds), "s")
+            next_id += 1
+        live = {k: v for k, v in live.items() if v[1] > tick}
+        decided = admit(pending.values(), [turn for turn, _ in live.values()], limits, now=0.0)
+        held = [hold.delivery_id for hold in decided.holds if hold.reason in REGIME]
+        for start in decided.starts:
+            if held and start.delivery_ids[0] > min(held):  # it passed a held one
+                assert costs[start.mind] < 1
+            turn = LiveTurn(start.delivery_ids[0], start.mind, start.session)
+            live[turn.turn_id] = (turn, tick + rng.randint(1, 5))
+        for taken in [s.delivery_ids for s in decided.starts] + [
+            f.delivery_ids for f in decided.folds
+        ]:
+            for delivery_id in taken:
+                del pending[delivery_id]
+        if pending and (oldest is None or oldest[0] != min(pending)):
+            oldest = (min(pending), tick)
+        if oldest is not None and oldest[0] in pending:
+            assert tick - oldest[1] <= 11, (oldest, tick)

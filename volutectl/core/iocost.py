@@ -1,0 +1,71 @@
+"""The pure part of the IO cost per mind: what one turn of each mind costs against the
+adaptive limit, learnt from what its turns wrote.
+
+A count of turns cannot tell a turn that writes 3 MiB from one that waits on the network
+and writes 128 KiB: both take a place of the adaptive limit, so the limit that keeps the
+probe healthy with two heavy writers holds the light turns too, and one that opens for
+the light turns lets the heavy ones in together. As Meta's iocost gives each IO a cost
+and shares a budget, the gate gives each mind's turn a cost (`cost_of`), and admission
+(volutectl/core/admission.py) admits against the limit as a budget of costs: the limit
+counts whole turns of cost 1, light turns fill what is left of the last place
+(`Limits.full`), and a light turn may pass a heavy one the limit holds while the light
+turns running cost less than one place (`admission.may_pass`: the bound on leaving FIFO
+that keeps every turn from starving).
+
+- **What a turn wrote** comes from its own rusage (`ru_oublock` of the turn's processes,
+  reaped by the launcher: volutectl/launcher/hands.py), which works on any cgroup
+  hierarchy. Each mind keeps the larger of its newest turn's bytes and the mean of that
+  and what it had (`learn`): a mind that turns heavy is charged at once, one that turns
+  light is believed over a few turns.
+- **A cost is relative**: a turn that writes `FULL_BYTES` or more, or as much as the
+  heaviest mind known, costs 1, one place of the limit, as every turn did before; a
+  lighter one its share of that, rounded up to a power of two (1/2, 1/4, ...) and never
+  under `FLOOR`. Rounded, the costs of a uniform workload are all 1 whatever the noise,
+  and the limit means what it meant: the cells where every turn is alike run as before.
+- **An unknown mind costs 1**, as the heaviest: a guess of light would let a heavy
+  writer in at a fraction of its cost, which the probe sees only once it writes, and a
+  lowered limit stops no running turn; a guess of heavy costs only waiting, which the
+  limit's growth (it grows while deliveries wait) repays. So a cold gate admits by count.
+- Costs live in the gate's memory: a gate that starts again starts cold.
+
+No I/O here: the bytes come in from the gate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+FULL_BYTES = 1 << 20  # a turn that writes this much or more costs a whole place
+FLOOR = 1 / 16  # the least a turn costs: sixteen of the lightest fill one place
+UNKNOWN = 1.0  # a mind with no turn measured yet: as the heaviest
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What each mind's turns write, in bytes per turn, as learnt."""
+
+    written: Mapping[str, float] = field(default_factory=dict)
+
+    def learn(self, mind: str, written_bytes: int) -> Costs:
+        """One more turn of `mind` ended having written `written_bytes`."""
+        old = self.written.get(mind)
+        new = float(written_bytes) if old is None else max(written_bytes, (old + written_bytes) / 2)
+        return Costs({**self.written, mind: new})
+
+    def of(self) -> dict[str, float]:
+        """Each known mind's cost; a mind not listed costs `UNKNOWN`."""
+        if not self.written:
+            return {}
+        full = max(FULL_BYTES, *self.written.values())
+        return {mind: cost_of(written / full) for mind, written in self.written.items()}
+
+
+def cost_of(share: float) -> float:
+    """A share of a full turn's writes, rounded up to a power of two, within FLOOR..1:
+    sums of such costs are exact in floating point, so a budget check never errs by a
+    rounding."""
+    cost = 1.0
+    while cost / 2 >= share and cost / 2 >= FLOOR:
+        cost /= 2
+    return cost
