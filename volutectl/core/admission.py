@@ -183,7 +183,7 @@ def admit(
     # The first delivery the caps or the pressure hold holds every later one, for the
     # same reason, but for the light turns `may_pass` lets by.
     regime: HoldReason | None = None
-    passing = pressure is False and max_starts is None  # the pressure's holds are FIFO
+    passing = not pressure and max_starts is None  # the pressure's holds are FIFO
 
     backing_off: set[tuple[str, str]] = set()
     started: dict[tuple[str, str], list[int]] = {}
