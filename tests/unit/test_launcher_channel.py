@@ -55,6 +55,20 @@ def test_every_reply_goes_through_the_channel_unchanged() -> None:
         assert orders.decode_reply(orders.encode(reply).rstrip(b"\n")) == reply
 
 
+def test_a_report_across_an_upgrade_decodes_either_way() -> None:
+    """The gate and the launcher restart one after the other on an upgrade: a report
+    from an older launcher lacks written_bytes, a newer one's may carry a field this
+    gate does not know. Both decode; an order to the root launcher stays exact."""
+    old = b'{"v":1,"reply":"report","started":true,"exit_status":0,"ended_at":1.5,"not_taken":[]}'
+    assert orders.decode_reply(old) == orders.Report(True, 0, 1.5, (), written_bytes=None)
+    newer = old.replace(b"}", b',"written_bytes":4096,"read_bytes":7}')
+    assert orders.decode_reply(newer) == orders.Report(True, 0, 1.5, (), written_bytes=4096)
+    with pytest.raises(orders.OrderError, match="missing fields"):
+        orders.decode_reply(b'{"v":1,"reply":"report","started":true}')
+    with pytest.raises(orders.OrderError, match="unexpected fields"):
+        orders.decode_order(b'{"v":1,"order":"remove","turn_id":1,"also":2}')
+
+
 BAD_ORDERS = {
     "no version": b'{"order":"remove","turn_id":1}',
     "another version": b'{"v":2,"order":"remove","turn_id":1}',

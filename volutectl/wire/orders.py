@@ -25,7 +25,7 @@ import select
 import socket
 import stat
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar
 
 from volutectl import names
@@ -216,13 +216,20 @@ def _check_field(kind: str, name: str, value: Any, annotation: str) -> Any:
     raise AssertionError(f"no check for {annotation}")  # pragma: no cover - a bug here
 
 
-def _build(kind: str, cls: type[Any], body: dict[str, Any]) -> Any:
+def _build(kind: str, cls: type[Any], body: dict[str, Any], *, tolerant: bool = False) -> Any:
+    """Check and build one message. A field with a default may be absent (a message
+    from an older peer, across an upgrade). `tolerant` also drops fields we do not
+    know: for replies only, which the root launcher sends to the gate; an order, which
+    the root launcher reads, must hold exactly what we know."""
     wanted = {field.name: str(field.type) for field in fields(cls)}
+    optional = {f.name for f in fields(cls) if f.default is not MISSING}
     extra = sorted(set(body) - set(wanted))
-    missing = sorted(set(wanted) - set(body))
-    if extra or missing:
+    missing = sorted(set(wanted) - set(body) - optional)
+    if (extra and not tolerant) or missing:
         raise OrderError(f"{kind}: unexpected fields {extra}, missing fields {missing}")
-    values = {name: _check_field(kind, name, body[name], wanted[name]) for name in wanted}
+    values = {
+        name: _check_field(kind, name, body[name], wanted[name]) for name in wanted if name in body
+    }
     for name in ("mind",):
         if name in values:
             try:
@@ -263,7 +270,7 @@ def decode_reply(line: bytes) -> Reply:
     cls = REPLIES.get(kind)
     if cls is None:
         raise OrderError(f"unknown reply {kind!r:.40}")
-    reply: Reply = _build(kind, cls, body)
+    reply: Reply = _build(kind, cls, body, tolerant=True)
     return reply
 
 
