@@ -52,6 +52,7 @@ def install_units(machine: Machine) -> None:
         f"[Service]\nBindReadOnlyPaths={binds}\n",
     )
     machine.run(["groupadd", "-f", "-r", "volute"])
+    machine.run(["groupadd", "-f", "-r", "volute-admin"])
     machine.run(["groupadd", "-f", "-r", "volute-gate"])
     # As debian/volutectl.sysusers does: the default turn user with a group of its own,
     # outside the socket's group; the gate's user in volute, to read the config.

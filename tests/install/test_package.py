@@ -13,6 +13,7 @@ $VOLUTE_ARTIFACTS, default dist/install-tier.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -149,7 +150,7 @@ def test_sysusers_tmpfiles_and_config_permissions(installed: Installed) -> None:
     assert m.run(["id", "-nG", "volute-turn"]).stdout.split() == ["volute-turn"]
     listing = m.sh("stat -c '%U %G %a %n' /etc/volute/volutectl.toml /var/lib/volute /run/volute")
     assert listing.stdout.splitlines() == [
-        "root volute 640 /etc/volute/volutectl.toml",
+        "root volute-admin 640 /etc/volute/volutectl.toml",  # an admin's (roles, below)
         "volute-gate volute-gate 700 /var/lib/volute",
         "root root 755 /run/volute",
     ]
@@ -399,6 +400,100 @@ def test_an_upgrade_restarts_the_gate_but_not_its_socket_or_slices(installed: In
 def live_turns(m: Machine) -> list[str]:
     listed = m.run(["systemctl", "list-units", "--plain", "--no-legend", "volute-turn-*.scope"])
     return [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
+
+
+# -- roles (issue 22, item 1): a member of volute delivers, but gets 77 for pause and
+# drop, and cannot read a mind's environment by any path ---------------------------------
+
+KEEPER_KEY = "sk-install-4e1d93a7"
+KEEPER_TURN = (
+    'printf %s "$KEEPER_KEY" | sha256sum > /var/tmp/keeper.sum; '
+    "i=0; while [ ! -e /var/tmp/keeper.go ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done"
+)
+# Every /proc/PID/cmdline and environ this user may read, searched for the secret given on
+# stdin (never in argv: the scan would find its own); prints the files read, then hits.
+PROC_SCAN = r"""
+import os, sys
+secret = sys.stdin.read().strip().encode()
+read, hits = 0, []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    for name in ("cmdline", "environ"):
+        try:
+            with open(f"/proc/{pid}/{name}", "rb") as handle:
+                data = handle.read()
+        except OSError:
+            continue
+        read += 1
+        hits += [f"{pid}/{name}"] if secret in data else []
+print(read, *hits)
+"""
+
+
+def as_user(m: Machine, user: str, *argv: str, stdin: str | None = None) -> tuple[int, str]:
+    done = m.run(["runuser", "-u", user, "--", *argv], check=False, input=stdin, timeout=90)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_a_member_of_volute_delivers_but_may_not_pause_drop_or_read_a_secret(
+    installed: Installed,
+) -> None:
+    m = installed.machine
+    path = "/etc/volute/volutectl.toml"
+    # An upgrade from before roles finds the config root:volute 0640; postinst moves it.
+    m.run(["chgrp", "volute", path])
+    [deb] = [d for d in installed.debs if Path(d).name.startswith("volutectl_")]
+    m.run(["dpkg", "-i", deb], env={"DEBIAN_FRONTEND": "noninteractive"}, timeout=300)
+    assert m.run(["stat", "-c", "%U %G %a", path]).stdout.strip() == "root volute-admin 640"
+    assert show(m, "volute-gate.service", "SupplementaryGroups").split() == [
+        "volute",
+        "volute-admin",
+    ]
+    m.run(["useradd", "-m", "-G", "volute", "delia"])
+    m.run(["useradd", "-m", "-G", "volute,volute-admin", "opal"])
+    m.run(["useradd", "-r", "-U", "-M", "-d", "/nonexistent", "keeper"])
+    m.run(["install", "-d", "-m", "0700", "/etc/volute/minds"])
+    m.write("/etc/volute/minds/keeper.env", f"KEEPER_KEY={KEEPER_KEY}\n", mode=0o600)
+    config = m.host_path(path)
+    config.write_text(
+        config.read_text()
+        + f'\n[minds.keeper]\ncommand = {json.dumps(KEEPER_TURN)}\nuser = "keeper"\n'
+        + 'environment_file = "/etc/volute/minds/keeper.env"\n'
+    )
+    m.run(["systemctl", "restart", "volute-gate.service"])
+
+    code, out = as_user(m, "delia", "volutectl", "deliver", "keeper", "-m", "from a member")
+    assert code == 0, out
+    mine = int(out.split()[0])
+    for argv in (("pause",), ("pause", "keeper"), ("queue", "drop", str(mine))):
+        code, out = as_user(m, "delia", "volutectl", *argv)
+        assert code == 77 and "volute-admin" in out, (argv, code, out)
+    # The turn has its secret (its digest proves it), and the member reads it nowhere.
+    digest = m.host_path("/var/tmp/keeper.sum")
+    deadline = time.monotonic() + 30
+    while not digest.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert digest.read_text().split()[0] == hashlib.sha256(KEEPER_KEY.encode()).hexdigest()
+    code, out = as_user(m, "delia", "cat", path)
+    assert code != 0 and "Permission denied" in out
+    for argv in (("config", "show"), ("config", "show", "--json")):
+        code, out = as_user(m, "delia", "volutectl", *argv)
+        assert code == 77 and KEEPER_KEY not in out and "volute-admin" in out, (code, out)
+    assert not m.host_path("/var/tmp/keeper.go").exists()  # the turn runs still
+    code, out = as_user(m, "delia", "python3", "-I", "-S", "-c", PROC_SCAN, stdin=KEEPER_KEY)
+    read, *hits = out.split()
+    assert code == 0 and hits == [] and int(read) > 10, out
+    by_root = m.run(["python3", "-I", "-S", "-c", PROC_SCAN], input=KEEPER_KEY).stdout.split()
+    assert any(hit.endswith("/environ") for hit in by_root[1:]), by_root  # the scan can find
+
+    # An admin may pause and resume; its config show names the file, never its contents.
+    code, out = as_user(m, "opal", "volutectl", "pause", "keeper")
+    assert (code, out.strip()) == (0, "paused keeper")
+    code, out = as_user(m, "opal", "volutectl", "resume", "keeper")
+    assert code == 0, out
+    code, out = as_user(m, "opal", "volutectl", "config", "show")
+    assert code == 0 and "/etc/volute/minds/keeper.env" in out and KEEPER_KEY not in out, out
+    m.write("/var/tmp/keeper.go", "")
+    wait_done(m, [mine])
 
 
 SLICES = ("volute.slice", "volute-turns.slice", "volute-tests.slice")

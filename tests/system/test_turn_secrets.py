@@ -59,8 +59,9 @@ def install_probe(machine: Machine) -> None:
 
 
 def as_packaged(machine: Machine) -> None:
-    """The config as the package leaves it (postinst): root:volute 0640."""
-    machine.run(["chgrp", "volute", CONFIG])
+    """The config as the package leaves it (postinst): root:volute-admin 0640 (root:volute
+    0640 before roles, issue 22: a turn of the default user read neither)."""
+    machine.run(["chgrp", "volute-admin", CONFIG])
     machine.run(["chmod", "0640", CONFIG])
 
 

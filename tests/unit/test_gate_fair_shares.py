@@ -134,7 +134,12 @@ def test_waiters_that_close_are_dropped_at_once_and_their_places_come_back(
     paused: Harness,
 ) -> None:
     harness = paused
-    held = harness.deliver_ok(mind="nap")  # paused: its wait never ends by itself
+    # The member's own delivery (a client waits for its own only), to a paused mind: its
+    # wait never ends by itself.
+    first = connect_as(harness, MEMBER)
+    held = harness.deliver_ok(first, mind="nap")
+    first.close()
+    harness.pump(lambda: open_clients(harness, MEMBER) == 0)
     waiters = [connect_as(harness, MEMBER) for _ in range(4)]
     for peer in waiters:
         wait_on(harness, peer, held)

@@ -295,6 +295,7 @@ def test_what_the_checker_may_not_look_at_is_a_note_not_a_problem(
 # -- minds apart: shared users, the socket's group, root, secrets ------------------------
 
 SOCKET_GID = 64100  # the made-up gid of group volute (gate.socket_group) below
+ADMIN_GID = 64101  # and of group volute-admin
 
 
 def apart_report(
@@ -303,8 +304,9 @@ def apart_report(
     def lookup(user: str) -> Account:
         return account
 
+    gids = {"volute": group, "volute-admin": ADMIN_GID}
     config = Settings(minds={"m": {"command": ["/bin/true"], "user": account.name, **mind}})
-    return preflight.check_mind("m", config, lookup, lambda name: group)
+    return preflight.check_mind("m", config, lookup, gids.get)
 
 
 def test_a_user_of_its_own_outside_the_group_gets_no_warning() -> None:
@@ -321,10 +323,15 @@ def test_a_user_of_its_own_outside_the_group_gets_no_warning() -> None:
 )
 def test_a_user_in_the_sockets_group_is_warned_of(account: Account) -> None:
     assert apart_report(account).warnings == (
-        "runs as user 'agent', a member of group 'volute': its turns can read the config "
-        "(every mind's environment) and use the gate's socket (deliver to any mind, retry, "
-        "drop)",
+        "runs as user 'agent', a member of group 'volute': its turns can use the gate's "
+        "socket (deliver to any mind)",
     )
+
+
+def test_a_user_in_the_admin_group_is_warned_it_reads_the_config() -> None:
+    admin = Account("agent", 64002, 64002, (64002, SOCKET_GID, ADMIN_GID), "/nonexistent")
+    [warning] = apart_report(admin).warnings
+    assert "member of group 'volute-admin'" in warning and "read the config" in warning
 
 
 def test_the_old_default_turn_user_is_named_as_such() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from volutectl import roles
 from volutectl.config.settings import Settings, flatten, load_settings
 from volutectl.wire import orders
 
@@ -194,7 +195,10 @@ def test_gate_service_contract() -> None:
     assert Settings().gate.state_dir == Path("/var/lib") / service["StateDirectory"]
     # Unprivileged and sandboxed: it forks nothing, so nothing of this reaches a turn.
     assert service["User"] == orders.GATE_USER
-    assert service["SupplementaryGroups"] == Settings().gate.socket_group  # reads the config
+    # The config is root:volute-admin 0640: the gate reads it as a member (no role comes
+    # of it: roles are the peers', volutectl/roles.py).
+    groups = service["SupplementaryGroups"].split()
+    assert groups == [Settings().gate.socket_group, roles.ADMIN_GROUP]
     assert service["CapabilityBoundingSet"] == ""
     for option in ("NoNewPrivileges", "PrivateTmp", "PrivateDevices", "RestrictSUIDSGID"):
         assert service[option] == "yes", option
@@ -283,9 +287,11 @@ def test_sysusers_creates_the_group_and_the_default_turn_user(tmp_path: Path) ->
         for line in (tmp_path / "etc/passwd").read_text().splitlines()
     }
     assert settings.gate.socket_group in groups
+    # The admins' group, empty: the package makes no user an admin (root is one anyway).
+    assert groups[roles.ADMIN_GROUP][3] == ""
     user = passwd[settings.turns.default_user]
-    # The default turn user is no member of the socket's group, which may also read the
-    # config: not its primary group, nor a supplementary one. Its group is its own.
+    # The default turn user is no member of the socket's group, which may use the gate:
+    # not its primary group, nor a supplementary one. Its group is its own.
     socket_group = groups[settings.gate.socket_group]
     assert user[3] != socket_group[2]
     assert settings.turns.default_user not in socket_group[3].split(",")

@@ -14,8 +14,10 @@ from typing import Any
 
 import click
 
+from volutectl import roles
 from volutectl.cli.options import config_option
 from volutectl.config.settings import DEFAULT_CONFIG_PATH, LoadedSettings, Settings, flatten
+from volutectl.config.settings import config_path as config_path_of
 from volutectl.config.settings import load_settings as _load_settings
 from volutectl.config.sources import ENV_NESTED, ENV_PREFIX
 from volutectl.errors import ConfigError
@@ -34,7 +36,11 @@ def config_command() -> None:
 @config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead.")
 def show_command(config_path: str | None, as_json: bool) -> None:
-    """Print every key's effective value and where it came from."""
+    """Print every key's effective value and where it came from.
+
+    The package's config is an admin's (root or group volute-admin): a client may show
+    only a file of its own. An environment_file is named, never read."""
+    check_may_show(config_path_of(config_path, os.environ), os.geteuid())
     loaded = _load_settings(config_path)
     flat = flatten(loaded.settings)
     if as_json:
@@ -81,7 +87,7 @@ def check_command(config_path: str | None) -> None:
         click.echo(f"  mind {mind}: from {sources} (at most {limit} turn(s) at once)")
         for problem in reports[mind].problems:
             click.echo(f"    fail: {problem}")
-        for warning in reports[mind].warnings:
+        for warning in (*reports[mind].warnings, *inline_secret_warnings(settings, mind)):
             click.echo(f"    warn: {warning}")
         for note in reports[mind].notes:
             click.echo(f"    note: {note}")
@@ -108,6 +114,37 @@ def check_command(config_path: str | None) -> None:
             f"{which} cannot start on this host",
             hint="fix what each fail line says; until then every turn fails and goes dead",
         )
+
+
+def check_may_show(path: Path, uid: int, groups: frozenset[str] | None = None) -> None:
+    """Refuse (77) to show `path` to a client (volutectl/roles.py) unless it is the
+    client's own file: the system's config may name minds' environments, an admin's to
+    read. `groups`: the uid's (None: looked up)."""
+    if uid == 0:
+        return
+    try:
+        owner = path.stat().st_uid
+    except FileNotFoundError:
+        return  # defaults and environment only: nothing of anyone else's
+    except PermissionError:
+        owner = None  # a directory on the way is closed to this user
+    if owner == uid:
+        return
+    role = roles.role_of(uid, roles.group_names(uid) if groups is None else groups)
+    if role is not roles.Role.ADMIN:
+        raise roles.admin_refusal(f"config show: {path} is an admin's to read")
+
+
+def inline_secret_warnings(settings: Settings, mind: str) -> list[str]:
+    """A mind's `environment` in the main config: every admin reads it there, and it is
+    no place for a secret. Names the variables, never their values."""
+    names = sorted(settings.minds[mind].environment)
+    if not names:
+        return []
+    return [
+        f"environment in the main config ({', '.join(names)}): every admin may read it; "
+        f"keep secrets in minds.{mind}.environment_file (root's, mode 0600) instead"
+    ]
 
 
 def limits_notes(settings: Settings) -> list[str]:

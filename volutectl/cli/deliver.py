@@ -3,9 +3,10 @@
 `deliver` runs from cron-aligned timers and chat fan-outs, so `deliver_main`
 parses its own arguments with argparse and imports neither click nor pydantic: it
 finds the socket (flag, $VOLUTE_GATE__SOCKET, the config file's [gate] socket, the
-default), sends one request and prints the id once the gate has committed the row.
-The gate validates mind, session and size against its config; the client checks the
-names too, so a typo fails before any I/O.
+default: a client may not read the config, an admin's, and needs not), sends one
+request and prints the id once the gate has committed the row. The gate validates
+mind, session and size against its config; the client checks the names too, so a typo
+fails before any I/O.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ DEFAULT_CONFIG = "/etc/volute/volutectl.toml"
 
 
 def socket_path(explicit: str | None, config: str | None) -> str:
-    """The gate socket: flag, env, config file, default (same precedence as config)."""
+    """The gate socket: flag, env, config file, default (same precedence as config). A
+    config this user may not read (root:volute-admin 0640: a client's case) is skipped."""
     if explicit:
         return explicit
     from_env = os.environ.get("VOLUTE_GATE__SOCKET")

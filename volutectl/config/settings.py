@@ -46,7 +46,7 @@ from volutectl.config.sources import (
     config_error,
     key_path,
 )
-from volutectl.errors import ConfigError
+from volutectl.errors import ConfigError, PermissionDeniedError
 
 DEFAULT_CONFIG_PATH = Path("/etc/volute/volutectl.toml")
 
@@ -362,6 +362,7 @@ class LoadedSettings:
     settings: Settings
     path: Path | None  # the file read, if any
     origins: Origins
+    unreadable: Path | None = None  # the default file, not read: closed to this user
 
     @property
     def variables(self) -> tuple[str, ...]:
@@ -388,16 +389,27 @@ def config_path(explicit: str | os.PathLike[str] | None, environ: Mapping[str, s
 def load_settings(
     path: str | os.PathLike[str] | None = None,
     environ: Mapping[str, str] | None = None,
+    *,
+    defaults_if_unreadable: bool = False,
 ) -> LoadedSettings:
     """Read the file and environment, validate, and say where each value came from.
 
-    `environ` defaults to os.environ, which is only read."""
+    `environ` defaults to os.environ, which is only read. A default file this user may
+    not read (an admin's: volutectl/roles.py) is refused with 77, unless
+    `defaults_if_unreadable` (a client's `volutectl test`): then it is left out, and
+    named in LoadedSettings.unreadable."""
     environ = os.environ if environ is None else environ
     chosen = config_path(path, environ)
     explicit = bool(path) or bool(environ.get("VOLUTE_CONFIG"))
     file: TomlFileSource | None = None
+    unreadable: Path | None = None
     if chosen.exists():
-        file = TomlFileSource(Settings, chosen)
+        try:
+            file = TomlFileSource(Settings, chosen)
+        except PermissionDeniedError:
+            if explicit or not defaults_if_unreadable:
+                raise
+            unreadable = chosen
     elif explicit:
         raise ConfigError(
             f"{chosen}: config file not found",
@@ -412,7 +424,7 @@ def load_settings(
             settings = Settings()
     except ValidationError as error:
         raise config_error(error, origins) from None
-    return LoadedSettings(settings, used_path, origins)
+    return LoadedSettings(settings, used_path, origins, unreadable)
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:

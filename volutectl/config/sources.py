@@ -29,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
+from volutectl import roles
 from volutectl.errors import ConfigError
 
 ENV_PREFIX = "VOLUTE_"
@@ -107,10 +108,8 @@ def read_toml(path: Path) -> dict[str, Any]:
             hint="fix the syntax at that line; `volutectl config check --config PATH` rechecks it",
         ) from None
     except PermissionError:
-        raise ConfigError(
-            f"{path}: permission denied reading the config",
-            hint="run as a member of the volute group, or pass --config",
-        ) from None
+        # The package's config is root:volute-admin 0640: it may name minds' secrets.
+        raise roles.admin_refusal(f"{path}: permission denied reading the config") from None
     except IsADirectoryError:
         raise ConfigError(f"{path}: is a directory, not a config file") from None
 

@@ -21,10 +21,11 @@ import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from volutectl import events
+from volutectl import events, roles
 from volutectl.core import admission
 from volutectl.errors import DataError, PermissionDeniedError, TemporaryError, VoluteError
 from volutectl.faults import crash_point
@@ -66,6 +67,20 @@ from volutectl.wire.messages import (
 @dataclass(frozen=True)
 class Caller:
     uid: int  # SO_PEERCRED of the connection
+    # The uid's groups (names); None: looked up in the user database when first needed,
+    # once per request, so a change of membership counts from the next request on.
+    groups: frozenset[str] | None = None
+
+    @cached_property
+    def role(self) -> roles.Role:
+        if self.uid == 0:
+            return roles.Role.ADMIN  # no lookup: root is always an admin
+        groups = roles.group_names(self.uid) if self.groups is None else self.groups
+        return roles.role_of(self.uid, groups)
+
+    def only_own(self) -> int | None:
+        """The uid whose rows this caller may see (a client's own), or None: every row."""
+        return None if self.role is roles.Role.ADMIN else self.uid
 
 
 def status_handler(state: GateState, request: StatusRequest, caller: Caller) -> StatusReply:
@@ -74,8 +89,10 @@ def status_handler(state: GateState, request: StatusRequest, caller: Caller) -> 
 
 
 def queue_handler(state: GateState, request: QueueRequest, caller: Caller) -> QueueReply:
+    """The newest rows in the states asked; a client's own deliveries only."""
     states = request.states or DEFAULT_LISTED
-    rows = state.store.list_rows(states, request.limit)
+    uid = caller.only_own()
+    rows = state.store.list_rows(states, request.limit, uid=uid)
     return QueueReply(
         rows=tuple(
             QueueRow(
@@ -93,7 +110,7 @@ def queue_handler(state: GateState, request: QueueRequest, caller: Caller) -> Qu
             )
             for row in rows
         ),
-        not_shown=max(0, state.store.count_rows(states) - len(rows)),
+        not_shown=max(0, state.store.count_rows(states, uid=uid) - len(rows)),
     )
 
 
@@ -215,10 +232,18 @@ def resume_handler(state: GateState, request: ResumeRequest, caller: Caller) -> 
 
 def wait_handler(state: GateState, request: WaitRequest, caller: Caller) -> WaitReply:
     """Each delivery must exist (the gate then keeps the client for their events); an id
-    that never did, or whose row retention removed, is refused with 65 naming it."""
+    that never did, or whose row retention removed, is refused with 65 naming it. A
+    client may wait for its own deliveries only: another's is refused with 77."""
     ids = tuple(dict.fromkeys(request.ids))
-    found = {row.id for row in state.store.rows(ids, with_message=False)}
+    rows = state.store.rows(ids, with_message=False)
+    found = {row.id for row in rows}
     missing = [delivery_id for delivery_id in ids if delivery_id not in found]
+    own = caller.only_own()
+    others = [row.id for row in rows if own is not None and row.uid != own]
+    if others and not missing:
+        raise roles.admin_refusal(
+            f"ids: delivery {others[0]} is another user's; a client may wait for its own only"
+        )
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
         raise DataError(
@@ -231,7 +256,7 @@ def wait_handler(state: GateState, request: WaitRequest, caller: Caller) -> Wait
 
 # Each request type's handler. `answered_by` proves (to mypy) that a handler takes that
 # request and returns that request's reply type; deliveries come in batches instead
-# (accept_deliveries).
+# (accept_deliveries), and any client may deliver.
 Handler = Callable[[GateState, Any, Caller], Reply]
 HANDLERS: dict[type[Request[Reply]], Handler] = dict(
     [
@@ -248,9 +273,25 @@ HANDLERS: dict[type[Request[Reply]], Handler] = dict(
 )
 
 
+# The requests that change others' work: an admin's alone (volutectl/roles.py). Every
+# other request is a client's; those that show deliveries show a client its own.
+ADMIN_ONLY: frozenset[type[Request[Reply]]] = frozenset(
+    {PauseRequest, ResumeRequest, RetryRequest, DropRequest}
+)
+
+
+def needed_role(request: Request[Reply]) -> roles.Role:
+    return roles.Role.ADMIN if type(request) in ADMIN_ONLY else roles.Role.CLIENT
+
+
 def handle(state: GateState, request: Request[Reply], caller: Caller) -> Reply:
-    """The reply to one request (not a delivery: see accept_deliveries)."""
+    """The reply to one request (not a delivery: see accept_deliveries): refused with 77
+    if the caller's role does not allow it, else its handler's."""
     try:
+        if not roles.permits(caller.role, needed_role(request)):
+            raise roles.admin_refusal(
+                f"{request.OP}: changes others' work, which only an admin may do"
+            )
         return HANDLERS[type(request)](state, request, caller)
     except VoluteError as error:
         return ErrorReply.of(error)

@@ -17,8 +17,9 @@ parsed as a turn's start would; another checker sees only what it may.
 
 It also warns where minds are not kept apart (the turns still start): two minds that
 run as one user share everything (files, /proc/PID/environ, signals); a mind's user in
-the socket's group may read the config (every mind's `environment`) and use the socket;
-a mind run as root may do anything.
+the socket's group may use the socket, and one in group volute-admin may also read the
+config (every mind's `environment`) and change others' work; a mind run as root may do
+anything.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from volutectl import events
+from volutectl import events, roles
 from volutectl.config.settings import MindSettings, Settings
 from volutectl.errors import ConfigError, DataError, VoluteError
 from volutectl.events import Emit
@@ -260,15 +261,24 @@ def isolation_warnings(
         return [
             "runs as root: its turns may do anything on this host, every mind's secrets included"
         ]
-    group = settings.gate.socket_group
-    gid = group_lookup(group)
-    if gid is None or (gid != account.gid and gid not in account.groups):
-        return []
+
+    def member(group: str) -> bool:
+        gid = group_lookup(group)
+        return gid is not None and (gid == account.gid or gid in account.groups)
+
     old = " (volutectl 0.1's default turn user)" if account.name == OLD_DEFAULT_USER else ""
+    if member(roles.ADMIN_GROUP):
+        return [
+            f"runs as user {account.name!r}{old}, a member of group {roles.ADMIN_GROUP!r}: "
+            "its turns can read the config (every mind's environment) and pause, retry or "
+            "drop any mind's deliveries"
+        ]
+    group = settings.gate.socket_group
+    if not member(group):
+        return []
     return [
         f"runs as user {account.name!r}{old}, a member of group {group!r}: its turns can "
-        "read the config (every mind's environment) and use the gate's socket (deliver to "
-        "any mind, retry, drop)"
+        "use the gate's socket (deliver to any mind)"
     ]
 
 

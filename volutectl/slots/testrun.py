@@ -83,7 +83,9 @@ def run_test(
     """The order of events is in the module docstring; the Outcome says what happened."""
     started = time.monotonic()
     outcome = Outcome()
-    loaded = load_settings(config_path, environ)
+    # A client may not read the main config (it may name minds' secrets): its cap comes
+    # from the flag, the repository or the default then.
+    loaded = load_settings(config_path, environ, defaults_if_unreadable=True)
     nested = bool(environ.get(slotmath.NESTING_MARKER))
     repository = None if nested else slotfiles.find_repository(Path.cwd())
     cap = slotmath.resolve_cap(
@@ -93,6 +95,12 @@ def run_test(
         loaded.source_of(slotmath.CONFIG_KEY),
     )
     outcome.cap, outcome.cap_source = (0, "nested") if nested else (cap.slots, cap.source)
+    own_cap = slot_count is not None or (repository and repository.cap_setting is not None)
+    if loaded.unreadable is not None and not own_cap and not nested:
+        outcome.say(
+            f"{loaded.unreadable} is an admin's to read, so its tests.concurrent_runs is not "
+            "used here: git config volute.testSlots N sets the repository's own cap"
+        )
     if check:
         outcome.check_exit_status = outcome.exit_status = run_check(check, as_json)
         if outcome.exit_status != 0:  # exit with the check's status, never queue

@@ -47,7 +47,7 @@ def _marks(values: Sequence[object]) -> str:
 # The columns of a SELECT that reads whole rows; the decoders below read them by name.
 ROW_COLUMNS = (
     "id, mind, session, message, interrupt, state, attempts, not_before, created_at, "
-    "held_since, hold_reason, held_ms, turn_id, folded, last_error"
+    "held_since, hold_reason, held_ms, turn_id, folded, last_error, uid"
 )
 # The same, with an empty message: admission must not read a deep queue's message bodies.
 ROW_COLUMNS_NO_MESSAGE = ROW_COLUMNS.replace("message", "x'' AS message", 1)
@@ -75,7 +75,16 @@ def _row_of(values: sqlite3.Row) -> Row:
         turn_id=values["turn_id"],
         folded=bool(values["folded"]),
         last_error=values["last_error"],
+        uid=values["uid"],
     )
+
+
+def _in_states(states: Sequence[QueueState], uid: int | None) -> tuple[str, tuple[object, ...]]:
+    """A WHERE clause for rows in `states` (and delivered by `uid`, if given)."""
+    where = f"state IN ({_marks(states)})"
+    if uid is None:
+        return where, tuple(states)
+    return f"{where} AND uid = ?", (*states, uid)
 
 
 def _turn_of(values: sqlite3.Row) -> TurnRow:
@@ -267,19 +276,22 @@ class Store:
         found = self.rows([delivery_id])
         return found[0] if found else None
 
-    def list_rows(self, states: Sequence[QueueState], limit: int = 200) -> list[Row]:
-        """The newest `limit` rows in `states`, newest first."""
+    def list_rows(
+        self, states: Sequence[QueueState], limit: int = 200, *, uid: int | None = None
+    ) -> list[Row]:
+        """The newest `limit` rows in `states`, newest first; only `uid`'s, if given."""
+        where, parameters = _in_states(states, uid)
         cursor = self._select(
-            f"SELECT {ROW_COLUMNS} FROM deliveries WHERE state IN ({_marks(states)}) "
-            "ORDER BY id DESC LIMIT ?",
-            (*states, limit),
+            f"SELECT {ROW_COLUMNS} FROM deliveries WHERE {where} ORDER BY id DESC LIMIT ?",
+            (*parameters, limit),
         )
         return [_row_of(values) for values in cursor]
 
-    def count_rows(self, states: Sequence[QueueState]) -> int:
+    def count_rows(self, states: Sequence[QueueState], *, uid: int | None = None) -> int:
+        where, parameters = _in_states(states, uid)
         return int(
             self.db.execute(
-                f"SELECT COUNT(*) FROM deliveries WHERE state IN ({_marks(states)})", states
+                f"SELECT COUNT(*) FROM deliveries WHERE {where}", parameters
             ).fetchone()[0]
         )
 

@@ -60,6 +60,7 @@ class Row:
     turn_id: int | None
     folded: bool
     last_error: str | None
+    uid: int | None = None  # who delivered it (SO_PEERCRED); None: not known
 
     def as_delivery(self) -> Delivery:
         return Delivery(
