@@ -43,6 +43,10 @@ class Installed:
     machine: Machine
     debs: list[str]
     build_output: str
+    # `systemctl is-system-running` and the failed units before the install: purge
+    # must leave them as they were.
+    state_before: str
+    failed_before: list[str]
 
 
 def artifact(name: str, text: str) -> None:
@@ -76,6 +80,8 @@ def installed(debs: tuple[Path, str]) -> Iterator[Installed]:
         extra_args=apt_cache_binds(),
         prepare={"/etc/resolv.conf": Path("/etc/resolv.conf").read_text()},
     ) as machine:
+        state_before = machine.wait_running()
+        failed_before = failed_units(machine)
         result = machine.sh(
             "apt-get update -q && apt-get install -y -q --no-install-recommends "
             + " ".join(packages),
@@ -84,7 +90,12 @@ def installed(debs: tuple[Path, str]) -> Iterator[Installed]:
             check=False,
         )
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-        yield Installed(machine, packages, build_output)
+        yield Installed(machine, packages, build_output, state_before, failed_before)
+
+
+def failed_units(m: Machine) -> list[str]:
+    listed = m.run(["systemctl", "list-units", "--failed", "--plain", "--no-legend"]).stdout
+    return sorted(line.split()[0] for line in listed.splitlines() if line.strip())
 
 
 def test_build_passes_lintian_without_errors(installed: Installed) -> None:
@@ -499,15 +510,41 @@ def test_a_member_of_volute_delivers_but_may_not_pause_drop_or_read_a_secret(
 SLICES = ("volute.slice", "volute-turns.slice", "volute-tests.slice")
 
 
+# -- issue 22, the `removal` part: a lean install, a mind's home, clean removal --------
+
+
+def test_a_lean_install_suffices_and_a_homeless_mind_has_a_home(installed: Installed) -> None:
+    """The fixture installs with --no-install-recommends, and every test above ran on
+    that: none of what the dependencies only recommend (49 packages with Recommends,
+    19 without, on trixie minbase: the README's install section) is needed."""
+    m = installed.machine
+    for package in ("python3-httpx", "python3-cryptography", "python3-bs4", "python3-rich"):
+        status = m.run(["dpkg-query", "-W", "-f=${Status}", package], check=False).stdout
+        assert status != "install ok installed", package
+    # The probe mind names no working directory and runs as volute-turn (home
+    # /nonexistent): its turns ran in a home of its own, never in /.
+    homes = m.sh("stat -c '%U %a %n' /var/lib/volute-minds /var/lib/volute-minds/" + MIND)
+    assert homes.stdout.splitlines() == [
+        "root 755 /var/lib/volute-minds",
+        f"volute-turn 700 /var/lib/volute-minds/{MIND}",
+    ]
+
+
 def test_remove_keeps_state_and_purge_leaves_nothing(installed: Installed) -> None:
     m = installed.machine
     m.run(["systemctl", "enable", "volute-heartbeat@m1.timer"])
+    # A heartbeat enabled and running, as an admin sets one up: remove must stop and
+    # disable it, or it fails at its next elapse ("Unit to trigger vanished").
+    beat = f"volute-heartbeat@{MIND}.timer"
+    m.run(["systemctl", "enable", "--now", beat])
+    assert show(m, beat, "ActiveState") == "active"
     turns = live_turns(m)
     assert turns, "no turn runs: the remove below would not prove the slices stay"
     removed = m.run(
         ["apt-get", "remove", "-y", "-q", "volutectl"], env={"DEBIAN_FRONTEND": "noninteractive"}
     )
     assert m.host_path("/var/lib/volute").is_dir()
+    assert m.host_path(f"/var/lib/volute-minds/{MIND}").is_dir()
     assert m.host_path("/etc/volute/volutectl.toml").is_file()
     assert m.run(["getent", "passwd", "volute-turn"], check=False).returncode == 0
     assert not m.host_path("/usr/lib/systemd/system/volute-gate.service").exists()
@@ -516,6 +553,12 @@ def test_remove_keeps_state_and_purge_leaves_nothing(installed: Installed) -> No
     assert show(m, "volute-turns.slice", "ActiveState") == "active"
     said = removed.stdout + removed.stderr  # apt passes dpkg's scripts' stderr to stdout
     assert "volute.slice still holds running turns" in said, said
+    # Every heartbeat timer is stopped and disabled (no wants link left), none failed.
+    for timer in (beat, "volute-heartbeat@m1.timer"):
+        assert show(m, timer, "ActiveState") == "inactive", timer
+        assert show(m, timer, "UnitFileState") in ("", "disabled"), timer
+    assert not m.sh("find /etc/systemd/system -name 'volute-heartbeat@*'").stdout
+    assert not [unit for unit in failed_units(m) if unit.startswith("volute")]
     # Once the turns have ended, purge stops the slices, whose unit files went with the
     # remove: before, they stayed loaded and active until a reboot.
     for turn in turns:
@@ -532,7 +575,8 @@ def test_remove_keeps_state_and_purge_leaves_nothing(installed: Installed) -> No
     leftovers = m.sh(
         "find /etc/systemd /usr/lib/systemd/system /var/lib/systemd/deb-systemd-helper-enabled"
         " /var/lib/systemd/deb-systemd-helper-masked -name '*volute*' 2>/dev/null; "
-        "ls -d /etc/volute /var/lib/volute /run/volute /usr/lib/python3/dist-packages/volutectl"
+        "ls -d /etc/volute /var/lib/volute /var/lib/volute-minds /run/volute"
+        " /usr/lib/python3/dist-packages/volutectl"
         " 2>/dev/null; true"
     ).stdout
     assert leftovers == "", leftovers
@@ -540,6 +584,9 @@ def test_remove_keeps_state_and_purge_leaves_nothing(installed: Installed) -> No
         ["systemctl", "list-unit-files", "--no-legend", "volute*"], check=False
     ).stdout
     assert unit_files.strip() == "", unit_files
+    # No volute unit is left failed, and the host is as healthy as before the install.
+    assert failed_units(m) == installed.failed_before
+    assert m.wait_running() == installed.state_before
     # Debian keeps system users: files turns left keep an owner by name.
     assert m.run(["getent", "passwd", "volute-turn"], check=False).returncode == 0
     assert m.run(["getent", "group", "volute"], check=False).returncode == 0

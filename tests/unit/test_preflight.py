@@ -245,10 +245,32 @@ def test_a_missing_home_as_the_working_directory(tree: Path) -> None:
     )
 
 
-def test_a_user_with_no_home_runs_in_the_root_directory_and_is_told_so() -> None:
-    result = report(command=["/bin/sh"])  # MIND's home is /nonexistent, Debian's "none"
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="gives files to another uid")
+
+
+@needs_root
+def test_a_user_with_no_home_runs_in_a_home_of_the_minds_own(tree: Path) -> None:
+    # MIND's home is /nonexistent, Debian's "none": never "/", but HOMES_DIR/m.
+    result = preflight.check_mind("m", settings(command=["/bin/sh"]), lambda user: MIND, homes=tree)
     assert result.problems == ()
-    assert result.notes == ("turns run in / (set minds.m.working_directory for another)",)
+    made = "the launcher makes it at the mind's first turn"
+    assert result.notes == (f"turns run in {tree}/m (user 'mindy' has no home; {made})",)
+    (tree / "m").mkdir()
+    os.chown(tree / "m", MIND.uid, MIND.gid)
+    result = preflight.check_mind("m", settings(command=["/bin/sh"]), lambda user: MIND, homes=tree)
+    assert (result.problems, result.notes) == ((), ())
+
+
+@needs_root
+def test_a_link_or_another_users_directory_as_the_minds_home_fails(tree: Path) -> None:
+    (tree / "m").symlink_to("/etc")
+    result = preflight.check_mind("m", settings(command=["/bin/sh"]), lambda user: MIND, homes=tree)
+    assert result.problems == (f"its home {tree}/m is a symbolic link",)
+    (tree / "m").unlink()
+    (tree / "m").mkdir()
+    os.chown(tree / "m", MIND.uid + 1, MIND.gid)
+    result = preflight.check_mind("m", settings(command=["/bin/sh"]), lambda user: MIND, homes=tree)
+    assert result.problems == (f"its home {tree}/m belongs to uid 64002, not to user 'mindy'",)
 
 
 def test_a_working_directory_its_user_may_not_enter(tree: Path) -> None:

@@ -22,6 +22,7 @@ import pytest
 
 from volutectl import roles
 from volutectl.config.settings import Settings, flatten, load_settings
+from volutectl.launcher import home
 from volutectl.wire import orders
 
 REPO = Path(__file__).resolve().parents[2]
@@ -164,6 +165,9 @@ def test_launcher_service_contract() -> None:
     assert "User" not in service  # root: it forks turns as their minds' users
     settings = Settings()
     assert settings.gate.runtime_dir == Path("/run") / service["RuntimeDirectory"]
+    # The minds' homes: root's directory, which no mind may write (home.py checks it).
+    assert Path("/var/lib") / service["StateDirectory"] == home.HOMES_DIR
+    assert service["StateDirectoryMode"] == "0755"
     leaked = sorted(LEAKS_INTO_TURNS & set(service))
     assert not leaked, f"these would silently bind every turn: {leaked}"
     for option in service.get("SystemCallFilter", "").split():

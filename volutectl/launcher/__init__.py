@@ -4,6 +4,7 @@
   them here, `RemoteHands` sends them to volute-launcher.service.
 - `service`: the launcher's server (volute-launcher.service), which runs `LocalHands`.
 - `fork` (a turn's process, released into its scope), `turndir` (its directory, by
-  descriptor), `envfile` (a mind's secrets), `preflight` (will a mind's turns start?).
+  descriptor), `envfile` (a mind's secrets), `home` (a mind's own working directory),
+  `preflight` (will a mind's turns start?).
 - `turn-wrapper.sh`: the scope's main process.
 """

@@ -173,6 +173,8 @@ class LocalHands:
             account = self.account_of(settings, order.mind)
             cwd = preflight.turn_directory(order.mind, mind, account)  # before anything is made
             extra = fork.mind_environment(mind.environment, mind.environment_file)
+            if preflight.uses_own_home(mind, account):
+                extra = {"HOME": cwd, **extra}  # not the user's /nonexistent
             turn_dir = fork.make_turn_dir(
                 settings.gate.runtime_dir, order.turn_id, account, self.turn_dir_bounds
             )

@@ -50,10 +50,11 @@ from volutectl.kernel.access import (
     stat_or_none,
 )
 from volutectl.kernel.probes import block_device_dir, existing_ancestor
-from volutectl.launcher import envfile, fork
+from volutectl.launcher import envfile, fork, home
 
-# Debian's home for users that have none (Policy 9.2.1; the sysusers line of `volute`):
-# a mind of such a user, with no working_directory of its own, runs in "/".
+# Debian's home for users that have none (Policy 9.2.1; the sysusers line of
+# `volute-turn`): a mind of such a user, with no working_directory of its own, runs in a
+# home of its own that the launcher makes (volutectl/launcher/home.py), never in "/".
 NO_HOME = ("", "/nonexistent")
 
 # What dash runs without a PATH lookup (POSIX special and regular built-ins).
@@ -113,13 +114,21 @@ def who_of(account: fork.Account) -> Who:
 # -- the working directory ---------------------------------------------------------------
 
 
-def working_directory(mind: MindSettings, account: fork.Account) -> tuple[str, str]:
+def uses_own_home(mind: MindSettings, account: fork.Account) -> bool:
+    """Whether the mind's turns run in the home the launcher makes for it."""
+    return mind.working_directory is None and account.home in NO_HOME
+
+
+def working_directory(
+    mind_name: str, mind: MindSettings, account: fork.Account, homes: Path = home.HOMES_DIR
+) -> tuple[str, str]:
     """The directory a turn of this mind runs in, and how a message names it."""
     if mind.working_directory is not None:
         path = str(mind.working_directory)
         return path, f"working directory {path}"
-    if account.home in NO_HOME:
-        return "/", f"working directory / (user {account.name!r} has no home)"
+    if uses_own_home(mind, account):
+        path = str(home.home_of(mind_name, homes))
+        return path, f"working directory {path} (the mind's own home)"
     return account.home, f"working directory {account.home} (the home of user {account.name!r})"
 
 
@@ -142,12 +151,17 @@ def directory_problem(path: str, what: str, who: Who) -> str | None:
     return None
 
 
-def turn_directory(mind_name: str, mind: MindSettings, account: fork.Account) -> str:
+def turn_directory(
+    mind_name: str, mind: MindSettings, account: fork.Account, homes: Path = home.HOMES_DIR
+) -> str:
     """The working directory for a turn about to start; a DataError if it cannot be used.
 
     The turn's child enters it as the mind's user and never runs anywhere else, so a
-    missing directory fails the start here, with its reason, instead of in the child."""
-    path, what = working_directory(mind, account)
+    missing directory fails the start here, with its reason, instead of in the child.
+    A mind's own home is made here (root's code: volutectl/launcher/home.py)."""
+    if uses_own_home(mind, account):
+        return home.ensure_home(mind_name, account.uid, account.gid, account.name, homes)
+    path, what = working_directory(mind_name, mind, account)
     try:
         problem = directory_problem(path, what, who_of(account))
     except Unknown:
@@ -155,6 +169,23 @@ def turn_directory(mind_name: str, mind: MindSettings, account: fork.Account) ->
     if problem is not None:
         raise DataError(problem, hint=f"create it, or set minds.{mind_name}.working_directory")
     return path
+
+
+def own_home_problem(mind_name: str, account: fork.Account, homes: Path) -> str | None:
+    """What keeps the launcher from making or using the mind's home, or None (a home
+    not made yet is made at the mind's first turn)."""
+    path = home.home_of(mind_name, homes)
+    homes_st = stat_or_none(str(homes))
+    if homes_st is not None and (problem := home.homes_problem(homes_st, homes)) is not None:
+        return problem
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        raise Unknown(f"{homes} may not be searched") from None
+    problem = home.home_problem(st, path, account.uid, account.name)
+    return f"its home {problem}" if problem is not None else None
 
 
 # -- the command -------------------------------------------------------------------------
@@ -319,6 +350,7 @@ def check_mind(
     settings: Settings,
     lookup: Lookup = find_account,
     group_lookup: GroupLookup = find_group,
+    homes: Path = home.HOMES_DIR,
 ) -> MindReport:
     mind = settings.minds[name]
     user = mind.user or settings.turns.default_user
@@ -335,11 +367,15 @@ def check_mind(
         environment.update(variables)
         problems += [problem] if problem else []
         notes += [note] if note else []
-    cwd, what = working_directory(mind, account)
-    if mind.working_directory is None and account.home in NO_HOME:
-        notes.append(f"turns run in / (set minds.{name}.working_directory for another)")
+    cwd, what = working_directory(name, mind, account, homes)
     try:
-        problem = directory_problem(cwd, what, who)
+        if uses_own_home(mind, account):
+            problem = own_home_problem(name, account, homes)
+            if not os.path.isdir(cwd):
+                made = "the launcher makes it at the mind's first turn"
+                notes.append(f"turns run in {cwd} (user {user!r} has no home; {made})")
+        else:
+            problem = directory_problem(cwd, what, who)
     except Unknown as unknown:
         notes.append(f"{what} not checked: {unknown}; run as root to check it")
     else:
