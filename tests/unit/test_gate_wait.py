@@ -16,14 +16,12 @@ from typing import Any
 import pytest
 
 from tests.unit.gate_harness import Harness
-from volutectl.cli import client as client_commands
 from volutectl.cli import deliver, waiting
 from volutectl.errors import EX_DATAERR, EX_TEMPFAIL, EX_UNAVAILABLE, VoluteError
 from volutectl.states import Outcome, QueueState
 from volutectl.wire.messages import (
     MAX_WAIT_IDS,
     AttemptFailed,
-    ChangedReply,
     DeliveryDead,
     DeliveryDropped,
     Event,
@@ -259,73 +257,3 @@ def test_a_describe_attempt_names_the_turn_its_exit_the_count_and_the_next_try()
     text = waiting.describe_attempt(attempt, now=990.0)
     assert text.startswith("delivery 3: attempt 2 of 10 failed: turn 7 exited 137")
     assert "killed by SIGKILL" in text and text.endswith(", in 10.0s")
-
-
-# -- request ids the user chose -----------------------------------------------------------
-
-
-def test_a_request_id_sent_again_gives_back_its_delivery_and_other_content_is_65(
-    tmp_path: Path, harnesses: list[Harness], capsys: pytest.CaptureFixture[str]
-) -> None:
-    harness = Harness(tmp_path, minds={"mimsy": "true"})
-    harnesses.append(harness)
-    base = ["mimsy", "--socket", str(harness.socket_path), "--request-id", "nightly-2026.12.01"]
-
-    def send(message: str) -> InThread:
-        client = InThread(lambda: deliver.deliver_main([*base, "-m", message]))
-        harness.pump(client.done)
-        return client
-
-    first = send("backup")
-    assert (first.error, first.result) == (None, 0)
-    out = capsys.readouterr()
-    assert "already" not in out.err
-    again = send("backup")
-    assert (again.error, again.result) == (None, 0)
-    resent = capsys.readouterr()
-    assert resent.out == out.out  # the same delivery id, as the first printed
-    assert "nightly-2026.12.01 was queued already" in resent.err
-    other = send("restore")
-    assert isinstance(other.error, VoluteError) and other.error.exit_code == EX_DATAERR
-    assert "nightly-2026.12.01" in other.error.message
-    assert len(harness.gate.state.store.rows(range(1, 10), with_message=False)) == 1
-
-
-@pytest.mark.parametrize("bad", ["", "-leading", "a b", "x" * 129, "caf\u00e9", "a/b"])
-def test_a_bad_request_id_is_65_before_anything_is_sent(bad: str) -> None:
-    with pytest.raises(VoluteError) as refused:
-        deliver.deliver_main(
-            ["mimsy", "-m", "x", "--socket", "/nonexistent", f"--request-id={bad}"]
-        )
-    assert refused.value.exit_code == EX_DATAERR
-    assert "invalid request id" in refused.value.message
-
-
-# -- retry and drop say why, per id -------------------------------------------------------
-
-
-def test_retry_and_drop_name_the_state_of_each_id_they_left_alone(
-    tmp_path: Path, harnesses: list[Harness]
-) -> None:
-    harness = Harness(tmp_path, minds={"ok": "true", "slow": "sleep 5"})
-    harnesses.append(harness)
-    done, running = deliver_to(harness, "ok"), deliver_to(harness, "slow")
-    harness.pump(lambda: state_of(harness, done) is QueueState.DONE)
-    harness.pump(lambda: state_of(harness, running) is QueueState.RUNNING)
-    peer = harness.connect()
-    reply = peer.request({"op": "retry", "ids": [done, running, 404, done]})
-    assert reply == {
-        "v": 1, "ok": True, "changed": [],
-        "unchanged": [
-            {"id": done, "state": "done"}, {"id": running, "state": "running"},
-            {"id": 404, "state": None},
-        ],
-    }  # fmt: skip
-    dropped = ChangedReply.from_wire(peer.request({"op": "drop", "ids": [running, 404]}))
-    with pytest.raises(VoluteError) as said:
-        client_commands.report_changed("dropped", (running, 404), dropped)
-    assert said.value.exit_code == EX_DATAERR
-    assert said.value.message == (
-        f"not dropped: {running} (running now: a turn carries it), "
-        "404 (no such delivery: never queued, or removed by retention)"
-    )

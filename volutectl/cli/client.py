@@ -7,6 +7,8 @@ loading click; the click command here only exists for `volutectl --help`.
 
 from __future__ import annotations
 
+import time
+
 import click
 
 from volutectl.cli import waiting
@@ -210,6 +212,8 @@ def queue_list(
         click.echo("the queue is empty")
     for row in rows:
         extra = f" held:{row.hold_reason}" if row.hold_reason else ""
+        if row.not_before is not None:  # as status and STATUS= count it
+            extra += f" backing off (next try in {format_duration(row.not_before - time.time())})"
         error = f" last error: {row.last_error}" if row.last_error else ""
         click.echo(
             f"{row.id:>6} {row.state:<8} {row.mind}/{row.session} "

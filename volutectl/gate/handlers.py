@@ -77,6 +77,7 @@ def status_handler(state: GateState, request: StatusRequest, caller: Caller) -> 
 def queue_handler(state: GateState, request: QueueRequest, caller: Caller) -> QueueReply:
     states = request.states or DEFAULT_LISTED
     rows = state.store.list_rows(states, request.limit)
+    now = time.time()
     return QueueReply(
         rows=tuple(
             QueueRow(
@@ -91,11 +92,17 @@ def queue_handler(state: GateState, request: QueueRequest, caller: Caller) -> Qu
                 created_at=row.created_at,
                 last_error=row.last_error,
                 bytes=len(row.message),
+                not_before=row.not_before if _backing_off(row.state, row.not_before, now) else None,
             )
             for row in rows
         ),
         not_shown=max(0, state.store.count_rows(states) - len(rows)),
     )
+
+
+def _backing_off(row_state: QueueState, not_before: float | None, now: float) -> bool:
+    """As the index counts a row backing off (status, STATUS=): pending, not before later."""
+    return row_state is QueueState.PENDING and not_before is not None and not_before > now
 
 
 def retry_handler(state: GateState, request: RetryRequest, caller: Caller) -> ChangedReply:

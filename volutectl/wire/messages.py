@@ -355,6 +355,10 @@ class QueueRow(Record):
     created_at: float
     last_error: str | None
     bytes: int
+    # A pending row backing off after a failed attempt: when its next try may start
+    # (seconds since the epoch); sent only then.
+    not_before: float | None = None
+    QUIET = frozenset({"not_before"})
 
 
 class QueueReply(Reply):
@@ -459,6 +463,9 @@ class Status(Record):
     preflight: dict[str, tuple[str, ...]] = {}
     paused: tuple[PausedMind, ...] = ()
     adaptive: AdaptiveStatus | None = None  # None from a gate before it
+    # Pending deliveries whose backoff after a failed attempt has not ended: of
+    # queue_depth, counted as the STATUS= line counts them (0 from a gate before it).
+    backing_off: int = 0
 
 
 class StatusReply(Reply):
