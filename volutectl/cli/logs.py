@@ -444,7 +444,6 @@ def show_logs(
 ) -> None:
     mind = configured_mind(settings, mind)
     journalctl = find_journalctl()
-    check_journal_access()
     if since is not None:  # journalctl's own reading of WHEN; a bad one is a usage error
         query(journalctl_argv(journalctl, [], since=since, lines=0), since)
     turns = Turns(mind, Trust.of(settings, mind))
@@ -524,6 +523,7 @@ def logs_command(
       journalctl -u volute-turn-MIND-ID.scope   one turn's output
       journalctl -t volute-MIND                 the output of every turn of MIND
     """
+    check_journal_access()  # first: a member of volute may not read the config either
     try:
         from volutectl.config.settings import load_settings
 
