@@ -1,4 +1,4 @@
-"""Names users give us (minds, sessions, repositories) and how they become unit names.
+"""Names users give us (minds, sessions, request ids, repositories) and how they become unit names.
 
 Pure: no I/O. A user-supplied name is first validated against a plain pattern, so that
 errors can name the bad character; unit-name escaping (systemd-escape rules) then
@@ -11,6 +11,10 @@ import re
 
 MIND_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SESSION_PATTERN = re.compile(r"[A-Za-z0-9$][A-Za-z0-9._:@$+-]{0,127}")
+# A deliver request's id, chosen by the client (`deliver --request-id`) or made at random
+# (32 hex digits). Kept unique per sender uid, so no charset beyond what a shell quotes
+# easily: a script may build it from a date and a job name.
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}")
 
 # systemd's unit names are at most 255 bytes, the ".scope" suffix included.
 UNIT_NAME_MAX = 255
@@ -37,6 +41,16 @@ def check_session(name: str) -> str:
             "starting with a letter, digit or '$'"
         )
     return name
+
+
+def check_request_id(request_id: str) -> str:
+    if not REQUEST_ID_PATTERN.fullmatch(request_id):
+        shown = request_id if len(request_id) <= 140 else f"{request_id[:140]}..."
+        raise NameError_(
+            f"invalid request id {shown!r}: use 1-128 letters, digits or ._:@+-, "
+            "starting with a letter or digit"
+        )
+    return request_id
 
 
 def escape_unit_part(text: str) -> str:

@@ -513,6 +513,57 @@ def test_a_member_of_volute_delivers_but_may_not_pause_drop_or_read_a_secret(
 SLICES = ("volute.slice", "volute-turns.slice", "volute-tests.slice")
 
 
+# -- issue 22, the client's part: --wait says each attempt; logs as a member is 77 --------
+
+FAILING = "failing"  # a mind whose every turn exits 3
+MEMBER = "op"  # a user in group volute, as an operator's script user would be
+FAST_RETRIES = "/etc/systemd/system/volute-gate.service.d/fast-retries.conf"
+
+
+def test_deliver_wait_on_a_failing_mind_prints_each_attempt(installed: Installed) -> None:
+    m = installed.machine
+    config = m.host_path("/etc/volute/volutectl.toml")
+    config.write_text(
+        config.read_text() + f'\n[minds.{FAILING}]\ncommand = ["/bin/sh", "-c", "exit 3"]\n'
+    )
+    m.write(
+        FAST_RETRIES,
+        "[Service]\nEnvironment=VOLUTE_GATE__MAX_ATTEMPTS=3\n"
+        "Environment=VOLUTE_GATE__BACKOFF_INITIAL_SECONDS=0.5\n"
+        "Environment=VOLUTE_GATE__BACKOFF_MAX_SECONDS=0.5\n",
+    )
+    m.run(["systemctl", "daemon-reload"])
+    m.run(["systemctl", "restart", "volute-gate.service"])
+    try:
+        waited = m.run(["volutectl", "deliver", FAILING, "-m", "x", "--wait"], check=False)
+        artifact("deliver-wait-failing.txt", waited.stdout + waited.stderr)
+        assert waited.returncode == 3, waited.stderr  # the last attempt's turn's status
+        delivery = int(waited.stdout)
+        for attempt in (1, 2):
+            said = f"delivery {delivery}: attempt {attempt} of 3 failed: turn"
+            assert said in waited.stderr
+        assert waited.stderr.count("next try at") == 2
+        assert f"delivery {delivery} is dead" in waited.stderr
+    finally:
+        m.run(["rm", "-f", FAST_RETRIES])
+        m.run(["systemctl", "daemon-reload"])
+        m.run(["systemctl", "restart", "volute-gate.service"])
+
+
+def test_logs_as_a_member_of_volute_exits_77_naming_the_journals_group(
+    installed: Installed,
+) -> None:
+    m = installed.machine
+    m.run(["sh", "-c", f"id {MEMBER} >/dev/null 2>&1 || useradd -M -G volute {MEMBER}"])
+    result = m.run(["runuser", "-u", MEMBER, "--", "volutectl", "logs", FAILING], check=False)
+    artifact("logs-as-member.txt", f"exit {result.returncode}\n{result.stderr}")
+    assert result.returncode == 77, (result.returncode, result.stderr)
+    assert f"usermod -aG systemd-journal {MEMBER}" in result.stderr
+    assert "Traceback" not in result.stderr
+    # Root reads it: the same command is not refused.
+    assert m.run(["volutectl", "logs", FAILING], check=False).returncode == 0
+
+
 # -- issue 22, the `removal` part: a lean install, a mind's home, clean removal --------
 
 

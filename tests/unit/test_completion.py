@@ -96,8 +96,8 @@ def test_deliver_completes_the_configs_minds_then_its_options(config: Path) -> N
     assert complete(f"volutectl deliver --config {config} w") == ["whorl.v2"]
     assert complete("volutectl deliver mimsy ", VOLUTE_CONFIG=str(config)) == []  # one mind
     assert complete("volutectl deliver mimsy --") == [
-        "--help", "--session", "--message", "--interrupt", "--wait", "--socket", "--config",
-        "--timeout",
+        "--help", "--session", "--message", "--interrupt", "--wait", "--max-wait",
+        "--request-id", "--socket", "--config", "--timeout",
     ]  # fmt: skip
     assert complete("volutectl deliver mimsy -m ") == []  # free text
     assert complete("volutectl deliver mimsy --socket ") == [""]  # type file: the shell's

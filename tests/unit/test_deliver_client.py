@@ -96,11 +96,15 @@ def test_bad_session_name_is_65_and_nothing_is_sent(socket_dir: Path, session: s
     assert gate.connections == 0
 
 
-def test_empty_stdin_is_a_usage_error(socket_dir: Path) -> None:
+@pytest.mark.parametrize("given", [["--message", ""], ["-m="], []])
+def test_an_empty_message_is_a_usage_error_from_the_flag_as_from_stdin(
+    socket_dir: Path, given: list[str]
+) -> None:
+    """One rule on both paths: an empty message is refused (64), nothing sent."""
     with gate_at(socket_dir) as gate:
-        result = run("ada", "--socket", str(gate.path), stdin=b"")
+        result = run("ada", *given, "--socket", str(gate.path), stdin=b"")
     assert result.returncode == 64, result.stderr
-    assert b"no message" in result.stderr
+    assert b"no message: the message is empty" in result.stderr
     assert gate.connections == 0
 
 
@@ -358,7 +362,7 @@ def test_a_gate_lost_during_the_wait_is_asked_again_with_wait(socket_dir: Path) 
     assert result.returncode == 130, result.stderr
     assert result.stdout == b"7\n"
     assert b"turn 4 interrupted: exit status 130" in result.stderr
-    assert gate.requests[1] == {"v": 1, "op": "wait", "ids": [7]}
+    assert gate.requests[1] == {"v": 1, "op": "wait", "ids": [7], "progress": True}
 
 
 def test_a_gate_that_does_not_come_back_during_the_wait_is_75(socket_dir: Path) -> None:

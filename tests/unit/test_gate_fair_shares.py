@@ -212,7 +212,8 @@ def test_deliveries_past_a_uids_count_quota_are_refused_and_not_stored(
     assert "nothing was queued" in refusal["hint"]
     assert rows_of(harness) == 3
     # A retry of a stored request is answered with its id, and takes nothing more.
-    assert deliver_as(member, request_id=request_id) == {"v": 1, "ok": True, "id": first}
+    again = {"v": 1, "ok": True, "id": first, "already_queued": True}
+    assert deliver_as(member, request_id=request_id) == again
     # In one batch too: the first two of four fit no more than before.
     member.send(
         b"".join(

@@ -21,6 +21,7 @@ from volutectl.errors import EX_DATAERR, EX_TEMPFAIL, EX_UNAVAILABLE, VoluteErro
 from volutectl.states import Outcome, QueueState
 from volutectl.wire.messages import (
     MAX_WAIT_IDS,
+    AttemptFailed,
     DeliveryDead,
     DeliveryDropped,
     Event,
@@ -177,3 +178,82 @@ def test_the_exit_code_of_several_is_the_first_failure_in_the_order_given() -> N
     assert waiting.exit_code((1, 3, 2), events) == 9
     assert waiting.exit_code((2, 3), events) == 124
     assert waiting.exit_code((4, 3), events) == 1
+
+
+# -- progress while waiting: each failed attempt, to whoever asked ------------------------
+
+
+def test_each_failed_attempt_is_told_to_the_waiters_that_asked_and_only_to_them(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = Harness(
+        tmp_path, minds={"bad": "exit 3"}, max_attempts=3, backoff_initial_seconds=0.05,
+        backoff_max_seconds=0.05,
+    )  # fmt: skip
+    harnesses.append(harness)
+    asked, plain = harness.connect(), harness.connect()
+    ack = asked.request(
+        {"op": "deliver", "mind": "bad", "message": "m", "wait": True, "progress": True}
+    )
+    assert ack == {"v": 1, "ok": True, "id": ack["id"]}
+    delivery_id = ack["id"]
+    assert plain.request({"op": "wait", "ids": [delivery_id]})["ok"] is True
+    told = [asked.reply(timeout=15) for _ in range(3)]
+    assert [event["event"] for event in told] == ["attempt_failed", "attempt_failed", "dead"]
+    for number, event in enumerate(told[:2], start=1):
+        assert (event["id"], event["attempt"], event["max_attempts"]) == (delivery_id, number, 3)
+        assert (event["outcome"], event["exit_status"]) == ("failed", 3)
+        assert event["error"] == f"turn {event['turn_id']} exited 3"
+        assert event["next_try_at"] > 0
+    assert told[0]["turn_id"] != told[1]["turn_id"]
+    # The waiter that did not ask (an older client) hears only what settles it.
+    assert plain.reply(timeout=15)["event"] == "dead"
+    assert not plain.has_line()
+
+
+def test_deliver_wait_says_each_attempt_on_stderr_then_exits_with_the_last_turns_code(
+    tmp_path: Path, harnesses: list[Harness], capsys: pytest.CaptureFixture[str]
+) -> None:
+    harness = Harness(
+        tmp_path, minds={"bad": "exit 4"}, max_attempts=3, backoff_initial_seconds=0.05,
+        backoff_max_seconds=0.05,
+    )  # fmt: skip
+    harnesses.append(harness)
+    argv = ["bad", "--message", "x", "--wait", "--socket", str(harness.socket_path)]
+    client = InThread(lambda: deliver.deliver_main(argv))
+    harness.pump(client.done, timeout=15)
+    assert (client.error, client.result) == (None, 4)
+    err = capsys.readouterr().err
+    assert "attempt 1 of 3 failed: turn" in err and "attempt 2 of 3 failed" in err
+    assert "exit status 4" in err and "next try at" in err
+    assert "is dead" in err
+
+
+def test_max_wait_gives_up_with_the_wait_line_and_leaves_the_delivery_alone(
+    tmp_path: Path, harnesses: list[Harness], capsys: pytest.CaptureFixture[str]
+) -> None:
+    harness = Harness(tmp_path, minds={"slow": "sleep 1"})
+    harnesses.append(harness)
+    argv = ["slow", "-m", "x", "--wait", "--max-wait", "0.3", "--socket", str(harness.socket_path)]
+    client = InThread(lambda: deliver.deliver_main(argv))
+    harness.pump(client.done, timeout=10)
+    assert isinstance(client.error, VoluteError) and client.error.exit_code == EX_TEMPFAIL
+    delivery_id = int(capsys.readouterr().out)
+    assert "--max-wait" in client.error.message
+    assert f"volutectl wait {delivery_id}" in str(client.error.hint)
+    assert state_of(harness, delivery_id) is QueueState.RUNNING  # untouched: it goes on
+    harness.pump(lambda: state_of(harness, delivery_id) is QueueState.DONE)
+    path = str(harness.socket_path)
+    later = InThread(lambda: waiting.settle(path, (delivery_id,), 5, max_wait=5))
+    harness.pump(later.done)
+    assert later.error is None and isinstance(later.result[delivery_id], TurnEnded)
+
+
+def test_a_describe_attempt_names_the_turn_its_exit_the_count_and_the_next_try() -> None:
+    attempt = AttemptFailed(
+        id=3, error="turn 7 exited 137", attempt=2, max_attempts=10, next_try_at=1000.0,
+        turn_id=7, outcome=Outcome.FAILED, exit_status=137,
+    )  # fmt: skip
+    text = waiting.describe_attempt(attempt, now=990.0)
+    assert text.startswith("delivery 3: attempt 2 of 10 failed: turn 7 exited 137")
+    assert "killed by SIGKILL" in text and text.endswith(", in 10.0s")

@@ -8,6 +8,7 @@ alternatives. tests/system/test_logs.py runs it against the real journald.
 
 from __future__ import annotations
 
+import grp
 import json
 import os
 import subprocess
@@ -29,7 +30,7 @@ argv = sys.argv[1:]
 with open(os.environ["FAKE_JOURNALCTL_CALLS"], "a") as calls:
     calls.write(json.dumps(argv) + "\\n")
 if os.environ.get("FAKE_JOURNALCTL_FAIL"):
-    print("Failed to open journal: Permission denied", file=sys.stderr)
+    print(os.environ["FAKE_JOURNALCTL_FAIL"], file=sys.stderr)
     sys.exit(1)
 options, matches = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
 since, lines, after = 0, None, -1
@@ -340,9 +341,33 @@ def test_without_journalctl_it_exits_69(run: Run) -> None:
 
 
 def test_a_failing_journalctl_is_unavailable_with_its_reason(run: Run) -> None:
-    result = run("mimsy", FAKE_JOURNALCTL_FAIL="1")
+    result = run("mimsy", FAKE_JOURNALCTL_FAIL="Failed to open journal: Input/output error")
     assert result.returncode == 69
-    assert "journalctl failed: Failed to open journal: Permission denied" in result.stderr
+    assert "journalctl failed: Failed to open journal: Input/output error" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "said",
+    [
+        "No journal files were opened due to insufficient permissions.",
+        "Failed to open journal: Permission denied",
+    ],
+)
+def test_a_journal_the_user_may_not_read_is_77_naming_its_group(run: Run, said: str) -> None:
+    result = run("mimsy", FAKE_JOURNALCTL_FAIL=said)
+    assert result.returncode == 77, result.stderr
+    group = logs.journal_group()
+    assert f"the group {group}" in result.stderr
+    assert f"usermod -aG {group} " in result.stderr
+    assert "journalctl failed" not in result.stderr
+
+
+def test_the_journals_group_is_its_directorys(tmp_path: Path) -> None:
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    os.chown(journal, -1, os.getgid())
+    assert logs.journal_group([tmp_path / "absent", journal]) == grp.getgrgid(os.getgid()).gr_name
+    assert logs.journal_group([tmp_path / "absent"]) == "systemd-journal"
 
 
 def test_a_reader_that_leaves_early_is_not_an_error(run: Run) -> None:

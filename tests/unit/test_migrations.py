@@ -18,7 +18,7 @@ from tests.unit.retention_child import run_child
 from volutectl.errors import UnavailableError
 from volutectl.store import schema as queue_schema
 from volutectl.store.indexed import IndexedStore
-from volutectl.store.queue import NewDelivery, Store
+from volutectl.store.queue import AlreadyQueued, NewDelivery, RequestIdReused, Store
 from volutectl.store.quotas import Usage
 from volutectl.store.schema import (
     MIGRATIONS,
@@ -210,7 +210,7 @@ def test_a_schema_3_database_is_upgraded_with_every_row_kept_and_then_made_incre
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 7
+        assert store.schema_version() == SCHEMA_VERSION == 8
         assert not is_incremental(store.db)  # the migration itself never VACUUMs
         assert same_rows(table_rows(path), before)
         outcome = enable_incremental_vacuum(store.db, path)
@@ -329,7 +329,7 @@ def test_a_schema_4_database_gets_the_last_turn_index_and_status_uses_it(
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 7
+        assert store.schema_version() == SCHEMA_VERSION == 8
         assert "index turns_mind_ended" in schema(path)
         assert "index turns_ended" in schema(path)  # retention's, kept
         plan = " ".join(
@@ -375,7 +375,7 @@ def test_a_schema_5_database_keeps_its_rows_and_indexes_only_rows_with_a_turn(
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 7
+        assert store.schema_version() == SCHEMA_VERSION == 8
         assert "WHERE turn_id IS NOT NULL" in index_sql(path, "deliveries_turn")
         for query in (
             "SELECT id FROM deliveries WHERE turn_id = ? AND state = 'running'",
@@ -427,7 +427,7 @@ def test_a_schema_6_database_gets_a_uid_column_and_its_rows_count_against_nobody
     assert ("uid", "INTEGER", 0, None, 0) not in schema(path)["table deliveries"]
     store = IndexedStore(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 7
+        assert store.schema_version() == SCHEMA_VERSION == 8
         assert ("uid", "INTEGER", 0, None, 0) in schema(path)["table deliveries"]
         counted = "SELECT COUNT(*) FROM deliveries WHERE uid IS NOT NULL"
         assert store.db.execute(counted).fetchone() == (0,)
@@ -443,3 +443,38 @@ def test_a_schema_6_database_gets_a_uid_column_and_its_rows_count_against_nobody
     after["deliveries"] = [row for row in after["deliveries"] if row[0] != new]
     assert same_rows(after, before)
     assert all(row[-1] is None for row in after["deliveries"])
+
+
+def test_a_schema_7_database_keeps_request_ids_unique_per_sender_uid(tmp_path: Path) -> None:
+    """The client-chosen request ids step (8): an id is its sender's, so two users' scripts
+    may pick one name; the same uid's id sent again still gives its delivery back."""
+    path = v3_database(tmp_path / "queue.sqlite3")
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("BEGIN")
+    for version in (3, 4, 5, 6):
+        for statement in statements(MIGRATIONS[version]):
+            db.execute(statement)
+    db.execute("PRAGMA user_version = 7")
+    db.execute("COMMIT")
+    db.close()
+    before = table_rows(path)
+    store = Store(path)
+    try:
+        assert store.schema_version() == SCHEMA_VERSION == 8
+        nightly = [
+            NewDelivery("mimsy", "main", b"backup", request_id="nightly-1", uid=uid)
+            for uid in (1000, 1001, 1000)
+        ]
+        first, other, again = store.add_deliveries(nightly)
+        assert first != other  # another uid's id of the same name is its own
+        assert again == first and isinstance(again, AlreadyQueued)
+        assert not isinstance(first, AlreadyQueued)
+        [reused] = store.add_deliveries(
+            [NewDelivery("mimsy", "main", b"restore", request_id="nightly-1", uid=1001)]
+        )
+        assert isinstance(reused, RequestIdReused) and reused.delivery_id == other
+    finally:
+        store.close()
+    after = table_rows(path)
+    after["deliveries"] = [row for row in after["deliveries"] if row[0] not in (first, other)]
+    assert same_rows(after, before)

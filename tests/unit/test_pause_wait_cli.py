@@ -103,7 +103,7 @@ def test_wait_exits_with_the_first_failure_in_the_order_given(socket_dir: Path) 
     with FakeGate(socket_dir / "gate.sock", replies) as gate:
         result = volutectl("wait", "8", "7", "8", "--socket", str(gate.path))
     assert result.returncode == 3, result.stderr
-    assert gate.requests == [{"v": 1, "op": "wait", "ids": [8, 7]}]  # each id once
+    assert gate.requests == [{"v": 1, "op": "wait", "ids": [8, 7], "progress": True}]  # each once
     assert "delivery 8 is dead after turn 3 failed: turn 3 exited 3" in result.stderr
     assert result.stdout == ""
 

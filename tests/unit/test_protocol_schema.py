@@ -178,7 +178,7 @@ def test_patterns_and_bounds_are_the_decoders() -> None:
     properties = schema.definitions()["DeliverRequest"]["properties"]
     assert properties["mind"]["pattern"] == f"^{names.MIND_PATTERN.pattern}$"
     assert properties["session"]["pattern"] == f"^{names.SESSION_PATTERN.pattern}$"
-    assert properties["request_id"]["pattern"] == f"^[0-9a-f]{{{messages.REQUEST_ID_LENGTH}}}$"
+    assert properties["request_id"]["pattern"] == f"^{names.REQUEST_ID_PATTERN.pattern}$"
     ids = schema.definitions()["DeliveryIds"]["items"]
     assert (ids["minimum"], ids["maximum"]) == (1, protocol.INT_MAX)
     wait_ids = schema.definitions()["WaitRequest"]["properties"]["ids"]

@@ -7,6 +7,8 @@ loading click; the click command here only exists for `volutectl --help`.
 
 from __future__ import annotations
 
+import time
+
 import click
 
 from volutectl.cli import waiting
@@ -120,22 +122,41 @@ def resume_command(minds: tuple[str, ...], socket: str | None, config_path: str 
     default=30.0,
     show_default=True,
     help="Seconds the gate may take to answer, and to answer again after a restart; "
-    "the wait for the turns themselves has no limit.",
+    "the wait for the turns themselves is --max-wait's.",
+)
+@click.option(
+    "--max-wait",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="Stop waiting after SECONDS and exit 75; the deliveries go on.  [default: no limit]",
 )
 @click.option("--socket", help="Gate socket.")
 @config_option
 def wait_command(
-    ids: tuple[int, ...], timeout: float, socket: str | None, config_path: str | None
+    ids: tuple[int, ...],
+    timeout: float,
+    max_wait: float | None,
+    socket: str | None,
+    config_path: str | None,
 ) -> int:
-    """Wait until the deliveries IDS settle, through gate restarts.
+    """Wait until the deliveries IDS settle, through gate restarts, saying on stderr
+    each attempt that failed and when the next comes.
 
     Exits 0 if a turn that exited 0 did each one; else with the code of the first, in
     the order given, that was not: its last turn's exit status (124 for a time limit),
-    or 1 if it was dropped or never started. An id the gate does not know is 65."""
+    or 1 if it was dropped or never started. An id the gate does not know is 65; 75
+    after --max-wait."""
     if len(ids) > MAX_WAIT_IDS:
         raise UsageError(f"at most {MAX_WAIT_IDS} deliveries in one wait, not {len(ids)}")
     path = socket_path(socket, config_path)
-    events = waiting.settle(path, ids, timeout, on_event=waiting.report)
+    events = waiting.settle(
+        path,
+        ids,
+        timeout,
+        on_event=waiting.report,
+        max_wait=max_wait,
+        on_attempt=waiting.report_attempt,
+    )
     return waiting.exit_code(ids, events)
 
 
@@ -191,6 +212,8 @@ def queue_list(
         click.echo("the queue is empty")
     for row in rows:
         extra = f" held:{row.hold_reason}" if row.hold_reason else ""
+        if row.not_before is not None:  # as status and STATUS= count it
+            extra += f" backing off (next try in {format_duration(row.not_before - time.time())})"
         error = f" last error: {row.last_error}" if row.last_error else ""
         click.echo(
             f"{row.id:>6} {row.state:<8} {row.mind}/{row.session} "
@@ -216,8 +239,7 @@ def _states(states: tuple[str, ...]) -> tuple[str, ...]:
 def queue_retry(ctx: click.Context, ids: tuple[int, ...]) -> None:
     """Send dead deliveries back to the queue, attempts reset."""
     socket, config_path = ctx.obj
-    changed = call(RetryRequest(ids), ChangedReply, socket, config_path).changed
-    _report_changed("retried", ids, changed)
+    report_changed("retried", ids, call(RetryRequest(ids), ChangedReply, socket, config_path))
 
 
 @queue_command.command("drop")
@@ -226,16 +248,43 @@ def queue_retry(ctx: click.Context, ids: tuple[int, ...]) -> None:
 def queue_drop(ctx: click.Context, ids: tuple[int, ...]) -> None:
     """Drop pending or dead deliveries (never a running one)."""
     socket, config_path = ctx.obj
-    changed = call(DropRequest(ids), ChangedReply, socket, config_path).changed
-    _report_changed("dropped", ids, changed)
+    report_changed("dropped", ids, call(DropRequest(ids), ChangedReply, socket, config_path))
 
 
-def _report_changed(verb: str, asked: tuple[int, ...], changed: tuple[int, ...]) -> None:
-    for delivery_id in changed:
+def report_changed(verb: str, asked: tuple[int, ...], reply: ChangedReply) -> None:
+    """Print what a retry or drop changed; raise (65) naming, per id, why the others
+    were left alone."""
+    for delivery_id in reply.changed:
         click.echo(f"{verb} {delivery_id}")
-    missed = sorted(set(asked) - set(changed))
-    if missed:
-        raise VoluteError(
-            f"not {verb}: {' '.join(map(str, missed))} (no such row, or in the wrong state)",
-            exit_code=EX_DATAERR,
-        )
+    missed = sorted(set(asked) - set(reply.changed))
+    if not missed:
+        return
+    states = {row.id: row.state for row in reply.unchanged}
+    if not states:  # a gate before `unchanged`: it cannot say which
+        why = [f"{' '.join(map(str, missed))} (no such delivery, or in the wrong state)"]
+    else:
+        why = [
+            f"{delivery_id} ({_why_unchanged(verb, states.get(delivery_id))})"
+            for delivery_id in missed
+        ]
+    raise VoluteError(
+        f"not {verb}: {', '.join(why)}",
+        hint="retry takes dead deliveries; drop takes pending or dead ones: "
+        "volutectl queue list --state STATE",
+        exit_code=EX_DATAERR,
+    )
+
+
+def _why_unchanged(verb: str, state: QueueState | str | None) -> str:
+    """Why a retry or drop left a delivery as it was, from the state it is in."""
+    if state is None:
+        return "no such delivery: never queued, or removed by retention"
+    if state == QueueState.DONE:
+        return "already done"
+    if state == QueueState.RUNNING:
+        return "running now: a turn carries it"
+    if state == QueueState.DROPPED:
+        return "already dropped"
+    if state == QueueState.PENDING:
+        return "pending already: retry takes dead deliveries" if verb == "retried" else "pending"
+    return f"{state}: not a state that {verb.removesuffix('ed')} takes"

@@ -17,7 +17,7 @@ import sys
 
 from volutectl.cli import waiting
 from volutectl.errors import EX_DATAERR, EX_TEMPFAIL, UsageError, VoluteError
-from volutectl.names import NameError_, check_mind, check_session
+from volutectl.names import NameError_, check_mind, check_request_id, check_session
 from volutectl.wire import messages, protocol
 from volutectl.wire.messages import DeliverAck, DeliverRequest, Request
 
@@ -76,7 +76,22 @@ def _deliver_parser() -> argparse.ArgumentParser:
         "--interrupt", action="store_true", help="interrupt the session's running turn"
     )
     parser.add_argument(
-        "--wait", action="store_true", help="wait for the turn that carries it; exit with its code"
+        "--wait",
+        action="store_true",
+        help="wait until the delivery settles, saying on stderr each attempt that failed; "
+        "exit with the code of the turn that settled it",
+    )
+    parser.add_argument(
+        "--max-wait",
+        type=_seconds,
+        metavar="SECONDS",
+        help="with --wait: stop waiting after SECONDS and exit 75 (the delivery goes on)",
+    )
+    parser.add_argument(
+        "--request-id",
+        metavar="ID",
+        help="a name for this request, kept unique per user: sent again (say after exit "
+        "75), it gives back the delivery it queued instead of a second one",
     )
     parser.add_argument("--socket", help=f"gate socket (default: {DEFAULT_SOCKET})")
     parser.add_argument("--config", help="config file, to find the socket")
@@ -90,21 +105,43 @@ def _deliver_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds above 0")
+    return value
+
+
 def deliver_main(argv: list[str]) -> int:
     args = _deliver_parser().parse_args(argv)
+    if args.max_wait is not None and not args.wait:
+        raise UsageError("--max-wait needs --wait", hint="see: volutectl deliver --help")
     try:
         check_mind(args.mind)
         check_session(args.session)
+        if args.request_id is not None:
+            check_request_id(args.request_id)
     except NameError_ as error:
         raise VoluteError(str(error), exit_code=EX_DATAERR) from None
     message = _message(args.message)
+    request_id = args.request_id or os.urandom(16).hex()
     request_ = DeliverRequest(
-        args.mind, message, args.session, args.interrupt, args.wait, os.urandom(16).hex()
+        args.mind, message, args.session, args.interrupt, args.wait, request_id, args.wait
     )
     path = socket_path(args.socket, args.config)
     connection, ack = acknowledged(path, request_, args.timeout)
     try:
         print(ack.id, flush=True)
+        if ack.already_queued and args.request_id is not None:
+            print(
+                f"volutectl: request id {args.request_id} was queued already, as delivery "
+                f"{ack.id}; nothing new was queued",
+                file=sys.stderr,
+                flush=True,
+            )
     except BaseException:
         connection.close()
         raise
@@ -112,12 +149,31 @@ def deliver_main(argv: list[str]) -> int:
         connection.close()
         return 0
     # The event comes on this connection; after a gate restart, on a new one (`wait`).
-    events = waiting.settle(path, (ack.id,), args.timeout, connection, waiting.report)
+    events = waiting.settle(
+        path,
+        (ack.id,),
+        args.timeout,
+        connection,
+        waiting.report,
+        max_wait=args.max_wait,
+        on_attempt=waiting.report_attempt,
+    )
     return waiting.exit_code((ack.id,), events)
 
 
+# One rule for both paths: an empty message is refused (64), from --message as from
+# stdin. A turn is given its message; an empty one is a script's bug (an unset variable,
+# a unit whose stdin is /dev/null), not something to wake a mind for.
+EMPTY_MESSAGE = "no message: the message is empty"
+EMPTY_HINT = (
+    "pass --message TEXT or pipe it on stdin; to wake a mind, send a word: --message heartbeat"
+)
+
+
 def _message(given: str | None) -> str:
-    """The message: --message, else stdin; UTF-8 text either way."""
+    """The message: --message, else stdin; UTF-8 text either way, never empty."""
+    if given == "":
+        raise UsageError(EMPTY_MESSAGE, hint=EMPTY_HINT)
     if given is not None:
         try:
             # Bytes that are not UTF-8 reach argv as lone surrogates; JSON would carry
@@ -130,7 +186,7 @@ def _message(given: str | None) -> str:
         raise UsageError("no message: pass --message TEXT or pipe it on stdin")
     raw = sys.stdin.buffer.read()
     if not raw:
-        raise UsageError("no message: stdin was empty; pass --message TEXT or pipe it in")
+        raise UsageError(f"{EMPTY_MESSAGE} (stdin was empty)", hint=EMPTY_HINT)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -24,6 +24,7 @@ the writer's cgroup. So each entry is taken only on its trusted fields (`Trust`)
 
 from __future__ import annotations
 
+import grp
 import json
 import os
 import pwd
@@ -33,6 +34,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -40,7 +42,14 @@ import click
 from volutectl import names
 from volutectl.cli.completion import complete_minds
 from volutectl.cli.options import config_option
-from volutectl.errors import EX_NOUSER, DataError, UnavailableError, UsageError, VoluteError
+from volutectl.errors import (
+    EX_NOUSER,
+    DataError,
+    PermissionDeniedError,
+    UnavailableError,
+    UsageError,
+    VoluteError,
+)
 from volutectl.events import MESSAGE_IDS, Event
 
 # pydantic only when the command runs, not for a TAB (volutectl.cli.completion).
@@ -249,6 +258,63 @@ def find_journalctl() -> str:
     return found
 
 
+# Where journald keeps the system journal: persistent, else volatile.
+JOURNAL_DIRS = (Path("/var/log/journal"), Path("/run/log/journal"))
+# What journalctl says when it may read none of the system journal, or only the caller's
+# own: a mind's turns are system scopes, so either way they cannot be shown.
+NO_ACCESS = ("insufficient permissions", "permission denied", "not seeing messages from other")
+
+
+def journal_group(dirs: Iterable[Path] = JOURNAL_DIRS) -> str:
+    """The group that may read the system journal: its directory's (systemd-journal)."""
+    for directory in dirs:
+        try:
+            gid = directory.stat().st_gid
+        except OSError:
+            continue
+        try:
+            return grp.getgrgid(gid).gr_name
+        except KeyError:
+            return str(gid)
+    return "systemd-journal"
+
+
+def cannot_read_journal() -> PermissionDeniedError:
+    """77, naming the group to join: the group `volute` lets a user deliver, not read
+    the system journal, which journald keeps for root and its own group."""
+    group = journal_group()
+    try:
+        user = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        user = str(os.getuid())
+    return PermissionDeniedError(
+        f"user {user} may not read the system journal, where turns' output goes "
+        f"(it is for root and the group {group})",
+        hint=f"an admin adds you to it: usermod -aG {group} {user} (then log in again); "
+        "or run volutectl logs as root",
+    )
+
+
+def check_journal_access(
+    dirs: Iterable[Path] = JOURNAL_DIRS, machine_id: Path = Path("/etc/machine-id")
+) -> None:
+    """Refuse (77) before journalctl runs when the system journal's file is there but not
+    readable: journalctl would show the caller's own journal, or nothing, and say so
+    only in a hint."""
+    if os.geteuid() == 0:
+        return
+    try:
+        machine = machine_id.read_text().strip()
+    except OSError:
+        return
+    for directory in dirs:
+        system = directory / machine / "system.journal"
+        if system.exists():
+            if not os.access(system, os.R_OK):
+                raise cannot_read_journal()
+            return
+
+
 def query(argv: list[str], since: str | None) -> list[dict[str, Any]]:
     """Run journalctl to the end; its entries, or one clear error. Through subprocess,
     not volutectl/kernel/processes.py: its stdout and stderr are both read (that
@@ -259,6 +325,8 @@ def query(argv: list[str], since: str | None) -> list[dict[str, Any]]:
         raise UnavailableError(f"cannot run journalctl: {error}") from None
     if done.returncode != 0:
         raise journalctl_error(done.stderr, since)
+    if NO_ACCESS[2] in done.stderr.lower():
+        raise cannot_read_journal()
     return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
 
 
@@ -268,6 +336,8 @@ def journalctl_error(stderr: str, since: str | None) -> VoluteError:
         return UsageError(
             f"--since {since!r}: journalctl cannot read it ({said})", hint=SINCE_EXAMPLES
         )
+    if any(words in stderr.lower() for words in NO_ACCESS):
+        return cannot_read_journal()
     return UnavailableError(f"journalctl failed: {said}")
 
 
@@ -453,6 +523,7 @@ def logs_command(
       journalctl -u volute-turn-MIND-ID.scope   one turn's output
       journalctl -t volute-MIND                 the output of every turn of MIND
     """
+    check_journal_access()  # first: a member of volute may not read the config either
     try:
         from volutectl.config.settings import load_settings
 

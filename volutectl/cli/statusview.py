@@ -11,9 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from volutectl.core.slotmath import CONFIG_KEY, GIT_CONFIG_KEY
 from volutectl.durations import format_duration
 from volutectl.states import AdaptiveMode
-from volutectl.wire.messages import AdaptiveStatus, MindStatus, PausedMind, Status
+from volutectl.wire.messages import (
+    AdaptiveStatus,
+    MindStatus,
+    PausedMind,
+    RepositoryStatus,
+    Status,
+)
 
 COLUMNS = ("MIND", "RUNNING", "PENDING", "ATTEMPTS", "NEXT RETRY", "LAST TURN", "DEAD", "PAUSED")
 NUMERIC = {"PENDING", "ATTEMPTS", "DEAD"}  # right-aligned
@@ -112,12 +119,7 @@ def _totals(status: Status, now: float) -> list[str]:
         f"turns: {status.active_turns} running of {cap}{other} "
         f"({status.turns_per_mind} per mind, in {status.slice})"
     ]
-    held = ", ".join(f"{n} {reason}" for reason, n in sorted(status.holds.items()))
-    held_note = f" (held: {held})" if held else ""
-    lines.append(
-        f"queue: {status.queue_depth} pending{held_note}, "
-        f"oldest hold {_age(status.oldest_held_s)}; {status.dead} dead"
-    )
+    lines.append(_queue_line(status))
     if status.paused:
         lines.append(_pauses(status.paused, now))
     for mind, problems in sorted(status.preflight.items()):
@@ -129,19 +131,43 @@ def _totals(status: Status, now: float) -> list[str]:
         state = f"HIGH ({pressure.reason}): holding new turns" if pressure.high else "ok"
         lines.append(f"io pressure: {state}; {pressure.trigger}")
     for repo in status.test_runs:
-        held_slots = repo.slots_held if repo.slots_held is not None else "?"
-        slots = repo.slots if repo.slots is not None else "?"
-        counted = " (count as turns)" if status.test_runs_count_as_turns else ""
-        if repo.slots_held is None and repo.problem:
-            lines.append(f"test slots: cannot watch {repo.repository}: {repo.problem}")
-        else:
-            problem = f" ({repo.problem})" if repo.problem else ""
-            lines.append(
-                f"test slots: {held_slots} of {slots} held in {repo.repository}{counted}{problem}"
-            )
+        lines.append(_slots_line(repo, status.test_runs_count_as_turns))
         for run in repo.runs:
             lines.append(
                 f"  test run: {run.worktree} `{run.command}` "
                 f"running {_age(run.running_s)}  ({run.unit})"
             )
     return lines
+
+
+def _queue_line(status: Status) -> str:
+    """`queue: 5 pending (2 backing off; held: 3 global_cap), oldest hold 4.0s; 1 dead`:
+    backing off counted as the gate's STATUS= line counts it."""
+    parts = [f"{status.backing_off} backing off"] if status.backing_off else []
+    held = ", ".join(f"{n} {reason}" for reason, n in sorted(status.holds.items()))
+    if held:
+        parts.append(f"held: {held}")
+    note = f" ({'; '.join(parts)})" if parts else ""
+    return (
+        f"queue: {status.queue_depth} pending{note}, "
+        f"oldest hold {_age(status.oldest_held_s)}; {status.dead} dead"
+    )
+
+
+def _slots_line(repo: RepositoryStatus, count_as_turns: bool) -> str:
+    """One repository's test slots. Runs beyond the slots held took none: their cap was
+    0 (off), so "0 of 1 held" alone would hide them."""
+    if repo.slots_held is None and repo.problem:
+        return f"test slots: cannot watch {repo.repository}: {repo.problem}"
+    held = repo.slots_held if repo.slots_held is not None else "?"
+    slots = repo.slots if repo.slots is not None else "?"
+    counted = " (count as turns)" if count_as_turns else ""
+    problem = f" ({repo.problem})" if repo.problem else ""
+    line = f"test slots: {held} of {slots} held in {repo.repository}{counted}{problem}"
+    uncapped = len(repo.runs) - (repo.slots_held or 0)
+    if repo.slots_held is not None and uncapped > 0:
+        line += (
+            f"; {uncapped} run{'s' if uncapped != 1 else ''} without a slot: no test cap set "
+            f"(--slots 0, git config {GIT_CONFIG_KEY} 0 or {CONFIG_KEY} = 0)"
+        )
+    return line

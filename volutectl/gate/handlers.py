@@ -35,7 +35,7 @@ from volutectl.gate.state import GateState
 from volutectl.slots.watch import RepositoryLimit
 from volutectl.states import DEFAULT_LISTED, QueueState
 from volutectl.store.minds import EVERY_MIND
-from volutectl.store.queue import NewDelivery
+from volutectl.store.queue import AlreadyQueued, NewDelivery
 from volutectl.store.quotas import Quota, QuotaExceeded
 from volutectl.wire.messages import (
     ChangedReply,
@@ -59,6 +59,7 @@ from volutectl.wire.messages import (
     RetryRequest,
     StatusReply,
     StatusRequest,
+    Unchanged,
     WaitReply,
     WaitRequest,
 )
@@ -93,6 +94,7 @@ def queue_handler(state: GateState, request: QueueRequest, caller: Caller) -> Qu
     states = request.states or DEFAULT_LISTED
     uid = caller.only_own()
     rows = state.store.list_rows(states, request.limit, uid=uid)
+    now = time.time()
     return QueueReply(
         rows=tuple(
             QueueRow(
@@ -107,6 +109,7 @@ def queue_handler(state: GateState, request: QueueRequest, caller: Caller) -> Qu
                 created_at=row.created_at,
                 last_error=row.last_error,
                 bytes=len(row.message),
+                not_before=row.not_before if _backing_off(row.state, row.not_before, now) else None,
             )
             for row in rows
         ),
@@ -114,12 +117,17 @@ def queue_handler(state: GateState, request: QueueRequest, caller: Caller) -> Qu
     )
 
 
+def _backing_off(row_state: QueueState, not_before: float | None, now: float) -> bool:
+    """As the index counts a row backing off (status, STATUS=): pending, not before later."""
+    return row_state is QueueState.PENDING and not_before is not None and not_before > now
+
+
 def retry_handler(state: GateState, request: RetryRequest, caller: Caller) -> ChangedReply:
     changed = state.store.retry(request.ids)
     for delivery_id in changed:
         state.journal.emit(events.DeliveryRetried(delivery_id=delivery_id))
     state.dirty = True
-    return ChangedReply(tuple(changed))
+    return _changed_reply(state, request.ids, changed)
 
 
 def drop_handler(state: GateState, request: DropRequest, caller: Caller) -> ChangedReply:
@@ -128,7 +136,16 @@ def drop_handler(state: GateState, request: DropRequest, caller: Caller) -> Chan
         state.journal.emit(events.DeliveryDropped(delivery_id=delivery_id))
         state.notify(Settled(delivery_id=delivery_id, state=QueueState.DROPPED))
     state.dirty = True
-    return ChangedReply(tuple(changed))
+    return _changed_reply(state, request.ids, changed)
+
+
+def _changed_reply(state: GateState, asked: Sequence[int], changed: list[int]) -> ChangedReply:
+    """The reply to a retry or drop: what changed, and the state each other id is in, so
+    the client can say per id why nothing happened to it."""
+    left = [delivery_id for delivery_id in dict.fromkeys(asked) if delivery_id not in changed]
+    states = {row.id: row.state for row in state.store.rows(left, with_message=False)}
+    unchanged = tuple(Unchanged(delivery_id, states.get(delivery_id)) for delivery_id in left)
+    return ChangedReply(tuple(changed), unchanged)
 
 
 def register_repo_handler(
@@ -346,6 +363,9 @@ def accept_deliveries(
         if isinstance(result, VoluteError):
             done.append(ErrorReply.of(result))
             continue
+        if isinstance(result, AlreadyQueued):
+            done.append(DeliverAck(result, already_queued=True))
+            continue  # its DeliveryQueued was told when it was stored
         done.append(DeliverAck(result))
         state.journal.emit(
             events.DeliveryQueued(mind=request.mind, session=request.session, delivery_id=result)

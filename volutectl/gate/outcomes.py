@@ -2,7 +2,8 @@
 
 A client waits for deliveries (`deliver --wait`, or a `wait` request): `Waiters` keeps
 it for them, and tells it of each once it settles (done, dead or dropped). What it is
-told is built in one place, `Settled.event`: live, as a turn settles its deliveries
+told is built in one place, `Settled.event` (and `Settled.progress`, for a client that
+asked to hear of each failed attempt too): live, as a turn settles its deliveries
 (volutectl/gate/turns.py) or a drop removes one (volutectl/gate/handlers.py), and on
 replay, from the store (`stored`), for a wait that comes after its delivery settled
 (a retried `deliver --wait` whose delivery ran before the retry arrived, or a `wait`).
@@ -15,7 +16,14 @@ from typing import TYPE_CHECKING
 
 from volutectl.core import admission
 from volutectl.states import Outcome, QueueState
-from volutectl.wire.messages import DeliveryDead, DeliveryDropped, Event, Reply, TurnEnded
+from volutectl.wire.messages import (
+    AttemptFailed,
+    DeliveryDead,
+    DeliveryDropped,
+    Event,
+    Reply,
+    TurnEnded,
+)
 
 if TYPE_CHECKING:
     from volutectl.gate.server import Client, Server
@@ -32,6 +40,27 @@ class Settled:
     turn_id: int | None = None  # the turn that carried it, or ran its last attempt
     outcome: Outcome | None = None  # that turn's
     exit_status: int | None = None  # that turn's
+    # A failed attempt that will be tried again (state pending): what it counted.
+    attempts: int = 0
+    max_attempts: int = 0
+    not_before: float | None = None
+
+    def progress(self) -> AttemptFailed | None:
+        """What a client that asked for progress is told of a failed attempt that will be
+        tried again; None for anything else."""
+        if self.state is not QueueState.PENDING or self.not_before is None:
+            return None
+        ran = self.outcome is not None and self.outcome is not Outcome.START_FAILED
+        return AttemptFailed(
+            id=self.delivery_id,
+            error=self.error or "failed",
+            attempt=self.attempts,
+            max_attempts=self.max_attempts,
+            next_try_at=self.not_before,
+            turn_id=self.turn_id if ran else None,
+            outcome=self.outcome,
+            exit_status=self.exit_status if ran else None,
+        )
 
     def event(self) -> Event | None:
         """What a waiting client is told of it; None while it has not settled (a failed
@@ -88,9 +117,19 @@ class Waiters:
         self.by_delivery: dict[int, list[Client]] = {}
         server.on_drop = self.forget
 
-    def wait(self, client: Client, ids: tuple[int, ...], reply: Reply, *, look: bool) -> None:
+    def wait(
+        self,
+        client: Client,
+        ids: tuple[int, ...],
+        reply: Reply,
+        *,
+        look: bool,
+        progress: bool = False,
+    ) -> None:
         """Keep `client` for the events of `ids`, after `reply`; with `look`, tell at
-        once of those that have settled already."""
+        once of those that have settled already; with `progress`, tell it of each failed
+        attempt too (a wait asked with progress on the connection keeps it)."""
+        client.progress = client.progress or progress
         for delivery_id in ids:
             client.waiting.add(delivery_id)
             self.by_delivery.setdefault(delivery_id, []).append(client)
@@ -102,9 +141,17 @@ class Waiters:
                 self.tell(settled)
 
     def tell(self, settled: Settled) -> None:
-        """Tell the delivery's waiters how it settled, if it has; they wait no more."""
+        """Tell the delivery's waiters how it settled, if it has; they wait no more. A
+        failed attempt that will be tried again is told to those that asked for progress,
+        and they wait on."""
         event = settled.event()
         if event is None:
+            attempt = settled.progress()
+            if attempt is None:
+                return
+            for client in self.by_delivery.get(settled.delivery_id, []):
+                if client.progress:
+                    self.server.reply(client, attempt)
             return
         for client in self.by_delivery.pop(settled.delivery_id, []):
             client.waiting.discard(settled.delivery_id)

@@ -74,6 +74,7 @@ class Client:
     closed: bool = False
     eof: bool = False  # it shut its writing side: no more requests, but it may wait
     waiting: set[int] = field(default_factory=set)  # delivery ids it waits for
+    progress: bool = False  # it asked to hear of each failed attempt of those (AttemptFailed)
     # Monotonic time of the last complete line, of the accept, or of a wait's end: the
     # client is dropped gate.client_idle_seconds later, unless it is waiting.
     idle_since: float = 0.0

@@ -22,6 +22,7 @@ from volutectl.wire.messages import (
     Reply,
     Request,
     WaitReply,
+    WaitRequest,
 )
 
 
@@ -54,10 +55,10 @@ class Serving:
         """Send the reply; a client that asked to wait is kept for the outcome."""
         if isinstance(request, DeliverRequest) and request.wait and isinstance(reply, DeliverAck):
             # A retried request's delivery may have run already: look, then.
-            look = request.request_id is not None
-            self.waiters.wait(client, (reply.id,), reply, look=look)
-        elif isinstance(reply, WaitReply):
-            self.waiters.wait(client, reply.ids, reply, look=True)
+            look = request.request_id is not None or reply.already_queued
+            self.waiters.wait(client, (reply.id,), reply, look=look, progress=request.progress)
+        elif isinstance(reply, WaitReply) and isinstance(request, WaitRequest):
+            self.waiters.wait(client, reply.ids, reply, look=True, progress=request.progress)
         else:
             self.server.reply(client, reply)
 

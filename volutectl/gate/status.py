@@ -69,6 +69,7 @@ def build(state: GateState) -> Status:
         preflight=preflight.failing_recently(state.settings),  # a fix shows within 2 s
         paused=tuple(PausedMind(mind, since) for mind, since in pauses.items()),
         adaptive=state.adaptive.status() if state.adaptive is not None else None,
+        backing_off=len(state.store.index.backing_off(now)),
     )
 
 

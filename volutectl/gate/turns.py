@@ -398,9 +398,22 @@ class Turns:
         notify: bool = True,
     ) -> None:
         """Once the failure is committed: log the rows that went dead, and tell their
-        waiters (unless they are told of the turn that carried them instead)."""
+        waiters (unless they are told of the turn that carried them instead): dead, or
+        of the failed attempt, for those that asked for progress."""
         for row in rows:
             after = failed.get(row.id)
+            if after is not None and after.state is QueueState.PENDING and notify:
+                self.notify(
+                    Settled(
+                        delivery_id=row.id,
+                        state=QueueState.PENDING,
+                        error=error,
+                        outcome=Outcome.START_FAILED,
+                        attempts=after.attempts,
+                        max_attempts=self.settings.gate.max_attempts,
+                        not_before=after.not_before,
+                    )
+                )
             if after is not None and after.state is QueueState.DEAD:
                 self.journal.emit(
                     events.DeliveryDied(
@@ -496,7 +509,7 @@ class Turns:
             if outcome.kind.carried:
                 state = QueueState.DONE
             elif after is not None:
-                state = after.state  # dead, or backing off (then its waiters hear nothing)
+                state = after.state  # dead, or backing off (told only to who asks progress)
             else:
                 continue
             self.notify(
@@ -507,5 +520,8 @@ class Turns:
                     turn_id=turn.id,
                     outcome=outcome.kind,
                     exit_status=outcome.exit_status,
+                    attempts=after.attempts if after is not None else 0,
+                    max_attempts=self.settings.gate.max_attempts,
+                    not_before=after.not_before if after is not None else None,
                 )
             )

@@ -24,11 +24,11 @@ from volutectl.core.admission import AfterFailure
 from volutectl.errors import PermissionDeniedError, UnavailableError, VoluteError
 from volutectl.states import HoldReason, Outcome, QueueState, TurnState
 from volutectl.store.minds import MindStore
-from volutectl.store.rows import NewDelivery, RequestIdReused, Row, TurnRow
+from volutectl.store.rows import AlreadyQueued, NewDelivery, RequestIdReused, Row, TurnRow
 from volutectl.store.schema import Transaction, migrate, schema_version
 
 # The records are volutectl/store/rows.py's; they are re-exported for the store's callers.
-__all__ = ["NewDelivery", "RequestIdReused", "Row", "Store", "TurnRow"]
+__all__ = ["AlreadyQueued", "NewDelivery", "RequestIdReused", "Row", "Store", "TurnRow"]
 
 PENDING = QueueState.PENDING
 RUNNING = QueueState.RUNNING
@@ -182,13 +182,14 @@ class Store:
     ) -> list[int | VoluteError]:
         """Insert deliveries in ONE durable commit; one result per item, in order.
 
-        A request id the store already holds, with the same mind, session, message and
-        interrupt flag, inserts nothing and gives back the ORIGINAL delivery id, whatever
-        state that delivery is in by now. The same id twice in one batch is the same
-        request twice. The same id with other content is refused: that item's result is a
-        RequestIdReused error (65), and the batch's other items still go in. `refuse`
-        (a quota: volutectl/store/quotas.py) is asked about each item that would be inserted,
-        in order; an error it gives is that item's result, and nothing of it is stored.
+        A request id the store already holds from the same uid, with the same mind,
+        session, message and interrupt flag, inserts nothing and gives back the ORIGINAL
+        delivery id (as AlreadyQueued), whatever state that delivery is in by now. The
+        same id twice in one batch is the same request twice. The same id with other
+        content is refused: that item's result is a RequestIdReused error (65), and the
+        batch's other items still go in. `refuse` (a quota: volutectl/store/quotas.py) is
+        asked about each item that would be inserted, in order; an error it gives is that
+        item's result, and nothing of it is stored.
         """
         now = time.time() if now is None else now
         results: list[int | VoluteError] = []
@@ -231,10 +232,11 @@ class Store:
     def _unpended(self, ids: Iterable[int]) -> None: ...
     def _finished(self, ids: list[int]) -> None: ...
 
-    def _by_request_id(self, item: NewDelivery) -> int | RequestIdReused | None:
+    def _by_request_id(self, item: NewDelivery) -> AlreadyQueued | RequestIdReused | None:
         found = self._select(
-            "SELECT id, mind, session, message, interrupt FROM deliveries WHERE request_id = ?",
-            (item.request_id,),
+            "SELECT id, mind, session, message, interrupt FROM deliveries "
+            "WHERE uid IS ? AND request_id = ?",
+            (item.uid, item.request_id),
         ).fetchone()
         if found is None:
             return None
@@ -245,7 +247,9 @@ class Store:
             and bool(found["interrupt"]) == bool(item.interrupt)
         )
         delivery_id = int(found["id"])
-        return delivery_id if same else RequestIdReused(str(item.request_id), delivery_id)
+        if not same:
+            return RequestIdReused(str(item.request_id), delivery_id)
+        return AlreadyQueued(delivery_id)
 
     def pending(self, *, with_message: bool = False) -> list[Row]:
         """Pending rows in id order. Without `with_message`, Row.message is empty: admission

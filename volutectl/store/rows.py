@@ -1,6 +1,7 @@
 """The records of the queue database: what the store takes in and hands out.
 
-`NewDelivery` (a delivery to add), `Row` (a delivery as stored), `TurnRow` (a turn as
+`NewDelivery` (a delivery to add), `AlreadyQueued` (the id a request id sent again
+gives back), `Row` (a delivery as stored), `TurnRow` (a turn as
 stored) and `RequestIdReused` (the refusal of a reused request id): plain frozen
 dataclasses with no SQL, so the store's callers and quotas (volutectl/store/quotas.py)
 can name them without the store. The store (volutectl/store/queue.py) is the only module
@@ -24,16 +25,22 @@ class RequestIdReused(DataError):
         super().__init__(
             f"request id {request_id} was already used for delivery {delivery_id}, "
             "with other content",
-            hint="a client makes a new random request id for each new message",
+            hint="a client makes a new request id for each new message",
         )
         self.request_id = request_id
         self.delivery_id = delivery_id
 
 
+class AlreadyQueued(int):
+    """A delivery id that a request id the store held already gave back: nothing new was
+    stored. An int, so a caller that only wants the id need not tell the two apart."""
+
+
 @dataclass(frozen=True)
 class NewDelivery:
-    """A delivery to add. `request_id`, made by the client, makes a retry harmless;
-    `uid` is who delivered it (None: not known), whose quota it counts against."""
+    """A delivery to add. `request_id`, made by the client, makes a retry harmless (it is
+    unique per `uid`); `uid` is who delivered it (None: not known), whose quota it counts
+    against."""
 
     mind: str
     session: str

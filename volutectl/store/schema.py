@@ -119,6 +119,15 @@ CREATE INDEX deliveries_turn ON deliveries(turn_id) WHERE turn_id IS NOT NULL;
     6: """
 ALTER TABLE deliveries ADD COLUMN uid INTEGER;
 """,
+    # 7 -> 8 (client-chosen request ids): `deliver --request-id` lets a script name its
+    # request ("nightly-2026-12-01"), so an id is unique per sender uid, not across the
+    # host: two users' scripts may pick the same name, and one must never be answered
+    # with the other's delivery. Random ids were unique anyway, so no row conflicts.
+    7: """
+DROP INDEX deliveries_request;
+CREATE UNIQUE INDEX deliveries_request ON deliveries(uid, request_id)
+    WHERE request_id IS NOT NULL;
+""",
 }
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
 

@@ -10,7 +10,7 @@ it on its hot path.
 from __future__ import annotations
 
 from volutectl.errors import DataError
-from volutectl.names import NameError_, check_mind, check_session
+from volutectl.names import NameError_, check_mind, check_request_id, check_session
 from volutectl.states import QueueState
 from volutectl.wire.records import kind_of
 
@@ -18,7 +18,7 @@ TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: no `typing` import at run t
 if TYPE_CHECKING:
     from typing import Any
 
-REQUEST_ID_LENGTH = 32  # 128 random bits, lowercase hex
+REQUEST_ID_LENGTH = 32  # what a client makes at random: 128 bits, lowercase hex
 QUEUE_LIMIT = 50  # rows a queue request lists unless it asks for another number
 QUEUE_LIMIT_MAX = 10_000  # about 2.5 MB of reply
 
@@ -77,18 +77,18 @@ def queue_limit(obj: dict[str, Any]) -> int:
 
 
 def request_id(obj: dict[str, Any]) -> str | None:
-    """A deliver request's client-made id (128 random bits, hex), or None if it has none.
-    Clients older than request ids send none; their requests are never merged."""
+    """A deliver request's client-made id, or None if it has none. Clients older than
+    request ids send none; their requests are never merged. volutectl makes 32 random
+    hex digits, or takes the user's (`deliver --request-id`): any names.REQUEST_ID_PATTERN."""
     value = obj.get("request_id")
     if value is None:
         return None
-    if (
-        not isinstance(value, str)
-        or len(value) != REQUEST_ID_LENGTH
-        or any(ch not in "0123456789abcdef" for ch in value)
-    ):
-        raise DataError(f"request_id: must be {REQUEST_ID_LENGTH} lowercase hex digits (128 bits)")
-    return value
+    if not isinstance(value, str):
+        raise DataError(f"request_id: must be a string, not {kind_of(value)}")
+    try:
+        return check_request_id(value)
+    except NameError_ as error:
+        raise DataError(f"request_id: {_shorter(str(error))}") from None
 
 
 def names(mind: str, session: str) -> None:

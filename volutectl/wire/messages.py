@@ -121,13 +121,23 @@ class DeliverRequest(Request["DeliverAck"]):
     interrupt: bool = False
     wait: bool = False
     request_id: str | None = None
+    QUIET = frozenset({"progress"})
+    # With wait: also tell each failed attempt that will be tried again (AttemptFailed).
+    # Asked for, so that a client that knows no such event is never sent one.
+    progress: bool = False
 
     @classmethod
     def decode(cls, obj: dict[str, Any]) -> Self:
         mind, session = text(obj, "mind"), text(obj, "session", "main")
         message = text(obj, "message")
         request = cls(
-            mind, message, session, flag(obj, "interrupt"), flag(obj, "wait"), request_id(obj)
+            mind,
+            message,
+            session,
+            flag(obj, "interrupt"),
+            flag(obj, "wait"),
+            request_id(obj),
+            flag(obj, "progress"),
         )
         fields.names(mind, session)
         return request
@@ -235,13 +245,15 @@ class WaitRequest(Request["WaitReply"]):
     OP = Op.WAIT
     WIRE = {"op": Op.WAIT.value}
     ids: tuple[int, ...]
+    QUIET = frozenset({"progress"})
+    progress: bool = False  # also tell each failed attempt (AttemptFailed), as deliver's
 
     @classmethod
     def decode(cls, obj: dict[str, Any]) -> Self:
         ids = delivery_ids(obj)
         if len(ids) > MAX_WAIT_IDS:
             raise DataError(f"ids: at most {MAX_WAIT_IDS} deliveries in one wait, not {len(ids)}")
-        return cls(ids)
+        return cls(ids, flag(obj, "progress"))
 
 
 REQUESTS: dict[Op, type[Request[Reply]]] = {
@@ -304,12 +316,27 @@ class DeliverAck(Reply):
     """The delivery is durably queued as `id` (or was already: a retried request id)."""
 
     id: int
+    QUIET = frozenset({"already_queued"})
+    # True: the request id was the sender's already, for this same delivery; nothing new
+    # was stored (false from a gate before this field).
+    already_queued: bool = False
+
+
+class Unchanged(Record):
+    """An id a retry or drop left as it was, and why: the state it is in, or None when the
+    queue holds no such delivery (never queued, or removed by retention)."""
+
+    id: int
+    state: QueueState | None
 
 
 class ChangedReply(Reply):
-    """The ids a retry or drop changed; the others were in no state to change."""
+    """The ids a retry or drop changed; the others were in no state to change, and
+    `unchanged` says which state each is in (empty from a gate before it)."""
 
     changed: tuple[int, ...]
+    unchanged: tuple[Unchanged, ...] = ()
+    QUIET = frozenset({"unchanged"})
 
 
 class RegisterReply(Reply):
@@ -328,6 +355,10 @@ class QueueRow(Record):
     created_at: float
     last_error: str | None
     bytes: int
+    # A pending row backing off after a failed attempt: when its next try may start
+    # (seconds since the epoch); sent only then.
+    not_before: float | None = None
+    QUIET = frozenset({"not_before"})
 
 
 class QueueReply(Reply):
@@ -432,6 +463,9 @@ class Status(Record):
     preflight: dict[str, tuple[str, ...]] = {}
     paused: tuple[PausedMind, ...] = ()
     adaptive: AdaptiveStatus | None = None  # None from a gate before it
+    # Pending deliveries whose backoff after a failed attempt has not ended: of
+    # queue_depth, counted as the STATUS= line counts them (0 from a gate before it).
+    backing_off: int = 0
 
 
 class StatusReply(Reply):
@@ -439,7 +473,8 @@ class StatusReply(Reply):
 
 
 # Events: what a waiting client is told once its delivery settles (done, dead or
-# dropped); a failed turn whose delivery will be tried again tells it nothing yet.
+# dropped); a failed turn whose delivery will be tried again tells it nothing, unless
+# it asked for progress (AttemptFailed).
 
 
 class TurnEnded(Reply):
@@ -470,11 +505,27 @@ class DeliveryDropped(Reply):
     id: int
 
 
+class AttemptFailed(Reply):
+    """An attempt at delivery `id` failed, and it will be tried again: not a settlement,
+    so the wait goes on. Sent only to a client that asked (`progress`)."""
+
+    WIRE = {"ok": True, "event": "attempt_failed"}
+    id: int
+    error: str  # why the attempt failed: "turn 7 exited 3"
+    attempt: int  # the attempts counted so far, this one included
+    max_attempts: int  # gate.max_attempts when it failed: the last attempt's number
+    next_try_at: float  # seconds since the epoch: its backoff ends
+    turn_id: int | None = None  # the turn of the attempt (None: none started)
+    outcome: Outcome | None = None
+    exit_status: int | None = None  # 128+N after signal N
+
+
 Event = TurnEnded | DeliveryDead | DeliveryDropped
 EVENTS: dict[object, type[Reply]] = {
     "turn_ended": TurnEnded,
     "dead": DeliveryDead,
     "dropped": DeliveryDropped,
+    "attempt_failed": AttemptFailed,
 }
 
 
@@ -487,7 +538,7 @@ def expect(cls: type[R], obj: dict[str, Any]) -> R:
     return cls.from_wire(obj)
 
 
-def decode_event(obj: dict[str, Any]) -> Event:
+def decode_event(obj: dict[str, Any]) -> Event | AttemptFailed:
     if obj.get("ok") is False:
         ErrorReply.from_wire(obj).raise_it()
     cls = EVENTS.get(obj.get("event"))

@@ -7,7 +7,8 @@ dataclass_transform) and, at run time, a small class with no `typing` or `datacl
 its fields are its annotations, in order; a field with a class attribute has that
 default; instances are frozen, compared and shown by their fields.
 
-`to_wire()` is the record's JSON object (plus its class's constant WIRE fields);
+`to_wire()` is the record's JSON object (plus its class's constant WIRE fields, less
+its QUIET ones at their defaults);
 `from_wire()` builds one from JSON by the declared field types, a WireError (76) naming
 the field for anything that does not fit.
 """
@@ -49,6 +50,9 @@ class Record:
     FIELDS: ClassVar[tuple[str, ...]] = ()
     TYPES: ClassVar[dict[str, str]] = {}
     WIRE: ClassVar[dict[str, object]] = {}
+    # Fields sent only when they differ from their default: ones added to a message
+    # after its first version, which a peer that knows them reads as that default.
+    QUIET: ClassVar[frozenset[str]] = frozenset()
 
     def __init_subclass__(cls) -> None:
         own = {
@@ -93,7 +97,9 @@ class Record:
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = dict(self.WIRE)
         for name in self.FIELDS:
-            wire[name] = _to_wire(getattr(self, name))
+            value = getattr(self, name)
+            if name not in self.QUIET or value != getattr(type(self), name):
+                wire[name] = _to_wire(value)
         return wire
 
     @classmethod
