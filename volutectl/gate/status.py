@@ -22,6 +22,7 @@ from volutectl.states import AdaptiveMode, QueueState
 from volutectl.store.minds import EVERY_MIND
 from volutectl.systemd.journal import sd_notify
 from volutectl.wire.messages import (
+    ConfigStatus,
     MindStatus,
     PausedMind,
     PressureStatus,
@@ -69,6 +70,7 @@ def build(state: GateState) -> Status:
         preflight=preflight.failing_recently(state.settings),  # a fix shows within 2 s
         paused=tuple(PausedMind(mind, since) for mind, since in pauses.items()),
         adaptive=state.adaptive.status() if state.adaptive is not None else None,
+        config=state.config,
     )
 
 
@@ -158,7 +160,19 @@ def gate_line(state: GateState, now: float, tests: int) -> str:
         backing_off=len(index.backing_off(now)),
         dead=sum(state.store.minds.dead_counts().values()),
         paused=state.paused,
-    )
+    ) + config_note(state.config)
+
+
+def config_note(config: ConfigStatus | None) -> str:
+    """What STATUS= adds about the config: a refused reload, keys needing a restart."""
+    if config is None:
+        return ""
+    note = ""
+    if config.refused is not None:
+        note += f"; config reload refused, old config in force: {config.refused}"
+    if config.needs_restart:
+        note += f"; needs a restart to apply: {', '.join(config.needs_restart)}"
+    return note
 
 
 def status_line(

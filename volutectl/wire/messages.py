@@ -413,6 +413,17 @@ class AdaptiveStatus(Record):
     probe_ms: float | None = None  # the last reading of the gate's synced probe
 
 
+class ConfigStatus(Record):
+    """The gate's configuration: when the one it runs was read, and the last reload that
+    was refused (an invalid file: the running one stayed) or that kept keys needing a
+    restart. Times are seconds since the epoch."""
+
+    loaded_at: float
+    refused: str | None = None  # the error of the last reload, if it was refused
+    refused_at: float | None = None
+    needs_restart: tuple[str, ...] = ()  # keys changed in the file, kept until a restart
+
+
 class Status(Record):
     active_turns: int  # turn scopes that hold a process, ours and others in the slice
     global_cap: int | None
@@ -432,6 +443,7 @@ class Status(Record):
     preflight: dict[str, tuple[str, ...]] = {}
     paused: tuple[PausedMind, ...] = ()
     adaptive: AdaptiveStatus | None = None  # None from a gate before it
+    config: ConfigStatus | None = None  # None from a gate before it
 
 
 class StatusReply(Reply):
