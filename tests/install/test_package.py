@@ -412,7 +412,9 @@ def test_a_misspelt_key_answers_78_within_2_s_and_restarts_at_most_once(
     m = installed.machine
     config = m.host_path(CONFIG)
     good = config.read_text()
-    config.write_text(good + "\n[limits]\nglobal_concurent_turns = 2\n")
+    # Into the shipped file's own [limits] table (a second one would not be TOML).
+    assert good.count("\n[limits]\n") == 1
+    config.write_text(good.replace("\n[limits]\n", "\n[limits]\nglobal_concurent_turns = 2\n"))
     try:
         m.run(["systemctl", "restart", "volute-gate.service"], timeout=60)
         restarts = int(show(m, "volute-gate.service", "NRestarts"))

@@ -37,7 +37,7 @@ RELOAD_HINT = "fix it (`volutectl config check` rechecks it), then: systemctl re
 def refusal(error: VoluteError) -> ErrorReply:
     """What every request gets: the config error (78), and how to recover."""
     others = error.hint if error.hint and error.hint != FIX_HINT else None
-    hint = f"{others}; {RELOAD_HINT}" if others else RELOAD_HINT
+    hint = f"{others}; then: systemctl reload volute-gate" if others else RELOAD_HINT
     message = f"the gate has no valid config, so it takes nothing: {error.message}"
     return ErrorReply.of(ConfigError(message, hint=hint))
 
