@@ -436,7 +436,7 @@ def test_a_misspelt_key_answers_78_within_2_s_and_restarts_at_most_once(
         config.write_text(good)
     m.run(["systemctl", "reload", "volute-gate.service"], timeout=60)
     assert show(m, "volute-gate.service", "MainPID") == pid  # up whole, in the same process
-    assert delivery_states(m) == before  # the refused delivery was never stored
+    assert delivery_states(m).keys() == before.keys()  # the refused one was never stored
     delivered = m.run(["volutectl", "deliver", QUICK, "--message", "after the fix"])
     wait_done(m, [int(delivered.stdout)])
 
