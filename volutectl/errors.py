@@ -77,3 +77,8 @@ def format_error(error: VoluteError) -> str:
     if error.hint:
         text += f"\n  hint: {error.hint}"
     return text
+
+
+def one_line(error: VoluteError) -> str:
+    """The error and its hint as one line, for a journal field or a status line."""
+    return f"{error.message} (hint: {error.hint})" if error.hint else error.message

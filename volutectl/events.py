@@ -75,6 +75,9 @@ class Event(StrEnum):
     TURN_DIR_SET_ASIDE = "turn_dir_set_aside"
     SWEEP_FAILED = "sweep_failed"
     TRASH_LEFT = "trash_left"
+    GATE_CONFIG_INVALID = "gate_config_invalid"
+    GATE_CONFIG_RELOADED = "gate_config_reloaded"
+    GATE_CONFIG_REFUSED = "gate_config_refused"
 
 
 # MESSAGE_ID of each event an operator queries for (`journalctl MESSAGE_ID=...`); made
@@ -115,6 +118,9 @@ MESSAGE_IDS: Mapping[Event, str] = {
     Event.TURN_DIR_SET_ASIDE: "8029684c93684483872e02ff2cb90db5",
     Event.SWEEP_FAILED: "4e6e0f1703074ffabe2af3b7a2f156cc",
     Event.TRASH_LEFT: "241a94c0e4094dd1827bf6881e4d84fe",
+    Event.GATE_CONFIG_INVALID: "677af27734f7478d8a64e701be14cc76",
+    Event.GATE_CONFIG_RELOADED: "7a53a0c8111c46e1a178729271413029",
+    Event.GATE_CONFIG_REFUSED: "78306785c64d4ed6ae6b1470f5d3779c",
 }
 
 # The metadata of a field that is in the message only, not sent as a journal field.
@@ -1094,6 +1100,51 @@ class RegistryNotSaved(BaseEvent):
 
     def message(self) -> str:
         return f"cannot save {self.path}: {self.error}"
+
+
+# -- the gate's own configuration: a bad one at start, and `systemctl reload` ------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class GateConfigInvalid(BaseEvent):
+    """The gate has no valid configuration (at start, or a reload of a degraded gate):
+    it serves its socket, refusing every request with 78, and stores nothing."""
+
+    LEVEL = "error"
+    EVENT = Event.GATE_CONFIG_INVALID
+    error: str
+
+    def message(self) -> str:
+        return f"degraded, refusing every request until the config is fixed: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GateConfigReloaded(BaseEvent):
+    """`systemctl reload` (SIGHUP): the file was read again and applied. Keys that only a
+    restart can change keep their old values, and are named."""
+
+    LEVEL = "notice"
+    EVENT = Event.GATE_CONFIG_RELOADED
+    changed: str  # the dotted keys that changed, space-separated ("" for none)
+    needs_restart: str  # of those, the ones kept at their old values until a restart
+
+    def message(self) -> str:
+        text = f"config reloaded: {self.changed or 'nothing changed'}"
+        if self.needs_restart:
+            text += f"; needs a restart, kept as before: {self.needs_restart}"
+        return text
+
+
+@dataclass(frozen=True, kw_only=True)
+class GateConfigRefused(BaseEvent):
+    """A reload found the file invalid: the gate keeps the configuration it runs."""
+
+    LEVEL = "error"
+    EVENT = Event.GATE_CONFIG_REFUSED
+    error: str
+
+    def message(self) -> str:
+        return f"config reload refused, the running config stays: {self.error}"
 
 
 # -- the launcher (volute-launcher.service) ---------------------------------------------------

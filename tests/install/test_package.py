@@ -510,6 +510,61 @@ def test_a_member_of_volute_delivers_but_may_not_pause_drop_or_read_a_secret(
     m.run(["rm", "-rf", "/etc/volute/minds"])
 
 
+# -- issue 22, `reload`: a bad config never silences the gate; reload adds a mind ----------
+
+CONFIG = "/etc/volute/volutectl.toml"
+
+
+def test_a_misspelt_key_answers_78_within_2_s_and_restarts_at_most_once(
+    installed: Installed,
+) -> None:
+    m = installed.machine
+    config = m.host_path(CONFIG)
+    good = config.read_text()
+    # Into the shipped file's own [limits] table (a second one would not be TOML).
+    assert good.count("\n[limits]\n") == 1
+    config.write_text(good.replace("\n[limits]\n", "\n[limits]\nglobal_concurent_turns = 2\n"))
+    try:
+        m.run(["systemctl", "restart", "volute-gate.service"], timeout=60)
+        restarts = int(show(m, "volute-gate.service", "NRestarts"))
+        pid = show(m, "volute-gate.service", "MainPID")
+        started = time.monotonic()
+        refused = m.run(["volutectl", "deliver", QUICK, "--message", "typo"], check=False)
+        took = time.monotonic() - started
+        assert refused.returncode == 78, refused.stderr
+        assert took < 2.0, took
+        assert "limits.global_concurent_turns: unknown key" in refused.stderr
+        assert "did you mean `global_concurrent_turns`?" in refused.stderr
+        time.sleep(6)  # RestartSec=2s: a crash loop would have restarted it twice by now
+        assert show(m, "volute-gate.service", "ActiveState") == "active"
+        assert int(show(m, "volute-gate.service", "NRestarts")) <= restarts + 1
+        assert show(m, "volute-gate.service", "MainPID") == pid
+        assert "degraded" in show(m, "volute-gate.service", "StatusText")
+        before = delivery_states(m)
+    finally:
+        config.write_text(good)
+    m.run(["systemctl", "reload", "volute-gate.service"], timeout=60)
+    assert show(m, "volute-gate.service", "MainPID") == pid  # up whole, in the same process
+    assert delivery_states(m).keys() == before.keys()  # the refused one was never stored
+    delivered = m.run(["volutectl", "deliver", QUICK, "--message", "after the fix"])
+    wait_done(m, [int(delivered.stdout)])
+
+
+def test_a_mind_added_and_reloaded_takes_deliveries_with_the_same_pid(
+    installed: Installed,
+) -> None:
+    m = installed.machine
+    pid = show(m, "volute-gate.service", "MainPID")
+    config = m.host_path(CONFIG)
+    config.write_text(config.read_text() + '\n[minds.added]\ncommand = ["/bin/true"]\n')
+    unknown = m.run(["volutectl", "deliver", "added", "--message", "too early"], check=False)
+    assert unknown.returncode == 67 and "systemctl reload volute-gate" in unknown.stderr
+    m.run(["systemctl", "reload", "volute-gate.service"], timeout=60)
+    delivered = m.run(["volutectl", "deliver", "added", "--message", "after the reload"])
+    wait_done(m, [int(delivered.stdout)])
+    assert show(m, "volute-gate.service", "MainPID") == pid
+
+
 SLICES = ("volute.slice", "volute-turns.slice", "volute-tests.slice")
 
 

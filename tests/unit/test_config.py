@@ -520,7 +520,7 @@ def test_check_ok_names_file_and_minds(tmp_path: Path, capsys: pytest.CaptureFix
     code, out, err = run_cli(["config", "check", "--config", str(path)], capsys)
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0] == f"ok: {path}"
+    assert lines[-1] == f"ok: {path}"  # the verdict comes last, after what it judged
     assert f"  mind alice: from file {path} (at most 2 turn(s) at once)" in lines
     assert f"  mind bob.v2: from file {path} (at most 1 turn(s) at once)" in lines
     assert not [line for line in lines if "fail:" in line], out
@@ -575,7 +575,7 @@ def test_check_notes_an_adaptive_limit_turned_off_by_io_pressure(
     path = write(tmp_path, "[limits.io_pressure]\nenabled = true\n")
     code, out, err = run_cli(["config", "check", "--config", str(path)], capsys)
     assert code == 0, err
-    assert out.splitlines()[1].startswith(
+    assert out.splitlines()[0].startswith(
         "  note: limits.adaptive is off because limits.io_pressure.enabled is true"
     )
     path = write(tmp_path, "[limits]\n")
@@ -586,6 +586,14 @@ def test_check_notes_an_adaptive_limit_turned_off_by_io_pressure(
 
 CHECK_FAILURES = {
     "unknown key": ("[limits]\nbogus = 1\n", "limits.bogus: unknown key"),
+    "misspelt key": (
+        "[limits]\nglobal_concurent_turns = 2\n",
+        "limits.global_concurent_turns: unknown key (did you mean `global_concurrent_turns`?)",
+    ),
+    "misspelt mind key": (
+        '[minds.a]\ncommand = "x"\nuserr = "a"\n',
+        "minds.a.userr: unknown key (did you mean `user`?)",
+    ),
     "wrong type": ("[tests]\nconcurrent_runs = 'one'\n", "tests.concurrent_runs: "),
     "negative global cap": (
         "[limits]\nglobal_concurrent_turns = -1\n",
@@ -623,6 +631,8 @@ def test_check_failure_is_one_line_and_hint(tmp_path: Path, case: str) -> None:
     assert lines[0].startswith("volutectl: ") and expected in lines[0]
     assert str(path) in lines[0]
     assert lines[1].startswith("  hint: ")
+    # Not `config show`, which fails with the same error.
+    assert "config show" not in lines[1]
     assert "Traceback" not in result.stderr
 
 

@@ -237,7 +237,6 @@ def test_config_check_lists_each_minds_problems_and_exits_78(tree: Path) -> None
     result = run("config", "check", "--config", str(config))
     assert result.returncode == EX_CONFIG, result.stderr
     assert result.stdout.splitlines() == [
-        f"ok: {config}",
         *[f"  note: {note}" for note in limits_notes(Settings(limits=CEILING))],
         f"  mind ghost: from file {config} (at most 1 turn(s) at once)",
         "    fail: user 'no-such-user-here' does not exist",
@@ -247,6 +246,7 @@ def test_config_check_lists_each_minds_problems_and_exits_78(tree: Path) -> None
         *[f"    warn: {warning}" for warning in apart("fine")],
         f"  mind fine: from file {config} (at most 1 turn(s) at once)",
         *[f"    warn: {warning}" for warning in apart("lost")],
+        f"fail: {config}",  # the verdict, last
     ]
     assert result.stderr.splitlines() == [
         "volutectl: warning: minds lost, fine are not kept apart (see the warn lines)",

@@ -53,6 +53,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 # Internal commands, run by units only: not listed, not completed.
 HIDDEN_COMMANDS: dict[str, tuple[str, str, str]] = {
     "launcher": ("volutectl.cli.launcher", "launcher_command", "Run the gate's root part."),
+    "reload-gate": (
+        "volutectl.cli.reloadgate",
+        "reload_gate_command",
+        "Have the gate read its config again (ExecReload=).",
+    ),
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,9 @@ from volutectl.config.settings import DEFAULT_CONFIG_PATH, LoadedSettings, Setti
 from volutectl.config.settings import config_path as config_path_of
 from volutectl.config.settings import load_settings as _load_settings
 from volutectl.config.sources import ENV_NESTED, ENV_PREFIX
-from volutectl.errors import ConfigError
+from volutectl.errors import EX_CONFIG, ConfigError, VoluteError
 from volutectl.launcher import preflight
+from volutectl.wire.messages import ConfigStatus
 
 
 @click.group("config")
@@ -75,10 +77,15 @@ def check_command(config_path: str | None) -> None:
     file that is not root's alone or does not parse. Warns (exit 0) when minds share a
     user, or a mind's user is root or in the socket's group.
     """
-    loaded = _load_settings(config_path)
+    gate = gate_notes(config_path)
+    try:
+        loaded = _load_settings(config_path)
+    except ConfigError:
+        for note in gate:
+            click.echo(f"  note: {note}")
+        raise  # its one line and hint are the verdict, last
     settings = loaded.settings
-    click.echo(f"ok: {loaded.path if loaded.path is not None else _file_line(loaded)}")
-    for note in limits_notes(settings):
+    for note in [*limits_notes(settings), *gate]:
         click.echo(f"  note: {note}")
     reports = {report.mind: report for report in preflight.check_minds(settings)}
     for mind in settings.minds:
@@ -91,6 +98,26 @@ def check_command(config_path: str | None) -> None:
             click.echo(f"    warn: {warning}")
         for note in reports[mind].notes:
             click.echo(f"    note: {note}")
+    _warn(loaded, reports)
+    failing = [mind for mind in settings.minds if reports[mind].problems]
+    verdict = loaded.path if loaded.path is not None else _file_line(loaded)
+    if not failing:
+        click.echo(f"ok: {verdict}")  # last: the verdict follows what it judged
+        return
+    click.echo(f"fail: {verdict}")
+    if len(failing) == 1:
+        which = f"mind {failing[0]} fails preflight: its turns"
+    else:
+        which = f"minds {', '.join(failing)} fail preflight: their turns"
+    raise ConfigError(
+        f"{which} cannot start on this host",
+        hint="fix what each fail line says; until then every turn fails and goes dead",
+    )
+
+
+def _warn(loaded: LoadedSettings, reports: dict[str, preflight.MindReport]) -> None:
+    """The warnings of `config check`, on stderr, before its verdict."""
+    settings = loaded.settings
     for name in unused_variables(loaded):
         click.echo(f"volutectl: warning: {name} names no config section; it is ignored", err=True)
     apart = [mind for mind in settings.minds if reports[mind].warnings]
@@ -104,16 +131,71 @@ def check_command(config_path: str | None) -> None:
     status, found, change = preflight.check_cap(settings)
     if status != "ok":
         click.echo(f"volutectl: warning: {found}\n  hint: {change}", err=True)
-    failing = [mind for mind in settings.minds if reports[mind].problems]
-    if failing:
-        if len(failing) == 1:
-            which = f"mind {failing[0]} fails preflight: its turns"
-        else:
-            which = f"minds {', '.join(failing)} fail preflight: their turns"
-        raise ConfigError(
-            f"{which} cannot start on this host",
-            hint="fix what each fail line says; until then every turn fails and goes dead",
+
+
+def gate_notes(config_path: str | None) -> list[str]:
+    """What the running gate says of its config, if one answers within a second: a
+    reload it refused, keys that wait for a restart, a file changed since it read it,
+    or no valid config at all. No gate, or none that answers: nothing."""
+    from volutectl.cli.deliver import socket_path
+    from volutectl.wire import messages, protocol
+    from volutectl.wire.messages import StatusReply, StatusRequest
+
+    try:
+        path = socket_path(None, config_path)
+    except (VoluteError, OSError):
+        return []  # a file that does not parse, or no file: the check itself says so
+    try:
+        connection = protocol.Connection(path, timeout=1.0)
+        try:
+            connection.send(StatusRequest().to_wire())
+            reply = messages.expect(StatusReply, connection.receive(timeout=1.0))
+        finally:
+            connection.close()
+    except VoluteError as error:
+        if error.exit_code != EX_CONFIG:
+            return []
+        return [
+            "the running gate has no valid config: it refuses every request (78) until "
+            "`systemctl reload volute-gate` finds the file valid"
+        ]
+    except OSError:
+        return []
+    return config_status_notes(reply.status.config, _mtime(config_path))
+
+
+def config_status_notes(config: ConfigStatus | None, file_mtime: float | None) -> list[str]:
+    """The notes `gate_notes` makes of the gate's config status."""
+    if config is None:
+        return []
+    notes = []
+    if config.refused is not None:
+        notes.append(
+            f"the running gate refused this file at its last reload ({_clock(config.refused_at)})"
+            f" and runs its config from before: {config.refused}"
         )
+    elif file_mtime is not None and file_mtime > config.loaded_at:
+        notes.append(
+            "the file changed after the running gate read it: `systemctl reload "
+            "volute-gate` applies it"
+        )
+    if config.needs_restart:
+        notes.append(
+            "the running gate keeps these keys until `systemctl restart volute-gate`: "
+            + ", ".join(config.needs_restart)
+        )
+    return notes
+
+
+def _mtime(config_path: str | None) -> float | None:
+    try:
+        return config_path_of(config_path, os.environ).stat().st_mtime
+    except OSError:
+        return None
+
+
+def _clock(when: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if when else "?"
 
 
 def check_may_show(path: Path, uid: int, groups: frozenset[str] | None = None) -> None:

@@ -16,6 +16,7 @@ from volutectl.durations import format_duration
 from volutectl.states import AdaptiveMode
 from volutectl.wire.messages import (
     AdaptiveStatus,
+    ConfigStatus,
     MindStatus,
     PausedMind,
     RepositoryStatus,
@@ -108,6 +109,25 @@ def _adaptive(adaptive: AdaptiveStatus) -> str:
     )
 
 
+def _config(config: ConfigStatus | None, now: float) -> list[str]:
+    """A reload the gate refused, and keys that wait for a restart; else nothing."""
+    if config is None:
+        return []
+    lines = []
+    if config.refused is not None:
+        ago = _age(now - config.refused_at) if config.refused_at is not None else "?"
+        lines.append(
+            f"config: reload REFUSED {ago} ago, still running the config read "
+            f"{_age(now - config.loaded_at)} ago: {config.refused}"
+        )
+    if config.needs_restart:
+        lines.append(
+            "config: needs `systemctl restart volute-gate` to apply: "
+            + ", ".join(config.needs_restart)
+        )
+    return lines
+
+
 def _totals(status: Status, now: float) -> list[str]:
     cap: int | str = status.global_cap if status.global_cap is not None else "no cap"
     adaptive = status.adaptive
@@ -126,6 +146,7 @@ def _totals(status: Status, now: float) -> list[str]:
         lines.append(f"preflight: mind {mind} cannot start turns: {'; '.join(problems)}")
     if status.adaptive is not None:
         lines.append(_adaptive(status.adaptive))
+    lines += _config(status.config, now)
     pressure = status.io_pressure
     if pressure.enabled:
         state = f"HIGH ({pressure.reason}): holding new turns" if pressure.high else "ok"

@@ -423,7 +423,7 @@ def load_settings(
         with _loading(*sources):
             settings = Settings()
     except ValidationError as error:
-        raise config_error(error, origins) from None
+        raise config_error(error, origins, Settings) from None
     return LoadedSettings(settings, used_path, origins, unreadable)
 
 

@@ -17,6 +17,7 @@ that names a section sets the keys it holds, and a deeper one then overrides key
 
 from __future__ import annotations
 
+import difflib
 import json
 import tomllib
 import types
@@ -33,6 +34,8 @@ from volutectl import roles
 from volutectl.errors import ConfigError
 
 ENV_PREFIX = "VOLUTE_"
+# Not `config show`: it reads the same config, and fails with the same error.
+FIX_HINT = "fix it, then check again with `volutectl config check`"
 ENV_NESTED = "__"
 
 Key = tuple[str, ...]
@@ -286,13 +289,19 @@ def key_path(settings: BaseModel, dotted: str) -> Key:
     return tuple(parts)
 
 
-def config_error(error: ValidationError, origins: Origins) -> ConfigError:
-    """Every problem, one per key, each naming the key and where it came from."""
+def config_error(
+    error: ValidationError, origins: Origins, model: type[BaseModel] | None = None
+) -> ConfigError:
+    """Every problem, one per key, each naming the key and where it came from; an
+    unknown key of `model` gets the known key it most resembles ("did you mean")."""
     # One entry per key: a union (the turn command) fails once per member type.
     problems: dict[Key, list[str]] = {}
     for item in error.errors():
         key = _error_key(item["loc"])
-        message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key" + _did_you_mean(model, key)
+        else:
+            message = item["msg"]
         message = message.removeprefix("Value error, ")  # our own validators' ValueErrors
         if message not in problems.setdefault(key, []):
             problems[key].append(message)
@@ -301,8 +310,25 @@ def config_error(error: ValidationError, origins: Origins) -> ConfigError:
         for key, messages in problems.items()
     ]
     first, rest = lines[0], lines[1:]
-    hint = "; ".join(rest) if rest else "see `volutectl config show` for every key and default"
+    hint = "; ".join(rest) if rest else FIX_HINT
     return ConfigError(f"invalid config: {first}", hint=hint)
+
+
+def known_keys(model: type[BaseModel], table: Key) -> list[str]:
+    """The keys the table at `table` may hold (`()`: the sections), or [] if it is no
+    table of fixed keys (the minds, a mind's environment)."""
+    node = _unwrap(_annotation_at(model, table)) if table else model
+    if isinstance(node, type) and issubclass(node, BaseModel):
+        return list(node.model_fields)
+    return []
+
+
+def _did_you_mean(model: type[BaseModel] | None, key: Key) -> str:
+    """' (did you mean `X`?)' for an unknown key close to a known one, else ''."""
+    if model is None or not key:
+        return ""
+    close = difflib.get_close_matches(key[-1], known_keys(model, key[:-1]), n=1, cutoff=0.6)
+    return f" (did you mean `{close[0]}`?)" if close else ""
 
 
 def _error_key(loc: tuple[int | str, ...]) -> Key:

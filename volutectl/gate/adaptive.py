@@ -220,6 +220,17 @@ class AdaptiveLimit:
         self.waiting = 0
         self.last: Reading | None = None
 
+    def reconfigure(self, settings: Settings) -> None:
+        """A reload: new bounds, interval and ceiling from the next pass on; the limit
+        learnt so far is kept, moved into the new bounds. Whether it is on, and its
+        rule, need a restart (volutectl/config/reload.py keeps them as they were)."""
+        config = settings.limits.adaptive
+        self.bounds = Bounds(config.start, config.minimum, config.maximum)
+        self.interval = config.interval_seconds
+        self.ceiling = settings.limits.global_concurrent_turns
+        self.controller = replace(self.controller, limit=self.bounds.clamp(self.controller.limit))
+        self._settings = settings
+
     def use_pressure_file(self, path: Path) -> None:
         """Read PSI from `path` alone (a test's file), from the next interval on."""
         self._psi_given = self.psi_path = path

@@ -201,7 +201,8 @@ def pause_handler(state: GateState, request: PauseRequest, caller: Caller) -> Pa
         wanted = [EVERY_MIND]
     else:
         wanted = [
-            validate.configured_mind(state.settings, mind) for mind in dict.fromkeys(request.minds)
+            validate.configured_mind(state.settings, mind, state.minds_on_disk)
+            for mind in dict.fromkeys(request.minds)
         ]
         if isinstance(state.paused, admission.EveryMind):
             wanted = []  # each is paused already
@@ -223,7 +224,7 @@ def resume_handler(state: GateState, request: ResumeRequest, caller: Caller) -> 
         names = list(dict.fromkeys(request.minds))
         for mind in names:
             if mind not in pauses:  # a paused mind since removed from the config may go
-                validate.configured_mind(state.settings, mind)
+                validate.configured_mind(state.settings, mind, state.minds_on_disk)
         if EVERY_MIND in pauses:
             raise DataError(
                 f"every mind is paused (volutectl pause with no name), so {names[0]} cannot "
@@ -336,7 +337,8 @@ def accept_deliveries(
     uids = [caller.uid for caller in callers] if callers is not None else [None] * len(batch)
     for request, uid in zip(batch, uids, strict=True):
         try:
-            rows.append(dataclasses.replace(validate.delivery(state.settings, request), uid=uid))
+            row = validate.delivery(state.settings, request, state.minds_on_disk)
+            rows.append(dataclasses.replace(row, uid=uid))
             replies.append(None)
         except VoluteError as error:
             replies.append(ErrorReply.of(error))

@@ -20,15 +20,19 @@ volutectl/gate/outcomes.py. Retention's batch (volutectl/store/retention.py) com
 last, and only in a pass that started no turn.
 
 `Gate(settings)` builds every part, or fails having opened nothing that stays;
-`run(stop_fd)` serves until told to stop. Tests build it with a fake systemd
-(tests/unit/fake_systemd.py) and drive `step()` themselves. The CLI edge (signals,
-sd_notify) is volutectl/cli/gate.py.
+`run(stop_fd)` serves until told to stop. A byte on `reload_fd` (SIGHUP: `systemctl
+reload volute-gate`) has it read its config file again in the loop (`reload`): what
+volutectl/config/reload.py says may change applies at once, running turns and the
+queue untouched; an invalid file is refused and the running config stays. Tests build
+it with a fake systemd (tests/unit/fake_systemd.py) and drive `step()` themselves. The
+CLI edge (signals, sd_notify) is volutectl/cli/gate.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import socket
 import sqlite3
 import time
@@ -37,9 +41,10 @@ from dataclasses import replace
 from typing import Any
 
 from volutectl import events
+from volutectl.config.reload import ConfigFile, plan_reload
 from volutectl.config.settings import Settings
 from volutectl.core import admission
-from volutectl.errors import VoluteError
+from volutectl.errors import VoluteError, one_line
 from volutectl.gate import handlers, status
 from volutectl.gate.adaptive import AdaptiveLimit
 from volutectl.gate.liveness import Liveness
@@ -55,9 +60,10 @@ from volutectl.launcher.hands import LocalHands, RemoteHands, TurnHands
 from volutectl.slots.watch import SlotWatch
 from volutectl.states import HoldReason
 from volutectl.store.indexed import IndexedStore
-from volutectl.store.retention import Retention
+from volutectl.store.retention import DAY, Retention
 from volutectl.systemd.journal import Journal, sd_notify, watchdog_interval
 from volutectl.systemd.port import SystemdManager
+from volutectl.wire.messages import ConfigStatus
 
 ADMIT_RETRY_SECONDS = 1.0
 
@@ -85,10 +91,12 @@ class Gate:
         journal: Journal | None = None,
         listener: socket.socket | None = None,
         hands: TurnHands | None = None,
+        config: ConfigFile | None = None,
     ) -> None:
         """Open the store, connect to systemd (subscribed before anything is listed, so no
         turn can end unseen), take the socket, then take back the open turns."""
         self.settings = settings
+        self.config = config  # the file to read again on reload; None: no reload
         self.journal = journal or Journal("volute-gate")
         self.reactor = Reactor()
         self.stopping = False
@@ -103,6 +111,9 @@ class Gate:
         try:
             self.state = self._build_state(manager, hands)
             handlers.load_pauses(self.state)  # a pause outlives the gate that took it
+            self.state.config = ConfigStatus(loaded_at=time.time())
+            if config is not None:
+                self.state.minds_on_disk = config.minds_on_disk
             self._add_deadlines()
             self.server = Server(settings, self.reactor, self.journal, inherited=listener)
             self._opened.append(self.server)
@@ -177,8 +188,7 @@ class Gate:
         else this process's own hands (a root gate run by hand)."""
         path = self.settings.gate.launcher_socket
         if path is None:
-            settings = self.settings
-            return LocalHands(lambda: settings, manager, self.journal)
+            return LocalHands(lambda: self.settings, manager, self.journal)
         return RemoteHands(path, lambda: [row.id for row in store.open_turns()])
 
     # Callbacks for the parts: they run only once the constructor has finished.
@@ -232,10 +242,18 @@ class Gate:
         self.state.manager.close()
         self.reactor.close()
 
-    def run(self, stop_fd: int | None = None, ready: Callable[[], None] | None = None) -> None:
-        """Serve until `stop_fd` becomes readable, then close."""
+    def run(
+        self,
+        stop_fd: int | None = None,
+        ready: Callable[[], None] | None = None,
+        reload_fd: int | None = None,
+    ) -> None:
+        """Serve until `stop_fd` becomes readable, then close; read the config again
+        whenever `reload_fd` does."""
         if stop_fd is not None:
             self.reactor.watch(stop_fd, self._on_stop)
+        if reload_fd is not None:
+            self.reactor.watch(reload_fd, lambda mask: self._on_reload(reload_fd))
         if ready is not None:
             ready()
         limits = self.state.limits
@@ -270,6 +288,70 @@ class Gate:
 
     def _on_stop(self, mask: int) -> None:
         self.stopping = True
+
+    def _on_reload(self, fd: int) -> None:
+        """SIGHUPs that came together are one reload. It runs here, inside the reactor's
+        wait: the requests read in the same wait are served after it, by the new config."""
+        with contextlib.suppress(BlockingIOError):
+            while os.read(fd, 512):
+                pass
+        self.reload()
+
+    # -- reload ---------------------------------------------------------------------------
+
+    def reload(self) -> None:
+        """Read the config file again and apply it, or refuse it and keep the running
+        one. systemd hears RELOADING=1 first, and READY=1 once it is done."""
+        sd_notify(
+            f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}\n"
+            "STATUS=reloading the config"
+        )
+        assert self.state.config is not None
+        try:
+            if self.config is None:
+                raise VoluteError("this gate was started with no config file to read again")
+            read = self.config.load().settings
+        except VoluteError as error:
+            text = one_line(error)
+            running = self.state.config
+            self.state.config = ConfigStatus(
+                loaded_at=running.loaded_at,
+                refused=text,
+                refused_at=time.time(),
+                needs_restart=running.needs_restart,
+            )
+            self.journal.emit(events.GateConfigRefused(error=text))
+        else:
+            plan = plan_reload(self.settings, read)
+            self.apply(plan.settings)
+            self.state.config = ConfigStatus(
+                loaded_at=time.time(), needs_restart=plan.needs_restart
+            )
+            self.journal.emit(
+                events.GateConfigReloaded(
+                    changed=" ".join(plan.changed), needs_restart=" ".join(plan.needs_restart)
+                )
+            )
+        line = status.gate_line(self.state, time.time(), len(self.state.slots.held()))
+        self.notifier.last = line
+        sd_notify(f"READY=1\nSTATUS={line}")
+
+    def apply(self, settings: Settings) -> None:
+        """Run with `settings` from now on (volutectl/config/reload.py has kept the keys
+        that only a restart applies). Running turns and the queue are not touched:
+        admission decides again, under the new limits."""
+        self.settings = settings
+        state = self.state
+        state.settings = settings
+        state.limits = limits_of(settings)
+        state.turns.settings = settings
+        state.liveness.settings = settings
+        self.server.settings = settings
+        self.retention.keep_seconds = settings.gate.retention_days * DAY
+        if state.adaptive is not None:
+            state.adaptive.reconfigure(settings)
+        preflight.log_failing(settings, self.journal.emit)
+        state.dirty = True
 
     # -- deadlines ----------------------------------------------------------------------
 

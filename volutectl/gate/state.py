@@ -7,7 +7,7 @@ volutectl/gate/handlers.py and volutectl/gate/status.py read and change it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from volutectl.config.settings import Settings
@@ -21,6 +21,7 @@ from volutectl.slots.watch import SlotWatch
 from volutectl.store.indexed import IndexedStore
 from volutectl.systemd.journal import Journal
 from volutectl.systemd.port import SystemdManager
+from volutectl.wire.messages import ConfigStatus
 
 
 @dataclass(kw_only=True)
@@ -42,3 +43,7 @@ class GateState:
     foreign_live: int = 0  # other scopes holding a place in the turns slice, last counted
     over_quota: set[int | None] = field(default_factory=set)  # uids refused, as logged
     adaptive: AdaptiveLimit | None = None  # the adaptive limit; set once the rest is up
+    # The minds the config file on disk names (read again when it changes): an unknown
+    # mind's refusal says to reload when the file has it. None: not asked.
+    minds_on_disk: Callable[[], Collection[str]] | None = None
+    config: ConfigStatus | None = None  # when the config was read; a refused reload

@@ -22,6 +22,7 @@ from volutectl.states import AdaptiveMode, QueueState
 from volutectl.store.minds import EVERY_MIND
 from volutectl.systemd.journal import sd_notify
 from volutectl.wire.messages import (
+    ConfigStatus,
     MindStatus,
     PausedMind,
     PressureStatus,
@@ -70,6 +71,7 @@ def build(state: GateState) -> Status:
         paused=tuple(PausedMind(mind, since) for mind, since in pauses.items()),
         adaptive=state.adaptive.status() if state.adaptive is not None else None,
         backing_off=len(state.store.index.backing_off(now)),
+        config=state.config,
     )
 
 
@@ -159,7 +161,19 @@ def gate_line(state: GateState, now: float, tests: int) -> str:
         backing_off=len(index.backing_off(now)),
         dead=sum(state.store.minds.dead_counts().values()),
         paused=state.paused,
-    )
+    ) + config_note(state.config)
+
+
+def config_note(config: ConfigStatus | None) -> str:
+    """What STATUS= adds about the config: a refused reload, keys needing a restart."""
+    if config is None:
+        return ""
+    note = ""
+    if config.refused is not None:
+        note += f"; config reload refused, old config in force: {config.refused}"
+    if config.needs_restart:
+        note += f"; needs a restart to apply: {', '.join(config.needs_restart)}"
+    return note
 
 
 def status_line(

@@ -9,6 +9,7 @@ Each refusal names the field and carries its exit code (65 bad data, 67 unknown 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from volutectl.config.settings import Settings
@@ -18,22 +19,35 @@ from volutectl.slots import gitdirs
 from volutectl.store.queue import NewDelivery
 from volutectl.wire.messages import DeliverRequest
 
+RELOAD_COMMAND = "systemctl reload volute-gate"
 
-def configured_mind(settings: Settings, name: str) -> str:
-    """`name`, if it is a configured mind; else the refusal (67) that lists them."""
+
+def configured_mind(
+    settings: Settings, name: str, on_disk: Callable[[], Collection[str]] | None = None
+) -> str:
+    """`name`, if it is a configured mind; else the refusal (67). Its hint says to
+    reload when the config file on disk (`on_disk`) has the mind but this gate has not
+    read it yet; else it lists the minds configured."""
     if name not in settings.minds:
-        known = ", ".join(sorted(settings.minds)) or "none"
-        raise VoluteError(
-            f"unknown mind {name!r}",
-            hint=f"configured minds: {known} (add a [minds.{name}] table)",
-            exit_code=EX_NOUSER,
-        )
+        if on_disk is not None and name in on_disk():
+            hint = (
+                f"the config file has [minds.{name}], but the running gate has not "
+                f"loaded it: run `{RELOAD_COMMAND}`"
+            )
+        else:
+            known = ", ".join(sorted(settings.minds)) or "none"
+            hint = f"configured minds: {known} (add a [minds.{name}] table)"
+        raise VoluteError(f"unknown mind {name!r}", hint=hint, exit_code=EX_NOUSER)
     return name
 
 
-def delivery(settings: Settings, request: DeliverRequest) -> NewDelivery:
+def delivery(
+    settings: Settings,
+    request: DeliverRequest,
+    on_disk: Callable[[], Collection[str]] | None = None,
+) -> NewDelivery:
     """The row to add for a deliver request: its mind is configured, its message fits."""
-    mind = configured_mind(settings, request.mind)
+    mind = configured_mind(settings, request.mind, on_disk)
     try:
         data = request.message.encode()
     except UnicodeEncodeError:

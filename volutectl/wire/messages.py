@@ -444,6 +444,17 @@ class AdaptiveStatus(Record):
     probe_ms: float | None = None  # the last reading of the gate's synced probe
 
 
+class ConfigStatus(Record):
+    """The gate's configuration: when the one it runs was read, and the last reload that
+    was refused (an invalid file: the running one stayed) or that kept keys needing a
+    restart. Times are seconds since the epoch."""
+
+    loaded_at: float
+    refused: str | None = None  # the error of the last reload, if it was refused
+    refused_at: float | None = None
+    needs_restart: tuple[str, ...] = ()  # keys changed in the file, kept until a restart
+
+
 class Status(Record):
     active_turns: int  # turn scopes that hold a process, ours and others in the slice
     global_cap: int | None
@@ -466,6 +477,7 @@ class Status(Record):
     # Pending deliveries whose backoff after a failed attempt has not ended: of
     # queue_depth, counted as the STATUS= line counts them (0 from a gate before it).
     backing_off: int = 0
+    config: ConfigStatus | None = None  # None from a gate before it
 
 
 class StatusReply(Reply):
