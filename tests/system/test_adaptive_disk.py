@@ -16,6 +16,7 @@ and journald.
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -109,9 +110,13 @@ class Run:
     samples: list[float]  # the probe's latencies in ms, first delivery to the drain
     makespan: float
 
+    @property
+    def p99(self) -> float:
+        return percentile(self.samples, 0.99)
+
     def __str__(self) -> str:
-        p99 = percentile(self.samples, 0.99)
-        return f"{self.name}: {len(self.samples)} samples, p99 {p99:.0f} ms, {self.makespan:.1f} s"
+        made = f"{len(self.samples)} samples, p99 {self.p99:.0f} ms, {self.makespan:.1f} s"
+        return f"{self.name}: {made}"
 
 
 def writers(mount: Path) -> dict[str, str]:
@@ -148,8 +153,8 @@ def fan_out_run(
     return Run(name, samples, ended - began)
 
 
-# Three runs of each, interleaved ABBAAB so that neither always runs on the fresher disk.
-ORDER = ("cap 2", "default", "default", "cap 2", "cap 2", "default")
+# Five runs of each, interleaved ABBA so that neither always runs on the fresher disk.
+ORDER = ("cap 2", "default", "default", "cap 2") * 2 + ("cap 2", "default")
 
 
 def test_a_fan_out_of_synced_writers_under_the_default_config_keeps_the_probe_within_cap_2s_bound(
@@ -157,16 +162,17 @@ def test_a_fan_out_of_synced_writers_under_the_default_config_keeps_the_probe_wi
 ) -> None:
     """Twelve minds woken at once, each turn 16 x 64 KiB synced writes, on the SD-card
     disk, with cap 2 and the adaptive limit off (the safe setting) and with the default
-    config, three runs of each, interleaved. The default's probe latency must be within
-    the issue's probe bound, max(1.5 x cap 2's, cap 2's + 20 ms), cap 2's measured in
-    the same machine on the same disk, so no number from another machine is baked in.
+    config, five runs of each, interleaved. The default's probe p99 (the median of its
+    runs, as the issue's benchmark takes it) must be within the issue's probe bound,
+    max(1.5 x cap 2's, cap 2's + 20 ms), cap 2's measured the same way in the same
+    machine on the same disk, so no number from another machine is baked in.
 
-    The statistic is the 95th percentile of each setting's samples pooled over its
-    three runs (about 100 samples), not a p99 per run: a run here takes about 7 s, about
-    35 samples, so its p99 is its maximum, and one stray stall of the host's disk decided
-    it (cap 2's ran 37, 67 and 417 ms in one CI run). Pooled, one or two stray samples
-    are left out, and a limit that lets too many writers in, which slows every sample
-    while they write, is not.
+    Why five: a run takes about 7 s, about 35 samples, so its p99 is its maximum, and one
+    stray stall of the host's disk decides it (cap 2's ran 37, 67 and 417 ms in one CI
+    run; the default's 31, 250 and 310). Over three the median was still one unlucky
+    run from failing either way; over five it takes three. (A pooled p95 was tried and
+    judged the wrong thing: the adaptive limit probes by running a third writer now and
+    then, which moves the typical sample by design, while the bound is on the tail.)
 
     What could fail: with no cap and no adaptive limit (the default before issue 21)
     all twelve write at once and the probe queues behind them: 607 ms at p99 here,
@@ -190,16 +196,15 @@ def test_a_fan_out_of_synced_writers_under_the_default_config_keeps_the_probe_wi
                 assert gate_events(machine, "VOLUTE_EVENT=adaptive_fallback") == []
     finally:
         probe.stop()
-    pooled = {name: [ms for run in runs[name] for ms in run.samples] for name in configs}
-    cap2 = percentile(pooled["cap 2"], 0.95)
-    default = percentile(pooled["default"], 0.95)
+    cap2 = statistics.median(run.p99 for run in runs["cap 2"])
+    default = statistics.median(run.p99 for run in runs["default"])
     bound = max(1.5 * cap2, cap2 + 20)
     shown = "\n".join(str(run) for name in configs for run in runs[name])
-    pooled_line = f"pooled p95: cap 2 {cap2:.0f} ms, default {default:.0f} ms"
-    print(f"\n{shown}\n{pooled_line}; bound {bound:.0f} ms")
+    medians = f"median p99: cap 2 {cap2:.0f} ms, default {default:.0f} ms"
+    print(f"\n{shown}\n{medians}; bound {bound:.0f} ms")
     assert default <= bound, (
-        f"the default's probe p95 (3 runs pooled) {default:.0f} ms is over the bound "
-        f"{bound:.0f} ms from cap 2's {cap2:.0f} ms:\n{shown}"
+        f"the default's probe p99 (median of {len(runs['default'])}) {default:.0f} ms is "
+        f"over the bound {bound:.0f} ms from cap 2's {cap2:.0f} ms:\n{shown}"
     )
 
 

@@ -124,9 +124,10 @@ def test_a_raw_socket_client_in_the_volute_group_speaks_the_documented_protocol(
     assert valid("Pong", pong_again[0]) == pong[0]
 
     # Sent again on a new connection with the same request id (what a client does when it
-    # lost its connection before the ack): the original id, and the event at once.
+    # lost its connection before the ack): the original id, marked as queued before, and
+    # the event at once.
     [(again, again_ended)] = converse(machine, [(deliver, 2)], user="agent")
-    assert valid("DeliverAck", again) == ack
+    assert valid("DeliverAck", again) == {**ack, "already_queued": True}
     assert valid("TurnEnded", again_ended) == ended
 
     # The socket is root:volute 0660: a user outside the group cannot connect at all.
