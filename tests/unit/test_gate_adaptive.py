@@ -104,9 +104,7 @@ def test_the_limit_holds_a_fan_out_with_its_own_reason_and_moves_with_readings(
     fan_out(harness)
     assert holds(harness) == {HoldReason.ADAPTIVE_LIMIT: 3}
     assert limit_of(harness).waiting == 3
-    feed(harness, 1.0)  # healthy, deliveries wait: it grows
-    harness.pump(lambda: running(harness) == 3)
-    feed(harness, 1.0)
+    feed(harness, 1.0)  # healthy, deliveries wait: it doubles (slow start), to its maximum
     harness.pump(lambda: running(harness) == 4)
     assert holds(harness) == {HoldReason.ADAPTIVE_LIMIT: 1}
     feed(harness, 1.0)  # at the maximum: no further
@@ -122,12 +120,12 @@ def test_the_limit_holds_a_fan_out_with_its_own_reason_and_moves_with_readings(
 def test_each_move_is_one_event_and_moves_within_a_few_seconds_are_said_together(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
-    harness = adaptive_harness(tmp_path, harnesses)
+    harness = adaptive_harness(tmp_path, harnesses, adaptive={"maximum": 8})
     fan_out(harness)
     feed(harness, 1.0)
     feed(harness, 1.0)
     [first] = harness.journal.of(events.AdaptiveLimitChanged)
-    assert (first.old_limit, first.new_limit, first.changes) == (2, 3, 1)
+    assert (first.old_limit, first.new_limit, first.changes) == (2, 4, 1)
     assert first.probe_ms == 1.0 and first.baseline_ms == 1.0
     assert first.message_id() is not None
     log = limit_of(harness).log
@@ -135,13 +133,13 @@ def test_each_move_is_one_event_and_moves_within_a_few_seconds_are_said_together
     assert due is not None and due > time.monotonic() + EVENT_SECONDS - 1
     log.on_deadline(due)
     second = harness.journal.of(events.AdaptiveLimitChanged)[1]
-    assert (second.old_limit, second.new_limit, second.changes) == (3, 4, 1)
+    assert (second.old_limit, second.new_limit, second.changes) == (4, 8, 1)
     feed(harness, 500.0)  # within 5 s of the last entry: kept...
     feed(harness, 500.0)
     assert len(harness.journal.of(events.AdaptiveLimitChanged)) == 2
     log.on_deadline(due + EVENT_SECONDS)  # ...and said as one
     third = harness.journal.of(events.AdaptiveLimitChanged)[2]
-    assert (third.old_limit, third.new_limit, third.changes) == (4, 2, 2)
+    assert (third.old_limit, third.new_limit, third.changes) == (8, 4, 2)  # 7, then 7 x 0.7
     assert third.probe_ms == 500.0
     assert log.deadline() is None
 
@@ -168,19 +166,19 @@ def test_status_and_the_status_line_show_the_mode_and_the_limit(
     line = "2/2 turns (adaptive limit, ceiling 8), 3 held (adaptive_limit), "
     assert statuses(notified)[-1].startswith(line)
     feed(harness, 1.0)
-    harness.pump(lambda: running(harness) == 3)
+    harness.pump(lambda: running(harness) == 4)
     reply = request(harness, op="status")["status"]
-    assert reply["holds"] == {"adaptive_limit": 2}
+    assert reply["holds"] == {"adaptive_limit": 1}
     adaptive = reply["adaptive"]
     assert {k: adaptive[k] for k in ("mode", "limit", "minimum", "maximum", "ceiling")} == {
         "mode": "adaptive",
-        "limit": 3,
+        "limit": 4,
         "minimum": 1,
         "maximum": 4,
         "ceiling": 8,
     }
     assert "healthy" in adaptive["reason"] and adaptive["rule"] == "gradient"
-    assert statuses(notified)[-1].startswith("3/3 turns (adaptive limit, ceiling 8)")
+    assert statuses(notified)[-1].startswith("4/4 turns (adaptive limit, ceiling 8)")
 
 
 def test_off_it_is_static_and_only_the_ceiling_holds(
@@ -342,7 +340,8 @@ def test_a_turn_tells_what_it_wrote_and_light_minds_pass_while_a_heavy_one_write
     writes = f"head -c {3 << 20} /dev/zero > {tmp_path}/written-$VOLUTE_MIND; {then}"
     minds = {"heavy": writes, "heavy2": writes, "heavy3": writes}
     minds |= {f"light{i}": then for i in range(3)}
-    config = {"start": 2, "minimum": 1, "maximum": 4, "interval_seconds": 10.0}
+    # A maximum over the five that run: it bounds the turns at once whatever their costs.
+    config = {"start": 2, "minimum": 1, "maximum": 8, "interval_seconds": 10.0}
     harness = Harness(tmp_path, minds=minds, limits={"adaptive": config})
     harnesses.append(harness)
     adaptive = limit_of(harness)

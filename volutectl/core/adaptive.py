@@ -6,13 +6,18 @@ and hands `step` a `Reading`: the latency of its own synced 4 KiB probe of the s
 disk, PSI's stalled share of the interval, the turns running, and the deliveries that
 wait at the limit. `step` says whether the limit moves, and why.
 
-- **It grows only while deliveries wait at it** and the storage is healthy: by half
-  while nothing has gone wrong yet (slow start, as TCP's), so that turns that mostly wait
-  on the network reach the maximum within a few seconds; by one after the first
-  distress (congestion avoidance). Healthy means `GROW_AFTER` readings in a row: one
-  probe is one 4 KiB write, and behind a disk kept busy by synced 64 KiB writes it is
-  quick or slow by luck, so a lucky one alone let the limit grow while the heavy
-  writers already queued (the SD card's mixed workload, docs/benchmarks.md).
+- **It grows only while deliveries wait at it** and the storage is healthy, and only
+  after `GROW_AFTER` healthy readings in a row (one probe is one 4 KiB write, and behind
+  a disk kept busy by synced 64 KiB writes it is quick or slow by luck; the count runs
+  on across a growth): it doubles while nothing has gone wrong yet (slow start, as
+  TCP's), so that turns that mostly wait on the network reach the maximum within about
+  two seconds; after the first distress it grows by one (congestion avoidance).
+  Doubling is safe only because the limit is a budget of IO costs (core/iocost.py): a
+  turn whose writes are not known costs a whole place until a sample of what it has
+  written shows otherwise, so a reading lets in at most as many turns of unknown writes
+  as the limit, and a cold gate's heavy writers are counted whole, and meet the probe's
+  distress, before the next doubling (docs/benchmarks.md: doubling a limit that
+  counted turns let a cold gate's 16 in at once).
 - **It shrinks on distress**: by one when the storage is slower than healthy; by a
   third (multiplicative decrease) when it is far slower twice in a row, so a sudden
   slowdown is answered within a few intervals and one stray slow sample is not.
@@ -199,7 +204,7 @@ def step(
         state = replace(state, strained=0, healthy=state.healthy + 1)
         new = limit
         if reading.waiting > 0 and state.healthy >= GROW_AFTER:
-            new = limit + max(1, limit // 2) if state.slow_start else limit + 1
+            new = limit * 2 if state.slow_start else limit + 1
             why += f" {state.healthy} times in a row, {reading.waiting} waiting"
     else:
         state = replace(state, strained=0)

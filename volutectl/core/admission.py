@@ -56,12 +56,23 @@ class Limits:
     # What one turn of each mind costs against the adaptive limit (core/iocost.py); a
     # mind not listed, and any other work that shares the budget, costs 1.
     costs: Mapping[str, float] = field(default_factory=dict)
+    # What each of a mind's running turns costs now, from what they have written so far
+    # (core/iocost.py's `running_cost`, their mean if several); a mind not listed: `costs`.
+    running_costs: Mapping[str, float] = field(default_factory=dict)
+    # The most turns the adaptive limit lets run at once, whatever their costs (its
+    # maximum): light turns fill places by their costs, and never more than this many.
+    adaptive_turns: int | None = None
 
     def for_mind(self, mind: str) -> int:
         return self.per_mind.get(mind, self.turns_per_mind)
 
     def cost_of(self, mind: str) -> float:
+        """What a new turn of `mind` costs."""
         return self.costs.get(mind, 1.0)
+
+    def running_cost_of(self, mind: str) -> float:
+        """What each running turn of `mind` costs now."""
+        return self.running_costs.get(mind, self.cost_of(mind))
 
     @property
     def cap(self) -> int | None:
@@ -78,7 +89,11 @@ class Limits:
         ones beside it, whichever came first; and one turn may always start."""
         if self.global_cap is not None and busy >= self.global_cap:
             return True
-        return self.adaptive is not None and busy > 0 and load + cost >= self.adaptive + 1
+        if self.adaptive is None or busy == 0:
+            return False
+        if self.adaptive_turns is not None and busy >= self.adaptive_turns:
+            return True
+        return load + cost >= self.adaptive + 1
 
     def held_by(
         self,
@@ -178,8 +193,9 @@ def admit(
         per_mind[turn.mind] = per_mind.get(turn.mind, 0) + 1
         live_session.setdefault((turn.mind, turn.session), turn.turn_id)
     running = len(live)
-    running_load = sum(limits.cost_of(turn.mind) for turn in live)
-    light_load = sum(cost for cost in map(limits.cost_of, (t.mind for t in live)) if cost < 1)
+    running_costs = [limits.running_cost_of(turn.mind) for turn in live]
+    running_load = sum(running_costs)
+    light_load = sum(cost for cost in running_costs if cost < 1)
     # The first delivery the caps or the pressure hold holds every later one, for the
     # same reason, but for the light turns `may_pass` lets by.
     regime: HoldReason | None = None

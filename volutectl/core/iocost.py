@@ -26,6 +26,22 @@ that keeps every turn from starving).
   writer in at a fraction of its cost, which the probe sees only once it writes, and a
   lowered limit stops no running turn; a guess of heavy costs only waiting, which the
   limit's growth (it grows while deliveries wait) repays. So a cold gate admits by count.
+- **A running turn shows what it writes** (`Running`, `running_cost`): the root launcher
+  reads, at each reading of the adaptive limit, what each running turn's processes have
+  written so far (`/proc/PID/io`'s `write_bytes` over its scope's processes:
+  volutectl/kernel/processes.py), so a cold gate need not wait for turns to end to tell
+  a heavy writer from a turn that waits on the network. A turn costs its mind's cost
+  (`UNKNOWN` if none is known) until a sample taken `probation` seconds or more after
+  it started; from then on the larger of its mind's learnt cost and what it has written
+  so far, and 1 for the rest of its life once it has written `WRITING_BYTES` or more
+  between two samples (a writer now; a turn slowed by the writers beside it would
+  otherwise look lighter the more of them run, and let more in). So the limit bounds
+  the writers, and turns that wait on the network pass it at the floor's cost: the
+  limit can double in slow start (volutectl/core/adaptive.py) without letting a cold
+  gate's unknown heavy writers in together, since each costs a whole place until it
+  has shown it does not write. What the samples cannot see: a quiet turn that starts
+  writing later is charged from the next sample, and a lowered limit stops no running
+  turn; its mind's learnt cost charges it from its next turn on.
 - Costs live in the gate's memory: a gate that starts again starts cold.
 
 No I/O here: the bytes come in from the gate.
@@ -34,11 +50,12 @@ No I/O here: the bytes come in from the gate.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 FULL_BYTES = 1 << 20  # a turn that writes this much or more costs a whole place
 FLOOR = 1 / 16  # the least a turn costs: sixteen of the lightest fill one place
 UNKNOWN = 1.0  # a mind with no turn measured yet: as the heaviest
+WRITING_BYTES = 64 * 1024  # written between two samples: a writer, for the rest of the turn
 
 
 @dataclass(frozen=True)
@@ -69,3 +86,34 @@ def cost_of(share: float) -> float:
     while cost / 2 >= share and cost / 2 >= FLOOR:
         cost /= 2
     return cost
+
+
+@dataclass(frozen=True)
+class Running:
+    """What a running turn has shown of its writes, sample by sample."""
+
+    mind: str
+    started: float  # monotonic: when the gate first counted it
+    written: int = 0  # bytes its processes had written at the last sample
+    sampled: float | None = None  # monotonic: the last sample taken after its probation
+    writing: bool = False  # it wrote WRITING_BYTES or more between two samples
+
+    def sample(self, now: float, written: int, probation: float) -> Running:
+        """A sample at `now`: its processes have written `written` bytes so far (a
+        sample within its first `probation` seconds only moves the mark)."""
+        writing = self.writing or written - self.written >= WRITING_BYTES
+        if now - self.started < probation:
+            return replace(self, written=max(self.written, written), writing=writing)
+        return replace(self, written=max(self.written, written), sampled=now, writing=writing)
+
+
+def running_cost(turn: Running, learnt: float | None) -> float:
+    """What a running turn costs now: its mind's cost (`learnt`, UNKNOWN if None) until
+    it has been sampled after its probation, then the larger of that learnt cost and
+    what it wrote so far; 1 once it has been seen writing."""
+    if turn.writing:
+        return 1.0
+    if turn.sampled is None:
+        return UNKNOWN if learnt is None else learnt
+    so_far = cost_of(turn.written / FULL_BYTES)
+    return so_far if learnt is None else max(learnt, so_far)

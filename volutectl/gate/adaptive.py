@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from volutectl.config.settings import Settings
 
 EVENT_SECONDS = 5.0  # at most one AdaptiveLimitChanged entry this often
+SAMPLE_PAUSE = 30.0  # after a sample failed, the next is tried this long after
 PROBE_BYTES = 4096
 PROBE_FILE = "adaptive-probe"
 
@@ -213,6 +214,10 @@ class AdaptiveLimit:
         self._probe_load = 0.0  # the most IO cost running while the probe ran
         self.io_costs = iocost.Costs()  # what each mind's turns write, as learnt
         self._costs: Mapping[str, float] = {}  # each known mind's cost, from io_costs
+        # The running turns, by id, and what each has shown of its writes so far.
+        self.running_turns: dict[int, iocost.Running] = {}
+        self._sample_after = 0.0  # monotonic: no sample before (one failed)
+        self.sample_failure: str | None = None  # why the last sample failed, if it did
         self.load = 0.0
         self._psi_mark: tuple[int, float] | None = None
         self._psi_lost: str | None = None  # why the PSI file that read failed, until one reads
@@ -286,12 +291,63 @@ class AdaptiveLimit:
             self._costs = self.io_costs.of()
 
     def costs(self) -> Mapping[str, float]:
-        """Each known mind's cost against the limit, for admission; others cost 1."""
+        """Each known mind's cost against the limit, for a new turn; others cost 1."""
         return self._costs
 
-    def load_of(self, minds: Iterable[str]) -> float:
-        """The IO cost of turns of these minds."""
-        return sum(self._costs.get(mind, iocost.UNKNOWN) for mind in minds)
+    def running_costs(self) -> dict[str, float]:
+        """What each mind's running turns cost now (their mean), from what they wrote."""
+        sums: dict[str, list[float]] = {}
+        for turn in self.running_turns.values():
+            cost = iocost.running_cost(turn, self._costs.get(turn.mind))
+            sums.setdefault(turn.mind, []).append(cost)
+        return {mind: sum(costs) / len(costs) for mind, costs in sums.items()}
+
+    def turns_bound(self) -> int | None:
+        """The most turns the limit lets run at once whatever their costs: its maximum."""
+        return self.bounds.maximum if self.limit() is not None else None
+
+    def load_of(self, running: Iterable[str], starting: Iterable[str] = ()) -> float:
+        """The IO cost of the running turns of these minds, and of new turns of those."""
+        now = self.running_costs()
+        return sum(now.get(mind, self._costs.get(mind, iocost.UNKNOWN)) for mind in running) + sum(
+            self._costs.get(mind, iocost.UNKNOWN) for mind in starting
+        )
+
+    # -- what running turns have written so far ------------------------------------------
+
+    def track(self, now: float, turns: Mapping[int, str]) -> None:
+        """The turns that run now (id: mind): new ones are counted from `now`."""
+        if not self.enabled:
+            return
+        known = self.running_turns
+        self.running_turns = {
+            turn_id: known.get(turn_id) or iocost.Running(mind, now)
+            for turn_id, mind in turns.items()
+        }
+
+    def wants_sample(self, now: float) -> list[int]:
+        """The running turns to sample at this reading (none while a failed sample's
+        pause lasts)."""
+        if not self.enabled or now < self._sample_after:
+            return []
+        return list(self.running_turns)
+
+    def observe(self, now: float, written: Mapping[int, int]) -> bool:
+        """A sample: what each running turn has written so far. True if a running
+        turn's cost changed (admission should decide again)."""
+        before = self.running_costs()
+        self.sample_failure = None
+        for turn_id, count in written.items():
+            turn = self.running_turns.get(turn_id)
+            if turn is not None:
+                self.running_turns[turn_id] = turn.sample(now, count, self.interval)
+        return self.running_costs() != before
+
+    def sample_failed(self, now: float, why: str) -> None:
+        """A sample could not be taken (an older launcher, or none): running turns keep
+        their minds' costs, and the next sample is tried SAMPLE_PAUSE seconds on."""
+        self.sample_failure = why
+        self._sample_after = now + SAMPLE_PAUSE
 
     # -- the interval ------------------------------------------------------------------
 

@@ -392,7 +392,20 @@ class Gate:
         return adaptive.deadline() if adaptive is not None else None
 
     def _on_adaptive_deadline(self, now: float) -> None:
-        if self.state.adaptive is not None and self.state.adaptive.on_deadline(now):
+        adaptive = self.state.adaptive
+        if adaptive is None:
+            return
+        if turn_ids := adaptive.wants_sample(now):
+            try:
+                written = self.state.turns.hands.sample(turn_ids)
+            except (VoluteError, OSError) as error:
+                adaptive.sample_failed(
+                    now, error.message if isinstance(error, VoluteError) else str(error)
+                )
+            else:
+                if adaptive.observe(now, written):
+                    self.state.dirty = True  # a turn showed its writes: decide again
+        if adaptive.on_deadline(now):
             self.state.dirty = True  # the limit moved: admission decides again
 
     def _adaptive_log_deadline(self) -> float | None:
@@ -506,7 +519,13 @@ class Gate:
         adaptive.before_pass(time.monotonic())
         decision, changes = state.store.index.admit(
             live,
-            replace(state.limits, adaptive=adaptive.limit(), costs=adaptive.costs()),
+            replace(
+                state.limits,
+                adaptive=adaptive.limit(),
+                costs=adaptive.costs(),
+                running_costs=adaptive.running_costs(),
+                adaptive_turns=adaptive.turns_bound(),
+            ),
             now=now,
             other_busy=state.foreign_live + test_runs,
             other_busy_reason=HoldReason.TEST_RUN if test_runs else HoldReason.GLOBAL_CAP,
@@ -531,7 +550,8 @@ class Gate:
         state.turns.record_holds(changes, now)
         others = state.foreign_live + test_runs
         busy = len(live) + len(decision.starts) + others
-        load = adaptive.load_of([t.mind for t in live] + [s.mind for s in decision.starts])
+        adaptive.track(time.monotonic(), {turn.id: turn.mind for turn in state.turns.all()})
+        load = adaptive.load_of([t.mind for t in live], [s.mind for s in decision.starts])
         waiting = state.store.index.counts[HoldReason.ADAPTIVE_LIMIT]
         adaptive.after_pass(time.monotonic(), busy, waiting, load + others)
         self.notifier.update(status.gate_line(state, now, test_runs))

@@ -36,6 +36,7 @@ from volutectl.config.settings import Settings, parse_bandwidth
 from volutectl.errors import DataError, SystemdNoAnswer, UnavailableError, VoluteError
 from volutectl.faults import crash_point
 from volutectl.kernel import dirfds, processes
+from volutectl.kernel.written import cgroup_written as written_now
 from volutectl.launcher import fork, preflight, turndir
 from volutectl.systemd.journal import Journal
 from volutectl.systemd.port import ScopeProperties, SystemdManager
@@ -50,6 +51,8 @@ BACKSTOP_MARGIN_SECONDS = 30.0
 START_TIMEOUT_SECONDS = 20.0
 ORDER_TIMEOUT_SECONDS = 10.0
 CONNECT_TIMEOUT_SECONDS = 2.0
+# A sample reads /proc and the cgroup files: the gate's loop waits for it, so not long.
+SAMPLE_TIMEOUT_SECONDS = 1.0
 
 
 class LauncherUnavailable(UnavailableError):
@@ -81,6 +84,11 @@ class TurnHands(Protocol):
     def stop(self, turn_id: int, mind: str) -> None: ...
 
     def inspect(self, turn_id: int, folded: Sequence[int]) -> orders.Report: ...
+
+    def sample(self, turn_ids: Sequence[int]) -> dict[int, int]:
+        """What each running turn's processes have written so far, in bytes, for those
+        it can read (volutectl/kernel/written.py)."""
+        ...
 
     def remove(self, turn_id: int) -> None: ...
 
@@ -126,6 +134,7 @@ class LocalHands:
         # Turns forked here and not yet reaped, and how those reaped ended: the wrapper
         # records the command's status, this the wrapper's own (e.g. SIGKILLed).
         self.children: dict[int, int] = {}
+        self.units: dict[int, str] = {}  # their scopes, for a sample of what they wrote
         self.statuses: dict[int, int] = {}
         # What each reaped turn wrote to storage, in bytes: the wrapper's rusage, which
         # holds the command's and every process it reaped (the adaptive limit's IO
@@ -208,6 +217,7 @@ class LocalHands:
             self._abandon(child)
             raise
         self.children[order.turn_id] = child.pid
+        self.units[order.turn_id] = names.turn_scope_name(order.mind, order.turn_id)
         return Launched(child.pid, child.pidfd)
 
     @staticmethod
@@ -243,9 +253,11 @@ class LocalHands:
             except ChildProcessError:
                 ended = None
                 del self.children[turn_id]
+                self.units.pop(turn_id, None)
             if ended is not None:
                 self.statuses[turn_id], self.written[turn_id] = ended
                 del self.children[turn_id]
+                self.units.pop(turn_id, None)
 
     def inspect(self, turn_id: int, folded: Sequence[int]) -> orders.Report:
         self.reap()
@@ -259,6 +271,15 @@ class LocalHands:
             not_taken=tuple(sorted(turn_dir.not_taken(list(folded)))),
             written_bytes=self.written.get(turn_id),
         )
+
+    def sample(self, turn_ids: Sequence[int]) -> dict[int, int]:
+        found: dict[int, int] = {}
+        for turn_id in turn_ids:
+            pid, unit = self.children.get(turn_id), self.units.get(turn_id)
+            written = written_now(pid, unit) if pid is not None and unit is not None else None
+            if written is not None:
+                found[turn_id] = written
+        return found
 
     def remove(self, turn_id: int) -> None:
         self.statuses.pop(turn_id, None)
@@ -422,6 +443,15 @@ class RemoteHands:
         self._expect(reply, orders.Report, "inspect")
         assert isinstance(reply, orders.Report)
         return reply
+
+    def sample(self, turn_ids: Sequence[int]) -> dict[int, int]:
+        reply, _ = self._ask(orders.Sample(tuple(turn_ids)), timeout=SAMPLE_TIMEOUT_SECONDS)
+        self._expect(reply, orders.Written, "sample")
+        assert isinstance(reply, orders.Written)
+        if len(reply.turn_ids) != len(reply.written):
+            self._drop()
+            raise LauncherLost("the launcher answered a sample with lists of two lengths")
+        return dict(zip(reply.turn_ids, reply.written, strict=True))
 
     def remove(self, turn_id: int) -> None:
         reply, _ = self._ask(orders.Remove(turn_id))

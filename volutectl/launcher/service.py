@@ -232,6 +232,9 @@ class Launcher:
             hands.stop(order.turn_id, order.mind)
         elif isinstance(order, orders.Inspect):
             return hands.inspect(order.turn_id, order.folded), ()
+        elif isinstance(order, orders.Sample):
+            written = hands.sample(order.turn_ids)
+            return orders.Written(tuple(written), tuple(written.values())), ()
         elif isinstance(order, orders.Remove):
             hands.remove(order.turn_id)
         elif isinstance(order, orders.Sweep):

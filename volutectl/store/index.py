@@ -86,7 +86,7 @@ class Tally:
 
     @classmethod
     def of(cls, limits: Limits, live: Counter[str], running: int, other_busy: int) -> Tally:
-        costs = [(limits.cost_of(mind), n) for mind, n in live.items()]
+        costs = [(limits.running_cost_of(mind), n) for mind, n in live.items()]
         load = sum(cost * n for cost, n in costs)
         light = sum(cost * n for cost, n in costs if cost < 1)
         return cls(running + other_busy, running, load, light, other_busy)

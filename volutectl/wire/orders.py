@@ -126,9 +126,18 @@ class Sweep:
     open_ids: tuple[int, ...]
 
 
-Order = StartTurn | Offer | Interrupt | Stop | Inspect | Remove | Sweep
+@dataclass(frozen=True)
+class Sample:
+    """What each of these running turns' processes have written so far (an `Written`)."""
+
+    ORDER: ClassVar[str] = "sample"
+    PAYLOAD: ClassVar[int] = 0
+    turn_ids: tuple[int, ...]
+
+
+Order = StartTurn | Offer | Interrupt | Stop | Inspect | Remove | Sweep | Sample
 ORDERS: dict[str, type[Order]] = {
-    kind.ORDER: kind for kind in (StartTurn, Offer, Interrupt, Stop, Inspect, Remove, Sweep)
+    kind.ORDER: kind for kind in (StartTurn, Offer, Interrupt, Stop, Inspect, Remove, Sweep, Sample)
 }
 
 # -- replies ----------------------------------------------------------------------------
@@ -160,6 +169,16 @@ class Report:
 
 
 @dataclass(frozen=True)
+class Written:
+    """A sample's answer: `written[i]` bytes for `turn_ids[i]`; a turn the launcher could
+    not read (not its child, or gone) is left out."""
+
+    REPLY: ClassVar[str] = "written"
+    turn_ids: tuple[int, ...]
+    written: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Refused:
     """The order was not carried out; `error` says why. For a start: the turn never
     ran (its child, if forked, exited unreleased)."""
@@ -171,8 +190,10 @@ class Refused:
     no_answer: bool = False
 
 
-Reply = Done | Started | Report | Refused
-REPLIES: dict[str, type[Reply]] = {kind.REPLY: kind for kind in (Done, Started, Report, Refused)}
+Reply = Done | Started | Report | Written | Refused
+REPLIES: dict[str, type[Reply]] = {
+    kind.REPLY: kind for kind in (Done, Started, Report, Written, Refused)
+}
 
 
 # -- encoding and strict decoding -------------------------------------------------------

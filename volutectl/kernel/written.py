@@ -1,0 +1,130 @@
+"""What a running turn has written to storage so far: the evidence a cold gate's
+adaptive limit needs before a turn ends (volutectl/core/iocost.py's `Running`).
+
+A turn's rusage (`ru_oublock`, read when the launcher reaps its wrapper:
+volutectl/kernel/processes.py's `poll_written`) says what it wrote only once it has
+ended. While it runs, each process's `/proc/PID/io` `write_bytes` says what that process
+has caused to be written to storage, its reaped children's included; the turn is every
+process of its scope's cgroup. So `cgroup_written` sums `write_bytes` over the processes
+listed in the cgroup of the turn's main process (the wrapper, the launcher's own unreaped
+child, so its PID cannot be reused meanwhile), once that cgroup is the turn's scope;
+else over the main process and those below it.
+
+It works on every hierarchy: the scope's cgroup is read from the `name=systemd` line of
+`/proc/PID/cgroup` (legacy and hybrid, as in the test containers, where the blkio
+controller gives a scope no numbers), else its unified line. Reading another user's
+`/proc/PID/io` needs root (ptrace's read check): the root launcher does it, never the gate.
+
+The sum is an estimate, not an account: a process that exits between the listing and its
+read is missed until its parent reaps it (then its bytes are the parent's), and one
+reaped by a process outside the scope is missed for good (a daemonized grandchild).
+It is read only to pace admission; systemd's IOWeight= and the limits of the turn's
+scope are what bound a turn's IO.
+
+Every path here is the kernel's: /proc and the cgroup file system, which no turn can
+put a link into.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+PROC = Path("/proc")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+MAX_PROCESSES = 4096  # read at most this many of a scope's processes
+
+
+def cgroup_of(pid: int, proc: Path = PROC) -> str | None:
+    """The path of `pid`'s systemd cgroup, relative to its hierarchy's root."""
+    try:
+        text = (proc / str(pid) / "cgroup").read_text()
+    except OSError:
+        return None
+    unified = None
+    for line in text.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if controllers == "name=systemd":
+            return path
+        if hierarchy == "0" and controllers == "":
+            unified = path
+    return unified
+
+
+def procs_file(cgroup: str, root: Path = CGROUP_ROOT) -> Path | None:
+    """The cgroup.procs of `cgroup`: in the name=systemd hierarchy if mounted (legacy and
+    hybrid), else in the unified one at the root."""
+    relative = cgroup.lstrip("/")
+    if ".." in Path(relative).parts:
+        return None
+    for base in (root / "systemd", root / "unified", root):
+        candidate = base / relative / "cgroup.procs"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def write_bytes(pid: int, proc: Path = PROC) -> int | None:
+    """`write_bytes` of /proc/PID/io (the process and its reaped children); None if gone."""
+    try:
+        text = (proc / str(pid) / "io").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key == "write_bytes":
+            with contextlib.suppress(ValueError):
+                return int(value)
+    return None
+
+
+def descendants(pid: int, proc: Path = PROC) -> list[int]:
+    """`pid` and the processes below it, from each task's `children` file (at most
+    MAX_PROCESSES of them)."""
+    found = [pid]
+    index = 0
+    while index < len(found) and len(found) < MAX_PROCESSES:
+        parent = found[index]
+        index += 1
+        try:
+            tasks = list((proc / str(parent) / "task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            found.extend(int(child) for child in children if child.isdigit())
+    return found[:MAX_PROCESSES]
+
+
+def scope_processes(pid: int, unit: str, proc: Path = PROC, root: Path = CGROUP_ROOT) -> list[int]:
+    """The processes of the scope `unit` that `pid` runs in: its cgroup's, when that is
+    `unit`'s; else `pid` and the processes below it (a process not in a scope of its
+    own, as a turn started without systemd, would be charged its whole cgroup's)."""
+    cgroup = cgroup_of(pid, proc)
+    procs = None
+    if cgroup is not None and cgroup.rstrip("/").rpartition("/")[2] == unit:
+        procs = procs_file(cgroup, root)
+    if procs is None:
+        return descendants(pid, proc)
+    try:
+        listed = procs.read_text().split()
+    except OSError:
+        return descendants(pid, proc)
+    return [int(text) for text in listed[:MAX_PROCESSES] if text.isdigit()]
+
+
+def cgroup_written(pid: int, unit: str, proc: Path = PROC, root: Path = CGROUP_ROOT) -> int | None:
+    """What the processes of the scope `unit`, which `pid` runs in, have written to
+    storage so far, in bytes; None if none could be read (gone, or not ours to look at)."""
+    total = 0
+    seen = False
+    for process in scope_processes(pid, unit, proc, root):
+        written = write_bytes(process, proc)
+        if written is not None:
+            total += written
+            seen = True
+    return total if seen else None
