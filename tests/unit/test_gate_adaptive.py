@@ -24,8 +24,9 @@ from tests.unit.gate_harness import Harness
 from tests.unit.test_gate_pause import deliver, notified, request, statuses
 from volutectl import events
 from volutectl.core.adaptive import GROW_AFTER, Controller, Reading
-from volutectl.core.iocost import FLOOR
+from volutectl.core.iocost import FLOOR, PROBATION_SECONDS
 from volutectl.core.psi import parse_total
+from volutectl.errors import VoluteError
 from volutectl.gate import adaptive as gate_adaptive
 from volutectl.gate.adaptive import EVENT_SECONDS, AdaptiveLimit
 from volutectl.host import doctor
@@ -359,3 +360,73 @@ def test_a_turn_tells_what_it_wrote_and_light_minds_pass_while_a_heavy_one_write
         deliver(harness, mind)
     harness.pump(lambda: running(harness) == 5 and holds(harness) == {"adaptive_limit": 1})
     assert "heavy3" not in {turn.mind for turn in harness.gate.state.turns.all()}
+
+
+def test_a_cold_gate_lets_quiet_turns_by_once_a_sample_shows_them_and_holds_writers_whole(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    # Six minds the gate has never seen: one writes 1 MiB (to the test's own disk, where
+    # write_bytes counts), five wait; all stay while `hold` exists. At a limit of 2 (no
+    # reading in this test moves it) the first two start as whole places. A sample at
+    # the end of each turn's probation shows what it wrote: the writer stays whole, a
+    # quiet one costs the floor, and its place goes to the next unknown turn, one at a
+    # time, each judged in turn, until all six run beside the one writer.
+    hold = tmp_path / "hold"
+    hold.touch()
+    stay = f"while [ -e {hold} ]; do sleep 0.05; done"
+    minds = {"writer": f"head -c {1 << 20} /dev/zero > {tmp_path}/w; {stay}"}
+    minds |= {f"quiet{i}": stay for i in range(5)}
+    config = {"start": 2, "minimum": 1, "maximum": 8, "interval_seconds": 10.0}
+    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config})
+    harnesses.append(harness)
+    adaptive = limit_of(harness)
+    for mind in minds:
+        deliver(harness, mind)
+    harness.pump(lambda: running(harness) == 2 and holds(harness) == {"adaptive_limit": 4})
+    assert {turn.mind for turn in harness.gate.state.turns.all()} == {"writer", "quiet0"}
+    shown = {"writer": 1.0} | {f"quiet{i}": FLOOR for i in range(5)}
+    harness.pump(lambda: adaptive.running_costs() == shown, timeout=20)
+    assert running(harness) == 6
+    assert adaptive.limit() == 2  # the limit did not move: the costs did
+    assert adaptive.sample_failure is None
+    # Paced: each quiet turn started once the one before it had been judged.
+    started = sorted(t.started_at for t in harness.gate.state.turns.all() if t.mind != "writer")
+    gaps = [later - earlier for earlier, later in zip(started, started[1:], strict=False)]
+    assert min(gaps) >= PROBATION_SECONDS * 0.9, gaps
+    hold.unlink()
+    harness.pump(lambda: running(harness) == 0 and not holds(harness), timeout=20)
+
+
+def test_a_sample_that_fails_leaves_turns_at_their_minds_cost_and_waits_to_try_again(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    hold = tmp_path / "hold"
+    hold.touch()
+    stay = f"while [ -e {hold} ]; do sleep 0.05; done"
+    config = {"start": 1, "minimum": 1, "maximum": 4, "interval_seconds": 10.0}
+    harness = Harness(tmp_path, minds={"a": stay, "b": stay}, limits={"adaptive": config})
+    harnesses.append(harness)
+    adaptive = limit_of(harness)
+    asked: list[float] = []
+
+    def refuse(turn_ids: object) -> dict[int, int]:
+        asked.append(time.monotonic())
+        raise VoluteError("unknown order 'sample'")  # an older launcher
+
+    hands = harness.gate.state.turns.hands
+    original = hands.sample
+    hands.sample = refuse  # type: ignore[method-assign]
+    deliver(harness, "a")
+    deliver(harness, "b")
+    harness.pump(lambda: running(harness) == 1 and holds(harness) == {"adaptive_limit": 1})
+    harness.pump(lambda: bool(asked))  # at a's probation's end
+    assert adaptive.sample_failure == "unknown order 'sample'"
+    assert adaptive.running_costs() == {"a": 1.0}  # unknown, unshown: a whole place
+    harness.run_for(0.5)
+    assert len(asked) == 1  # not asked again at once...
+    assert running(harness) == 1  # ...and b still waits: nothing let by on no evidence
+    assert adaptive.wants_sample(asked[0] + gate_adaptive.SAMPLE_PAUSE - 1) == []
+    assert adaptive.wants_sample(asked[0] + gate_adaptive.SAMPLE_PAUSE) != []  # ...but later
+    hands.sample = original  # type: ignore[method-assign]
+    hold.unlink()
+    harness.pump(lambda: running(harness) == 0 and not holds(harness), timeout=20)

@@ -10,7 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from volutectl.core.admission import Delivery, Limits, LiveTurn, admit
-from volutectl.core.iocost import FLOOR, FULL_BYTES, Costs, cost_of
+from volutectl.core.iocost import (
+    FLOOR,
+    FULL_BYTES,
+    UNKNOWN,
+    WRITING_BYTES,
+    Costs,
+    Running,
+    cost_of,
+    running_cost,
+)
 from volutectl.states import HoldReason
 
 MIB = 1 << 20
@@ -143,3 +152,70 @@ def test_no_mind_starves_while_light_deliveries_keep_coming(seed: int, limit: in
             oldest = (min(pending), tick)
         if oldest is not None and oldest[0] in pending:
             assert tick - oldest[1] <= 11, (oldest, tick)
+
+
+# -- what a running turn shows of its writes ---------------------------------------------
+
+PROBATION = 0.5
+
+
+def test_an_unknown_turn_costs_a_whole_place_until_a_sample_after_its_probation() -> None:
+    turn = Running("new", started=10.0)
+    assert running_cost(turn, None) == UNKNOWN
+    turn = turn.sample(10.2, 0, PROBATION)  # too early to tell: not started writing yet
+    assert running_cost(turn, None) == UNKNOWN
+    turn = turn.sample(10.5, 4096, PROBATION)  # quiet for a whole probation: light
+    assert running_cost(turn, None) == FLOOR
+    turn = turn.sample(11.0, 4096 + 48 * 1024, PROBATION)  # a little: still under WRITING
+    assert running_cost(turn, None) == FLOOR
+
+
+def test_a_turn_seen_writing_costs_a_whole_place_for_the_rest_of_its_life() -> None:
+    turn = Running("heavy", started=0.0).sample(0.2, WRITING_BYTES, PROBATION)
+    assert turn.writing and running_cost(turn, None) == 1.0  # no need to wait: it writes
+    # Slowed by the writers beside it, it writes less per sample: it stays whole, or more
+    # writers at once would make each look lighter and let more in.
+    for moment in (0.5, 1.0, 1.5):
+        turn = turn.sample(moment, turn.written + 4096, PROBATION)
+    assert running_cost(turn, FLOOR) == 1.0
+
+
+def test_a_quiet_turn_is_charged_its_minds_learnt_cost_and_what_it_wrote_so_far() -> None:
+    quiet = Running("m", started=0.0).sample(1.0, 0, PROBATION)
+    assert running_cost(quiet, 1.0) == 1.0  # a heavy mind, between its writes: still heavy
+    assert running_cost(quiet, FLOOR) == FLOOR
+    grown = quiet
+    for moment, written in ((1.5, 60 << 10), (2.0, 120 << 10), (2.5, 180 << 10), (3.0, 240 << 10)):
+        grown = grown.sample(moment, written, PROBATION)
+    assert not grown.writing  # never WRITING_BYTES between two samples...
+    assert running_cost(grown, FLOOR) == cost_of((240 << 10) / FULL_BYTES) == 0.25  # ...but so far
+
+
+def test_a_sample_that_reads_less_than_the_last_moves_nothing_back() -> None:
+    # A process that exited before the read, not yet reaped: its bytes are missed once.
+    turn = Running("m", started=0.0).sample(0.6, 200 << 10, PROBATION)
+    again = turn.sample(1.2, 10 << 10, PROBATION)
+    assert again.written == 200 << 10 and running_cost(again, None) == running_cost(turn, None)
+
+
+def test_the_maximum_bounds_the_turns_at_once_whatever_their_costs() -> None:
+    pending = [Delivery(i, f"light{i}", "s") for i in range(1, 30)]
+    costs = {f"light{i}": FLOOR for i in range(30)}
+    without = admit(pending, [], Limits(adaptive=2, costs=costs), now=0.0)
+    assert len(without.starts) == 29  # 29 at the floor's cost are under two places
+    bounded = admit(pending, [], Limits(adaptive=2, costs=costs, adaptive_turns=16), now=0.0)
+    assert len(bounded.starts) == 16
+    assert {hold.reason for hold in bounded.holds} == {HoldReason.ADAPTIVE_LIMIT}
+    live = [LiveTurn(100 + i, f"light{i}", "s") for i in range(1, 17)]
+    running = Limits(adaptive=2, costs=costs, running_costs=costs, adaptive_turns=16)
+    assert admit(pending[16:], live, running, now=0.0).starts == []
+
+
+def test_running_turns_are_charged_what_they_show_and_new_ones_their_minds_cost() -> None:
+    # Two unknown minds' turns run; a sample showed one quiet: a third unknown fits.
+    live = [LiveTurn(1, "a", "s"), LiveTurn(2, "b", "s")]
+    pending = [Delivery(3, "c", "s")]
+    assert admit(pending, live, Limits(adaptive=2), now=0.0).starts == []
+    shown = Limits(adaptive=2, running_costs={"a": FLOOR})
+    [start] = admit(pending, live, shown, now=0.0).starts
+    assert start.mind == "c"

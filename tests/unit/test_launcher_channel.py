@@ -34,6 +34,7 @@ EVERY_ORDER: list[orders.Order] = [
     orders.Inspect(7, (3,)),
     orders.Remove(7),
     orders.Sweep((1, 7)),
+    orders.Sample((1, 7)),
 ]
 
 
@@ -50,6 +51,7 @@ def test_every_reply_goes_through_the_channel_unchanged() -> None:
         orders.Started(42),
         orders.Report(started=True, exit_status=None, ended_at=1.5, not_taken=(3, 4)),
         orders.Report(True, 0, 1.5, (), written_bytes=3 << 20),
+        orders.Written((7, 9), (0, 3 << 20)),
         orders.Refused("no"),
     ):
         assert orders.decode_reply(orders.encode(reply).rstrip(b"\n")) == reply
@@ -147,6 +149,35 @@ def test_a_split_gate_runs_folds_interrupts_and_settles_turns(
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["id"] for r in records] == [first, reply["id"]]
     assert not (tmp_path / "run" / "turns" / str(turn.id)).exists()  # removed by the launcher
+
+
+def test_a_sample_through_the_launcher_says_what_each_running_turn_has_written(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    # The turns write to the test's own disk (ext4 here: write_bytes counts what goes to
+    # storage, so a tmpfs would read 0), then wait; the turn with no child is left out.
+    hold = tmp_path / "hold"
+    hold.touch()
+    script = "head -c {} /dev/zero > {}/w-$VOLUTE_MIND; while [ -e {} ]; do sleep 0.05; done"
+    minds = {
+        "writer": script.format(1 << 20, tmp_path, hold),
+        "quiet": script.format(0, tmp_path, hold),
+    }
+    harness = Harness(tmp_path, remote=True, minds=minds)
+    harnesses.append(harness)
+    harness.deliver_ok(mind="writer")
+    harness.deliver_ok(mind="quiet")
+    harness.pump(lambda: len(harness.gate.state.turns.all()) == 2)
+    turns = {turn.mind: turn.id for turn in harness.gate.state.turns.all()}
+    hands = harness.gate.state.turns.hands
+    harness.pump(lambda: hands.sample(list(turns.values())).get(turns["writer"], 0) >= 1 << 20)
+    written = hands.sample([*turns.values(), 999])
+    assert set(written) == set(turns.values())  # 999 is no turn of the launcher's
+    assert written[turns["writer"]] >= 1 << 20
+    assert written[turns["quiet"]] < 64 << 10
+    hold.unlink()
+    harness.pump(lambda: settled(harness))
+    assert hands.sample(list(turns.values())) == {}  # ended: nothing running to read
 
 
 def test_an_interrupt_reaches_the_turns_scope_through_the_launcher(

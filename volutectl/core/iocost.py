@@ -31,8 +31,8 @@ that keeps every turn from starving).
   written so far (`/proc/PID/io`'s `write_bytes` over its scope's processes:
   volutectl/kernel/processes.py), so a cold gate need not wait for turns to end to tell
   a heavy writer from a turn that waits on the network. A turn costs its mind's cost
-  (`UNKNOWN` if none is known) until a sample taken `probation` seconds or more after
-  it started; from then on the larger of its mind's learnt cost and what it has written
+  (`UNKNOWN` if none is known) until a sample taken `PROBATION_SECONDS` or more
+  after it started; from then on the larger of its mind's learnt cost and what it has written
   so far, and 1 for the rest of its life once it has written `WRITING_BYTES` or more
   between two samples (a writer now; a turn slowed by the writers beside it would
   otherwise look lighter the more of them run, and let more in). So the limit bounds
@@ -56,6 +56,11 @@ FULL_BYTES = 1 << 20  # a turn that writes this much or more costs a whole place
 FLOOR = 1 / 16  # the least a turn costs: sixteen of the lightest fill one place
 UNKNOWN = 1.0  # a mind with no turn measured yet: as the heaviest
 WRITING_BYTES = 64 * 1024  # written between two samples: a writer, for the rest of the turn
+# How long a turn runs before a sample may call it quiet: a program needs a moment to start
+# writing (an interpreter's start, a session spinning up), and a sample taken before that
+# would let a heavy writer in at the floor's cost. Under the default reading interval
+# (0.5 s), so that a turn started at one reading is judged at the next.
+PROBATION_SECONDS = 0.4
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,7 @@ class Running:
     sampled: float | None = None  # monotonic: the last sample taken after its probation
     writing: bool = False  # it wrote WRITING_BYTES or more between two samples
 
-    def sample(self, now: float, written: int, probation: float) -> Running:
+    def sample(self, now: float, written: int, probation: float = PROBATION_SECONDS) -> Running:
         """A sample at `now`: its processes have written `written` bytes so far (a
         sample within its first `probation` seconds only moves the mark)."""
         writing = self.writing or written - self.written >= WRITING_BYTES

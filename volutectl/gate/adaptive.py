@@ -216,6 +216,7 @@ class AdaptiveLimit:
         self._costs: Mapping[str, float] = {}  # each known mind's cost, from io_costs
         # The running turns, by id, and what each has shown of its writes so far.
         self.running_turns: dict[int, iocost.Running] = {}
+        self._asked: set[int] = set()  # turns sampled (or tried) after their probation
         self._sample_after = 0.0  # monotonic: no sample before (one failed)
         self.sample_failure: str | None = None  # why the last sample failed, if it did
         self.load = 0.0
@@ -324,23 +325,45 @@ class AdaptiveLimit:
             turn_id: known.get(turn_id) or iocost.Running(mind, now)
             for turn_id, mind in turns.items()
         }
+        self._asked &= set(turns)
 
     def wants_sample(self, now: float) -> list[int]:
-        """The running turns to sample at this reading (none while a failed sample's
-        pause lasts)."""
+        """The running turns to sample now, at a reading or a turn's probation's end
+        (none while a failed sample's pause lasts)."""
         if not self.enabled or now < self._sample_after:
             return []
         return list(self.running_turns)
+
+    def sample_deadline(self) -> float | None:
+        """When a running turn's probation ends that no sample has judged yet: a sample
+        then, not at the next reading, lets a quiet turn's place go to the next one at
+        once (the ramp of a cold gate's fan-out)."""
+        if not self.enabled:
+            return None
+        due = [
+            turn.started + iocost.PROBATION_SECONDS
+            for turn_id, turn in self.running_turns.items()
+            if turn_id not in self._asked
+        ]
+        return max(min(due), self._sample_after) if due else None
+
+    def _mark_asked(self, now: float) -> None:
+        self._asked |= {
+            turn_id
+            for turn_id, turn in self.running_turns.items()
+            if now - turn.started >= iocost.PROBATION_SECONDS
+        }
 
     def observe(self, now: float, written: Mapping[int, int]) -> bool:
         """A sample: what each running turn has written so far. True if a running
         turn's cost changed (admission should decide again)."""
         before = self.running_costs()
         self.sample_failure = None
+        self._mark_asked(now)
         for turn_id, count in written.items():
             turn = self.running_turns.get(turn_id)
             if turn is not None:
-                self.running_turns[turn_id] = turn.sample(now, count, self.interval)
+                self.running_turns[turn_id] = turn.sample(now, count)
         return self.running_costs() != before
 
     def sample_failed(self, now: float, why: str) -> None:
@@ -348,6 +371,7 @@ class AdaptiveLimit:
         their minds' costs, and the next sample is tried SAMPLE_PAUSE seconds on."""
         self.sample_failure = why
         self._sample_after = now + SAMPLE_PAUSE
+        self._mark_asked(now)
 
     # -- the interval ------------------------------------------------------------------
 

@@ -362,6 +362,7 @@ class Gate:
         self.reactor.at(self._pressure_deadline, self._on_pressure_deadline)
         self.reactor.at(self._adaptive_deadline, self._on_adaptive_deadline)
         self.reactor.at(self._adaptive_log_deadline, self._on_adaptive_log_deadline)
+        self.reactor.at(self._sample_deadline, self._sample_written)
         self.reactor.at(self._backoff_deadline, self._on_backoff_end)
         self.reactor.at(lambda: self.admit_retry, self._retry_admission)
         self.reactor.at(self.state.store.checkpoint_deadline, self._checkpoint)
@@ -395,6 +396,20 @@ class Gate:
         adaptive = self.state.adaptive
         if adaptive is None:
             return
+        self._sample_written(now)
+        if adaptive.on_deadline(now):
+            self.state.dirty = True  # the limit moved: admission decides again
+
+    def _sample_deadline(self) -> float | None:
+        adaptive = self.state.adaptive
+        return adaptive.sample_deadline() if adaptive is not None else None
+
+    def _sample_written(self, now: float) -> None:
+        """Ask the launcher what the running turns have written so far (the adaptive
+        limit's evidence: volutectl/core/iocost.py's `Running`)."""
+        adaptive = self.state.adaptive
+        if adaptive is None:
+            return
         if turn_ids := adaptive.wants_sample(now):
             try:
                 written = self.state.turns.hands.sample(turn_ids)
@@ -405,8 +420,6 @@ class Gate:
             else:
                 if adaptive.observe(now, written):
                     self.state.dirty = True  # a turn showed its writes: decide again
-        if adaptive.on_deadline(now):
-            self.state.dirty = True  # the limit moved: admission decides again
 
     def _adaptive_log_deadline(self) -> float | None:
         adaptive = self.state.adaptive

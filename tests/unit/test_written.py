@@ -1,0 +1,112 @@
+"""volutectl/kernel/written.py: what a running turn's processes have written so far, from
+the kernel's own files: real processes writing to this machine's disk, and a made-up
+/proc and cgroup tree for the hierarchies this machine does not have."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from volutectl.kernel import written
+from volutectl.kernel.written import cgroup_of, cgroup_written, descendants, scope_processes
+
+UNIT = "volute-turn-m-7.scope"
+
+
+def fake_process(proc: Path, pid: int, cgroup: str, write_bytes: int, children: str = "") -> None:
+    (proc / str(pid) / "task" / str(pid)).mkdir(parents=True)
+    (proc / str(pid) / "task" / str(pid) / "children").write_text(children)
+    (proc / str(pid) / "cgroup").write_text(cgroup)
+    (proc / str(pid) / "io").write_text(
+        f"rchar: 1\nwchar: 2\nread_bytes: 0\nwrite_bytes: {write_bytes}\ncancelled_write_bytes: 0\n"
+    )
+
+
+HYBRID = (
+    "12:cpu,cpuacct:/volute.slice/volute-turns.slice\n"
+    f"1:name=systemd:/volute.slice/volute-turns.slice/{UNIT}\n"
+    f"0::/volute.slice/volute-turns.slice/{UNIT}\n"
+)
+UNIFIED = f"0::/volute.slice/volute-turns.slice/{UNIT}\n"
+
+
+def test_the_cgroup_is_the_systemd_hierarchys_on_hybrid_and_the_unified_one_else(
+    tmp_path: Path,
+) -> None:
+    fake_process(tmp_path, 10, HYBRID, 0)
+    fake_process(tmp_path, 11, UNIFIED, 0)
+    assert (
+        cgroup_of(10, tmp_path)
+        == cgroup_of(11, tmp_path)
+        == f"/volute.slice/volute-turns.slice/{UNIT}"
+    )
+    assert cgroup_of(12, tmp_path) is None  # gone
+
+
+def test_a_scope_is_every_process_of_its_cgroup_on_either_hierarchy(tmp_path: Path) -> None:
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    for pid, amount in ((10, 1000), (20, 30_000), (21, 500)):
+        fake_process(proc, pid, HYBRID, amount)
+    scope = root / "systemd" / "volute.slice" / "volute-turns.slice" / UNIT
+    scope.mkdir(parents=True)
+    (scope / "cgroup.procs").write_text("10\n20\n21\n")
+    assert scope_processes(10, UNIT, proc, root) == [10, 20, 21]
+    assert cgroup_written(10, UNIT, proc, root) == 31_500
+    # A listed process gone before its read is missed; the rest still count.
+    (scope / "cgroup.procs").write_text("10\n20\n21\n99\n")
+    assert cgroup_written(10, UNIT, proc, root) == 31_500
+
+
+def test_a_process_not_in_its_scope_is_read_with_what_runs_below_it(tmp_path: Path) -> None:
+    # No scope of its own (a turn started without systemd): its cgroup is somebody
+    # else's too, so only it and its descendants count, never the whole cgroup's.
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    other = "1:name=systemd:/user.slice/session-1.scope\n"
+    fake_process(proc, 10, other, 100, children="11 12")
+    fake_process(proc, 11, other, 200, children="13")
+    fake_process(proc, 12, other, 300)
+    fake_process(proc, 13, other, 400)
+    fake_process(proc, 14, other, 1 << 30)  # in the same cgroup, not below it
+    session = root / "systemd" / "user.slice" / "session-1.scope"
+    session.mkdir(parents=True)
+    (session / "cgroup.procs").write_text("10\n11\n12\n13\n14\n")
+    assert sorted(descendants(10, proc)) == [10, 11, 12, 13]
+    assert cgroup_written(10, UNIT, proc, root) == 1000
+
+
+def test_a_cgroup_path_that_climbs_is_not_followed(tmp_path: Path) -> None:
+    assert written.procs_file(f"/../../etc/{UNIT}", tmp_path) is None
+
+
+def test_nothing_readable_is_none_not_zero(tmp_path: Path) -> None:
+    assert cgroup_written(4_000_000, UNIT, tmp_path, tmp_path) is None
+
+
+def test_a_real_process_and_its_children_as_they_write(tmp_path: Path) -> None:
+    # The test's own disk (write_bytes counts what goes to storage; ext4 here). The shell
+    # runs a child that writes 1 MiB and ends (reaped: its bytes become the shell's),
+    # then another that writes and stays: both count while the shell runs.
+    go = tmp_path / "go"
+    script = (
+        f"head -c 1048576 /dev/zero > {tmp_path}/a; "
+        f"(head -c 524288 /dev/zero > {tmp_path}/b; while [ ! -e {go} ]; do sleep 0.05; done) & "
+        f"while [ ! -e {go} ]; do sleep 0.05; done; wait"
+    )
+    shell = subprocess.Popen(["sh", "-c", script])
+    try:
+        deadline = time.monotonic() + 10
+        amount = 0
+        while time.monotonic() < deadline:
+            amount = cgroup_written(shell.pid, UNIT) or 0
+            if amount >= (1 << 20) + (1 << 19):
+                break
+            time.sleep(0.05)
+        assert amount >= (1 << 20) + (1 << 19)
+        assert len(descendants(shell.pid)) >= 2  # the shell, and its child that waits
+    finally:
+        go.touch()
+        shell.wait(timeout=10)
+    assert cgroup_written(shell.pid, UNIT) is None  # reaped: gone
+    assert os.path.getsize(tmp_path / "a") == 1 << 20
