@@ -219,3 +219,39 @@ def test_a_psi_file_that_turns_to_garbage_under_the_gate_holds_it_to_start_and_s
     )
     wait_for(lambda: all_settled(machine), timeout=90, interval=0.3)
     assert_exactly_once(turn_log(machine), acked)
+
+
+def test_status_shows_what_running_turns_write_as_the_launcher_reads_their_scopes(
+    machine: Machine,
+) -> None:
+    """The evidence a cold gate ramps on, end to end: the root launcher reads what each
+    running turn's processes have written (/proc/PID/io over its real scope's cgroup),
+    and `status` shows the costs the gate charges them. A turn that writes 1 MiB with
+    O_DSYNC (from a child of its wrapper, in its scope) costs a whole place; turns that
+    only wait cost the floor (1/16) once their probation has passed; and no mind has a
+    learnt cost until a turn of it ends. All wait on a file, so they run while looked at."""
+    install_probe(machine)
+    wait = "while [ ! -e /var/tmp/go ]; do sleep 0.1; done; turn-probe 0"
+    minds = {
+        "writer": f"dd if=/dev/zero of=/var/tmp/w.$$ bs=64k count=16 oflag=dsync; {wait}",
+        **{f"quiet{i}": wait for i in range(3)},
+    }
+    machine.run(["rm", "-f", "/var/tmp/go"])
+    start_gate(machine, gate_config(minds, adaptive=True))
+    acked = fan_out(machine, minds)
+    expected = {"writer": 1.0} | {f"quiet{i}": 1 / 16 for i in range(3)}
+    shown: list[dict[str, float]] = []
+
+    def all_judged() -> bool:
+        shown.append(adaptive_status(machine)["running_costs"])
+        return shown[-1] == expected
+
+    wait_for(all_judged, timeout=30, interval=0.2)
+    assert adaptive_status(machine)["costs"] == {}  # no turn has ended: nothing learnt
+    machine.run(["touch", "/var/tmp/go"])
+    wait_for(lambda: all_settled(machine), timeout=60, interval=0.3)
+    assert_exactly_once(turn_log(machine), acked)
+    learnt = adaptive_status(machine)
+    assert learnt["running_costs"] == {}
+    assert learnt["costs"]["writer"] == 1.0  # its rusage at the end says the same
+    assert all(learnt["costs"][f"quiet{i}"] == 1 / 16 for i in range(3)), learnt

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.unit.gate_harness import Harness
 from volutectl import faults
+
+
+@pytest.fixture
+def hold(tmp_path: Path) -> Iterator[Path]:
+    """A file a test's turns wait on while it exists (the test makes it): removed after
+    the test whatever its end, so no turn of a failed test is left waiting."""
+    path = tmp_path / "hold"
+    yield path
+    path.unlink(missing_ok=True)
 
 
 @pytest.fixture

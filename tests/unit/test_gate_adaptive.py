@@ -14,6 +14,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from volutectl.errors import VoluteError
 from volutectl.gate import adaptive as gate_adaptive
 from volutectl.gate.adaptive import EVENT_SECONDS, AdaptiveLimit
 from volutectl.host import doctor
+from volutectl.kernel.written import Written
 from volutectl.states import AdaptiveMode, HoldReason
 
 __all__ = ["notified"]  # the fixture, used by name
@@ -334,9 +336,9 @@ def doctor_check(harness: Harness) -> doctor.Check:
 
 
 def test_a_turn_tells_what_it_wrote_and_light_minds_pass_while_a_heavy_one_writes(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, harnesses: list[Harness], hold: Path
 ) -> None:
-    hold = tmp_path / "hold"  # while it exists, turns stay (sleep) after they wrote
+    # While `hold` exists, turns stay (sleep) after they wrote.
     then = f"if [ -e {hold} ]; then exec sleep 30; fi"
     writes = f"head -c {3 << 20} /dev/zero > {tmp_path}/written-$VOLUTE_MIND; {then}"
     minds = {"heavy": writes, "heavy2": writes, "heavy3": writes}
@@ -363,7 +365,7 @@ def test_a_turn_tells_what_it_wrote_and_light_minds_pass_while_a_heavy_one_write
 
 
 def test_a_cold_gate_lets_quiet_turns_by_once_a_sample_shows_them_and_holds_writers_whole(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, harnesses: list[Harness], hold: Path
 ) -> None:
     # Six minds the gate has never seen: one writes 1 MiB (to the test's own disk, where
     # write_bytes counts), five wait; all stay while `hold` exists. At a limit of 2 (no
@@ -371,7 +373,6 @@ def test_a_cold_gate_lets_quiet_turns_by_once_a_sample_shows_them_and_holds_writ
     # the end of each turn's probation shows what it wrote: the writer stays whole, a
     # quiet one costs the floor, and its place goes to the next unknown turn, one at a
     # time, each judged in turn, until all six run beside the one writer.
-    hold = tmp_path / "hold"
     hold.touch()
     stay = f"while [ -e {hold} ]; do sleep 0.05; done"
     minds = {"writer": f"head -c {1 << 20} /dev/zero > {tmp_path}/w; {stay}"}
@@ -398,9 +399,8 @@ def test_a_cold_gate_lets_quiet_turns_by_once_a_sample_shows_them_and_holds_writ
 
 
 def test_a_sample_that_fails_leaves_turns_at_their_minds_cost_and_waits_to_try_again(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, harnesses: list[Harness], hold: Path
 ) -> None:
-    hold = tmp_path / "hold"
     hold.touch()
     stay = f"while [ -e {hold} ]; do sleep 0.05; done"
     config = {"start": 1, "minimum": 1, "maximum": 4, "interval_seconds": 10.0}
@@ -409,7 +409,7 @@ def test_a_sample_that_fails_leaves_turns_at_their_minds_cost_and_waits_to_try_a
     adaptive = limit_of(harness)
     asked: list[float] = []
 
-    def refuse(turn_ids: object) -> dict[int, int]:
+    def refuse(turn_ids: Sequence[int]) -> dict[int, Written]:
         asked.append(time.monotonic())
         raise VoluteError("unknown order 'sample'")  # an older launcher
 

@@ -162,39 +162,54 @@ PROBATION = 0.5
 def test_an_unknown_turn_costs_a_whole_place_until_a_sample_after_its_probation() -> None:
     turn = Running("new", started=10.0)
     assert running_cost(turn, None) == UNKNOWN
-    turn = turn.sample(10.2, 0, PROBATION)  # too early to tell: not started writing yet
+    turn = turn.sample(10.2, 0, probation=PROBATION)  # too early to tell: not started writing yet
     assert running_cost(turn, None) == UNKNOWN
-    turn = turn.sample(10.5, 4096, PROBATION)  # quiet for a whole probation: light
+    turn = turn.sample(10.5, 4096, probation=PROBATION)  # quiet for a whole probation: light
     assert running_cost(turn, None) == FLOOR
-    turn = turn.sample(11.0, 4096 + 48 * 1024, PROBATION)  # a little: still under WRITING
+    turn = turn.sample(11.0, 4096 + 48 * 1024, probation=PROBATION)  # a little: still under WRITING
     assert running_cost(turn, None) == FLOOR
+
+
+def test_a_turn_found_waiting_on_the_disk_is_not_judged_quiet_until_it_shows() -> None:
+    # Behind a busy disk a heavy writer may wait in its first write, or the open before
+    # it, past its probation, having written nothing: not quiet, only held up.
+    turn = Running("held-up", started=0.0).sample(0.5, 0, blocked=True)
+    assert running_cost(turn, None) == UNKNOWN and turn.sampled is None
+    turn = turn.sample(1.0, 0, blocked=True)
+    assert running_cost(turn, None) == UNKNOWN
+    writer = turn.sample(1.5, WRITING_BYTES)  # it got through: a writer
+    assert running_cost(writer, None) == 1.0
+    quiet = turn.sample(1.5, 0)  # or it was a quiet turn's read: quiet once seen so
+    assert running_cost(quiet, None) == FLOOR
+    # Once judged, a wait on the disk is a write's like any other: it changes nothing.
+    assert running_cost(quiet.sample(2.0, 0, blocked=True), None) == FLOOR
 
 
 def test_a_turn_seen_writing_costs_a_whole_place_for_the_rest_of_its_life() -> None:
-    turn = Running("heavy", started=0.0).sample(0.2, WRITING_BYTES, PROBATION)
+    turn = Running("heavy", started=0.0).sample(0.2, WRITING_BYTES, probation=PROBATION)
     assert turn.writing and running_cost(turn, None) == 1.0  # no need to wait: it writes
     # Slowed by the writers beside it, it writes less per sample: it stays whole, or more
     # writers at once would make each look lighter and let more in.
     for moment in (0.5, 1.0, 1.5):
-        turn = turn.sample(moment, turn.written + 4096, PROBATION)
+        turn = turn.sample(moment, turn.written + 4096, probation=PROBATION)
     assert running_cost(turn, FLOOR) == 1.0
 
 
 def test_a_quiet_turn_is_charged_its_minds_learnt_cost_and_what_it_wrote_so_far() -> None:
-    quiet = Running("m", started=0.0).sample(1.0, 0, PROBATION)
+    quiet = Running("m", started=0.0).sample(1.0, 0, probation=PROBATION)
     assert running_cost(quiet, 1.0) == 1.0  # a heavy mind, between its writes: still heavy
     assert running_cost(quiet, FLOOR) == FLOOR
     grown = quiet
     for moment, written in ((1.5, 60 << 10), (2.0, 120 << 10), (2.5, 180 << 10), (3.0, 240 << 10)):
-        grown = grown.sample(moment, written, PROBATION)
+        grown = grown.sample(moment, written, probation=PROBATION)
     assert not grown.writing  # never WRITING_BYTES between two samples...
     assert running_cost(grown, FLOOR) == cost_of((240 << 10) / FULL_BYTES) == 0.25  # ...but so far
 
 
 def test_a_sample_that_reads_less_than_the_last_moves_nothing_back() -> None:
     # A process that exited before the read, not yet reaped: its bytes are missed once.
-    turn = Running("m", started=0.0).sample(0.6, 200 << 10, PROBATION)
-    again = turn.sample(1.2, 10 << 10, PROBATION)
+    turn = Running("m", started=0.0).sample(0.6, 200 << 10, probation=PROBATION)
+    again = turn.sample(1.2, 10 << 10, probation=PROBATION)
     assert again.written == 200 << 10 and running_cost(again, None) == running_cost(turn, None)
 
 

@@ -152,11 +152,10 @@ def test_a_split_gate_runs_folds_interrupts_and_settles_turns(
 
 
 def test_a_sample_through_the_launcher_says_what_each_running_turn_has_written(
-    tmp_path: Path, harnesses: list[Harness]
+    tmp_path: Path, harnesses: list[Harness], hold: Path
 ) -> None:
     # The turns write to the test's own disk (ext4 here: write_bytes counts what goes to
     # storage, so a tmpfs would read 0), then wait; the turn with no child is left out.
-    hold = tmp_path / "hold"
     hold.touch()
     script = "head -c {} /dev/zero > {}/w-$VOLUTE_MIND; while [ -e {} ]; do sleep 0.05; done"
     minds = {
@@ -170,11 +169,16 @@ def test_a_sample_through_the_launcher_says_what_each_running_turn_has_written(
     harness.pump(lambda: len(harness.gate.state.turns.all()) == 2)
     turns = {turn.mind: turn.id for turn in harness.gate.state.turns.all()}
     hands = harness.gate.state.turns.hands
-    harness.pump(lambda: hands.sample(list(turns.values())).get(turns["writer"], 0) >= 1 << 20)
+
+    def writer_wrote() -> bool:
+        seen = hands.sample(list(turns.values())).get(turns["writer"])
+        return seen is not None and seen.bytes >= 1 << 20
+
+    harness.pump(writer_wrote)
     written = hands.sample([*turns.values(), 999])
     assert set(written) == set(turns.values())  # 999 is no turn of the launcher's
-    assert written[turns["writer"]] >= 1 << 20
-    assert written[turns["quiet"]] < 64 << 10
+    assert written[turns["writer"]].bytes >= 1 << 20
+    assert written[turns["quiet"]].bytes < 64 << 10
     hold.unlink()
     harness.pump(lambda: settled(harness))
     assert hands.sample(list(turns.values())) == {}  # ended: nothing running to read

@@ -151,6 +151,22 @@ def test_the_adaptive_limit_shows_its_mode_limit_bounds_and_last_move() -> None:
     text = format_status(status(global_cap=8, adaptive=adaptive), now=NOW)
     assert "turns: 2 running of 3 (adaptive limit)" in text
     assert "adaptive limit: 3 turns (1..16, ceiling 8); probe 4 ms" in text
+    assert "io cost" not in text  # nothing learnt or shown yet: no line
+    costs = AdaptiveStatus(
+        mode=AdaptiveMode.ADAPTIVE,
+        limit=3,
+        minimum=1,
+        maximum=16,
+        ceiling=8,
+        reason=None,
+        costs={"heavy": 1.0, "light": 0.0625},
+        running_costs={"writer": 1.0, "quiet": 0.0625},
+    )
+    text = format_status(status(global_cap=8, adaptive=costs), now=NOW)
+    assert (
+        "io cost per turn: running quiet 1/16, writer 1; "
+        "next turn heavy 1, light 1/16 (a mind not listed: 1)"
+    ) in text
     fallback = AdaptiveStatus(
         mode=AdaptiveMode.FALLBACK,
         limit=2,

@@ -53,10 +53,10 @@ def test_a_scope_is_every_process_of_its_cgroup_on_either_hierarchy(tmp_path: Pa
     scope.mkdir(parents=True)
     (scope / "cgroup.procs").write_text("10\n20\n21\n")
     assert scope_processes(10, UNIT, proc, root) == [10, 20, 21]
-    assert cgroup_written(10, UNIT, proc, root) == 31_500
+    assert cgroup_written(10, UNIT, proc, root) == written.Written(31_500, False)
     # A listed process gone before its read is missed; the rest still count.
     (scope / "cgroup.procs").write_text("10\n20\n21\n99\n")
-    assert cgroup_written(10, UNIT, proc, root) == 31_500
+    assert cgroup_written(10, UNIT, proc, root) == written.Written(31_500, False)
 
 
 def test_a_process_not_in_its_scope_is_read_with_what_runs_below_it(tmp_path: Path) -> None:
@@ -73,7 +73,26 @@ def test_a_process_not_in_its_scope_is_read_with_what_runs_below_it(tmp_path: Pa
     session.mkdir(parents=True)
     (session / "cgroup.procs").write_text("10\n11\n12\n13\n14\n")
     assert sorted(descendants(10, proc)) == [10, 11, 12, 13]
-    assert cgroup_written(10, UNIT, proc, root) == 1000
+    assert cgroup_written(10, UNIT, proc, root) == written.Written(1000, False)
+
+
+def test_a_scope_waits_on_the_disk_when_a_thread_of_one_of_its_processes_does(
+    tmp_path: Path,
+) -> None:
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    fake_process(proc, 10, HYBRID, 0)
+    fake_process(proc, 11, HYBRID, 0)
+    scope = root / "systemd" / "volute.slice" / "volute-turns.slice" / UNIT
+    scope.mkdir(parents=True)
+    (scope / "cgroup.procs").write_text("10\n11\n")
+    (proc / "10" / "task" / "10" / "stat").write_text("10 (sh) S 1 10 10 0\n")
+    # A command name with spaces and a ")" of its own: the state follows the last ")".
+    (proc / "11" / "task" / "11" / "stat").write_text("11 (my (odd) writer) S 10 10 10 0\n")
+    (proc / "11" / "task" / "12").mkdir()
+    (proc / "11" / "task" / "12" / "stat").write_text("12 (fsync D) R 10 10 10 0\n")
+    assert cgroup_written(10, UNIT, proc, root) == written.Written(0, False)
+    (proc / "11" / "task" / "12" / "stat").write_text("12 (fsync D) D 10 10 10 0\n")
+    assert cgroup_written(10, UNIT, proc, root) == written.Written(0, True)
 
 
 def test_a_cgroup_path_that_climbs_is_not_followed(tmp_path: Path) -> None:
@@ -99,7 +118,8 @@ def test_a_real_process_and_its_children_as_they_write(tmp_path: Path) -> None:
         deadline = time.monotonic() + 10
         amount = 0
         while time.monotonic() < deadline:
-            amount = cgroup_written(shell.pid, UNIT) or 0
+            seen = cgroup_written(shell.pid, UNIT)
+            amount = seen.bytes if seen is not None else 0
             if amount >= (1 << 20) + (1 << 19):
                 break
             time.sleep(0.05)

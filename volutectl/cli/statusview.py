@@ -109,6 +109,24 @@ def _adaptive(adaptive: AdaptiveStatus) -> str:
     )
 
 
+def _costs(adaptive: AdaptiveStatus) -> list[str]:
+    """What turns cost against the adaptive limit, in places: the running turns' now,
+    and each known mind's next turn's (a mind not listed costs a whole place)."""
+    parts = []
+    if adaptive.running_costs:
+        parts.append("running " + _places(adaptive.running_costs))
+    if adaptive.costs:
+        parts.append("next turn " + _places(adaptive.costs) + " (a mind not listed: 1)")
+    return ["io cost per turn: " + "; ".join(parts)] if parts else []
+
+
+def _places(costs: dict[str, float]) -> str:
+    def place(cost: float) -> str:
+        return "1" if cost >= 1 else f"1/{round(1 / cost)}"
+
+    return ", ".join(f"{mind} {place(cost)}" for mind, cost in sorted(costs.items()))
+
+
 def _config(config: ConfigStatus | None, now: float) -> list[str]:
     """A reload the gate refused, and keys that wait for a restart; else nothing."""
     if config is None:
@@ -146,6 +164,7 @@ def _totals(status: Status, now: float) -> list[str]:
         lines.append(f"preflight: mind {mind} cannot start turns: {'; '.join(problems)}")
     if status.adaptive is not None:
         lines.append(_adaptive(status.adaptive))
+        lines += _costs(status.adaptive)
     lines += _config(status.config, now)
     pressure = status.io_pressure
     if pressure.enabled:

@@ -32,10 +32,12 @@ that keeps every turn from starving).
   volutectl/kernel/processes.py), so a cold gate need not wait for turns to end to tell
   a heavy writer from a turn that waits on the network. A turn costs its mind's cost
   (`UNKNOWN` if none is known) until a sample taken `PROBATION_SECONDS` or more
-  after it started; from then on the larger of its mind's learnt cost and what it has written
-  so far, and 1 for the rest of its life once it has written `WRITING_BYTES` or more
-  between two samples (a writer now; a turn slowed by the writers beside it would
-  otherwise look lighter the more of them run, and let more in). So the limit bounds
+  after it started that does not find it waiting on the disk (a writer held up behind the
+  others has written nothing yet); from then on the larger of its mind's learnt cost and
+  what it has written so far, and 1 for the rest of its life once it has written
+  `WRITING_BYTES` or more between two samples (a writer now; a turn slowed by the
+  writers beside it would otherwise look lighter the more of them run, and let more
+  in). So the limit bounds
   the writers, and turns that wait on the network pass it at the floor's cost: the
   limit can double in slow start (volutectl/core/adaptive.py) without letting a cold
   gate's unknown heavy writers in together, since each costs a whole place until it
@@ -103,13 +105,19 @@ class Running:
     sampled: float | None = None  # monotonic: the last sample taken after its probation
     writing: bool = False  # it wrote WRITING_BYTES or more between two samples
 
-    def sample(self, now: float, written: int, probation: float = PROBATION_SECONDS) -> Running:
-        """A sample at `now`: its processes have written `written` bytes so far (a
-        sample within its first `probation` seconds only moves the mark)."""
+    def sample(
+        self, now: float, written: int, blocked: bool = False, probation: float = PROBATION_SECONDS
+    ) -> Running:
+        """A sample at `now`: its processes have written `written` bytes so far, and one
+        of them waits on the disk (`blocked`). A sample within its first `probation`
+        seconds only moves the mark, and so does one that finds it blocked before it has
+        shown anything: a turn held up in its first write, or in the open before it,
+        behind a disk kept busy by others, has not shown that it is quiet."""
         writing = self.writing or written - self.written >= WRITING_BYTES
-        if now - self.started < probation:
-            return replace(self, written=max(self.written, written), writing=writing)
-        return replace(self, written=max(self.written, written), sampled=now, writing=writing)
+        mark = max(self.written, written)
+        if now - self.started < probation or (blocked and self.sampled is None):
+            return replace(self, written=mark, writing=writing)
+        return replace(self, written=mark, sampled=now, writing=writing)
 
 
 def running_cost(turn: Running, learnt: float | None) -> float:

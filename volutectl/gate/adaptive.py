@@ -43,6 +43,7 @@ from volutectl.core.adaptive import Bounds, Change, Reading
 from volutectl.core.psi import parse_total, stall_fraction
 from volutectl.events import Emit
 from volutectl.kernel.probes import SYSTEM_PRESSURE, slice_cgroup
+from volutectl.kernel.written import Written
 from volutectl.states import AdaptiveMode
 from volutectl.wire.messages import AdaptiveStatus
 
@@ -354,16 +355,18 @@ class AdaptiveLimit:
             if now - turn.started >= iocost.PROBATION_SECONDS
         }
 
-    def observe(self, now: float, written: Mapping[int, int]) -> bool:
-        """A sample: what each running turn has written so far. True if a running
-        turn's cost changed (admission should decide again)."""
+    def observe(self, now: float, written: Mapping[int, Written]) -> bool:
+        """A sample: what each running turn has written so far, and whether it waits on
+        the disk. True if a running turn's cost changed (admission should decide again).
+        A turn this sample could not judge (found waiting on the disk) is judged again
+        at the next reading."""
         before = self.running_costs()
         self.sample_failure = None
         self._mark_asked(now)
-        for turn_id, count in written.items():
+        for turn_id, seen in written.items():
             turn = self.running_turns.get(turn_id)
             if turn is not None:
-                self.running_turns[turn_id] = turn.sample(now, count)
+                self.running_turns[turn_id] = turn.sample(now, seen.bytes, seen.blocked)
         return self.running_costs() != before
 
     def sample_failed(self, now: float, why: str) -> None:
@@ -493,6 +496,8 @@ class AdaptiveLimit:
             reason=self.fallback or self.reason,
             rule=self.rule,
             probe_ms=_round(reading.latency_ms) if reading is not None else None,
+            costs=dict(sorted(self._costs.items())),
+            running_costs=dict(sorted(self.running_costs().items())),
         )
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ put a link into.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -117,14 +118,46 @@ def scope_processes(pid: int, unit: str, proc: Path = PROC, root: Path = CGROUP_
     return [int(text) for text in listed[:MAX_PROCESSES] if text.isdigit()]
 
 
-def cgroup_written(pid: int, unit: str, proc: Path = PROC, root: Path = CGROUP_ROOT) -> int | None:
+def blocked_on_io(pid: int, proc: Path = PROC) -> bool:
+    """Whether a thread of `pid` sleeps uninterruptibly (state D): waiting on the disk,
+    in a write, an fsync, or an open that waits for the file system's journal."""
+    try:
+        tasks = list((proc / str(pid) / "task").iterdir())
+    except OSError:
+        return False
+    for task in tasks[:MAX_PROCESSES]:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        # "TID (COMM) STATE ...": COMM may hold spaces and parentheses; the last ")" ends it.
+        fields = stat[stat.rfind(")") + 1 :].split()
+        if fields and fields[0] == "D":
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a scope's processes have written so far, and whether one of them waits on
+    the disk right now (a turn that has written nothing yet, but is blocked on its first
+    write or the open before it, is no quiet turn)."""
+
+    bytes: int
+    blocked: bool
+
+
+def cgroup_written(
+    pid: int, unit: str, proc: Path = PROC, root: Path = CGROUP_ROOT
+) -> Written | None:
     """What the processes of the scope `unit`, which `pid` runs in, have written to
-    storage so far, in bytes; None if none could be read (gone, or not ours to look at)."""
+    storage so far; None if none could be read (gone, or not ours to look at)."""
     total = 0
-    seen = False
+    seen = blocked = False
     for process in scope_processes(pid, unit, proc, root):
         written = write_bytes(process, proc)
         if written is not None:
             total += written
             seen = True
-    return total if seen else None
+            blocked = blocked or blocked_on_io(process, proc)
+    return Written(total, blocked) if seen else None

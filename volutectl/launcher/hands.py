@@ -36,6 +36,7 @@ from volutectl.config.settings import Settings, parse_bandwidth
 from volutectl.errors import DataError, SystemdNoAnswer, UnavailableError, VoluteError
 from volutectl.faults import crash_point
 from volutectl.kernel import dirfds, processes
+from volutectl.kernel.written import Written
 from volutectl.kernel.written import cgroup_written as written_now
 from volutectl.launcher import fork, preflight, turndir
 from volutectl.systemd.journal import Journal
@@ -85,9 +86,9 @@ class TurnHands(Protocol):
 
     def inspect(self, turn_id: int, folded: Sequence[int]) -> orders.Report: ...
 
-    def sample(self, turn_ids: Sequence[int]) -> dict[int, int]:
-        """What each running turn's processes have written so far, in bytes, for those
-        it can read (volutectl/kernel/written.py)."""
+    def sample(self, turn_ids: Sequence[int]) -> dict[int, Written]:
+        """What each running turn's processes have written so far, and whether one waits
+        on the disk now, for those it can read (volutectl/kernel/written.py)."""
         ...
 
     def remove(self, turn_id: int) -> None: ...
@@ -272,8 +273,8 @@ class LocalHands:
             written_bytes=self.written.get(turn_id),
         )
 
-    def sample(self, turn_ids: Sequence[int]) -> dict[int, int]:
-        found: dict[int, int] = {}
+    def sample(self, turn_ids: Sequence[int]) -> dict[int, Written]:
+        found: dict[int, Written] = {}
         for turn_id in turn_ids:
             pid, unit = self.children.get(turn_id), self.units.get(turn_id)
             written = written_now(pid, unit) if pid is not None and unit is not None else None
@@ -444,14 +445,18 @@ class RemoteHands:
         assert isinstance(reply, orders.Report)
         return reply
 
-    def sample(self, turn_ids: Sequence[int]) -> dict[int, int]:
+    def sample(self, turn_ids: Sequence[int]) -> dict[int, Written]:
         reply, _ = self._ask(orders.Sample(tuple(turn_ids)), timeout=SAMPLE_TIMEOUT_SECONDS)
         self._expect(reply, orders.Written, "sample")
         assert isinstance(reply, orders.Written)
         if len(reply.turn_ids) != len(reply.written):
             self._drop()
             raise LauncherLost("the launcher answered a sample with lists of two lengths")
-        return dict(zip(reply.turn_ids, reply.written, strict=True))
+        blocked = set(reply.blocked)
+        return {
+            turn_id: Written(count, turn_id in blocked)
+            for turn_id, count in zip(reply.turn_ids, reply.written, strict=True)
+        }
 
     def remove(self, turn_id: int) -> None:
         reply, _ = self._ask(orders.Remove(turn_id))

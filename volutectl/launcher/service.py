@@ -234,7 +234,9 @@ class Launcher:
             return hands.inspect(order.turn_id, order.folded), ()
         elif isinstance(order, orders.Sample):
             written = hands.sample(order.turn_ids)
-            return orders.Written(tuple(written), tuple(written.values())), ()
+            blocked = tuple(turn_id for turn_id, seen in written.items() if seen.blocked)
+            counts = tuple(seen.bytes for seen in written.values())
+            return orders.Written(tuple(written), counts, blocked), ()
         elif isinstance(order, orders.Remove):
             hands.remove(order.turn_id)
         elif isinstance(order, orders.Sweep):

@@ -442,6 +442,11 @@ class AdaptiveStatus(Record):
     reason: str | None  # why it last moved, or why it falls back
     rule: str = "gradient"
     probe_ms: float | None = None  # the last reading of the gate's synced probe
+    # Each known mind's IO cost for its next turn, learnt from what its turns wrote (a
+    # mind not listed costs 1), and what each mind's running turns cost now, from what
+    # they have written so far (volutectl/core/iocost.py).
+    costs: dict[str, float] = {}  # noqa: RUF012 - a frozen record's default
+    running_costs: dict[str, float] = {}  # noqa: RUF012
 
 
 class ConfigStatus(Record):

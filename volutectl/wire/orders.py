@@ -170,12 +170,14 @@ class Report:
 
 @dataclass(frozen=True)
 class Written:
-    """A sample's answer: `written[i]` bytes for `turn_ids[i]`; a turn the launcher could
-    not read (not its child, or gone) is left out."""
+    """A sample's answer: `written[i]` bytes for `turn_ids[i]`, and which of them wait on
+    the disk; a turn the launcher could not read (not its child, or gone) is left out."""
 
     REPLY: ClassVar[str] = "written"
     turn_ids: tuple[int, ...]
     written: tuple[int, ...]
+    # The turns (of turn_ids) with a process that waits on the disk (state D) right now.
+    blocked: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
