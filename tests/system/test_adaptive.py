@@ -11,9 +11,12 @@ of the same disk within cap 2's bound) is tests/system/test_adaptive_disk.py.
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,7 +35,7 @@ from volute_testbed.gate import (
     unit_property,
     wait_for,
 )
-from volute_testbed.machine import Machine
+from volute_testbed.machine import Machine, dev_machine
 
 pytestmark = pytest.mark.system
 
@@ -125,8 +128,10 @@ def test_a_gate_restarted_while_the_limit_is_raised_starts_at_start_and_loses_no
     install_probe(machine)
     fast_restarts(machine)
     minds = network_bound(14, 6.0)
+    # Turns that wait cost the floor once sampled, so nothing would wait at the limit for
+    # it to grow; a maximum under the 14 minds bounds the turns at once, and the rest wait.
     sections: dict[str, Mapping[str, object]] = {
-        "limits.adaptive": {"start": START, "interval_seconds": 2.0}
+        "limits.adaptive": {"start": START, "interval_seconds": 2.0, "maximum": 8}
     }
     start_gate(machine, gate_config(minds, adaptive=True, **sections))
     acked = fan_out(machine, minds)
@@ -221,8 +226,19 @@ def test_a_psi_file_that_turns_to_garbage_under_the_gate_holds_it_to_start_and_s
     assert_exactly_once(turn_log(machine), acked)
 
 
+@pytest.fixture
+def disk_machine(request: pytest.FixtureRequest) -> Iterator[tuple[Machine, Path]]:
+    """A machine with a directory of the host's disk bound in: the machine's own files
+    sit on an overlay whose upper layer is a tmpfs, where writes reach no storage and
+    `write_bytes` stays 0."""
+    with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="vt-disk-") as directory:
+        os.chmod(directory, 0o1777)
+        with dev_machine(name="vt-adaptive-costs", binds=[directory]) as booted:
+            yield booted, Path(directory)
+
+
 def test_status_shows_what_running_turns_write_as_the_launcher_reads_their_scopes(
-    machine: Machine,
+    disk_machine: tuple[Machine, Path],
 ) -> None:
     """The evidence a cold gate ramps on, end to end: the root launcher reads what each
     running turn's processes have written (/proc/PID/io over its real scope's cgroup),
@@ -230,10 +246,11 @@ def test_status_shows_what_running_turns_write_as_the_launcher_reads_their_scope
     O_DSYNC (from a child of its wrapper, in its scope) costs a whole place; turns that
     only wait cost the floor (1/16) once their probation has passed; and no mind has a
     learnt cost until a turn of it ends. All wait on a file, so they run while looked at."""
+    machine, disk = disk_machine
     install_probe(machine)
     wait = "while [ ! -e /var/tmp/go ]; do sleep 0.1; done; turn-probe 0"
     minds = {
-        "writer": f"dd if=/dev/zero of=/var/tmp/w.$$ bs=64k count=16 oflag=dsync; {wait}",
+        "writer": f"dd if=/dev/zero of={disk}/w.$$ bs=64k count=16 oflag=dsync; {wait}",
         **{f"quiet{i}": wait for i in range(3)},
     }
     machine.run(["rm", "-f", "/var/tmp/go"])

@@ -293,11 +293,17 @@ class AdaptiveLimit:
             self._costs = self.io_costs.of()
 
     def costs(self) -> Mapping[str, float]:
-        """Each known mind's cost against the limit, for a new turn; others cost 1."""
-        return self._costs
+        """Each known mind's cost against the limit, for a new turn; others cost 1. In
+        fallback none: the static cap of `start` counts turns, whatever they write."""
+        return self._costs if self.fallback is None else {}
 
     def running_costs(self) -> dict[str, float]:
-        """What each mind's running turns cost now (their mean), from what they wrote."""
+        """What each mind's running turns cost now (their mean), from what they wrote;
+        in fallback none, as `costs`."""
+        return self.shown_costs() if self.fallback is None else {}
+
+    def shown_costs(self) -> dict[str, float]:
+        """What each mind's running turns cost now, whatever the mode (for `status`)."""
         sums: dict[str, list[float]] = {}
         for turn in self.running_turns.values():
             cost = iocost.running_cost(turn, self._costs.get(turn.mind))
@@ -310,9 +316,9 @@ class AdaptiveLimit:
 
     def load_of(self, running: Iterable[str], starting: Iterable[str] = ()) -> float:
         """The IO cost of the running turns of these minds, and of new turns of those."""
-        now = self.running_costs()
-        return sum(now.get(mind, self._costs.get(mind, iocost.UNKNOWN)) for mind in running) + sum(
-            self._costs.get(mind, iocost.UNKNOWN) for mind in starting
+        now, known = self.running_costs(), self.costs()
+        return sum(now.get(mind, known.get(mind, iocost.UNKNOWN)) for mind in running) + sum(
+            known.get(mind, iocost.UNKNOWN) for mind in starting
         )
 
     # -- what running turns have written so far ------------------------------------------
@@ -360,14 +366,14 @@ class AdaptiveLimit:
         the disk. True if a running turn's cost changed (admission should decide again).
         A turn this sample could not judge (found waiting on the disk) is judged again
         at the next reading."""
-        before = self.running_costs()
+        before = self.shown_costs()
         self.sample_failure = None
         self._mark_asked(now)
         for turn_id, seen in written.items():
             turn = self.running_turns.get(turn_id)
             if turn is not None:
                 self.running_turns[turn_id] = turn.sample(now, seen.bytes, seen.blocked)
-        return self.running_costs() != before
+        return self.shown_costs() != before
 
     def sample_failed(self, now: float, why: str) -> None:
         """A sample could not be taken (an older launcher, or none): running turns keep
@@ -497,7 +503,7 @@ class AdaptiveLimit:
             rule=self.rule,
             probe_ms=_round(reading.latency_ms) if reading is not None else None,
             costs=dict(sorted(self._costs.items())),
-            running_costs=dict(sorted(self.running_costs().items())),
+            running_costs=dict(sorted(self.shown_costs().items())),
         )
 
     def close(self) -> None:
