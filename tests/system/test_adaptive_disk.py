@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -61,11 +61,13 @@ def slow() -> Iterator[tuple[Machine, SlowDisk]]:
 
 
 class Probe:
-    """A 4 KiB write + fsync every 200 ms on the slow disk, in a thread of this process
-    (which the slow disk's blkio cgroup holds): (monotonic start, latency in ms)."""
+    """A 4 KiB write + fsync every `every` seconds (the issue's 200 ms by default) on the
+    slow disk, in a thread of this process (which the slow disk's blkio cgroup holds):
+    (monotonic start, latency in ms)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, every: float = 0.2) -> None:
         self.path = path
+        self.every = every
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="disk-probe", daemon=True)
@@ -81,10 +83,10 @@ class Probe:
                 os.pwrite(fd, block, 0)
                 os.fsync(fd)
                 self.samples.append((began, (time.monotonic() - began) * 1000))
-                tick += 0.2
+                tick += self.every
                 now = time.monotonic()
                 while tick < now:  # a slow write skips ticks; it does not pile them up
-                    tick += 0.2
+                    tick += self.every
                 self._stop.wait(tick - now)
         finally:
             os.close(fd)
@@ -108,6 +110,11 @@ class Run:
     probe_p99: float
     samples: int
     makespan: float
+    latencies: list[float] = field(default_factory=list)  # the probe's, in ms
+
+    def __str__(self) -> str:
+        made = f"{self.samples} samples, p99 {self.probe_p99:.0f} ms, {self.makespan:.1f} s"
+        return f"{self.name}: {made}"
 
 
 def writers(mount: Path) -> dict[str, str]:
@@ -141,11 +148,66 @@ def fan_out_run(
     assert sorted(int(r["id"]) for r in queue_rows(machine, "done")) == sorted(acked)
     samples = probe.between(began, ended)
     assert len(samples) >= 10, f"{name}: too few probe samples ({len(samples)}) to judge"
-    return Run(name, p99(samples), len(samples), ended - began)
+    return Run(name, p99(samples), len(samples), ended - began, samples)
 
 
-# Three runs of each, interleaved ABBAAB so that neither always runs on the fresher disk.
-ORDER = ("cap 2", "default", "default", "cap 2", "cap 2", "default")
+# Five runs of each, interleaved ABBA so that neither always runs on the fresher disk.
+ORDER = ("cap 2", "default", "default", "cap 2") * 2 + ("cap 2", "default")
+
+
+def test_a_fan_out_of_synced_writers_under_the_default_config_keeps_the_probe_within_its_bound(
+    slow: tuple[Machine, SlowDisk],
+) -> None:
+    """Twelve minds woken at once, each turn 16 x 64 KiB synced writes, on the SD-card
+    disk: cap 2 with the adaptive limit off (the safe setting the design recommends for
+    a Pi), and the default config (no cap, the adaptive limit on), five runs of each,
+    interleaved. The default's probe p99 must be within the issue's bound, max(1.5 x cap
+    2's, cap 2's + 20 ms), cap 2's measured the same way in the same machine on the same
+    disk, so no number from another machine is baked in.
+
+    How the p99s are taken, and why: each config's probe samples of its five runs
+    pooled, the probe every 50 ms (about 150 samples a run, 700 a config), so that a
+    p99 is the 8th-worst sample, not one run's worst. Taken per run (35 samples at the
+    issue's 200 ms, where a p99 is the maximum) and as the median of runs, one stray
+    stall of the host's own disk decided it: in CI, cap 2's per-run p99 ranged from 53
+    to 880 ms, and the test failed once at 200 ms against 180 ms (issue 21's history,
+    commit fcfb058). A stall is a sample or two; a limit that lets too many writers in
+    is a stretch of them, which a pooled p99 still sees.
+
+    What could fail: with no cap and no adaptive limit (the default before issue 21)
+    all twelve write at once and the probe queues behind them (607 ms at p99 against
+    cap 2's 112 ms, measured per run); an adaptive limit that grew on the wrong signal,
+    did not shrink, or charged these unknown writers less than a whole place, the same.
+    The runs' numbers are printed (pytest -s)."""
+    machine, disk = slow
+    install_probe(machine)
+    minds = writers(disk.mount)
+    configs = {
+        "cap 2": gate_config(minds, adaptive=False, limits={"global_concurrent_turns": 2}),
+        "default": gate_config(minds, adaptive=True),
+    }
+    runs: dict[str, list[Run]] = {name: [] for name in configs}
+    probe = Probe(disk.mount / "probe.dat", every=0.05)
+    try:
+        time.sleep(1)  # a few samples of the quiet disk before the first run
+        for name in ORDER:
+            runs[name].append(fan_out_run(machine, probe, name, configs[name], minds))
+    finally:
+        probe.stop()
+    pooled = {
+        name: p99([ms for run in done for ms in run.latencies]) for name, done in runs.items()
+    }
+    cap2, default = pooled["cap 2"], pooled["default"]
+    bound = max(1.5 * cap2, cap2 + 20)
+    shown = "\n".join(str(run) for name in configs for run in runs[name])
+    print(
+        f"\n{shown}\npooled p99: cap 2 {cap2:.0f} ms, default {default:.0f} ms; "
+        f"bound {bound:.0f} ms"
+    )
+    assert default <= bound, (
+        f"the default's probe p99 (its runs' samples pooled) {default:.0f} ms is over the "
+        f"bound {bound:.0f} ms from cap 2's {cap2:.0f} ms:\n{shown}"
+    )
 
 
 def test_a_sigkill_while_the_limit_is_lowered_starts_again_at_start_and_loses_nothing(
