@@ -13,17 +13,28 @@ reading:
   of /proc/pressure/io, as the share of the interval (plain reads, no trigger).
 
 A probe that fails, or a PSI file that was readable and then vanishes or reads as
-garbage, puts the gate in mode "fallback": a static cap of `start`, said once in the
-journal (AdaptiveFallback) and in `status`, until the signals work again
-(AdaptiveMeasuring). A host with no PSI at all measures with the probe alone.
+garbage, puts the gate in mode "fallback": a static cap of `start` that counts turns
+(no costs), said once in the journal (AdaptiveFallback) and in `status`, until the
+signals work again (AdaptiveMeasuring). A host with no PSI at all measures with the
+probe alone.
 
 Admission takes `limit()` as its adaptive cap (volutectl/gate/loop.py: the effective
-cap is the lower of it and `global_concurrent_turns`), as a budget of IO costs: each
-turn that ends tells `learn_cost` what it wrote (its rusage, reaped by the launcher),
-and `costs()` gives each known mind's cost (volutectl/core/iocost.py); the readings
-scale the probe's latency by the running turns' costs, not their count. Each move is one
-AdaptiveLimitChanged event, at most one every `EVENT_SECONDS`: the moves in between are
-said in one entry, with their count (the journal may live on the stalled disk).
+cap is the lower of it and `global_concurrent_turns`), as a budget of IO costs
+(volutectl/core/iocost.py), and `turns_bound()` (the maximum) as a bound on turns at
+once whatever their costs:
+- each turn that ends tells `learn_cost` what it wrote (its rusage, reaped by the
+  launcher), and `costs()` gives each known mind's cost for its next turn;
+- the loop tells `track` which turns run, and at each reading, and when a running
+  turn's probation ends (`sample_deadline`), asks the launcher what each has written so
+  far and whether it waits on the disk (the `sample` order); `observe` takes the answer,
+  and `running_costs()` gives what each running turn costs now. A sample that fails (an
+  older launcher, or none) leaves running turns at their minds' costs and is tried
+  again SAMPLE_PAUSE later;
+- the readings scale the probe's latency by the running turns' costs, not their count.
+
+Each move is one AdaptiveLimitChanged event, at most one every `EVENT_SECONDS`: the
+moves in between are said in one entry, with their count (the journal may live on the
+stalled disk).
 """
 
 from __future__ import annotations
