@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from volutectl.kernel import written
+from volutectl.kernel.dirfds import Budget
 from volutectl.kernel.written import cgroup_of, cgroup_written, descendants, scope_processes
 
 UNIT = "volute-turn-m-7.scope"
@@ -130,3 +131,20 @@ def test_a_real_process_and_its_children_as_they_write(tmp_path: Path) -> None:
         shell.wait(timeout=10)
     assert cgroup_written(shell.pid, UNIT) is None  # reaped: gone
     assert os.path.getsize(tmp_path / "a") == 1 << 20
+
+
+def test_a_scope_too_big_to_read_within_the_budget_is_not_shown_quiet(tmp_path: Path) -> None:
+    # A mind decides how many processes and threads its scope holds; the launcher reads
+    # within a budget, and what it could not read may have written: not quiet.
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    scope = root / "systemd" / "volute.slice" / "volute-turns.slice" / UNIT
+    scope.mkdir(parents=True)
+    for pid in range(10, 30):
+        fake_process(proc, pid, HYBRID, 100)
+    (scope / "cgroup.procs").write_text("".join(f"{pid}\n" for pid in range(10, 30)))
+    whole = cgroup_written(10, UNIT, proc, root)
+    assert whole == written.Written(2000, False)
+    short = cgroup_written(10, UNIT, proc, root, budget=Budget(entries=15, seconds=10))
+    assert short is not None and short.blocked and short.bytes < 2000
+    late = cgroup_written(10, UNIT, proc, root, budget=Budget(entries=10_000, seconds=0))
+    assert late is None or late.blocked  # no time at all: nothing shown quiet

@@ -114,6 +114,10 @@ class Budget:
         self.entries -= 1
         return self.entries >= 0 and time.monotonic() < self.deadline
 
+    def spent(self) -> bool:
+        """Whether the budget ran out (a `spend` was refused, or its time is up)."""
+        return self.entries < 0 or time.monotonic() >= self.deadline
+
 
 def remove_tree(dir_fd: int, name: str, budget: Budget) -> bool:
     """Remove `name` in the directory, and everything under it, within `budget`.

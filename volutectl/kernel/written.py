@@ -31,9 +31,18 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from volutectl.kernel.dirfds import Budget
+
 PROC = Path("/proc")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 MAX_PROCESSES = 4096  # read at most this many of a scope's processes
+SAMPLE_READS = 8192  # and at most this many files of one turn's, in all...
+SAMPLE_SECONDS = 0.05  # ...within this long
+
+
+def sample_budget() -> Budget:
+    """What one turn's sample may read."""
+    return Budget(SAMPLE_READS, SAMPLE_SECONDS)
 
 
 def cgroup_of(pid: int, proc: Path = PROC) -> str | None:
@@ -80,19 +89,29 @@ def write_bytes(pid: int, proc: Path = PROC) -> int | None:
     return None
 
 
-def descendants(pid: int, proc: Path = PROC) -> list[int]:
+def _tasks(pid: int, proc: Path, budget: Budget) -> list[Path]:
+    """The task directories of `pid`, as many as `budget` lets read."""
+    found: list[Path] = []
+    try:
+        for task in (proc / str(pid) / "task").iterdir():
+            if not budget.spend():
+                break
+            found.append(task)
+    except OSError:
+        pass
+    return found
+
+
+def descendants(pid: int, proc: Path = PROC, budget: Budget | None = None) -> list[int]:
     """`pid` and the processes below it, from each task's `children` file (at most
-    MAX_PROCESSES of them)."""
+    MAX_PROCESSES of them, within `budget`)."""
+    budget = budget if budget is not None else sample_budget()
     found = [pid]
     index = 0
     while index < len(found) and len(found) < MAX_PROCESSES:
         parent = found[index]
         index += 1
-        try:
-            tasks = list((proc / str(parent) / "task").iterdir())
-        except OSError:
-            continue
-        for task in tasks:
+        for task in _tasks(parent, proc, budget):
             try:
                 children = (task / "children").read_text().split()
             except OSError:
@@ -101,7 +120,13 @@ def descendants(pid: int, proc: Path = PROC) -> list[int]:
     return found[:MAX_PROCESSES]
 
 
-def scope_processes(pid: int, unit: str, proc: Path = PROC, root: Path = CGROUP_ROOT) -> list[int]:
+def scope_processes(
+    pid: int,
+    unit: str,
+    proc: Path = PROC,
+    root: Path = CGROUP_ROOT,
+    budget: Budget | None = None,
+) -> list[int]:
     """The processes of the scope `unit` that `pid` runs in: its cgroup's, when that is
     `unit`'s; else `pid` and the processes below it (a process not in a scope of its
     own, as a turn started without systemd, would be charged its whole cgroup's)."""
@@ -110,22 +135,19 @@ def scope_processes(pid: int, unit: str, proc: Path = PROC, root: Path = CGROUP_
     if cgroup is not None and cgroup.rstrip("/").rpartition("/")[2] == unit:
         procs = procs_file(cgroup, root)
     if procs is None:
-        return descendants(pid, proc)
+        return descendants(pid, proc, budget)
     try:
         listed = procs.read_text().split()
     except OSError:
-        return descendants(pid, proc)
+        return descendants(pid, proc, budget)
     return [int(text) for text in listed[:MAX_PROCESSES] if text.isdigit()]
 
 
-def blocked_on_io(pid: int, proc: Path = PROC) -> bool:
+def blocked_on_io(pid: int, proc: Path = PROC, budget: Budget | None = None) -> bool:
     """Whether a thread of `pid` sleeps uninterruptibly (state D): waiting on the disk,
     in a write, an fsync, or an open that waits for the file system's journal."""
-    try:
-        tasks = list((proc / str(pid) / "task").iterdir())
-    except OSError:
-        return False
-    for task in tasks[:MAX_PROCESSES]:
+    budget = budget if budget is not None else sample_budget()
+    for task in _tasks(pid, proc, budget):
         try:
             stat = (task / "stat").read_text()
         except OSError:
@@ -148,16 +170,29 @@ class Written:
 
 
 def cgroup_written(
-    pid: int, unit: str, proc: Path = PROC, root: Path = CGROUP_ROOT
+    pid: int,
+    unit: str,
+    proc: Path = PROC,
+    root: Path = CGROUP_ROOT,
+    budget: Budget | None = None,
 ) -> Written | None:
     """What the processes of the scope `unit`, which `pid` runs in, have written to
-    storage so far; None if none could be read (gone, or not ours to look at)."""
+    storage so far; None if none could be read (gone, or not ours to look at). Within
+    a budget of reads and time (`sample_budget`): the launcher answers the gate's
+    sample in its one loop, and a mind decides how many processes its scope holds."""
+    budget = budget if budget is not None else sample_budget()
     total = 0
     seen = blocked = False
-    for process in scope_processes(pid, unit, proc, root):
+    for process in scope_processes(pid, unit, proc, root, budget):
+        if not budget.spend():
+            break
         written = write_bytes(process, proc)
         if written is not None:
             total += written
             seen = True
-            blocked = blocked or blocked_on_io(process, proc)
+            blocked = blocked or blocked_on_io(process, proc, budget)
+    if budget.spent():
+        # Not every process was read (a scope of thousands of processes or threads, or
+        # a slow read): what was read may be short, so the turn is not shown quiet.
+        blocked = True
     return Written(total, blocked) if seen else None
