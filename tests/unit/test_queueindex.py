@@ -3,7 +3,7 @@
 Random histories: deliveries arrive (some backing off after a failure, some returned to
 the queue with their old ids), turns start and fold as decided, turns end, time passes,
 minds are paused and resumed, pressure and other work come and go, limits and the
-minds' IO costs change. After every step
+minds' IO costs (of new turns and of running ones) change. After every step
 both admissions run over the same state, and must agree on the starts, the folds, and
 the hold reason of every pending row (what the store records for it).
 """
@@ -147,6 +147,10 @@ def apply(world: World, op: str, seed: int) -> None:
             # IO costs per mind (core/iocost.py): the budget holds a heavy head and,
             # FIFO, every lighter delivery behind it.
             costs=rng.choice([{}, {"a": 0.25, "b": 0.5}, {"c": 0.0625, "d": 0.125}]),
+            # What running turns cost now (core/iocost.py's samples), and the adaptive
+            # limit's bound on turns at once whatever their costs.
+            running_costs=rng.choice([{}, {"a": 0.0625, "c": 1.0}, {"b": 1.0, "d": 0.0625}]),
+            adaptive_turns=rng.choice([None, None, 2, 3]),
         )
 
 
