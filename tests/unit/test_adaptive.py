@@ -11,11 +11,12 @@ writers at once keep the probe healthy:
 
 - all-write, 40 waiting: gradient settles at 2, the probe within its healthy bound;
   aimd is held at 1, as PSI `some` reads 100 % stalled with one writer.
-- network-bound, 40 waiting: both reach the maximum (16) in 5 intervals (2 s at 0.5 s:
-  the first growth after 3 healthy readings in a row, then doubling at each). Before
-  slow start doubled, it grew by half, and aimd stopped at 9, where nine turns that
-  write 2 % of the time read as 17 % stalled; doubling from 8 jumps past that, and 16
-  such turns read as 28 %, under aimd's distress.
+- network-bound, 40 waiting: gradient reaches the maximum (16) in 7 intervals (3.5 s at
+  0.5 s: the first growth after 3 healthy readings in a row, then doubling at every
+  second); aimd stops at 8, where eight turns that write 2 % of the time read as 15 %
+  stalled, neither healthy nor distress. (In the gate, turns that wait on the network
+  do not wait for the limit to grow: once sampled they cost a sixteenth of a place,
+  core/iocost.py.)
 
 gradient is the default: it finds the concurrency the probe bears on write-heavy work,
 where aimd (on PSI `some`) cannot tell a lone writer's own waits from a queue.
@@ -250,7 +251,8 @@ def test_the_rules_compared() -> None:
     assert set(aimd_writes) == {1}
     gradient_network = simulate(12, rule="gradient", write_share=0.02)[1].limits
     aimd_network = simulate(12, rule="aimd", write_share=0.02)[1].limits
-    assert gradient_network.index(16) == aimd_network.index(16) == 4
+    assert gradient_network.index(16) == 6
+    assert max(aimd_network) == 8
 
 
 def test_admission_caps_at_the_lower_of_ceiling_and_limit_and_names_which_holds() -> None:

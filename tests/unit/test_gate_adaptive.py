@@ -125,8 +125,10 @@ def test_each_move_is_one_event_and_moves_within_a_few_seconds_are_said_together
 ) -> None:
     harness = adaptive_harness(tmp_path, harnesses, adaptive={"maximum": 8})
     fan_out(harness)
-    feed(harness, 1.0)
-    feed(harness, 1.0)
+    feed(harness, 1.0)  # 2 -> 4
+    harness.pump(lambda: running(harness) == 4)
+    feed(harness, 1.0)  # its probe began as the new turns did: no growth on it...
+    feed(harness, 1.0)  # ...but on the next: 4 -> 8, kept for the next entry
     [first] = harness.journal.of(events.AdaptiveLimitChanged)
     assert (first.old_limit, first.new_limit, first.changes) == (2, 4, 1)
     assert first.probe_ms == 1.0 and first.baseline_ms == 1.0
@@ -269,7 +271,10 @@ def test_a_probe_that_fails_falls_back_to_the_start_value(
     adaptive = limit_of(harness)
     assert adaptive.probe is not None
     adaptive.probe.path = tmp_path / "no such directory" / "adaptive-probe"
-    fan_out(harness)
+    # Not fan_out: its fed readings, healthy and with no failure, would take the gate out
+    # of fallback between two of its own (a second AdaptiveFallback entry, at random).
+    for mind in MINDS:
+        deliver(harness, mind)
     harness.pump(lambda: mode_of(adaptive) is AdaptiveMode.FALLBACK)
     [fallback] = harness.journal.of(events.AdaptiveFallback)
     assert "the probe of" in fallback.why and "no such directory" in fallback.why

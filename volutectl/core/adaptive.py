@@ -6,12 +6,15 @@ and hands `step` a `Reading`: the latency of its own synced 4 KiB probe of the s
 disk, PSI's stalled share of the interval, the turns running, and the deliveries that
 wait at the limit. `step` says whether the limit moves, and why.
 
-- **It grows only while deliveries wait at it** and the storage is healthy, and only
-  after `GROW_AFTER` healthy readings in a row (one probe is one 4 KiB write, and behind
-  a disk kept busy by synced 64 KiB writes it is quick or slow by luck; the count runs
-  on across a growth): it doubles while nothing has gone wrong yet (slow start, as
-  TCP's), so that turns that mostly wait on the network reach the maximum within about
-  two seconds; after the first distress it grows by one (congestion avoidance).
+- **It grows only while deliveries wait at it**, the running turns fill it (`tested`:
+  a limit not in use has not been shown healthy) and the storage is healthy: after
+  `GROW_AFTER` healthy readings in a row (one probe is one 4 KiB write, and behind a
+  disk kept busy by synced 64 KiB writes it is quick or slow by luck), and after a
+  growth, two more (the next reading's probe starts as the turns the growth let in
+  do, and says nothing of them). It doubles while nothing has gone wrong yet (slow
+  start, as TCP's); after the first distress it grows by one (congestion avoidance).
+  Doubling at every reading let a cold SD card's all-write fan-out reach 8 writers at
+  once before the probe saw the first 4 (docs/benchmarks.md).
   Doubling is safe only because the limit is a budget of IO costs (core/iocost.py): a
   turn whose writes are not known costs a whole place until a sample of what it has
   written shows otherwise, so a reading lets in at most as many turns of unknown writes
@@ -187,6 +190,16 @@ RULES: Mapping[str, Rule] = {"gradient": judge_latency, "aimd": judge_stall}
 DEFAULT_RULE = "gradient"
 
 
+def tested(state: Controller, reading: Reading) -> bool:
+    """Whether the reading measured the limit in use: the turns running while its probe
+    ran took the whole limit, in IO costs. A limit that deliveries wait at but that the
+    running turns do not fill (those waiting are held by something else, such as the
+    bound on turns at once) has not been shown to be healthy, and does not grow, as TCP
+    grows no window that was not in use (RFC 7661)."""
+    load = reading.running if reading.load is None else reading.load
+    return load >= state.limit
+
+
 def step(
     state: Controller, reading: Reading, bounds: Bounds, rule: str = DEFAULT_RULE
 ) -> tuple[Controller, Change | None]:
@@ -203,9 +216,12 @@ def step(
     elif verdict is Verdict.HEALTHY:
         state = replace(state, strained=0, healthy=state.healthy + 1)
         new = limit
-        if reading.waiting > 0 and state.healthy >= GROW_AFTER:
+        if reading.waiting > 0 and state.healthy >= GROW_AFTER and tested(state, reading):
             new = limit * 2 if state.slow_start else limit + 1
             why += f" {state.healthy} times in a row, {reading.waiting} waiting"
+            # The next reading's probe starts as the turns this growth lets in do: it
+            # says nothing of them yet. The one after it does.
+            state = replace(state, healthy=GROW_AFTER - 2)
     else:
         state = replace(state, strained=0)
         new = limit
