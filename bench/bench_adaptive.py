@@ -66,6 +66,7 @@ import contextlib
 import importlib.util
 import json
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -639,6 +640,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    # Stopped by a signal, it still undoes everything on the way out (the machine, the
+    # mount, the loop device, the blkio cgroup): SIGTERM as an exit, and SIGINT even when
+    # started in the background, where a shell leaves it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     args = parse_args()
     support = adaptive_support()
     known = list(dict.fromkeys([*DEFAULT_RUNS, "adaptive-warm", *run_labels(support)]))
