@@ -38,7 +38,6 @@ from volutectl.core.adaptive import (
     healthy_below_ms,
     initial,
     resume,
-    shown,
     step,
 )
 from volutectl.core.admission import Delivery, Limits, LiveTurn, admit
@@ -276,32 +275,3 @@ def test_admission_caps_at_the_lower_of_ceiling_and_limit_and_names_which_holds(
     )
     assert held.starts == [] and {hold.reason for hold in held.holds} == {HoldReason.TEST_RUN}
     assert Limits(global_cap=None, adaptive=None).cap is None
-
-
-def test_in_slow_start_each_unknown_turn_shown_quiet_raises_the_limit_by_one() -> None:
-    # TCP's per-acknowledgement growth: the unknown turns let in were safe, so twice as
-    # many may be tried; turns that wait on the network reach the maximum in a few
-    # probations (0.4 s each), not a few readings.
-    state = initial(BOUNDS)
-    state, change = shown(state, quiet=2, writers=0, waiting=14, bounds=BOUNDS)
-    assert change is not None and (change.old, change.new) == (2, 4)
-    assert "2 turns of unknown writes shown quiet" in change.reason
-    state, _ = shown(state, quiet=4, writers=0, waiting=10, bounds=BOUNDS)
-    state, _ = shown(state, quiet=8, writers=0, waiting=2, bounds=BOUNDS)
-    assert state.limit == BOUNDS.maximum  # 16: clamped
-    # Nothing waits: nothing to grow for.
-    assert shown(initial(BOUNDS), quiet=2, writers=0, waiting=0, bounds=BOUNDS)[1] is None
-
-
-def test_once_an_unknown_turn_is_shown_writing_only_readings_move_the_limit() -> None:
-    # A mixed fan-out: its heavy writers wait for the probe's word, not for the quiet.
-    state, change = shown(initial(BOUNDS), quiet=1, writers=1, waiting=14, bounds=BOUNDS)
-    assert change is None and state.writer_seen and state.limit == 2
-    state, change = shown(state, quiet=5, writers=0, waiting=9, bounds=BOUNDS)
-    assert change is None and state.limit == 2
-    # After distress (no slow start) neither.
-    calm = replace(initial(BOUNDS), slow_start=False)
-    assert shown(calm, quiet=5, writers=0, waiting=9, bounds=BOUNDS)[1] is None
-    # An idle gate that gets work starts again: a new fan-out may be another mix.
-    again, _ = resume(replace(state, last_reading=1.0), 100.0, BOUNDS)
-    assert not again.writer_seen and again.slow_start

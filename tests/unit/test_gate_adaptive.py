@@ -435,27 +435,3 @@ def test_a_sample_that_fails_leaves_turns_at_their_minds_cost_and_waits_to_try_a
     hands.sample = original  # type: ignore[method-assign]
     hold.unlink()
     harness.pump(lambda: running(harness) == 0 and not holds(harness), timeout=20)
-
-
-def test_a_cold_gate_raises_the_limit_as_unknown_turns_are_shown_quiet(
-    tmp_path: Path, harnesses: list[Harness], hold: Path
-) -> None:
-    # Eight minds the gate has never seen, all waiting (no reading in this test: the
-    # interval is 10 s): each sample that shows unknown turns quiet raises the limit by
-    # as many (slow start), so the next batch of unknown turns is twice the last.
-    hold.touch()
-    stay = f"while [ -e {hold} ]; do sleep 0.05; done"
-    minds = {f"quiet{i}": stay for i in range(8)}
-    config = {"start": 2, "minimum": 1, "maximum": 8, "interval_seconds": 10.0}
-    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config})
-    harnesses.append(harness)
-    adaptive = limit_of(harness)
-    for mind in minds:
-        deliver(harness, mind)
-    harness.pump(lambda: running(harness) == 2)
-    harness.pump(lambda: running(harness) == 8, timeout=20)
-    assert adaptive.limit() is not None and adaptive.limit() > 2  # type: ignore[operator]
-    assert adaptive.reason is not None and "of unknown writes shown quiet" in adaptive.reason
-    [event, *_] = harness.journal.of(events.AdaptiveLimitChanged)
-    # One up per turn shown: the two first turns' probations may end a sample apart.
-    assert event.old_limit == 2 and event.new_limit in (3, 4)

@@ -9,7 +9,6 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from volutectl.core import iocost
 from volutectl.core.admission import Delivery, Limits, LiveTurn, admit
 from volutectl.core.iocost import (
     FLOOR,
@@ -235,14 +234,3 @@ def test_running_turns_are_charged_what_they_show_and_new_ones_their_minds_cost(
     shown = Limits(adaptive=2, running_costs={"a": FLOOR})
     [start] = admit(pending, live, shown, now=0.0).starts
     assert start.mind == "c"
-
-
-def test_a_sample_judges_an_unknown_turn_once_quiet_or_writer() -> None:
-    new = Running("m", started=0.0)
-    quiet = new.sample(0.5, 0)
-    assert iocost.judged(new, quiet, None) == "quiet"
-    assert iocost.judged(quiet, quiet.sample(1.0, 0), None) is None  # judged already
-    writer = new.sample(0.2, WRITING_BYTES)
-    assert iocost.judged(new, writer, None) == "writer"
-    assert iocost.judged(new, new.sample(0.2, 0), None) is None  # within its probation
-    assert iocost.judged(new, quiet, FLOOR) is None  # a known mind's turn: not unknown

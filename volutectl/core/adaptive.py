@@ -105,8 +105,7 @@ class Controller:
 
     limit: int
     baseline_ms: float | None = None  # the probe's latency on a quiet disk
-    slow_start: bool = True  # no distress seen since the start: grow by doubling
-    writer_seen: bool = False  # a turn of unknown writes was shown writing, since the start
+    slow_start: bool = True  # no distress seen since the start: grow by half
     strained: int = 0  # readings in a row that were far over healthy
     healthy: int = 0  # readings in a row that were healthy
     last_reading: float | None = None
@@ -240,35 +239,8 @@ def resume(state: Controller, now: float, bounds: Bounds) -> tuple[Controller, C
     if state.last_reading is None:
         return state, None
     quiet = f"idle for {now - state.last_reading:.0f} s: starting again from {bounds.start}"
-    state = replace(
-        state, slow_start=True, writer_seen=False, strained=0, healthy=0, last_reading=now
-    )
+    state = replace(state, slow_start=True, strained=0, healthy=0, last_reading=now)
     start = bounds.clamp(bounds.start)
     if state.limit == start:
         return state, None
     return replace(state, limit=start), Change(state.limit, start, quiet)
-
-
-def shown(
-    state: Controller, quiet: int, writers: int, waiting: int, bounds: Bounds
-) -> tuple[Controller, Change | None]:
-    """Samples judged turns of unknown writes (core/iocost.py): `quiet` of them wrote
-    nothing to speak of, `writers` wrote. In slow start, while no such turn has been
-    shown writing, each quiet one raises the limit by one, as each acknowledged segment
-    raises TCP's window in slow start: the unknown turns let in were safe, so twice as
-    many may be tried next (the limit is what unknown turns are let in against, each a
-    whole place until shown). Turns that wait on the network so reach the maximum in a
-    few probations, not a few readings. Once one is shown writing, the readings alone
-    move the limit (a mixed fan-out's heavy writers wait for the probe's word), and only
-    while deliveries wait."""
-    if writers:
-        state = replace(state, writer_seen=True)
-    if not state.slow_start or state.writer_seen or quiet == 0 or waiting == 0:
-        return state, None
-    new = bounds.clamp(state.limit + quiet)
-    if new == state.limit:
-        return state, None
-    why = (
-        f"{quiet} turn{'s' if quiet != 1 else ''} of unknown writes shown quiet, {waiting} waiting"
-    )
-    return replace(state, limit=new), Change(state.limit, new, why)

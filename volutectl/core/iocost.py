@@ -120,16 +120,6 @@ class Running:
         return replace(self, written=mark, sampled=now, writing=writing)
 
 
-def judged(before: Running, after: Running, learnt: float | None) -> str | None:
-    """What a sample showed of a turn of unknown writes (`learnt` None) that it judged
-    for the first time: "quiet", "writer", or None (nothing new, or a known mind's)."""
-    if learnt is not None or before.sampled is not None or before.writing:
-        return None
-    if after.writing:
-        return "writer"
-    return "quiet" if after.sampled is not None else None
-
-
 def running_cost(turn: Running, learnt: float | None) -> float:
     """What a running turn costs now: its mind's cost (`learnt`, UNKNOWN if None) until
     it has been sampled after its probation, then the larger of that learnt cost and

@@ -380,27 +380,11 @@ class AdaptiveLimit:
         before = self.shown_costs()
         self.sample_failure = None
         self._mark_asked(now)
-        verdicts: list[str | None] = []
         for turn_id, seen in written.items():
             turn = self.running_turns.get(turn_id)
             if turn is not None:
-                after = turn.sample(now, seen.bytes, seen.blocked)
-                verdicts.append(iocost.judged(turn, after, self._costs.get(turn.mind)))
-                self.running_turns[turn_id] = after
-        moved = False
-        if self.limit() is not None and self.fallback is None:
-            limit = self.limit()
-            self.controller, change = adaptive.shown(
-                self.controller,
-                verdicts.count("quiet"),
-                verdicts.count("writer"),
-                self.waiting,
-                self.bounds,
-            )
-            if change is not None:
-                self._changed(change, now)
-            moved = self.limit() != limit
-        return moved or self.shown_costs() != before
+                self.running_turns[turn_id] = turn.sample(now, seen.bytes, seen.blocked)
+        return self.shown_costs() != before
 
     def sample_failed(self, now: float, why: str) -> None:
         """A sample could not be taken (an older launcher, or none): running turns keep
