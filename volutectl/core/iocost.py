@@ -60,9 +60,11 @@ UNKNOWN = 1.0  # a mind with no turn measured yet: as the heaviest
 WRITING_BYTES = 64 * 1024  # written between two samples: a writer, for the rest of the turn
 # How long a turn runs before a sample may call it quiet: a program needs a moment to start
 # writing (an interpreter's start, a session spinning up), and a sample taken before that
-# would let a heavy writer in at the floor's cost. Under the default reading interval
-# (0.5 s), so that a turn started at one reading is judged at the next.
-PROBATION_SECONDS = 0.4
+# would let a heavy writer in at the floor's cost (one that waits on the disk meanwhile is
+# not judged: `Running.sample`). It paces a cold gate: at a limit of 2, two turns of
+# unknown writes are let in per probation, so a network-bound fan-out of 16 took 1.18x
+# cap 16's time on the SD card at 0.4 s (docs/benchmarks.md).
+PROBATION_SECONDS = 0.25
 
 
 @dataclass(frozen=True)
