@@ -114,24 +114,38 @@ def test_status_the_status_line_and_the_journal_show_the_limit_rising_for_networ
     assert all(gap >= 4.9 for gap in gaps), stamps
 
 
+@pytest.fixture
+def disk_machine(request: pytest.FixtureRequest) -> Iterator[tuple[Machine, Path]]:
+    """A machine with a directory of the host's disk bound in: the machine's own files
+    sit on an overlay whose upper layer is a tmpfs, where writes reach no storage and
+    `write_bytes` stays 0."""
+    with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="vt-disk-") as directory:
+        os.chmod(directory, 0o1777)
+        with dev_machine(name="vt-adaptive-costs", binds=[directory]) as booted:
+            yield booted, Path(directory)
+
+
 @pytest.mark.parametrize("how", ["restart", "sigkill"])
 def test_a_gate_restarted_while_the_limit_is_raised_starts_at_start_and_loses_nothing(
-    machine: Machine, how: str
+    disk_machine: tuple[Machine, Path], how: str
 ) -> None:
     """The limit is not kept: the gate that comes back after `systemctl restart` (SIGTERM)
     or a SIGKILL of its whole cgroup answers `start` at once, adopts the turns running
     over it (none is stopped), and every delivery settles exactly once.
 
-    interval_seconds = 2 (the default is 0.5) so that the new gate's first reading, the
-    earliest it may move, comes well after the first `status` it answers, even on a
-    loaded machine."""
+    The turns write 256 KiB first, to the host's own (quick) disk bound in, then wait:
+    writers, each a whole place of the limit, so deliveries wait at it while the disk
+    stays healthy, and it grows (turns that only wait cost a sixteenth once sampled, and
+    would never fill the limit for it to grow). interval_seconds = 2 (the default is
+    0.5) so that the new gate's first reading, the earliest it may move, comes well
+    after the first `status` it answers, even on a loaded machine."""
+    machine, disk = disk_machine
     install_probe(machine)
     fast_restarts(machine)
-    minds = network_bound(14, 6.0)
-    # Turns that wait cost the floor once sampled, so nothing would wait at the limit for
-    # it to grow; a maximum under the 14 minds bounds the turns at once, and the rest wait.
+    write = f"dd if=/dev/zero of={disk}/w.$$ bs=64k count=4 oflag=dsync status=none"
+    minds = {mind: f"{write}; {command}" for mind, command in network_bound(14, 6.0).items()}
     sections: dict[str, Mapping[str, object]] = {
-        "limits.adaptive": {"start": START, "interval_seconds": 2.0, "maximum": 8}
+        "limits.adaptive": {"start": START, "interval_seconds": 2.0}
     }
     start_gate(machine, gate_config(minds, adaptive=True, **sections))
     acked = fan_out(machine, minds)
@@ -224,17 +238,6 @@ def test_a_psi_file_that_turns_to_garbage_under_the_gate_holds_it_to_start_and_s
     )
     wait_for(lambda: all_settled(machine), timeout=90, interval=0.3)
     assert_exactly_once(turn_log(machine), acked)
-
-
-@pytest.fixture
-def disk_machine(request: pytest.FixtureRequest) -> Iterator[tuple[Machine, Path]]:
-    """A machine with a directory of the host's disk bound in: the machine's own files
-    sit on an overlay whose upper layer is a tmpfs, where writes reach no storage and
-    `write_bytes` stays 0."""
-    with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="vt-disk-") as directory:
-        os.chmod(directory, 0o1777)
-        with dev_machine(name="vt-adaptive-costs", binds=[directory]) as booted:
-            yield booted, Path(directory)
 
 
 def test_status_shows_what_running_turns_write_as_the_launcher_reads_their_scopes(
