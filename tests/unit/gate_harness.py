@@ -245,6 +245,11 @@ class Harness:
         gate = self.gate
         for client in list(gate.server.clients.values()):
             client.sock.close()
+        # Shut down, not only closed: a turn forked from this process (the harness's
+        # hands are in-process, where the real launcher is another process) and not yet
+        # exec'd holds a copy of the listener, and a new gate would find it still served.
+        with contextlib.suppress(OSError):
+            gate.server.listener.shutdown(socket.SHUT_RDWR)
         gate.server.listener.close()
         for turn in gate.state.turns.all():
             if turn.pidfd >= 0:
