@@ -31,6 +31,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from volutectl.core.adaptive import (
+    GROW_AFTER,
+    RETRY_AFTER,
     RULES,
     Bounds,
     Controller,
@@ -190,6 +192,32 @@ def test_a_lucky_quick_probe_among_slow_ones_does_not_open_it() -> None:
         state, _ = step(state, Reading(i * INTERVAL, latency, None, state.limit, 12), BOUNDS)
         limits.append(state.limit)
     assert max(limits) <= 4, limits
+
+
+def test_a_limit_that_met_distress_is_tried_again_only_after_a_long_calm() -> None:
+    """CUBIC's plateau: on a cold SD card, three lucky probes in a row behind one writer
+    took an all-write fan-out from 1 writer to 4 in two seconds (docs/benchmarks.md)."""
+    state = Controller(limit=2, baseline_ms=2.0, slow_start=False)
+    state, change = step(state, Reading(0.0, 200.0, None, 2, 10), BOUNDS)
+    assert change is not None and change.new == 1 and state.distressed_at == 2
+
+    def calm(state: Controller, readings: int, start: float) -> list[int]:
+        limits = []
+        for i in range(readings):
+            reading = Reading(start + i * INTERVAL, 2.0, None, state.limit, 10)
+            state, _ = step(state, reading, BOUNDS)
+            limits.append(state.limit)
+        return limits
+
+    # Back to 2, where it met distress: after RETRY_AFTER healthy readings, not GROW_AFTER.
+    limits = calm(state, RETRY_AFTER, 1.0)
+    assert limits == [1] * (RETRY_AFTER - 1) + [2], limits
+    # Below the limit that met distress, it grows as before.
+    lower = replace(state, distressed_at=4)
+    assert calm(lower, GROW_AFTER, 1.0) == [1] * (GROW_AFTER - 1) + [2]
+    # A gate gone idle forgets it with the mix it was about.
+    resumed, _ = resume(state, 60.0, BOUNDS)
+    assert resumed.distressed_at is None and resumed.slow_start
 
 
 def test_the_queueing_delay_is_per_unit_of_io_cost_when_costs_are_known() -> None:

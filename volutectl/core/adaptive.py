@@ -13,6 +13,11 @@ wait at the limit. `step` says whether the limit moves, and why.
   growth, two more (the next reading's probe starts as the turns the growth let in
   do, and says nothing of them). It doubles while nothing has gone wrong yet (slow
   start, as TCP's); after the first distress it grows by one (congestion avoidance).
+  A limit that met distress is tried again only after `RETRY_AFTER` healthy readings
+  in a row (CUBIC's plateau at the window that last lost, W_max): behind synced writes
+  one probe is quick or slow by luck, and three lucky ones in a row took a cold SD
+  card's all-write fan-out from 1 writer to 4 in two seconds, 211 ms at the probe
+  (docs/benchmarks.md). Below that limit it grows as before.
   Doubling at every reading let a cold SD card's all-write fan-out reach 8 writers at
   once before the probe saw the first 4 (docs/benchmarks.md).
   Doubling is safe only because the limit is a budget of IO costs (core/iocost.py): a
@@ -65,6 +70,7 @@ TOLERANCE_MS = 20.0  # ...or within this much of it, whichever is larger
 BASELINE_RISE = 0.05  # how far an idle disk's reading lets the baseline up
 BACK_OFF = 0.7  # the multiplicative decrease
 GROW_AFTER = 3  # healthy readings in a row before the limit grows
+RETRY_AFTER = 12  # ...before it grows back to a limit that met distress
 STALL_HEALTHY = 0.10  # aimd: PSI some share of the interval
 STALL_DISTRESS = 0.30
 STALL_SEVERE = 0.60
@@ -109,6 +115,7 @@ class Controller:
     strained: int = 0  # readings in a row that were far over healthy
     healthy: int = 0  # readings in a row that were healthy
     last_reading: float | None = None
+    distressed_at: int | None = None  # the limit of the last distress (CUBIC's W_max)
 
 
 class Verdict(Enum):
@@ -200,6 +207,14 @@ def tested(state: Controller, reading: Reading) -> bool:
     return load >= state.limit
 
 
+def grow_after(state: Controller) -> int:
+    """Healthy readings in a row that the next growth needs: `RETRY_AFTER` to reach
+    the limit of the last distress again (or pass it), `GROW_AFTER` below it."""
+    if state.distressed_at is not None and state.limit + 1 >= state.distressed_at:
+        return RETRY_AFTER
+    return GROW_AFTER
+
+
 def step(
     state: Controller, reading: Reading, bounds: Bounds, rule: str = DEFAULT_RULE
 ) -> tuple[Controller, Change | None]:
@@ -208,15 +223,15 @@ def step(
     verdict, why = RULES[rule](state, reading)
     limit = state.limit
     if verdict is Verdict.SEVERE:
-        state = replace(state, slow_start=False, strained=state.strained + 1)
+        state = replace(state, slow_start=False, strained=state.strained + 1, distressed_at=limit)
         new = int(limit * BACK_OFF) if state.strained >= 2 else limit - 1
     elif verdict is Verdict.DISTRESS:
-        state = replace(state, slow_start=False, strained=0)
+        state = replace(state, slow_start=False, strained=0, distressed_at=limit)
         new = limit - 1
     elif verdict is Verdict.HEALTHY:
         state = replace(state, strained=0, healthy=state.healthy + 1)
         new = limit
-        if reading.waiting > 0 and state.healthy >= GROW_AFTER and tested(state, reading):
+        if reading.waiting > 0 and state.healthy >= grow_after(state) and tested(state, reading):
             new = limit * 2 if state.slow_start else limit + 1
             why += f" {state.healthy} times in a row, {reading.waiting} waiting"
             # The next reading's probe starts as the turns this growth lets in do: it
@@ -239,7 +254,9 @@ def resume(state: Controller, now: float, bounds: Bounds) -> tuple[Controller, C
     if state.last_reading is None:
         return state, None
     quiet = f"idle for {now - state.last_reading:.0f} s: starting again from {bounds.start}"
-    state = replace(state, slow_start=True, strained=0, healthy=0, last_reading=now)
+    state = replace(
+        state, slow_start=True, strained=0, healthy=0, last_reading=now, distressed_at=None
+    )
     start = bounds.clamp(bounds.start)
     if state.limit == start:
         return state, None

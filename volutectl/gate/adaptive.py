@@ -429,7 +429,9 @@ class AdaptiveLimit:
             if self.fallback is None:
                 self.fallback = failure
                 start = self.bounds.clamp(self.bounds.start)
-                self.controller = replace(self.controller, limit=start, slow_start=True)
+                self.controller = replace(
+                    self.controller, limit=start, slow_start=True, distressed_at=None
+                )
                 self._emit(events.AdaptiveFallback(limit=start, why=failure))
             return self.limit() != before
         if self.fallback is not None:
