@@ -215,9 +215,18 @@ def test_a_limit_that_met_distress_is_tried_again_only_after_a_long_calm() -> No
     # Below the limit that met distress, it grows as before.
     lower = replace(state, distressed_at=4)
     assert calm(lower, GROW_AFTER, 1.0) == [1] * (GROW_AFTER - 1) + [2]
-    # A gate gone idle forgets it with the mix it was about.
-    resumed, _ = resume(state, 60.0, BOUNDS)
-    assert resumed.distressed_at is None and resumed.slow_start
+    # A gate gone idle keeps it (it counts IO costs: the disk bore no more heavy
+    # writers, whatever the mix): work that arrives starts below it, not at `start`.
+    at_two = replace(state, limit=BOUNDS.maximum)
+    resumed, change = resume(at_two, 60.0, BOUNDS)
+    assert resumed.distressed_at == 2 and resumed.slow_start
+    assert resumed.limit == 1 and change is not None and "from 1" in change.reason
+    # Slow start from under a distress doubles up to the limit below it, no further,
+    # and goes on by one, each step after a long calm.
+    far = Controller(limit=2, baseline_ms=2.0, distressed_at=8)
+    limits = calm(far, 3 * GROW_AFTER + 2 * RETRY_AFTER, 1.0)
+    assert limits[GROW_AFTER - 1] == 4 and max(limits[: 2 * GROW_AFTER + 2]) == 7, limits
+    assert limits[-1] == 9, limits
 
 
 def test_the_queueing_delay_is_per_unit_of_io_cost_when_costs_are_known() -> None:

@@ -34,9 +34,12 @@ wait at the limit. `step` says whether the limit moves, and why.
   fan-out after an hour of quiet is let in at the start value and grows from there.
   Not only after an hour: the limit says what the turns running at once bear, and
   that mix is gone when the gate is idle. What the gate learnt stays: the disk's
-  baseline, and each mind's IO cost (core/iocost.py), by which a fan-out of light turns
+  baseline, each mind's IO cost (core/iocost.py), by which a fan-out of light turns
   it knows fits a low limit, and one of heavy turns it knows starts no more of them at
-  once than the start value, whatever the limit grew to for the last mix.
+  once than the start value, whatever the limit grew to for the last mix; and the
+  limit of the last distress, in IO costs, below which it starts if that is lower
+  than `start` (a warm SD card's mixed fan-out let a second heavy writer in at `start`,
+  356 ms at the probe, where the first fan-out had shown that two distress it).
 - It stays within the bounds; a new gate starts at `start` (the limit is not kept).
 
 Two rules judge a reading (`RULES`, by name for the benchmark):
@@ -207,12 +210,28 @@ def tested(state: Controller, reading: Reading) -> bool:
     return load >= state.limit
 
 
+def below_distress(state: Controller) -> int | None:
+    """The highest limit below the last distress's, if any."""
+    return None if state.distressed_at is None else max(1, state.distressed_at - 1)
+
+
 def grow_after(state: Controller) -> int:
     """Healthy readings in a row that the next growth needs: `RETRY_AFTER` to reach
     the limit of the last distress again (or pass it), `GROW_AFTER` below it."""
-    if state.distressed_at is not None and state.limit + 1 >= state.distressed_at:
+    below = below_distress(state)
+    if below is not None and state.limit >= below:
         return RETRY_AFTER
     return GROW_AFTER
+
+
+def grown(state: Controller) -> int:
+    """The next limit up: doubled in slow start, else one more; but never past the limit
+    below the last distress in one step from under it, and by one from there on."""
+    new = state.limit * 2 if state.slow_start else state.limit + 1
+    below = below_distress(state)
+    if below is None:
+        return new
+    return min(new, below) if state.limit < below else state.limit + 1
 
 
 def step(
@@ -232,7 +251,7 @@ def step(
         state = replace(state, strained=0, healthy=state.healthy + 1)
         new = limit
         if reading.waiting > 0 and state.healthy >= grow_after(state) and tested(state, reading):
-            new = limit * 2 if state.slow_start else limit + 1
+            new = grown(state)
             why += f" {state.healthy} times in a row, {reading.waiting} waiting"
             # The next reading's probe starts as the turns this growth lets in do: it
             # says nothing of them yet. The one after it does.
@@ -249,15 +268,20 @@ def step(
 
 
 def resume(state: Controller, now: float, bounds: Bounds) -> tuple[Controller, Change | None]:
-    """Work arrives at a gate gone idle: start again from `start` (what was learnt of
-    the disk stays), so that a fan-out is let in at the start value and grows from there."""
+    """Work arrives at a gate gone idle: start again from `start`, or from below the
+    limit of the last distress if that is lower, so that a fan-out is let in at the
+    start value and grows from there. What was learnt of the disk stays: its baseline,
+    and the limit that met distress, which counts IO costs (core/iocost.py), so it says
+    how many heavy writers at once the disk did not bear, whatever the mix was."""
     if state.last_reading is None:
         return state, None
-    quiet = f"idle for {now - state.last_reading:.0f} s: starting again from {bounds.start}"
-    state = replace(
-        state, slow_start=True, strained=0, healthy=0, last_reading=now, distressed_at=None
-    )
-    start = bounds.clamp(bounds.start)
+    start = bounds.start
+    below = below_distress(state)
+    if below is not None:
+        start = min(start, below)
+    start = bounds.clamp(start)
+    quiet = f"idle for {now - state.last_reading:.0f} s: starting again from {start}"
+    state = replace(state, slow_start=True, strained=0, healthy=0, last_reading=now)
     if state.limit == start:
         return state, None
     return replace(state, limit=start), Change(state.limit, start, quiet)
