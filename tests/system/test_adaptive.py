@@ -4,10 +4,8 @@ raised starts again at `start` and loses and repeats nothing; a PSI file that tu
 garbage under the running gate holds it to `start`, and status, the journal and
 `volutectl doctor` say so.
 
-The slow-disk tests are tests/system/test_adaptive_disk.py. The one that held the
-default config's probe to cap 2's bound there is off main: in CI it measured the default
-at 1.54x cap 2 (its runs' samples pooled: 276 ms against 179 ms; the bound is 1.5x), a
-margin one loaded run decides either way (docs/benchmarks.md has the benchmark's).
+The slow-disk test (a fan-out of synced writers under the default config keeps a probe
+of the same disk within cap 2's bound) is tests/system/test_adaptive_disk.py.
 """
 
 from __future__ import annotations

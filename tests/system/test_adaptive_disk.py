@@ -1,11 +1,12 @@
-"""The adaptive limit on a slow disk: a gate SIGKILLed while synced writers hold its
-limit below `start` comes back at `start` and loses nothing.
+"""The adaptive limit on a slow disk: under the default config (no cap, the adaptive
+limit on), a fan-out of minds whose turns all do synced writes keeps the host's storage
+responsive, as cap 2 (what the design recommends for a Pi on an SD card) does.
 
-The test that a fan-out of synced writers under the default config keeps the probe
-within cap 2's bound (the issue's) is off main: CI measured the default at 1.54x cap 2
-(the samples of five runs of each pooled: 276 ms against 179 ms), where a quiet machine
-gave 1.23x (255 against 207 ms). Its helpers stay here (Probe, fan_out_run) for its
-return with a margin that one loaded run cannot decide.
+Its history: CI measured the default at 1.54x cap 2 here (pooled p99s, 276 against 179
+ms), where the bound is 1.5x, when three lucky probes in a row let the limit climb to 3
+and 4 writers after a distress. Since a limit that met distress waits 12 calm readings
+to be tried again (core/adaptive.py), three runs on the 2-core VM gave 0.93x, 1.22x and
+0.56x.
 
 The rig is tests/system/test_pressure.py's and bench/replay_incident.py's
 (volute_testbed.slowdisk): a throttled ext4 loop device (cgroup-v1 blkio, 60 write IOPS,
@@ -156,6 +157,65 @@ def fan_out_run(
     return Run(name, p99(samples), len(samples), ended - began, samples)
 
 
+# Five runs of each, interleaved ABBA so that neither always runs on the fresher disk.
+ORDER = ("cap 2", "default", "default", "cap 2") * 2 + ("cap 2", "default")
+
+
+def test_a_fan_out_of_synced_writers_under_the_default_config_keeps_the_probe_within_its_bound(
+    slow: tuple[Machine, SlowDisk],
+) -> None:
+    """Twelve minds woken at once, each turn 16 x 64 KiB synced writes, on the SD-card
+    disk: cap 2 with the adaptive limit off (the safe setting the design recommends for
+    a Pi), and the default config (no cap, the adaptive limit on), five runs of each,
+    interleaved. The default's probe p99 must be within the issue's bound, max(1.5 x cap
+    2's, cap 2's + 20 ms), cap 2's measured the same way in the same machine on the same
+    disk, so no number from another machine is baked in.
+
+    How the p99s are taken, and why: each config's probe samples of its five runs
+    pooled, the probe every 50 ms (about 150 samples a run, 700 a config), so that a
+    p99 is the 8th-worst sample, not one run's worst. Taken per run (35 samples at the
+    issue's 200 ms, where a p99 is the maximum) and as the median of runs, one stray
+    stall of the host's own disk decided it: in CI, cap 2's per-run p99 ranged from 53
+    to 880 ms, and the test failed once at 200 ms against 180 ms (issue 21's history,
+    commit fcfb058). A stall is a sample or two; a limit that lets too many writers in
+    is a stretch of them, which a pooled p99 still sees.
+
+    What could fail: with no cap and no adaptive limit (the default before issue 21)
+    all twelve write at once and the probe queues behind them (607 ms at p99 against
+    cap 2's 112 ms, measured per run); an adaptive limit that grew on the wrong signal,
+    did not shrink, or charged these unknown writers less than a whole place, the same.
+    The runs' numbers are printed (pytest -s)."""
+    machine, disk = slow
+    install_probe(machine)
+    minds = writers(disk.mount)
+    configs = {
+        "cap 2": gate_config(minds, adaptive=False, limits={"global_concurrent_turns": 2}),
+        "default": gate_config(minds, adaptive=True),
+    }
+    runs: dict[str, list[Run]] = {name: [] for name in configs}
+    probe = Probe(disk.mount / "probe.dat", every=0.05)
+    try:
+        time.sleep(1)  # a few samples of the quiet disk before the first run
+        for name in ORDER:
+            runs[name].append(fan_out_run(machine, probe, name, configs[name], minds))
+    finally:
+        probe.stop()
+    pooled = {
+        name: p99([ms for run in done for ms in run.latencies]) for name, done in runs.items()
+    }
+    cap2, default = pooled["cap 2"], pooled["default"]
+    bound = max(1.5 * cap2, cap2 + 20)
+    shown = "\n".join(str(run) for name in configs for run in runs[name])
+    print(
+        f"\n{shown}\npooled p99: cap 2 {cap2:.0f} ms, default {default:.0f} ms; "
+        f"bound {bound:.0f} ms"
+    )
+    assert default <= bound, (
+        f"the default's probe p99 (its runs' samples pooled) {default:.0f} ms is over the "
+        f"bound {bound:.0f} ms from cap 2's {cap2:.0f} ms:\n{shown}"
+    )
+
+
 def test_a_sigkill_while_the_limit_is_lowered_starts_again_at_start_and_loses_nothing(
     slow: tuple[Machine, SlowDisk],
 ) -> None:
@@ -171,9 +231,21 @@ def test_a_sigkill_while_the_limit_is_lowered_starts_again_at_start_and_loses_no
     script = " ".join(
         f"{VOLUTECTL} deliver {mind} --message go > /var/tmp/id.{mind} &" for mind in minds
     )
-    machine.sh(f"{script} wait")
-    acked = [int(machine.host_path(f"/var/tmp/id.{mind}").read_text()) for mind in minds]
-    wait_for(lambda: status(machine)["adaptive"]["limit"] < START, timeout=60, interval=0.2)
+
+    def lowered() -> bool:
+        return bool(status(machine)["adaptive"]["limit"] < START)
+
+    acked: list[int] = []
+    # One probe of the state disk every half second is quick or slow by luck: a gate
+    # may see its writers' whole fan-out (6 s) without a distress (once in CI, and once
+    # in a dozen runs here). Fan out again, up to three times, until it lowers.
+    for _ in range(3):
+        machine.sh(f"{script} wait")
+        acked += [int(machine.host_path(f"/var/tmp/id.{mind}").read_text()) for mind in minds]
+        wait_for(lambda: lowered() or all_settled(machine), timeout=60, interval=0.2)
+        if lowered():
+            break
+    assert lowered(), "three fan-outs of synced writers never lowered the limit"
     first = gate_pid(machine)
     machine.run(["systemctl", "kill", "--signal=SIGKILL", "volute-gate.service"])
     wait_for(lambda: gate_pid(machine) not in (0, first), timeout=30, interval=0.05)
