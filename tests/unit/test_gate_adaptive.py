@@ -48,7 +48,24 @@ def adaptive_harness(tmp_path: Path, harnesses: list[Harness], **limits: Any) ->
     config |= limits.pop("adaptive", {})
     harness = Harness(tmp_path, minds=MINDS, limits={"adaptive": config, **limits})
     harnesses.append(harness)
+    writing(harness)
     return harness
+
+
+def writing(harness: Harness) -> None:
+    """Every sample shows every turn writing (1 MiB more each time), so that each stays
+    a whole place: the tests that use it move the limit with fed readings, and their
+    `sleep` turns, sampled quiet at the end of their probation, would cost a sixteenth
+    and let the held ones by whenever a pump outlasts 0.25 s (on a loaded machine,
+    now and then: a flaky test). What samples do is test_a_cold_gate_...'s."""
+    written: dict[int, int] = {}
+
+    def sample(turn_ids: Sequence[int]) -> dict[int, Written]:
+        for turn_id in turn_ids:
+            written[turn_id] = written.get(turn_id, 0) + (1 << 20)
+        return {turn_id: Written(written[turn_id], blocked=False) for turn_id in turn_ids}
+
+    harness.gate.state.turns.hands.sample = sample  # type: ignore[method-assign]
 
 
 def limit_of(harness: Harness) -> AdaptiveLimit:
@@ -237,6 +254,7 @@ def test_a_restarted_gate_starts_at_the_start_value_not_where_it_was(
     harness.pump(lambda: running(harness) == 4)
     harness.crash()
     harness.restart()
+    writing(harness)  # the new gate's hands
     assert limit_of(harness).limit() == 2
     harness.pump(lambda: len(harness.gate.state.turns.all()) == 4)  # adopted, not stopped
     harness.run_for(0.1)
