@@ -101,6 +101,12 @@ def test_deliver_wait_on_a_failing_mind_says_each_attempt_and_max_wait_gives_up(
     slow = int(gave_up.stdout)
     assert f"volutectl wait {slow}" in gave_up.stderr
     assert delivery_states(machine)[slow] == "running"
+    # `volutectl wait --max-wait` gives up the same way, and leaves it running too.
+    short = machine.run([VOLUTECTL, "wait", str(slow), "--max-wait", "0.5"], check=False)
+    assert short.returncode == 75, short.stderr
+    assert f"stopped waiting for {slow} after" in short.stderr, short.stderr
+    assert f"volutectl wait {slow}" in short.stderr and "Traceback" not in short.stderr
+    assert delivery_states(machine)[slow] == "running"
     later = machine.run([VOLUTECTL, "wait", str(slow)], check=False, timeout=30)
     assert later.returncode == 0, later.stderr
     assert json.loads(machine.run([VOLUTECTL, "status", "--json"]).stdout)["backing_off"] == 0
