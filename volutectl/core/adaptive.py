@@ -114,7 +114,7 @@ class Controller:
 
     limit: int
     baseline_ms: float | None = None  # the probe's latency on a quiet disk
-    slow_start: bool = True  # no distress seen since the start: grow by half
+    slow_start: bool = True  # no distress seen since the start: grow by doubling
     strained: int = 0  # readings in a row that were far over healthy
     healthy: int = 0  # readings in a row that were healthy
     last_reading: float | None = None
