@@ -95,6 +95,9 @@ from volute_testbed.slowdisk import SlowDisk, slow_disk
 MIB = 1024 * 1024
 STATE_DIR = "/var/lib/volute"  # the gate's (StateDirectory=volute), bound onto the slow disk
 DEFAULT_RUNS = ["ungated", "cap1", "cap2", "cap4", "cap8", "cap16", "pressure", "adaptive"]
+# The loop device's backing file: in RAM the throttle is the disk's only slowness; on the
+# host's disk that disk's own stalls come through too, in no run's control.
+BACKINGS = ("ram", "disk")
 STATIC_CAPS = {"cap1": 1, "cap2": 2, "cap4": 4, "cap8": 8, "cap16": 16}
 
 
@@ -227,9 +230,13 @@ class Rig:
 
 
 @contextlib.contextmanager
-def rig(profile: str, minds: int, timeout: float, settle: float, work: Path) -> Iterator[Rig]:
+def rig(
+    profile: str, minds: int, timeout: float, settle: float, work: Path, backing: str
+) -> Iterator[Rig]:
     spec = PROFILES[profile]
-    with slow_disk(iops=spec.iops, bps=spec.bps, name=f"adaptive-{profile}") as disk:
+    with slow_disk(
+        iops=spec.iops, bps=spec.bps, name=f"adaptive-{profile}", in_ram=backing == "ram"
+    ) as disk:
         with dev_machine(name=f"bench-adaptive-{profile}", binds=[disk.mount]) as machine:
             state = disk.mount / "gate-state"
             state.mkdir()
@@ -635,6 +642,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--full", action="store_true", help="never stop a static cap early (takes longer)"
     )
+    parser.add_argument(
+        "--backing",
+        choices=list(BACKINGS),
+        default="ram",
+        help="where the loop device's file lives (default ram: the throttle alone is slow)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="no PNGs (no matplotlib)")
     return parser.parse_args()
 
@@ -682,7 +695,9 @@ def run_bench(
     work = Path(tempfile.mkdtemp(prefix="volute-adaptive-work.", dir="/var/tmp"))
     try:
         for profile in choose(args.profiles, list(PROFILES), "profile"):
-            with rig(profile, args.minds, args.timeout, args.settle, work) as bench_rig:
+            with rig(
+                profile, args.minds, args.timeout, args.settle, work, args.backing
+            ) as bench_rig:
                 for workload in choose(args.workloads, list(WORKLOADS), "workload"):
                     mine = cell_labels(labels, workload, explicit=bool(args.runs))
                     runs = run_cell(bench_rig, workload, mine, args.repeats, support, args.full)
@@ -703,6 +718,7 @@ def write_results(out: Path, cells: dict[tuple[str, str], list[Run]], args: Any)
     document = {
         "minds": args.minds,
         "repeats": args.repeats,
+        "backing": args.backing,
         "profiles": {key: asdict(profile) for key, profile in PROFILES.items()},
         "cells": [
             {

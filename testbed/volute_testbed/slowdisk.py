@@ -42,9 +42,17 @@ def _run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
 
 @contextlib.contextmanager
 def slow_disk(
-    size_mib: int = 1024, iops: int = WRITE_IOPS, bps: int = WRITE_BPS, name: str = "replay"
+    size_mib: int = 1024,
+    iops: int = WRITE_IOPS,
+    bps: int = WRITE_BPS,
+    name: str = "replay",
+    in_ram: bool = False,
 ) -> Iterator[SlowDisk]:
     """A throttled ext4 loop device; this process is in its blkio cgroup while inside.
+
+    Its backing file is on the host's disk (/var/tmp), whose own stalls (other writers,
+    writeback) come through the loop device too; `in_ram` puts it on a tmpfs of its own
+    instead, which leaves the throttle as the disk's only slowness, the same in every run.
 
     Everything is undone on the way out, whatever happens: the process leaves the
     cgroup, the cgroup is removed, the mount unmounted, the loop device detached and
@@ -54,13 +62,20 @@ def slow_disk(
         raise SystemExit("the slow disk needs root (losetup, mount, blkio cgroups)")
     work = Path(tempfile.mkdtemp(prefix=f"volute-{name}.", dir="/var/tmp"))
     work.chmod(0o755)  # turns run as unprivileged users
-    image = work / "disk.img"
+    ram = work / "ram"
+    image = (ram if in_ram else work) / "disk.img"
     mount = work / "mnt"
     device = ""
     mounted = False
+    ram_mounted = False
     cgroup: Path | None = None
     entered = False
     try:
+        if in_ram:
+            ram.mkdir()
+            options = f"size={size_mib + 16}m,mode=0700"
+            _run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(ram)])
+            ram_mounted = True
         with image.open("wb") as handle:
             handle.truncate(size_mib * 1024 * 1024)
         device = _run(["losetup", "-f", "--show", str(image)]).stdout.strip()
@@ -96,6 +111,10 @@ def slow_disk(
             subprocess.run(["losetup", "-d", device], capture_output=True)
         with contextlib.suppress(OSError):
             image.unlink()
+        if ram_mounted:
+            subprocess.run(["umount", str(ram)], capture_output=True)
+        with contextlib.suppress(OSError):
+            ram.rmdir()
         with contextlib.suppress(OSError):
             mount.rmdir()
         with contextlib.suppress(OSError):
