@@ -55,6 +55,7 @@ class Event(StrEnum):
     ADAPTIVE_LIMIT_CHANGED = "adaptive_limit_changed"
     ADAPTIVE_FALLBACK = "adaptive_fallback"
     ADAPTIVE_MEASURING = "adaptive_measuring"
+    ADMIN_REFUSED = "admin_refused"
     REPOSITORY_FORGOTTEN = "repository_forgotten"
     REPOSITORY_REFUSED = "repository_refused"
     REPOSITORY_UNWATCHABLE = "repository_unwatchable"
@@ -98,6 +99,7 @@ MESSAGE_IDS: Mapping[Event, str] = {
     Event.ADAPTIVE_LIMIT_CHANGED: "78ac394cee0541889f41bad11b6f8d7c",
     Event.ADAPTIVE_FALLBACK: "1016b81a25c94289a853e7e24964d033",
     Event.ADAPTIVE_MEASURING: "d43b51852fe145e8ab3603e2679b8b46",
+    Event.ADMIN_REFUSED: "52e355d593474b93bd5cca066eca1f3f",
     Event.REPOSITORY_FORGOTTEN: "193bf4dcbaaa417086d5751012703481",
     Event.REPOSITORY_REFUSED: "c8807590b9ac43b5a39236ae3cb279e2",
     Event.REPOSITORY_UNWATCHABLE: "03c602b4041d41cf971b151baebdcea0",
@@ -348,6 +350,22 @@ class DeliveriesNotStored(BaseEvent):
             f"could not store {self.count} deliveries, refused them (nothing acknowledged): "
             f"{self.exception}: {self.error}"
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdminRequestRefused(BaseEvent):
+    """A client asked for what only an admin may do (volutectl/roles.py): said at most
+    once a minute per uid, with how many more that uid was refused unsaid before it."""
+
+    LEVEL = "warning"
+    EVENT = Event.ADMIN_REFUSED
+    op: str
+    uid: int
+    unsaid: int = 0
+
+    def message(self) -> str:
+        more = f" ({self.unsaid} more refused since the last entry)" if self.unsaid else ""
+        return f"refused uid {self.uid} a {self.op} request, which only an admin may make{more}"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.gate_harness import Harness
-from volutectl import roles
+from volutectl import events, roles
 from volutectl.cli.config import check_may_show, inline_secret_warnings
 from volutectl.config.settings import Settings
 from volutectl.errors import EX_NOPERM, VoluteError
@@ -129,6 +129,40 @@ def test_a_client_is_refused_with_77_naming_the_group(
     assert row is not None and row.state is QueueState.PENDING
 
 
+def test_a_refusal_is_journalled_once_a_minute_per_uid_with_the_count_unsaid(
+    harness: Harness,
+) -> None:
+    state = harness.gate.state
+    refused = handlers._say_refused  # the clock is given: the minute is not waited out
+    refused(state, "drop", CLIENT.uid, 100.0)
+    for moment in (101.0, 130.0, 159.0):
+        refused(state, "pause", CLIENT.uid, moment)
+    refused(state, "retry", OTHER_CLIENT.uid, 100.5)  # another uid: said at once
+    said = harness.journal.of(events.AdminRequestRefused)
+    assert [(event.op, event.uid, event.unsaid) for event in said] == [
+        ("drop", CLIENT.uid, 0),
+        ("retry", OTHER_CLIENT.uid, 0),
+    ]
+    refused(state, "resume", CLIENT.uid, 161.0)  # a minute on: said, with the 3 unsaid
+    said = harness.journal.of(events.AdminRequestRefused)
+    assert (said[-1].op, said[-1].uid, said[-1].unsaid) == ("resume", CLIENT.uid, 3)
+    assert "3 more refused" in said[-1].message()
+    # OTHER_CLIENT's record, older than a minute with nothing unsaid, is gone: a burst of
+    # distinct uids does not grow the record for ever.
+    assert set(state.admin_refused) == {CLIENT.uid}
+
+
+def test_each_refused_request_is_counted_and_an_admins_is_not(harness: Harness) -> None:
+    for _ in range(3):
+        reply = answer(harness, DropRequest((1,)), CLIENT)
+        assert isinstance(reply, ErrorReply) and reply.code == EX_NOPERM
+    said = harness.journal.of(events.AdminRequestRefused)
+    assert [(event.op, event.uid) for event in said] == [("drop", CLIENT.uid)]
+    assert harness.gate.state.admin_refused[CLIENT.uid][1] == 2  # two more, to say later
+    answer(harness, DropRequest((1,)), ADMIN)  # an admin's is not a refusal
+    assert len(harness.journal.of(events.AdminRequestRefused)) == 1
+
+
 def test_an_admin_and_root_change_others_work(harness: Harness) -> None:
     delivery = delivered(harness, CLIENT)
     assert isinstance(answer(harness, PauseRequest(("mimsy",)), ADMIN), PauseReply)
@@ -147,6 +181,11 @@ def test_a_client_lists_its_own_deliveries_an_admin_everyones(harness: Harness) 
     every = answer(harness, QueueRequest(), ADMIN)
     assert isinstance(every, QueueReply)
     assert {row.id for row in every.rows} == {*mine, theirs}
+    # ...with whose each is: the sender's uid, as the gate read it from the socket.
+    assert {row.id: row.uid for row in every.rows} == {
+        **dict.fromkeys(mine, CLIENT.uid),
+        theirs: OTHER_CLIENT.uid,
+    }
 
 
 def test_a_client_waits_for_its_own_deliveries_only(harness: Harness) -> None:

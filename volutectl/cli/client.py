@@ -215,8 +215,9 @@ def queue_list(
         if row.not_before is not None:  # as status and STATUS= count it
             extra += f" backing off (next try in {format_duration(row.not_before - time.time())})"
         error = f" last error: {row.last_error}" if row.last_error else ""
+        sender = f" uid={row.uid}" if row.uid is not None else ""
         click.echo(
-            f"{row.id:>6} {row.state:<8} {row.mind}/{row.session} "
+            f"{row.id:>6} {row.state:<8} {row.mind}/{row.session}{sender} "
             f"attempts={row.attempts} {row.bytes}B{extra}{error}"
         )
     if more:

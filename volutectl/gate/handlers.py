@@ -110,6 +110,7 @@ def queue_handler(state: GateState, request: QueueRequest, caller: Caller) -> Qu
                 last_error=row.last_error,
                 bytes=len(row.message),
                 not_before=row.not_before if _backing_off(row.state, row.not_before, now) else None,
+                uid=row.uid,
             )
             for row in rows
         ),
@@ -291,6 +292,8 @@ HANDLERS: dict[type[Request[Reply]], Handler] = dict(
 )
 
 
+REFUSED_SECONDS = 60.0  # at most one AdminRequestRefused entry per uid this often
+
 # The requests that change others' work: an admin's alone (volutectl/roles.py). Every
 # other request is a client's; those that show deliveries show a client its own.
 ADMIN_ONLY: frozenset[type[Request[Reply]]] = frozenset(
@@ -307,6 +310,7 @@ def handle(state: GateState, request: Request[Reply], caller: Caller) -> Reply:
     if the caller's role does not allow it, else its handler's."""
     try:
         if not roles.permits(caller.role, needed_role(request)):
+            _say_refused(state, request.OP, caller.uid, time.monotonic())
             raise roles.admin_refusal(
                 f"{request.OP}: changes others' work, which only an admin may do"
             )
@@ -317,6 +321,23 @@ def handle(state: GateState, request: Request[Reply], caller: Caller) -> Reply:
         # The disk is full, or the database locked or unwritable: try again later.
         state.journal.emit(events.QueueFailed(op=request.OP, error=str(error)))
         return ErrorReply.of(TemporaryError(f"{request.OP}: the queue failed: {error}"))
+
+
+def _say_refused(state: GateState, op: str, uid: int, now: float) -> None:
+    """An AdminRequestRefused entry, at most one per uid every REFUSED_SECONDS (the
+    journal may live on a stalled card, and any local user may ask): the refusals in
+    between are counted in the next. A uid's record is forgotten once it is older than
+    that with nothing unsaid, so it holds only uids refused lately or with a count to say."""
+    said = state.admin_refused
+    last, unsaid = said.get(uid, (None, 0))
+    if last is not None and now - last < REFUSED_SECONDS:
+        said[uid] = (last, unsaid + 1)
+        return
+    for other, (when, pending) in list(said.items()):
+        if now - when >= REFUSED_SECONDS and not pending:
+            del said[other]
+    said[uid] = (now, 0)
+    state.journal.emit(events.AdminRequestRefused(op=op, uid=uid, unsaid=unsaid))
 
 
 def accept_deliveries(

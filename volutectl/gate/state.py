@@ -42,6 +42,8 @@ class GateState:
     paused: frozenset[str] | admission.EveryMind = frozenset()  # the store's pauses
     foreign_live: int = 0  # other scopes holding a place in the turns slice, last counted
     over_quota: set[int | None] = field(default_factory=set)  # uids refused, as logged
+    # uids refused an admin's request: when that was last said, and how many since unsaid
+    admin_refused: dict[int, tuple[float, int]] = field(default_factory=dict)
     adaptive: AdaptiveLimit | None = None  # the adaptive limit; set once the rest is up
     # The minds the config file on disk names (read again when it changes): an unknown
     # mind's refusal says to reload when the file has it. None: not asked.

@@ -358,6 +358,8 @@ class QueueRow(Record):
     # A pending row backing off after a failed attempt: when its next try may start
     # (seconds since the epoch); sent only then.
     not_before: float | None = None
+    # Who delivered it (SO_PEERCRED); None: not known (from a gate before it was sent).
+    uid: int | None = None
     QUIET = frozenset({"not_before"})
 
 
