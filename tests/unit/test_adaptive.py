@@ -39,6 +39,7 @@ from volutectl.core.adaptive import (
     Reading,
     healthy_below_ms,
     initial,
+    learn_quiet,
     resume,
     step,
 )
@@ -227,6 +228,27 @@ def test_a_limit_that_met_distress_is_tried_again_only_after_a_long_calm() -> No
     limits = calm(far, 3 * GROW_AFTER + 2 * RETRY_AFTER, 1.0)
     assert limits[GROW_AFTER - 1] == 4 and max(limits[: 2 * GROW_AFTER + 2]) == 7, limits
     assert limits[-1] == 9, limits
+
+
+def test_a_quiet_probe_teaches_the_baseline_and_moves_nothing_else() -> None:
+    """A cold gate's first reading is taken under the fan-out that woke it: learnt from
+    it alone, the baseline reads a queue as normal, and the limit doubles into it. The
+    quiet probe a gate takes first sets the baseline that reading is judged against."""
+    cold = initial(BOUNDS)
+    quiet = learn_quiet(cold, 3.0)
+    assert quiet == replace(cold, baseline_ms=3.0)  # the limit, last reading, runs: as before
+    assert quiet.last_reading is None  # not a reading: resume still sees a fresh gate
+    assert learn_quiet(quiet, 1.0).baseline_ms == 1.0  # lower: taken at once
+    assert 3.0 < learn_quiet(quiet, 40.0).baseline_ms < 5.0  # higher: let up slowly
+    # Two writers that queue the probe to 40 ms: after the quiet probe that is distress;
+    # from a baseline learnt at that first reading it was healthy, and three such grew it.
+    busy = Reading(now=0.0, latency_ms=40.0, stalled=None, running=2, waiting=14)
+    state, change = step(quiet, busy, BOUNDS)
+    assert change is not None and change.new == 1, change
+    state = cold
+    for i in range(GROW_AFTER):
+        state, change = step(state, replace(busy, now=i * INTERVAL), BOUNDS)
+    assert change is not None and change.new == 4, change
 
 
 def test_the_queueing_delay_is_per_unit_of_io_cost_when_costs_are_known() -> None:

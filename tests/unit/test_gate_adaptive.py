@@ -282,6 +282,38 @@ def test_an_idle_gate_does_not_wake_for_the_limit(tmp_path: Path, harnesses: lis
     assert adaptive.probe is not None and adaptive.probe.path.exists()
 
 
+def test_a_gate_probes_its_quiet_disk_once_before_any_turn(
+    tmp_path: Path, harnesses: list[Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    harness = Harness(
+        tmp_path, minds={"brief": "exec sleep 0.5"}, limits={"adaptive": {"interval_seconds": 0.1}}
+    )
+    harnesses.append(harness)
+    adaptive = limit_of(harness)
+    harness.pump(lambda: adaptive.controller.baseline_ms is not None)
+    # The baseline is the quiet disk's; it was no reading: the limit did not move, the
+    # gate keeps no deadline, and nothing says it measured under load.
+    assert adaptive.last is None and adaptive.deadline() is None
+    assert adaptive.limit() == 2 and adaptive.controller.last_reading is None
+    assert adaptive.probe is not None and adaptive.probe.path.exists()
+    assert not adaptive.probe.in_flight
+    # Once: going idle again takes no second quiet probe.
+    baseline = adaptive.controller.baseline_ms
+    deliver(harness, "brief")
+    harness.pump(lambda: adaptive.last is not None and not harness.gate.state.turns.all())
+    harness.pump(lambda: adaptive.deadline() is None)
+    harness.run_for(0.2)  # the last reading's probe ends
+    probe = adaptive.probe
+    started: list[float] = []
+    real_start = probe.start
+    monkeypatch.setattr(probe, "start", lambda now: (started.append(now), real_start(now))[1])
+    harness.gate.mark_dirty()  # an admission pass while idle
+    harness.run_for(0.3)
+    assert started == [] and not probe.in_flight
+    assert adaptive.controller.baseline_ms is not None
+    assert adaptive.controller.baseline_ms <= max(baseline or 0.0, adaptive.last.latency_ms or 0.0)
+
+
 def test_a_probe_that_fails_falls_back_to_the_start_value(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:

@@ -154,6 +154,17 @@ def learn_baseline(state: Controller, reading: Reading) -> float | None:
     return state.baseline_ms
 
 
+def learn_quiet(state: Controller, latency_ms: float) -> Controller:
+    """A probe taken while no turn ran or waited (a gate that has not measured its disk
+    yet takes one, volutectl/gate/adaptive.py): the baseline learns from it as from an
+    idle reading; nothing else moves. Without it a cold gate's first baseline came from
+    its first reading, under the fan-out that woke it, and read a queue as normal: a
+    cold SD card's all-write fan-out then doubled to 4 writers, 238 ms at the probe
+    (docs/benchmarks.md)."""
+    quiet = Reading(now=0.0, latency_ms=latency_ms, stalled=None, running=0, waiting=0)
+    return replace(state, baseline_ms=learn_baseline(state, quiet))
+
+
 def judge_latency(state: Controller, reading: Reading) -> Judgement:
     """Gradient: the probe's latency against the learnt baseline, as Vegas does it.
 

@@ -12,6 +12,10 @@ reading:
 - **PSI**: the `some total=` stall of the turns slice's io.pressure when readable, else
   of /proc/pressure/io, as the share of the interval (plain reads, no trigger).
 
+A gate that has not measured its disk yet probes it once while nothing runs or waits,
+at its start as a rule: that probe teaches the baseline what a quiet disk answers
+(core/adaptive.py's learn_quiet), before the first fan-out's readings show a queue.
+
 A probe that fails, or a PSI file that was readable and then vanishes or reads as
 garbage, puts the gate in mode "fallback": a static cap of `start` that counts turns
 (no costs), said once in the journal (AdaptiveFallback) and in `status`, until the
@@ -222,6 +226,8 @@ class AdaptiveLimit:
         self._deadline: float | None = None
         self._latency: float | None = None  # the last probe that ended, not yet read
         self._failure: str | None = None  # what failed since the last reading
+        self._quiet_probe = False  # the probe in flight was started while nothing ran
+        self._quiet_asked = False  # that first probe of a quiet disk was asked for
         self._probe_running = 0  # the most turns running while the probe ran
         self._probe_load = 0.0  # the most IO cost running while the probe ran
         self.io_costs = iocost.Costs()  # what each mind's turns write, as learnt
@@ -289,7 +295,9 @@ class AdaptiveLimit:
         if not self.enabled or not (running or waiting):
             self._deadline = None  # idle: no wakeups
             self._psi_mark = None
+            self._probe_quiet(now)
             return
+        self._quiet_probe = False  # work came while it ran: it is this reading's
         if self._deadline is None:
             self._deadline = now + self.interval
             self._psi_mark = self._psi_total(now)
@@ -460,6 +468,18 @@ class AdaptiveLimit:
 
     # -- the probe and PSI -------------------------------------------------------------
 
+    def _probe_quiet(self, now: float) -> None:
+        """A gate that has not measured its disk yet probes it once while nothing runs
+        or waits (at its start, as a rule), so that the baseline is the quiet disk's
+        and not what the first fan-out's first reading shows (core/adaptive.py's
+        learn_quiet). A gate started under load learns from that, as before."""
+        if self.probe is None or self._quiet_asked or self.controller.baseline_ms is not None:
+            return
+        self._quiet_asked = True
+        if not self.probe.in_flight:
+            self._start_probe(now)
+            self._quiet_probe = True
+
     def _start_probe(self, now: float) -> None:
         if self.probe is not None and not self.probe.in_flight:
             self._probe_running, self._probe_load = self.running, self.load
@@ -472,8 +492,12 @@ class AdaptiveLimit:
         result = self.probe.take()
         if isinstance(result, OSError):
             self._failure = f"the probe of {self.probe.path} failed: {result.strerror}"
+        elif result is not None and self._quiet_probe:
+            self.controller = adaptive.learn_quiet(self.controller, result)
         elif result is not None:
             self._latency = max(self._latency or 0.0, result)
+        if result is not None:
+            self._quiet_probe = False
 
     def _psi_total(self, now: float) -> tuple[int, float] | None:
         if self.psi_path is None and self._psi_lost is not None:
