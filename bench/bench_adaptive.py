@@ -5,10 +5,12 @@ with each static cap, with today's PSI hold, and with the adaptive limit.
 The rig is bench/replay_incident.py's (volute_testbed.slowdisk): a file-backed ext4 loop
 device throttled by a cgroup-v1 blkio limit, one per disk profile, with a throwaway
 systemd (systemd-nspawn) booted inside its blkio cgroup, so the gate, the launcher and
-every turn scope write to the throttled device. The gate's state directory
-(/var/lib/volute) is on the slow disk too, as on a Pi: its synced commits queue behind
-the turns' writes. The probe (volute_testbed.diskprobe), a 4 KiB synced write every
-200 ms on the same disk, stands in for sshd and journald.
+every turn scope write to the throttled device. The loop device's file is in RAM (a
+tmpfs of its own) by default, so that the throttle is the disk's only slowness;
+`--backing disk` puts it on the host's disk, whose own stalls then come through too.
+The gate's state directory (/var/lib/volute) is on the slow disk too, as on a Pi: its
+synced commits queue behind the turns' writes. The probe (volute_testbed.diskprobe), a
+4 KiB synced write every 200 ms on the same disk, stands in for sshd and journald.
 
 Disk profiles: sd (60 write IOPS, 2 MB/s), emmc (500 IOPS, 20 MB/s), unthrottled.
 
@@ -49,7 +51,7 @@ probe's latency over time, one line per run) in --out. The pictures need matplot
 
     .venv/bin/python bench/bench_adaptive.py [--profiles sd,emmc,unthrottled]
         [--workloads all-write,network,mixed,cpu] [--runs ungated,cap2,adaptive,...]
-        [--minds 16] [--repeats 3] [--out DIR] [--full] [--no-plots]
+        [--minds 16] [--repeats 3] [--out DIR] [--full] [--backing ram|disk] [--no-plots]
 
 A smoke run (a few minutes):
     .venv/bin/python bench/bench_adaptive.py --profiles sd --workloads network,all-write \
