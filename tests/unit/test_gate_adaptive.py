@@ -306,12 +306,19 @@ def test_a_gate_probes_its_quiet_disk_once_before_any_turn(
     probe = adaptive.probe
     started: list[float] = []
     real_start = probe.start
-    monkeypatch.setattr(probe, "start", lambda now: (started.append(now), real_start(now))[1])
+
+    def counted(now: float) -> None:
+        started.append(now)
+        real_start(now)
+
+    monkeypatch.setattr(probe, "start", counted)
     harness.gate.mark_dirty()  # an admission pass while idle
     harness.run_for(0.3)
     assert started == [] and not probe.in_flight
     assert adaptive.controller.baseline_ms is not None
-    assert adaptive.controller.baseline_ms <= max(baseline or 0.0, adaptive.last.latency_ms or 0.0)
+    last = adaptive.last
+    assert last is not None
+    assert adaptive.controller.baseline_ms <= max(baseline or 0.0, last.latency_ms or 0.0)
 
 
 def test_a_probe_that_fails_falls_back_to_the_start_value(
