@@ -60,65 +60,102 @@ def slow_disk(
     """
     if os.geteuid() != 0:
         raise SystemExit("the slow disk needs root (losetup, mount, blkio cgroups)")
-    work = Path(tempfile.mkdtemp(prefix=f"volute-{name}.", dir="/var/tmp"))
-    work.chmod(0o755)  # turns run as unprivileged users
-    ram = work / "ram"
-    image = (ram if in_ram else work) / "disk.img"
-    mount = work / "mnt"
-    device = ""
-    mounted = False
-    ram_mounted = False
-    cgroup: Path | None = None
-    entered = False
-    try:
-        if in_ram:
-            ram.mkdir()
-            options = f"size={size_mib + 16}m,mode=0700"
-            _run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(ram)])
-            ram_mounted = True
-        with image.open("wb") as handle:
-            handle.truncate(size_mib * 1024 * 1024)
-        device = _run(["losetup", "-f", "--show", str(image)]).stdout.strip()
-        _run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", device])
-        mount.mkdir()
-        _run(["mount", "-o", "noatime", device, str(mount)])
-        mounted = True
-        mount.chmod(0o1777)
+    with contextlib.ExitStack() as undo:  # each part undone, the last made first
+        work = undo.enter_context(
+            _directory(Path(tempfile.mkdtemp(prefix=f"volute-{name}.", dir="/var/tmp")))
+        )
+        work.chmod(0o755)  # turns run as unprivileged users
+        home = undo.enter_context(_tmpfs(work / "ram", size_mib + 16)) if in_ram else work
+        image = undo.enter_context(_image(home / "disk.img", size_mib))
+        device = undo.enter_context(_loop_device(image))
+        mount = undo.enter_context(_ext4(device, work / "mnt"))
         st = os.stat(device)
         majmin = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
-        if not (BLKIO / "blkio.throttle.write_iops_device").exists():
-            raise SystemExit(f"no cgroup-v1 blkio throttle at {BLKIO}: cannot slow the disk")
-        cgroup = BLKIO / f"volute-{name}-{os.getpid()}"
-        cgroup.mkdir()
-        _throttle(cgroup, majmin, iops, bps)
-        (cgroup / "cgroup.procs").write_text(str(os.getpid()))
-        entered = True
+        cgroup = undo.enter_context(
+            _blkio_cgroup(f"volute-{name}-{os.getpid()}", majmin, iops, bps)
+        )
         yield SlowDisk(device, majmin, mount, cgroup)
+
+
+@contextlib.contextmanager
+def _directory(path: Path) -> Iterator[Path]:
+    """A directory of the rig's, removed on the way out (once empty)."""
+    try:
+        yield path
     finally:
-        if entered:
-            with contextlib.suppress(OSError):
-                (BLKIO / "cgroup.procs").write_text(str(os.getpid()))
-        if cgroup is not None:
-            _remove_cgroup(cgroup)
-        if mounted:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, size_mib: int) -> Iterator[Path]:
+    """A tmpfs of the rig's own at `path`, for the loop device's file."""
+    path.mkdir()
+    with _directory(path):
+        _run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0700", "tmpfs", str(path)])
+        try:
+            yield path
+        finally:
+            subprocess.run(["umount", str(path)], capture_output=True)
+
+
+@contextlib.contextmanager
+def _image(path: Path, size_mib: int) -> Iterator[Path]:
+    """The loop device's (sparse) file, deleted on the way out."""
+    try:
+        with path.open("wb") as handle:
+            handle.truncate(size_mib * 1024 * 1024)
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+@contextlib.contextmanager
+def _loop_device(image: Path) -> Iterator[str]:
+    device = _run(["losetup", "-f", "--show", str(image)]).stdout.strip()
+    try:
+        yield device
+    finally:
+        subprocess.run(["losetup", "-d", device], capture_output=True)
+
+
+@contextlib.contextmanager
+def _ext4(device: str, mount: Path) -> Iterator[Path]:
+    """A fresh ext4 on `device`, mounted at `mount` (open to all, sticky)."""
+    _run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", device])
+    mount.mkdir()
+    with _directory(mount):
+        _run(["mount", "-o", "noatime", device, str(mount)])
+        try:
+            mount.chmod(0o1777)
+            yield mount
+        finally:
             for _ in range(50):
                 if subprocess.run(["umount", str(mount)], capture_output=True).returncode == 0:
                     break
                 time.sleep(0.2)
             else:
                 subprocess.run(["umount", "-l", str(mount)], capture_output=True)
-        if device:
-            subprocess.run(["losetup", "-d", device], capture_output=True)
-        with contextlib.suppress(OSError):
-            image.unlink()
-        if ram_mounted:
-            subprocess.run(["umount", str(ram)], capture_output=True)
-        with contextlib.suppress(OSError):
-            ram.rmdir()
-        with contextlib.suppress(OSError):
-            mount.rmdir()
-        with contextlib.suppress(OSError):
-            work.rmdir()
+
+
+@contextlib.contextmanager
+def _blkio_cgroup(name: str, majmin: str, iops: int, bps: int) -> Iterator[Path]:
+    """A blkio cgroup throttling `majmin`, with this process in it while inside."""
+    if not (BLKIO / "blkio.throttle.write_iops_device").exists():
+        raise SystemExit(f"no cgroup-v1 blkio throttle at {BLKIO}: cannot slow the disk")
+    cgroup = BLKIO / name
+    cgroup.mkdir()
+    try:
+        _throttle(cgroup, majmin, iops, bps)
+        (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            yield cgroup
+        finally:
+            with contextlib.suppress(OSError):
+                (BLKIO / "cgroup.procs").write_text(str(os.getpid()))
+    finally:
+        _remove_cgroup(cgroup)
 
 
 def _throttle(cgroup: Path, majmin: str, iops: int, bps: int) -> None:
