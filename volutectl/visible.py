@@ -14,7 +14,9 @@ writes the clipboard). `visible` shows them instead, as `systemctl` and `ls -b` 
   as `\\uNNNN`;
 - lone surrogates (U+D800-U+DFFF: a path's bytes that are not UTF-8, as Python decodes
   them, or a `\\udcNN` in JSON) as `\\uNNNN`: written out they would be those raw bytes
-  (0x9b is CSI to a terminal in 8-bit mode), or an encoding error.
+  (0x9b is CSI to a terminal in 8-bit mode), or an encoding error. (A journal field that
+  is not UTF-8 never gets here raw: `volutectl logs` decodes it with U+FFFD in place of
+  each invalid byte.)
 
 Left as they are: printable text of any script, and the format characters that neither
 move nor hide a line (zero-width joiners, soft hyphens). A backslash is left alone too,

@@ -134,3 +134,17 @@ def test_resume_shows_the_names_the_gate_sent_escaped(socket_dir: Path) -> None:
     [result] = run(socket_dir, [reply], ("resume", "--socket", "SOCKET"))
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"resumed {SHOWN}\n"
+
+
+def test_a_path_that_is_not_utf8_shows_escaped_rather_than_ending_the_command(
+    socket_dir: Path,
+) -> None:
+    """A member's directory named with bytes that are not UTF-8 reaches the client as a
+    lone surrogate (JSON's `\\udcff`): written out, it reached root's terminal as the
+    raw bytes (0x9b is CSI in 8-bit mode) under the C locale, and ended `status` with an
+    encoding error (70) under a UTF-8 one."""
+    watched = RepositoryStatus("/srv/bob/\udcff\udc9b", None, None, (), "permission denied")
+    reply = {"ok": True, "status": status(test_runs=(watched,)).to_wire()}
+    [text] = run(socket_dir, [reply], ("status", "--socket", "SOCKET"))
+    assert text.returncode == 0, text.stderr
+    assert r"cannot watch /srv/bob/\udcff\udc9b: permission denied" in text.stdout
