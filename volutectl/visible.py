@@ -33,14 +33,16 @@ import re
 
 # Shown by name, as C, systemd's cescape and `ls -b` do.
 NAMED = {"\a": "\\a", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\v": "\\v", "\f": "\\f", "\r": "\\r"}
-_OTHERS = (
+SHOWN = (
+    "\x00-\x1f"  # the C0 controls
     "\x7f-\x9f"  # DEL and the C1 controls
     "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"  # bidirectional controls
     "\u2028\u2029"  # line and paragraph separators
     "\ud800-\udfff"  # lone surrogates
 )
-_ALL = re.compile(f"[\x00-\x1f{_OTHERS}]")
-_BUT_NEWLINE = re.compile(f"[\x00-\x09\x0b-\x1f{_OTHERS}]")
+# Compiled when first used, not on import: compiling costs about 1 ms, and `volutectl
+# deliver` (whose errors come through here) prints nothing of others' unless it fails.
+_pattern: re.Pattern[str] | None = None
 
 
 def _form(match: re.Match[str]) -> str:
@@ -52,8 +54,15 @@ def _form(match: re.Match[str]) -> str:
     return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
 
 
+def _keep_newline(match: re.Match[str]) -> str:
+    return "\n" if match.group() == "\n" else _form(match)
+
+
 def visible(text: str, *, newlines: bool = False) -> str:
     """`text` with every control character shown as an escape (this module's docstring
     lists them). `newlines`: keep the newline as it is, for a caller that shows a text
     of several lines and marks each one itself (`volutectl logs` indents them)."""
-    return (_BUT_NEWLINE if newlines else _ALL).sub(_form, text)
+    global _pattern  # noqa: PLW0603 - compiled once, on first use
+    if _pattern is None:
+        _pattern = re.compile(f"[{SHOWN}]")
+    return _pattern.sub(_keep_newline if newlines else _form, text)
