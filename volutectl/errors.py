@@ -6,6 +6,8 @@ unavailable daemon from a bad config.
 
 from __future__ import annotations
 
+from volutectl.visible import visible
+
 EX_OK = 0
 EX_FAILURE = 1
 EX_USAGE = 64
@@ -73,9 +75,12 @@ class SystemdNoAnswer(SystemdError):
 
 
 def format_error(error: VoluteError) -> str:
-    text = f"volutectl: {error.message}"
+    """The error for a terminal: its line, and its hint on a second. Either may quote
+    others' text (a refusal the gate sent, a path, a turn's error), so their control
+    characters are shown, not obeyed (volutectl/visible.py)."""
+    text = f"volutectl: {visible(error.message)}"
     if error.hint:
-        text += f"\n  hint: {error.hint}"
+        text += f"\n  hint: {visible(error.hint)}"
     return text
 
 

@@ -5,6 +5,7 @@ fails to start with that reason (it used to run in / instead).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,9 +15,11 @@ from tests.unit.gate_harness import ME, Harness
 from volutectl import events
 from volutectl.cli.statusview import format_status
 from volutectl.config.settings import MindSettings
+from volutectl.gate import handlers, status
+from volutectl.gate.handlers import Caller
 from volutectl.launcher import preflight
 from volutectl.store.queue import Row
-from volutectl.wire.messages import StatusReply
+from volutectl.wire.messages import ConfigStatus, StatusReply, StatusRequest
 
 
 @pytest.fixture
@@ -117,3 +120,26 @@ def test_a_gate_killed_and_started_again_names_the_mind_again(
     (tmp_path / "gone").mkdir()
     harness.pump(lambda: row_of(harness, delivery).state == "done")
     assert (tmp_path / "pwd").read_text().strip() == f"{tmp_path}/gone"
+
+
+def test_a_client_sees_which_mind_fails_never_its_paths_an_admin_sees_all(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """Issue 29, finding 4's leak: a member's `status` named other minds' working
+    directories and commands, from a config it may not read."""
+    harness.gate.state.config = ConfigStatus(
+        loaded_at=1.0, refused=f"minds.lost.command: {tmp_path}/secret-tool", refused_at=2.0
+    )
+    member = Caller(64001, frozenset({"volute"}))
+    admin = Caller(64003, frozenset({"volute", "volute-admin"}))
+    seen = handlers.status_handler(harness.gate.state, StatusRequest(), member).status
+    wire = json.dumps(seen.to_wire())
+    assert str(tmp_path) not in wire and "pwd >" not in wire, wire
+    assert seen.preflight == {"lost": (status.WITHHELD,)}  # which mind, not why
+    assert seen.config is not None and seen.config.refused == status.WITHHELD
+    assert sorted(seen.minds) == ["home", "lost"]  # every mind's name and counts
+    whole = handlers.status_handler(harness.gate.state, StatusRequest(), admin).status
+    assert whole.preflight == {"lost": (f"working directory {tmp_path}/gone does not exist",)}
+    assert whole.config is not None and str(tmp_path) in str(whole.config.refused)
+    root = handlers.status_handler(harness.gate.state, StatusRequest(), Caller(0)).status
+    assert root.to_wire() == whole.to_wire()

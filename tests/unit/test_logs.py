@@ -227,6 +227,40 @@ def test_a_multi_line_message_prints_as_one_indented_entry() -> None:
     assert line == "- gate: one\n    two"
 
 
+# A turn's line that erases its own prefix and writes a gate line in its place, then
+# retitles the window and writes the clipboard (issue 29, finding 3).
+FORGED = "x\r\033[2K2099-01-01 00:00:00 gate: all is well\033]0;TITLE\007\033]52;c;ZXZpbA==\007"
+
+
+def test_a_turns_control_characters_are_shown_not_obeyed() -> None:
+    line = logs.format_line({"MESSAGE": f"{FORGED}\nnext\x9b2J\n", "__REALTIME_TIMESTAMP": "x"},
+                            "m/main turn 1")  # fmt: skip
+    assert line == (
+        r"- m/main turn 1: x\r\x1b[2K2099-01-01 00:00:00 gate: all is well"
+        r"\x1b]0;TITLE\a\x1b]52;c;ZXZpbA==\a"
+        "\n    next\\x9b2J"
+    )
+
+
+def test_logs_prints_no_control_character_of_a_turns_but_its_indented_newlines(
+    run: Run,
+) -> None:
+    run.journal.write_text(json.dumps([
+        start(1, "mimsy", 1, "chat"),
+        output(2, "mimsy", 1, FORGED),
+        output(3, "mimsy", 1, "bell\a and\ttab\nsecond line\u202eevil"),
+    ]))  # fmt: skip
+    for args in (("mimsy",), ("mimsy", "--turn", "1"), ("mimsy", "--follow")):
+        result = run(*args)
+        assert result.returncode == 0, result.stderr
+        bad = [
+            ch for ch in result.stdout if (ord(ch) < 32 and ch != "\n") or 0x7F <= ord(ch) < 0xA0
+        ]
+        assert bad == [] and "\u202e" not in result.stdout, (args, result.stdout)
+        assert r"mimsy/chat turn 1: x\r\x1b[2K2099-01-01" in result.stdout
+        assert "mimsy/chat turn 1: bell\\a and\\ttab\n    second line\\u202eevil" in result.stdout
+
+
 # -- the command --------------------------------------------------------------------------
 
 

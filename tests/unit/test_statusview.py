@@ -7,11 +7,16 @@ from volutectl.cli.statusview import format_status, table
 from volutectl.states import AdaptiveMode, Outcome
 from volutectl.wire.messages import (
     AdaptiveStatus,
+    ConfigStatus,
     MindStatus,
     PausedMind,
     PressureStatus,
+    RepositoryStatus,
     Status,
     TurnStatus,
+)
+from volutectl.wire.messages import (
+    TestRunStatus as RunStatus,  # not a pytest class
 )
 
 NOW = 1_800_000_000.0
@@ -182,3 +187,34 @@ def test_the_adaptive_limit_shows_its_mode_limit_bounds_and_last_move() -> None:
     )
     text = format_status(status(adaptive=static), now=NOW)
     assert "turns: 2 running of 2 (" in text and "adaptive limit: off" in text
+
+
+# What a member controls and root's `status` prints (issue 29, finding 4): a registered
+# path that erases the line and forges another, a worktree, a test run's command.
+HOSTILE = "/srv/x\r\033[2Kpreflight: all minds ok\033]0;owned\007\nqueue: 0 pending\x9b"
+
+
+def test_others_control_characters_reach_no_line_of_the_status() -> None:
+    run = RunStatus("volute-test-1.scope", HOSTILE, f"make {HOSTILE}", 3.0)
+    shown = format_status(
+        status(
+            test_runs=(
+                RepositoryStatus(HOSTILE, None, None, (), "no such file or directory"),
+                RepositoryStatus(HOSTILE, 1, 2, (run,), f"slot files past {HOSTILE}"),
+            ),
+            preflight={"whorl": (f"working directory {HOSTILE} is missing",)},
+            config=ConfigStatus(NOW - 60, refused=HOSTILE, refused_at=NOW - 5),
+        ),
+        now=NOW,
+    )
+    controls = [ch for ch in shown if (ord(ch) < 32 and ch != "\n") or 0x7F <= ord(ch) < 0xA0]
+    assert controls == [], shown
+    lines = shown.splitlines()
+    forged = r"/srv/x\r\x1b[2Kpreflight: all minds ok\x1b]0;owned\a\nqueue: 0 pending\x9b"
+    assert f"test slots: cannot watch {forged}: no such file or directory" in lines
+    assert f"  test run: {forged} `make {forged}` running 3.0s  (volute-test-1.scope)" in lines
+    assert (
+        f"preflight: mind whorl cannot start turns: working directory {forged} is missing" in lines
+    )
+    # The newline in the path made no line of its own: every line is one the view wrote.
+    assert not [line for line in lines if line.startswith("queue: 0 pending")]

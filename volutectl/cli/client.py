@@ -24,6 +24,7 @@ from volutectl.cli.statusview import format_status
 from volutectl.durations import format_duration
 from volutectl.errors import EX_DATAERR, EX_USAGE, UsageError, VoluteError
 from volutectl.states import QueueState
+from volutectl.visible import visible
 from volutectl.wire.messages import (
     MAX_WAIT_IDS,
     QUEUE_LIMIT,
@@ -109,7 +110,7 @@ def resume_command(minds: tuple[str, ...], socket: str | None, config_path: str 
     reply = call(ResumeRequest(minds or None), PauseReply, socket, config_path)
     if not minds:
         names = ["every mind" if mind == "*" else mind for mind in reply.changed]
-        click.echo(f"resumed {', '.join(names)}" if names else "nothing was paused")
+        click.echo(visible(f"resumed {', '.join(names)}") if names else "nothing was paused")
     for mind in minds:
         click.echo(f"resumed {mind}" if mind in reply.changed else f"{mind} was not paused")
 
@@ -216,9 +217,13 @@ def queue_list(
             extra += f" backing off (next try in {format_duration(row.not_before - time.time())})"
         error = f" last error: {row.last_error}" if row.last_error else ""
         sender = f" uid={row.uid}" if row.uid is not None else ""
+        # The mind, session and last error are others' text (the error may be a turn's):
+        # shown, not obeyed (volutectl/visible.py). --json carries them exact.
         click.echo(
-            f"{row.id:>6} {row.state:<8} {row.mind}/{row.session}{sender} "
-            f"attempts={row.attempts} {row.bytes}B{extra}{error}"
+            visible(
+                f"{row.id:>6} {row.state:<8} {row.mind}/{row.session}{sender} "
+                f"attempts={row.attempts} {row.bytes}B{extra}{error}"
+            )
         )
     if more:
         click.echo(more)

@@ -23,6 +23,7 @@ from volutectl.config.settings import load_settings as _load_settings
 from volutectl.config.sources import ENV_NESTED, ENV_PREFIX
 from volutectl.errors import EX_CONFIG, ConfigError, VoluteError
 from volutectl.launcher import preflight
+from volutectl.visible import visible
 from volutectl.wire.messages import ConfigStatus
 
 
@@ -32,6 +33,13 @@ def config_command() -> None:
 
     Precedence, lowest first: defaults, the TOML file, VOLUTE_SECTION__KEY variables.
     """
+
+
+def say(line: str) -> None:
+    """One line of `show` or `check`. It may quote what is not the caller's: a path in
+    the file, a preflight finding, a refusal the running gate sent. Shown, not obeyed
+    (volutectl/visible.py); `show --json` is exact."""
+    click.echo(visible(line))
 
 
 @config_command.command("show")
@@ -52,15 +60,15 @@ def show_command(config_path: str | None, as_json: bool) -> None:
         }
         click.echo(json.dumps(document, indent=2))
         return
-    click.echo(f"# {_file_line(loaded)}")
+    say(f"# {_file_line(loaded)}")
     announced: set[str] = set()
     for key, value in flat.items():
         mind = _mind_of(loaded.settings, key)
         if mind is not None and mind not in announced:
             announced.add(mind)
             sources = ", ".join(loaded.table_sources(f"minds.{mind}"))
-            click.echo(f"# [minds.{mind}] from {sources}")
-        click.echo(f"{key} = {_render(value)}  # {_source(loaded, key)}")
+            say(f"# [minds.{mind}] from {sources}")
+        say(f"{key} = {_render(value)}  # {_source(loaded, key)}")
 
 
 @config_command.command("check")
@@ -82,29 +90,29 @@ def check_command(config_path: str | None) -> None:
         loaded = _load_settings(config_path)
     except ConfigError:
         for note in gate:
-            click.echo(f"  note: {note}")
+            say(f"  note: {note}")
         raise  # its one line and hint are the verdict, last
     settings = loaded.settings
     for note in [*limits_notes(settings), *gate]:
-        click.echo(f"  note: {note}")
+        say(f"  note: {note}")
     reports = {report.mind: report for report in preflight.check_minds(settings)}
     for mind in settings.minds:
         sources = ", ".join(loaded.table_sources(f"minds.{mind}"))
         limit = settings.mind_limit(mind)
-        click.echo(f"  mind {mind}: from {sources} (at most {limit} turn(s) at once)")
+        say(f"  mind {mind}: from {sources} (at most {limit} turn(s) at once)")
         for problem in reports[mind].problems:
-            click.echo(f"    fail: {problem}")
+            say(f"    fail: {problem}")
         for warning in (*reports[mind].warnings, *inline_secret_warnings(settings, mind)):
-            click.echo(f"    warn: {warning}")
+            say(f"    warn: {warning}")
         for note in reports[mind].notes:
-            click.echo(f"    note: {note}")
+            say(f"    note: {note}")
     _warn(loaded, reports)
     failing = [mind for mind in settings.minds if reports[mind].problems]
     verdict = loaded.path if loaded.path is not None else _file_line(loaded)
     if not failing:
-        click.echo(f"ok: {verdict}")  # last: the verdict follows what it judged
+        say(f"ok: {verdict}")  # last: the verdict follows what it judged
         return
-    click.echo(f"fail: {verdict}")
+    say(f"fail: {verdict}")
     if len(failing) == 1:
         which = f"mind {failing[0]} fails preflight: its turns"
     else:

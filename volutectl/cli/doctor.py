@@ -9,6 +9,7 @@ import click
 
 from volutectl.cli.options import config_option
 from volutectl.host.doctor import exit_code, run_checks
+from volutectl.visible import visible
 
 
 @click.command("doctor")
@@ -27,5 +28,5 @@ def doctor_command(config_path: str | None, as_json: bool) -> int:
         click.echo(json.dumps(document, indent=2))
     else:
         for check in checks:
-            click.echo(check.line())
+            click.echo(visible(check.line()))  # paths, users, preflight's words: shown
     return code

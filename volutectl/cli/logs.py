@@ -51,6 +51,7 @@ from volutectl.errors import (
     VoluteError,
 )
 from volutectl.events import MESSAGE_IDS, Event
+from volutectl.visible import visible
 
 # pydantic only when the command runs, not for a TAB (volutectl.cli.completion).
 if TYPE_CHECKING:
@@ -224,11 +225,17 @@ class Turns:
 
 
 def format_line(entry: Mapping[str, Any], source: str) -> str:
+    """One entry as a line: its time, who wrote it, and its message, with every control
+    character shown (volutectl/visible.py) but the newlines, after which each line of
+    the message is indented. A turn's output is the turn's to write: a `\\r\\033[2K`
+    in it must not erase the `mind/session turn N:` that says whose it is, under a
+    terminal or in a file that a terminal shows later."""
     usec = field_text(entry.get("__REALTIME_TIMESTAMP"))
     when = time.localtime(int(usec) / 1e6) if usec.isdigit() else None
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", when) if when else "-"
-    message = field_text(entry.get("MESSAGE")).rstrip("\n").replace("\n", "\n    ")
-    return f"{stamp} {source}: {message}"
+    message = visible(field_text(entry.get("MESSAGE")).rstrip("\n"), newlines=True)
+    indented = message.replace("\n", "\n    ")
+    return f"{stamp} {visible(source)}: {indented}"
 
 
 def source_of(entry: Mapping[str, Any], turns: Turns) -> str | None:
@@ -458,7 +465,8 @@ def show_logs(
         if session is None and not query(journalctl_argv(journalctl, matches[:1], lines=1), None):
             raise never_ran(journalctl, turns, turn_id)
         unit = names.turn_scope_name(mind, turn_id)
-        click.echo(f"-- turn {turn_id} of {mind}, session {session or '?'} ({unit})")
+        shown = visible(f"-- turn {turn_id} of {mind}, session {session or '?'} ({unit})")
+        click.echo(shown)
     if not follow:
         stream = entries(journalctl_argv(journalctl, matches, since=since))
         print_entries(stream, journalctl, turns, turn_id=turn_id, follow=False)

@@ -19,6 +19,7 @@ import click
 
 from volutectl.cli.deliver import socket_path
 from volutectl.errors import EX_TEMPFAIL, ConfigError, VoluteError
+from volutectl.visible import visible
 from volutectl.wire import messages, protocol
 from volutectl.wire.messages import StatusReply, StatusRequest
 
@@ -47,7 +48,7 @@ def reload_gate_command(pid: int) -> None:
     if config is not None and config.needs_restart:
         click.echo(
             "volutectl: warning: these keys need `systemctl restart volute-gate` to apply: "
-            + ", ".join(config.needs_restart),
+            + visible(", ".join(config.needs_restart)),
             err=True,
         )
 

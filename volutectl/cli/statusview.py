@@ -4,6 +4,11 @@ A row per mind that has something to show: a running turn, pending or dead deliv
 or a pause. Idle minds are counted in one line instead (30 idle minds would bury the
 few that matter); `--all` lists every mind. `volutectl status --json` carries every
 configured mind either way. Durations are volutectl/durations.py's one format.
+
+Much of it is others' text: repository paths and worktrees a member registered, test
+runs' commands, a refused config's error. Each line goes out with its control
+characters shown (volutectl/visible.py), so none can erase, retitle or forge a line of
+root's terminal; `--json` carries them exact, in JSON's own escapes.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Sequence
 from volutectl.core.slotmath import CONFIG_KEY, GIT_CONFIG_KEY
 from volutectl.durations import format_duration
 from volutectl.states import AdaptiveMode
+from volutectl.visible import visible
 from volutectl.wire.messages import (
     AdaptiveStatus,
     ConfigStatus,
@@ -43,8 +49,8 @@ def _row(name: str, mind: MindStatus, running: dict[str, list[str]], now: float)
         last = f"{mind.last_turn_id} {outcome}, {_age(mind.last_turn_s)} ago"
     paused = "-" if mind.paused_since is None else _age(now - mind.paused_since)
     return [
-        name,
-        ", ".join(running.get(name, [])) or "-",
+        visible(name),
+        visible(", ".join(running.get(name, [])) or "-"),
         str(mind.pending),
         str(mind.attempts),
         _age(mind.next_retry_s),
@@ -93,7 +99,7 @@ def format_status(status: Status, *, every_mind: bool = False, now: float | None
     idle = len(status.minds) - len(shown)
     if idle:
         lines.append(f"({idle} idle mind{'s' if idle != 1 else ''} not shown: --all shows them)")
-    return "\n".join(lines + [""] + _totals(status, now))
+    return "\n".join(visible(line) for line in lines + [""] + _totals(status, now))
 
 
 def _adaptive(adaptive: AdaptiveStatus) -> str:

@@ -16,6 +16,7 @@ import time
 from volutectl.durations import format_duration
 from volutectl.errors import EX_TEMPFAIL, VoluteError
 from volutectl.states import Outcome
+from volutectl.visible import visible
 from volutectl.wire import messages, protocol
 from volutectl.wire.messages import (
     AttemptFailed,
@@ -163,14 +164,15 @@ def report(event: Event) -> None:
             )
     elif isinstance(event, DeliveryDead):
         how = f" after turn {event.turn_id} {event.outcome}" if event.turn_id else ""
-        print(f"volutectl: delivery {event.id} is dead{how}: {event.error}", file=sys.stderr)
+        error = visible(event.error)  # a turn's or the launcher's words: shown, not obeyed
+        print(f"volutectl: delivery {event.id} is dead{how}: {error}", file=sys.stderr)
     else:
         print(f"volutectl: delivery {event.id} was dropped", file=sys.stderr)
 
 
 def report_attempt(attempt: AttemptFailed, now: float | None = None) -> None:
     """Say on stderr that an attempt failed and when the next one comes."""
-    print(f"volutectl: {describe_attempt(attempt, now)}", file=sys.stderr, flush=True)
+    print(f"volutectl: {visible(describe_attempt(attempt, now))}", file=sys.stderr, flush=True)
 
 
 def describe_attempt(attempt: AttemptFailed, now: float | None = None) -> str:

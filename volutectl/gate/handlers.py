@@ -86,7 +86,7 @@ class Caller:
 
 def status_handler(state: GateState, request: StatusRequest, caller: Caller) -> StatusReply:
     state.liveness.recount(known_foreign=state.foreign_live)  # settles what ended
-    return StatusReply(status.build(state))
+    return StatusReply(status.seen_by(status.build(state), caller.role))
 
 
 def queue_handler(state: GateState, request: QueueRequest, caller: Caller) -> QueueReply:

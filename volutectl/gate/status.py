@@ -5,6 +5,14 @@ Live turns are counted as admission counts them (scopes that hold a process), by
 status handler just before `build` (volutectl/gate/liveness.py's `recount`: counting can
 settle a turn that ended); if systemd does not answer, the status says what the gate
 last knew rather than failing. `build` itself only reads.
+
+What a client sees of it (`seen_by`): every mind's name and counts, its running
+sessions, the test runs (systemd shows their scopes to any user anyway); never a mind's
+command, working directory, user or environment file, which preflight's findings and a
+refused config's error quote from the config a client may not read. A client owns no
+mind: a mind's user is kept out of group `volute` (README, "Minds apart"), so no client
+is any mind's, and every mind is another's. An admin (root or `volute-admin`), who may
+read the config, sees everything.
 """
 
 from __future__ import annotations
@@ -12,8 +20,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from volutectl import roles
 from volutectl.core import admission
 from volutectl.errors import VoluteError
 from volutectl.launcher import preflight
@@ -73,6 +82,30 @@ def build(state: GateState) -> Status:
         backing_off=len(state.store.index.backing_off(now)),
         config=state.config,
     )
+
+
+# What a client reads in place of a mind's preflight findings and a refused config's
+# error: both quote the config (commands, paths, users), which is an admin's to read.
+WITHHELD = "withheld: an admin (root or group volute-admin) sees why"
+
+
+def seen_by(built: Status, role: roles.Role) -> Status:
+    """The status as `role` may see it: whole for an admin; for a client, each failing
+    mind named with WITHHELD for its findings, and a refused reload with WITHHELD for its
+    error (the module's docstring says why)."""
+    if role is roles.Role.ADMIN:
+        return built
+    changes: dict[str, Any] = {"preflight": {mind: (WITHHELD,) for mind in built.preflight}}
+    config = built.config
+    if config is not None and config.refused is not None:
+        changes["config"] = ConfigStatus(
+            loaded_at=config.loaded_at,
+            refused=WITHHELD,
+            refused_at=config.refused_at,
+            needs_restart=config.needs_restart,
+        )
+    fields = {name: getattr(built, name) for name in Status.FIELDS}
+    return Status(**{**fields, **changes})
 
 
 def _minds(

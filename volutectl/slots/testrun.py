@@ -31,6 +31,7 @@ from volutectl.errors import PermissionDeniedError, SystemdError
 from volutectl.kernel import pathwalk, processes
 from volutectl.slots import slotfiles
 from volutectl.slots.scopes import connect_manager, list_in_flight, one_line, scope_properties
+from volutectl.visible import visible
 from volutectl.wire.messages import RegisterRepoRequest
 
 if TYPE_CHECKING:
@@ -42,7 +43,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def notice(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+    """A line on stderr. It may name other users' test runs (their worktrees and
+    commands, from their scopes' descriptions): shown, not obeyed (volutectl/visible.py)."""
+    print(visible(text), file=sys.stderr, flush=True)
 
 
 @dataclass
