@@ -264,6 +264,7 @@ class Turns:
                 self.systemd_silent = True  # the gate starts nothing more for a second
             elif isinstance(effect, lifecycle.FailDeliveries):
                 self.store.end_turn(turn.id, Outcome.START_FAILED, None, error, time.time())
+                crash_point("start_failure_recorded")
                 self.fail(taken, error)
             else:
                 self._carry_out(turn, effect)
