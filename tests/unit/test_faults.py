@@ -10,14 +10,17 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.unit.fake_gate import remove_tree, short_socket_dir
-from tests.unit.gate_harness import ME
+from tests.unit.gate_harness import ME, Harness
 from volute_testbed.gate import gate_config
-from volutectl import faults
+from volutectl import events, faults, names
+from volutectl.states import Outcome, QueueState
+from volutectl.store.queue import NewDelivery, Store
 from volutectl.wire import protocol
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,9 +66,7 @@ class GateRun:
     environment: it SIGKILLs itself there, once (VOLUTE_CRASH_ONCE), as the service's
     cgroup would die. `minds` is the config's [minds] tables, as TOML."""
 
-    def __init__(
-        self, tmp_path: Path, crash_at: str, minds: str, **gate: object
-    ) -> None:
+    def __init__(self, tmp_path: Path, crash_at: str, minds: str, **gate: object) -> None:
         self.dir = short_socket_dir()
         self.socket = self.dir / "gate.sock"
         self.database = tmp_path / "state" / "queue.sqlite3"
@@ -126,14 +127,14 @@ class GateRun:
         remove_tree(self.dir)
 
 
-def stored(database: Path, delivery_id: int) -> tuple[dict[str, object], dict[str, object]]:
-    """A delivery's row and its turn's, read from the database as it is on disk."""
+def stored(database: Path, delivery_id: int) -> tuple[dict[str, object], list[dict[str, object]]]:
+    """A delivery's row, and every turn's, read from the database as it is on disk."""
     db = sqlite3.connect(database)
     db.row_factory = sqlite3.Row
     try:
         row = db.execute("SELECT * FROM deliveries WHERE id = ?", (delivery_id,)).fetchone()
-        turn = db.execute("SELECT * FROM turns WHERE id = ?", (row["turn_id"],)).fetchone()
-        return dict(row), dict(turn) if turn is not None else {}
+        turns = db.execute("SELECT * FROM turns ORDER BY id").fetchall()
+        return dict(row), [dict(turn) for turn in turns]
     finally:
         db.close()
 
@@ -156,10 +157,78 @@ def test_a_gate_killed_as_a_failed_start_settles_leaves_no_delivery_running(
         assert first.wait(timeout=30) == -signal.SIGKILL, run.stderr()
         assert (tmp_path / "crashed").exists()  # it died at the point, not elsewhere
         second = run.start()  # it has crashed there once: this one runs on
-        row, turn = stored(run.database, delivery)
+        row, [turn] = stored(run.database, delivery)
         assert (turn["state"], turn["outcome"]) == ("ended", "start_failed")
         assert (row["state"], row["attempts"]) == ("pending", 1), row
         assert row["last_error"] == f"working directory {gone} does not exist"
         assert second.poll() is None
     finally:
         run.close()
+
+
+def strand(
+    store: Store, message: bytes, outcome: Outcome | None, exit_status: int | None
+) -> tuple[int, int]:
+    """A delivery left running under a turn that is closed (ended with `outcome`), or
+    under no turn at all (None: its turn's row is gone), as the old window left it."""
+    session = message.decode()  # a session each: a backoff holds back its session's next
+    [delivery] = store.add_deliveries([NewDelivery("m", session, message, uid=4242)])
+    assert isinstance(delivery, int)
+    turn, _ = store.start_turn(
+        "m", session, lambda t: names.turn_scope_name("m", t), [delivery], time.time()
+    )
+    # What the old window's first commit did (Store.end_turn, gone since), or worse.
+    with store._tx():
+        if outcome is None:
+            store.db.execute("DELETE FROM turns WHERE id = ?", (turn,))
+        else:
+            store.db.execute(
+                "UPDATE turns SET state = 'ended', outcome = ?, exit_status = ?, detail = ?, "
+                "ended_at = ? WHERE id = ?",
+                (outcome, exit_status, f"{outcome} detail", time.time(), turn),
+            )
+    return delivery, turn
+
+
+def test_a_gate_starting_settles_each_row_left_running_under_a_closed_turn(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    """A database a gate of before left with rows `running` under turns that are not
+    open: the next gate settles each one at its start by its turn's recorded outcome, as
+    that turn's settlement would have (a failed start or a failed turn: one attempt;
+    carried: done), or, with no turn to say, as a turn that never ran (no attempt)."""
+    hour = 3600.0
+    harness = Harness(tmp_path, start=False, minds={"m": "true"}, max_attempts=3,
+                      backoff_initial_seconds=hour, backoff_max_seconds=hour)  # fmt: skip
+    harnesses.append(harness)
+    store = Store(harness.settings.gate.state_dir / "queue.sqlite3")
+    failed_start, failed_start_turn = strand(store, b"a", Outcome.START_FAILED, None)
+    failed, failed_turn = strand(store, b"b", Outcome.FAILED, 3)
+    carried, _ = strand(store, b"c", Outcome.OK, 0)
+    orphan, _ = strand(store, b"d", None, None)
+    store.close()
+    harness.restart()
+    gate_store = harness.gate.state.store
+    rows = {row.id: row for row in gate_store.rows([failed_start, failed, carried, orphan])}
+    states = {key: (row.state, row.attempts) for key, row in rows.items()}
+    assert states == {
+        failed_start: (QueueState.PENDING, 1),
+        failed: (QueueState.PENDING, 1),
+        carried: (QueueState.DONE, 0),
+        orphan: (QueueState.PENDING, 0),
+    }
+    assert rows[failed_start].last_error == f"turn {failed_start_turn} start_failed detail"
+    assert rows[failed].last_error == f"turn {failed_turn} failed detail"
+    # The index and the quota sums moved with the commit: admission sees the three
+    # pending rows, and the done one no longer counts against its sender.
+    assert set(gate_store.index.rows) == {failed_start, failed, orphan}
+    assert gate_store.usages.of(4242).deliveries == 3
+    settled = harness.journal.of(events.StrandedDeliverySettled)
+    assert {(e.delivery_id, e.outcome, e.state) for e in settled} == {
+        (failed_start, Outcome.START_FAILED, QueueState.PENDING),
+        (failed, Outcome.FAILED, QueueState.PENDING),
+        (carried, Outcome.OK, QueueState.DONE),
+        (orphan, Outcome.NEVER_RAN, QueueState.PENDING),
+    }
+    # The one with no attempt runs (once); the others wait out their backoff.
+    harness.pump(lambda: gate_store.row(orphan).state == QueueState.DONE)  # type: ignore[union-attr]
