@@ -19,6 +19,7 @@ from tests.unit.fake_gate import remove_tree, short_socket_dir
 from tests.unit.gate_harness import ME, Harness
 from volute_testbed.gate import gate_config
 from volutectl import events, faults, names
+from volutectl.config.settings import MindSettings
 from volutectl.states import Outcome, QueueState
 from volutectl.store.queue import NewDelivery, Store
 from volutectl.wire import protocol
@@ -238,3 +239,45 @@ def test_a_gate_starting_settles_each_row_left_running_under_a_closed_turn(
 
     harness.pump(ran)
     assert [r.state for r in gate_store.rows([failed_start, failed])] == [QueueState.PENDING] * 2
+
+
+def test_a_failed_start_whose_commit_the_disk_refuses_leaves_nothing_running(
+    tmp_path: Path, harnesses: list[Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failed start's one commit refused (a full disk): nothing of it happened, so the
+    turn keeps its place as one whose start is unknown, until systemd's word settles it
+    (never ran: no attempt). It used to be dropped by the gate with its delivery
+    `running` under a turn that was still open in the store, until the next restart."""
+    hour = 3600.0
+    harness = Harness(tmp_path, start=False, backoff_initial_seconds=hour, backoff_max_seconds=hour)
+    lost = MindSettings(command="true", user=ME, working_directory=tmp_path / "gone")
+    harness.settings = harness.settings.model_copy(update={"minds": {"lost": lost}})
+    harness.restart()
+    harnesses.append(harness)
+    store = harness.gate.state.store
+    real = store.settle_turn
+    refused: list[int] = []
+
+    def full_disk(turn_id: int, **kwargs: object) -> None:
+        if not refused:
+            refused.append(turn_id)
+            raise sqlite3.OperationalError("database or disk is full")
+        real(turn_id, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store, "settle_turn", full_disk)
+    delivery = harness.deliver_ok(mind="lost")
+    harness.pump(lambda: bool(refused))
+    assert [turn.id for turn in harness.gate.state.turns.all()] == refused  # it holds its place
+
+    def failed_once() -> bool:
+        row = store.row(delivery)
+        return row is not None and row.attempts == 1
+
+    harness.pump(failed_once)  # settled as never run, started again, failed and settled
+    row = store.row(delivery)
+    assert row is not None and row.state is QueueState.PENDING
+    first, second = (store.turn(refused[0]), store.turn(refused[0] + 1))
+    assert first is not None and (first.state, first.outcome) == ("ended", "never_ran")
+    assert second is not None and (second.state, second.outcome) == ("ended", "start_failed")
+    assert harness.gate.state.turns.all() == []
+    assert [e.turn_id for e in harness.journal.of(events.TurnNotSettled)] == refused

@@ -247,7 +247,23 @@ class Turns:
     ) -> None:
         """Step a starting turn by how its start went, and carry out the effects: those
         of a turn that never ran settle `taken`, its deliveries, with `error`."""
-        turn.state, effects = lifecycle.step(turn.state, event)
+        starting = turn.state
+        turn.state, effects = lifecycle.step(starting, event)
+        try:
+            self._start_effects(turn, effects, taken, error)
+        except sqlite3.Error as refused:
+            # The settlement's one commit failed (a full disk): nothing of it happened,
+            # and its rows are running under a turn the store holds open. The turn keeps
+            # its place as one whose start is unknown, until systemd's word settles it
+            # (as never run: no attempt), as a gate restarted now would.
+            self.journal.emit(events.TurnNotSettled(**events.turn_fields(turn), error=str(refused)))
+            turn.state, effects = lifecycle.step(starting, lifecycle.LauncherLost(now=time.time()))
+            for effect in effects:
+                self._carry_out(turn, effect)
+
+    def _start_effects(
+        self, turn: Turn, effects: Iterable[lifecycle.Effect], taken: list[Row], error: str
+    ) -> None:
         for effect in effects:
             if isinstance(effect, lifecycle.ReturnDeliveries):
                 self.store.settle_turn(
