@@ -21,6 +21,7 @@ from volute_testbed.gate import gate_config
 from volutectl import events, faults, names
 from volutectl.config.settings import MindSettings
 from volutectl.states import Outcome, QueueState
+from volutectl.store.indexed import IndexedStore
 from volutectl.store.queue import NewDelivery, Store
 from volutectl.wire import protocol
 
@@ -239,6 +240,27 @@ def test_a_gate_starting_settles_each_row_left_running_under_a_closed_turn(
 
     harness.pump(ran)
     assert [r.state for r in gate_store.rows([failed_start, failed])] == [QueueState.PENDING] * 2
+
+
+def test_a_gate_whose_disk_refuses_to_settle_stranded_rows_starts_all_the_same(
+    tmp_path: Path, harnesses: list[Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    harness = Harness(tmp_path, start=False, minds={"m": "true"})
+    harnesses.append(harness)
+    store = Store(harness.settings.gate.state_dir / "queue.sqlite3")
+    stranded, turn = strand(store, b"a", Outcome.START_FAILED, None)
+    store.close()
+
+    def full_disk(self: IndexedStore, **kwargs: object) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(IndexedStore, "settle_rows", full_disk)
+    harness.restart()  # does not raise: a gate that cannot settle them still serves
+    row = harness.gate.state.store.row(stranded)
+    assert row is not None and row.state is QueueState.RUNNING  # left for the next start
+    [said] = harness.journal.of(events.HandlingFailed)
+    assert f"turn {turn}" in said.what and "disk is full" in said.error
+    assert harness.connect().request({"op": "ping"}) == {"v": 1, "ok": True}
 
 
 def test_a_failed_start_whose_commit_the_disk_refuses_leaves_nothing_running(

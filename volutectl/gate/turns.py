@@ -559,7 +559,8 @@ class Turns:
         `running` under a turn that is not open (or under none), which no turn will
         settle. Only a gate that died between a turn's end and its rows' settlement, two
         commits before issue 29, leaves one. Each turn's rows settle in one commit, by its
-        recorded outcome (admission.stranded_outcome); each row is journalled."""
+        recorded outcome (admission.stranded_outcome); each row is journalled. A commit
+        the disk refuses is said, and left for the next start: the gate starts anyway."""
         by_turn: dict[int | None, list[Row]] = {}
         records: dict[int | None, TurnRow | None] = {}
         for row, record in self.store.stranded():
@@ -575,7 +576,11 @@ class Turns:
                 interrupted=record is not None and record.interrupted,
                 timed_out=record is not None and record.timed_out_at is not None,
             )
-            self._settle_stranded(turn_id, rows, outcome)
+            try:
+                self._settle_stranded(turn_id, rows, outcome)
+            except sqlite3.Error as error:
+                what = f"the deliveries left running under turn {turn_id}"
+                self.journal.emit(events.HandlingFailed(what=what, error=str(error)))
 
     def _settle_stranded(
         self, turn_id: int | None, rows: list[Row], outcome: admission.TurnOutcome
