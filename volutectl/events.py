@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar, Literal, Protocol, TypedDict
 
-from volutectl.states import HoldReason, Outcome
+from volutectl.states import HoldReason, Outcome, QueueState
 
 Level = Literal["error", "warning", "notice", "info", "debug"]
 LEVELS: Mapping[str, Level] = {
@@ -44,6 +44,7 @@ class Event(StrEnum):
     END = "end"
     TIMEOUT = "timeout"
     DEAD = "dead"
+    STRANDED = "stranded"
     ADOPT = "adopt"
     EMPTY_SCOPE = "empty_scope"
     NOT_OFFERED = "not_offered"
@@ -90,6 +91,7 @@ MESSAGE_IDS: Mapping[Event, str] = {
     Event.END: "3fa69a5f83114162ae608c873d89156c",
     Event.TIMEOUT: "98f69cfd2dde4ff081cf73a80c7cbaa7",
     Event.DEAD: "69b9ac8362694fa49b471479c58a75bf",
+    Event.STRANDED: "b3f463b249d9486aa4da49845f154797",
     Event.NOT_OFFERED: "2d4a2e048a0a49818ddec92b327e95c8",
     Event.NOT_STORED: "82e7dbea24134bdbaa0565787567d3d5",
     Event.IO_PRESSURE_ON: "9d11c5f578ba49e9a4cc7dee44bbd236",
@@ -287,6 +289,27 @@ class DeliveryDied(DeliveryEvent):
 
     def text(self) -> str:
         return f"is dead after {self.attempts} attempts: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrandedDeliverySettled(DeliveryEvent):
+    """At the gate's start, a delivery found `running` under a turn that is not open (a
+    gate died between its turn's end and its settlement, two commits before issue 29):
+    settled now by that turn's recorded outcome."""
+
+    LEVEL = "warning"
+    EVENT = Event.STRANDED
+    turn_id: int | None
+    outcome: Outcome
+    state: QueueState = field(metadata=NOT_SENT)
+    attempts: int = field(metadata=NOT_SENT)
+
+    def text(self) -> str:
+        turn = "no turn on record" if self.turn_id is None else f"turn {self.turn_id}, ended"
+        return (
+            f"was left running under {turn}; settled as {self.outcome}: "
+            f"now {self.state} after {self.attempts} attempts"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

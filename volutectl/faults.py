@@ -11,8 +11,9 @@ that is one comparison against None. A test arms one point:
 - in-process, with `arm(NAME)`: reaching NAME raises SimulatedCrash, which no code of
   the gate catches; the test then drops that Gate object and opens a new one.
 
-The points, in the order a turn meets them, are listed in POINTS; those of the queue's
-upkeep (retention, the VACUUM of schema 4) in STORAGE_POINTS.
+The points, in the order a turn meets them, are listed in POINTS; the one of a turn
+whose start failed in FAILED_START_POINTS; those of the queue's upkeep (retention, the
+VACUUM of schema 4) in STORAGE_POINTS.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ POINTS = (
     "fold_committed",  # a fold committed; the inbox file not yet written
     "inbox_written",  # the inbox file written (offered)
     "settled",  # a turn's outcome committed; its directory not yet removed
+)
+# A turn whose start failed (its hands say the command never ran): a path of its own,
+# which a turn that starts never meets.
+FAILED_START_POINTS = (
+    "start_failure_recorded",  # the failed start recorded in the store; no waiter told yet
 )
 # The queue's upkeep, outside any turn (volutectl/store/retention.py,
 # volutectl/store/schema.py).
@@ -55,7 +61,7 @@ _in_process = False
 def arm(point: str | None) -> None:
     """Arm one point in-process (None disarms): reaching it raises SimulatedCrash."""
     global _armed, _in_process
-    known = POINTS + STORAGE_POINTS
+    known = POINTS + FAILED_START_POINTS + STORAGE_POINTS
     if point is not None and point not in known:
         raise ValueError(f"unknown crash point {point!r}; known: {', '.join(known)}")
     _armed, _in_process = point, point is not None

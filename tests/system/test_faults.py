@@ -98,6 +98,76 @@ def test_a_sigkill_of_the_gates_cgroup_at_each_step_loses_nothing(
     assert machine.run(["ls", "/run/volute/turns"]).stdout.split() == []
 
 
+def test_a_sigkill_as_a_failed_start_settles_leaves_no_delivery_running(
+    machine: Machine,
+) -> None:
+    """Issue 29, finding 6: a start that failed ended its turn in one commit and counted
+    its deliveries' attempt in another; the gate's whole cgroup SIGKILLed between the
+    two left the row `running` under a closed turn, for ever. One commit now."""
+    hour = 3600.0  # the retry waits: what the test reads is the first attempt's
+    fast_restarts(machine, VOLUTE_CRASH_AT="start_failure_recorded", VOLUTE_CRASH_ONCE=CRASHED)
+    config = gate_config(
+        {"lost": "true"},
+        gate={"max_attempts": 3, "backoff_initial_seconds": hour, "backoff_max_seconds": hour},
+    )
+    start_gate(machine, config + 'working_directory = "/nowhere"\n')  # the last mind's
+    first = gate_pid(machine)
+    delivery = deliver(machine, "lost", "m")
+    wait_for(lambda: machine.host_path(CRASHED).exists(), timeout=30)
+    assert wait_gate_up(machine) != first  # it really died there, and came back
+    [row] = queue_rows(machine, "pending", "running", "dead")
+    assert (row["id"], row["state"], row["attempts"]) == (delivery, "pending", 1), row
+    assert "/nowhere" in str(row["last_error"]), row
+    [end] = gate_events(machine, "VOLUTE_EVENT=end", "VOLUTE_OUTCOME=start_failed")
+    assert end["VOLUTE_MIND"] == "lost"
+    # Settled, so an admin can drop it (a running row cannot be dropped).
+    dropped = machine.run([VOLUTECTL, "queue", "drop", str(delivery)], check=False)
+    assert dropped.returncode == 0, dropped.stderr
+    assert queue_rows(machine, "pending", "running", "dead") == []
+
+
+STRANDED = """
+import time
+from pathlib import Path
+from volutectl import names
+from volutectl.store.queue import NewDelivery, Store
+
+# What a gate of before issue 29 left when killed in a failed start's window: the turn
+# ended (start_failed) in one commit, its delivery still running, its attempt never counted.
+store = Store(Path("/var/lib/volute/queue.sqlite3"))
+[delivery] = store.add_deliveries([NewDelivery("m", "s", b"stranded", uid=0)])
+turn, _ = store.start_turn("m", "s", lambda t: names.turn_scope_name("m", t), [delivery],
+                           time.time())
+with store._tx():
+    store.db.execute(
+        "UPDATE turns SET state = 'ended', outcome = 'start_failed', detail = 'no such user', "
+        "ended_at = ? WHERE id = ?", (time.time(), turn))
+store.close()
+print(delivery, turn)
+"""
+
+
+def test_a_gate_settles_at_its_start_a_delivery_left_running_under_a_closed_turn(
+    machine: Machine,
+) -> None:
+    """A store that a gate of before issue 29 left in the failed start's window: the next
+    gate counts the attempt the dead one never did, runs the delivery once, and says so."""
+    install_probe(machine)
+    start_gate(machine, gate_config({"m": "turn-probe 0.2"}, gate=FAST_RETRIES))
+    machine.run(["systemctl", "stop", "volute-gate.service"])
+    out = machine.run([PYTHON, "-c", STRANDED], env={"PYTHONPATH": str(CHECKOUT)}).stdout
+    delivery, turn = map(int, out.split())
+    machine.run(["systemctl", "start", "volute-gate.service"])
+    wait_for(lambda: all_settled(machine), timeout=30, interval=0.2)
+
+    assert_exactly_once(turn_log(machine), [delivery])
+    [row] = queue_rows(machine, "done")
+    assert row["attempts"] == 1  # the failed start's, counted by the new gate
+    [said] = gate_events(machine, "VOLUTE_EVENT=stranded")
+    assert (said["VOLUTE_DELIVERY_ID"], said["VOLUTE_TURN_ID"]) == (str(delivery), str(turn))
+    assert said["VOLUTE_OUTCOME"] == "start_failed" and said["PRIORITY"] == "4"
+
+
 WEDGE = """
 import os, sys, time
 from pathlib import Path

@@ -480,6 +480,39 @@ def test_turn_outcome_table(
 
 
 @pytest.mark.parametrize(
+    ("recorded", "released", "timed_out", "kind", "carried", "failed"),
+    [
+        (Outcome.START_FAILED, False, False, "start_failed", False, True),  # issue 29's window
+        (Outcome.OK, True, False, "ok", True, False),
+        (Outcome.INTERRUPTED, True, False, "interrupted", True, False),
+        (Outcome.TIMEOUT, True, True, "timeout", False, True),
+        (Outcome.NEVER_RAN, False, False, "never_ran", False, False),
+        (None, False, False, "never_ran", False, False),  # no turn on record: no attempt
+        (None, True, False, "failed", False, True),  # released, no outcome: as after a crash
+        (None, True, True, "timeout", False, True),
+    ],
+)
+def test_a_row_stranded_under_a_closed_turn_settles_by_the_turns_recorded_outcome(
+    recorded: Outcome | None,
+    released: bool,
+    timed_out: bool,
+    kind: str,
+    carried: bool,
+    failed: bool,
+) -> None:
+    outcome = admission.stranded_outcome(
+        recorded,
+        exit_status=None,
+        detail=None,
+        released=released,
+        interrupted=False,
+        timed_out=timed_out,
+    )
+    assert (outcome.kind, outcome.kind.carried, outcome.kind.failed) == (kind, carried, failed)
+    assert outcome.detail
+
+
+@pytest.mark.parametrize(
     ("exit_status", "code"), [(0, 0), (3, 3), (255, 255), (256, 1), (-2, 1), (None, 1)]
 )
 def test_wait_exit_code(exit_status: int | None, code: int) -> None:

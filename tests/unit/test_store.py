@@ -79,6 +79,11 @@ def settle(
     )  # fmt: skip
 
 
+def fail_rows(store: Store, failed: dict[int, AfterFailure], error: str, now: float) -> None:
+    """Count an attempt for running rows (their turn settled apart)."""
+    store.settle_rows(failed=failed, error=error, now=now)
+
+
 def one(store: Store, delivery_id: int) -> Row:
     row = store.row(delivery_id)
     assert row is not None
@@ -416,7 +421,11 @@ def test_turn_lifecycle_released_then_ended(store: Store) -> None:
     store.mark_released(turn_id)
     turn = store.turn(turn_id)
     assert turn is not None and (turn.state, turn.released) == ("running", True)
-    store.end_turn(turn_id, Outcome.FAILED, 3, "exited 3", NOW + 9)
+    store.settle_turn(
+        turn_id, outcome=Outcome.FAILED, exit_status=3, detail="exited 3", done=[],
+        returned=[], failed=failures((a, QueueState.PENDING, 1, NOW + 20)),
+        error="turn 1 exited 3", now=NOW + 9,
+    )  # fmt: skip
     turn = store.turn(turn_id)
     assert turn is not None
     assert (turn.state, turn.outcome, turn.exit_status, turn.detail, turn.ended_at) == (
@@ -428,6 +437,50 @@ def test_turn_lifecycle_released_then_ended(store: Store) -> None:
     )
     assert store.open_turns() == []
     assert store.turn(turn_id + 100) is None
+
+
+def test_a_failed_start_ends_its_turn_and_counts_the_attempt_in_one_commit(
+    store: IndexedStore,
+) -> None:
+    """Issue 29: the turn's end and its rows' attempt were two commits; a gate that died
+    between them left the rows running under a closed turn. One commit now: it is seen
+    whole (the commit hook fires once) or not at all."""
+    [a] = add(store, ("a", "main"))
+    turn_id, _ = store.start_turn("a", "main", unit_for, [a], NOW)
+    commits = []
+    store.db.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
+    store.settle_turn(
+        turn_id, outcome=Outcome.START_FAILED, exit_status=None, detail="no such user",
+        done=[], returned=[], failed=failures((a, QueueState.PENDING, 1, NOW + 5)),
+        error="no such user", now=NOW + 1,
+    )  # fmt: skip
+    store.db.set_trace_callback(None)
+    assert commits == ["COMMIT"]
+    turn = store.turn(turn_id)
+    assert turn is not None and (turn.state, turn.outcome) == ("ended", "start_failed")
+    row = one(store, a)
+    assert (row.state, row.attempts, row.last_error) == ("pending", 1, "no such user")
+    assert store.stranded() == []
+    assert a in store.index.rows
+
+
+def test_stranded_rows_are_those_running_under_no_open_turn(store: IndexedStore) -> None:
+    [a, b, c, d] = add(store, ("a", "w"), ("a", "x"), ("a", "y"), ("a", "z"))
+    open_turn, _ = store.start_turn("a", "w", unit_for, [a], NOW)
+    ended, _ = store.start_turn("a", "x", unit_for, [b], NOW)
+    gone, _ = store.start_turn("a", "y", unit_for, [c], NOW)
+    with store._tx():  # what a gate killed in the old window, or worse, left
+        store.db.execute("UPDATE turns SET state = 'ended', outcome = 'ok' WHERE id = ?", (ended,))
+        store.db.execute("DELETE FROM turns WHERE id = ?", (gone,))
+    found = [(row.id, turn.id if turn is not None else None) for row, turn in store.stranded()]
+    assert found == [(b, ended), (c, None)]  # not a (its turn is open), not d (pending)
+    store.settle_rows(done=[b], returned=[c], failed={}, error="", now=NOW + 1)
+    assert store.stranded() == []
+    assert (one(store, b).state, one(store, c).state, one(store, d).state) == (
+        "done", "pending", "pending",
+    )  # fmt: skip
+    assert set(store.index.rows) == {c, d}
+    assert one(store, a).turn_id == open_turn
 
 
 def test_settling_as_done_only_finishes_running_rows(store: Store) -> None:
@@ -454,7 +507,8 @@ def test_returning_to_pending_counts_no_attempt(store: Store) -> None:
 def test_fail_rows_backs_off_or_kills(store: IndexedStore) -> None:
     [a, b, c] = add(store, ("a", "main"), ("a", "main"), ("a", "main"))
     turn_id, _ = store.start_turn("a", "main", unit_for, [a, b], NOW)
-    store.fail_rows(
+    fail_rows(
+        store,
         failures(
             (a, QueueState.PENDING, 1, NOW + 5),
             (b, QueueState.DEAD, 10, None),
@@ -483,7 +537,7 @@ def test_fail_rows_backs_off_or_kills(store: IndexedStore) -> None:
 def test_a_row_that_backed_off_starts_clean(store: IndexedStore) -> None:
     [a] = add(store, ("a", "main"))
     store.start_turn("a", "main", unit_for, [a], NOW)
-    store.fail_rows(failures((a, QueueState.PENDING, 1, NOW + 5)), "exited 1", NOW)
+    fail_rows(store, failures((a, QueueState.PENDING, 1, NOW + 5)), "exited 1", NOW)
     assert one(store, a).as_delivery() == admission.Delivery(a, "a", "main", False, NOW + 5)
     store.start_turn("a", "main", unit_for, [a], NOW + 6)
     row = one(store, a)
@@ -496,14 +550,15 @@ def test_next_backoff_deadline_is_the_earliest_pending_one(store: IndexedStore) 
     ids = add(store, ("a", "x"), ("a", "y"), ("a", "z"))
     for delivery_id in ids:
         store.start_turn("a", "x", unit_for, [delivery_id], NOW)
-    store.fail_rows(
+    fail_rows(
+        store,
         failures(
             (ids[0], QueueState.PENDING, 1, NOW + 30), (ids[1], QueueState.PENDING, 2, NOW + 10)
         ),
         "e",
         NOW,
     )
-    store.fail_rows(failures((ids[2], QueueState.DEAD, 3, None)), "e", NOW)
+    fail_rows(store, failures((ids[2], QueueState.DEAD, 3, None)), "e", NOW)
     assert store.next_backoff_deadline() == NOW + 10
     store.drop([ids[1]], NOW)
     assert store.next_backoff_deadline() == NOW + 30
@@ -513,7 +568,8 @@ def test_next_backoff_deadline_after_skips_backoffs_that_ended(store: IndexedSto
     ids = add(store, ("a", "x"), ("a", "y"))
     for delivery_id in ids:
         store.start_turn("a", "x", unit_for, [delivery_id], NOW)
-    store.fail_rows(
+    fail_rows(
+        store,
         failures(
             (ids[0], QueueState.PENDING, 1, NOW + 5), (ids[1], QueueState.PENDING, 1, NOW + 50)
         ),
@@ -533,7 +589,7 @@ def test_next_backoff_deadline_after_skips_backoffs_that_ended(store: IndexedSto
 def test_retry_revives_only_dead_rows_with_attempts_reset(store: Store) -> None:
     [a, b] = add(store, ("a", "main"), ("a", "main"))
     store.start_turn("a", "main", unit_for, [a], NOW)
-    store.fail_rows(failures((a, QueueState.DEAD, 10, None)), "e", NOW)
+    fail_rows(store, failures((a, QueueState.DEAD, 10, None)), "e", NOW)
     assert store.retry([a, b, 999]) == [a]
     row = one(store, a)
     assert (row.state, row.attempts, row.not_before, row.turn_id) == ("pending", 0, None, None)
@@ -545,7 +601,7 @@ def test_drop_takes_pending_and_dead_rows_never_running_ones(store: Store) -> No
     store.mark_held([(a, HoldReason.GLOBAL_CAP)], NOW)
     store.start_turn("a", "y", unit_for, [b], NOW)
     store.start_turn("a", "z", unit_for, [c], NOW)
-    store.fail_rows(failures((c, QueueState.DEAD, 10, None)), "e", NOW)
+    fail_rows(store, failures((c, QueueState.DEAD, 10, None)), "e", NOW)
     assert store.drop([a, b, c, 999], NOW + 1) == [a, c]
     assert one(store, a).state == "dropped"
     assert one(store, a).held_since is None

@@ -366,3 +366,32 @@ def wait_exit_code(exit_status: int | None, kind: Outcome = Outcome.OK) -> int:
     if exit_status is None:
         return 1
     return exit_status if 0 <= exit_status <= 255 else 1
+
+
+def stranded_outcome(
+    recorded: Outcome | None,
+    *,
+    exit_status: int | None,
+    detail: str | None,
+    released: bool,
+    interrupted: bool,
+    timed_out: bool,
+) -> TurnOutcome:
+    """How to settle a delivery found `running` under a turn that is no longer open: a
+    gate died between the commit that ended the turn and the one that settled its rows
+    (two commits before issue 29; one since).
+
+    The turn's recorded outcome decides, as the turn's own settlement would have used
+    it (`Outcome.carried`: done; `Outcome.failed`: one attempt; never ran: back with
+    none). A turn with no outcome recorded, or none at all (`released` False, nothing
+    known), is judged as a turn whose scope is gone after a crash: by `turn_outcome` on
+    what its record says, its directory's traces being gone with the turn."""
+    if recorded is not None:
+        return TurnOutcome(recorded, exit_status, detail or str(recorded))
+    return turn_outcome(
+        exit_status=exit_status,
+        started_marker=False,
+        released=released,
+        interrupted=interrupted,
+        timed_out=timed_out,
+    )

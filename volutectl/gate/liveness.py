@@ -211,7 +211,10 @@ class Liveness:
         settled if its scope is gone, inactive or empty; adopted if its scope holds a
         process; kept, and asked about again, if systemd cannot say. Its main process is
         watched again by the PID recorded at release, if that PID is still in the scope.
+        Before them, rows left running under a turn that is not open, which no open turn
+        would settle, are settled by that turn's outcome (Turns.settle_stranded).
         """
+        self.turns.settle_stranded()
         open_turns = self.store.open_turns()
         self._remove_stale_dirs({row.id for row in open_turns})
         for row in open_turns:

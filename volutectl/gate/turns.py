@@ -30,7 +30,7 @@ from volutectl.launcher import fork
 from volutectl.launcher.hands import LauncherLost, LauncherUnavailable, TurnHands
 from volutectl.states import HoldReason, Outcome, QueueState
 from volutectl.store.indexed import IndexedStore
-from volutectl.store.queue import Row
+from volutectl.store.queue import Row, TurnRow
 from volutectl.systemd.journal import Journal
 from volutectl.wire import orders
 
@@ -247,7 +247,23 @@ class Turns:
     ) -> None:
         """Step a starting turn by how its start went, and carry out the effects: those
         of a turn that never ran settle `taken`, its deliveries, with `error`."""
-        turn.state, effects = lifecycle.step(turn.state, event)
+        starting = turn.state
+        turn.state, effects = lifecycle.step(starting, event)
+        try:
+            self._start_effects(turn, effects, taken, error)
+        except sqlite3.Error as refused:
+            # The settlement's one commit failed (a full disk): nothing of it happened,
+            # and its rows are running under a turn the store holds open. The turn keeps
+            # its place as one whose start is unknown, until systemd's word settles it
+            # (as never run: no attempt), as a gate restarted now would.
+            self.journal.emit(events.TurnNotSettled(**events.turn_fields(turn), error=str(refused)))
+            turn.state, effects = lifecycle.step(starting, lifecycle.LauncherLost(now=time.time()))
+            for effect in effects:
+                self._carry_out(turn, effect)
+
+    def _start_effects(
+        self, turn: Turn, effects: Iterable[lifecycle.Effect], taken: list[Row], error: str
+    ) -> None:
         for effect in effects:
             if isinstance(effect, lifecycle.ReturnDeliveries):
                 self.store.settle_turn(
@@ -263,10 +279,27 @@ class Turns:
                 )
                 self.systemd_silent = True  # the gate starts nothing more for a second
             elif isinstance(effect, lifecycle.FailDeliveries):
-                self.store.end_turn(turn.id, Outcome.START_FAILED, None, error, time.time())
-                self.fail(taken, error)
+                self._fail_start(turn, taken, error)
             else:
                 self._carry_out(turn, effect)
+
+    def _fail_start(self, turn: Turn, taken: list[Row], error: str) -> None:
+        """The start failed: the turn ends and its deliveries count one attempt, in one
+        commit (a gate that dies after it leaves nothing running under a closed turn)."""
+        failed = self.failures(taken)
+        self.store.settle_turn(
+            turn.id,
+            outcome=Outcome.START_FAILED,
+            exit_status=None,
+            detail=error,
+            done=[],
+            returned=[],
+            failed=failed,
+            error=error,
+            now=time.time(),
+        )
+        crash_point("start_failure_recorded")
+        self.tell_dead(taken, failed, error)
 
     # -- the lifecycle ---------------------------------------------------------------------
 
@@ -368,11 +401,6 @@ class Turns:
             self.journal.emit(events.ScopeStopFailed(unit=unit, error=error.message))
 
     # -- failures ---------------------------------------------------------------------------
-
-    def fail(self, rows: list[Row], error: str) -> None:
-        failed = self.failures(rows)
-        self.store.fail_rows(failed, error, time.time())
-        self.tell_dead(rows, failed, error)
 
     def failures(self, rows: Iterable[Row]) -> dict[int, admission.AfterFailure]:
         """Count an attempt for each row: backoff, or dead after the last."""
@@ -525,3 +553,63 @@ class Turns:
                     not_before=after.not_before if after is not None else None,
                 )
             )
+
+    def settle_stranded(self) -> None:
+        """At the gate's start, before the open turns are taken back: settle each row left
+        `running` under a turn that is not open (or under none), which no turn will
+        settle. Only a gate that died between a turn's end and its rows' settlement, two
+        commits before issue 29, leaves one. Each turn's rows settle in one commit, by its
+        recorded outcome (admission.stranded_outcome); each row is journalled. A commit
+        the disk refuses is said, and left for the next start: the gate starts anyway."""
+        by_turn: dict[int | None, list[Row]] = {}
+        records: dict[int | None, TurnRow | None] = {}
+        for row, record in self.store.stranded():
+            by_turn.setdefault(row.turn_id, []).append(row)
+            records[row.turn_id] = record
+        for turn_id, rows in by_turn.items():
+            record = records[turn_id]
+            outcome = admission.stranded_outcome(
+                record.outcome if record is not None else None,
+                exit_status=record.exit_status if record is not None else None,
+                detail=record.detail if record is not None else None,
+                released=record is not None and record.released,
+                interrupted=record is not None and record.interrupted,
+                timed_out=record is not None and record.timed_out_at is not None,
+            )
+            try:
+                self._settle_stranded(turn_id, rows, outcome)
+            except sqlite3.Error as error:
+                what = f"the deliveries left running under turn {turn_id}"
+                self.journal.emit(events.HandlingFailed(what=what, error=str(error)))
+
+    def _settle_stranded(
+        self, turn_id: int | None, rows: list[Row], outcome: admission.TurnOutcome
+    ) -> None:
+        ids = [row.id for row in rows]
+        error = f"turn {turn_id} {outcome.detail}"
+        failed = self.failures(rows) if outcome.kind.failed else {}
+        self.store.settle_rows(
+            done=ids if outcome.kind.carried else [],
+            returned=ids if outcome.kind is Outcome.NEVER_RAN else [],
+            failed=failed,
+            error=error,
+            now=time.time(),
+        )
+        for row in rows:
+            after = failed.get(row.id)
+            if outcome.kind.carried:
+                state, attempts = QueueState.DONE, row.attempts
+            elif after is not None:
+                state, attempts = after.state, after.attempts
+            else:
+                state, attempts = QueueState.PENDING, row.attempts
+            self.journal.emit(
+                events.StrandedDeliverySettled(
+                    **events.delivery_fields(row),
+                    turn_id=turn_id,
+                    outcome=outcome.kind,
+                    state=state,
+                    attempts=attempts,
+                )
+            )
+        self.tell_dead(rows, failed, error, notify=False)  # no client is connected yet

@@ -476,7 +476,10 @@ class Store:
         now: float,
         durable: bool = True,
     ) -> None:
-        """Record how a turn ended and settle all its rows, in ONE commit.
+        """Record how a turn ended and settle all its rows, in ONE commit: every outcome
+        of a turn, a start that failed included. (A turn ended in one commit and its rows
+        settled in another left them `running` under a closed turn if the gate died
+        between the two: issue 29.)
 
         done: carried (done); returned: back to pending with no attempt (never offered,
         untaken, or never run); failed: one attempt counted (backoff or dead).
@@ -486,35 +489,54 @@ class Store:
         start_turn commit comes first and, the WAL being sequential, its one fsync makes
         both durable; a pass that starts nothing pays the fsync in sync() instead.
         """
-        finished = []
         with self._tx(durable=durable):
-            for delivery_id in returned:
-                self.db.execute(
-                    "UPDATE deliveries SET state = ?, turn_id = NULL, folded = 0 "
-                    "WHERE id = ? AND state = ?",
-                    (PENDING, delivery_id, RUNNING),
-                )
-            for delivery_id in done:
-                cursor = self.db.execute(
-                    "UPDATE deliveries SET state = ?, finished_at = ? WHERE id = ? AND state = ?",
-                    (DONE, now, delivery_id, RUNNING),
-                )
-                if cursor.rowcount:
-                    finished.append(delivery_id)
-            self._fail_rows(failed, error, now)
+            finished = self._settle_rows(done, returned, failed, error, now)
             self._end_turn(turn_id, outcome, exit_status, detail, now)
         if not durable:
             self._unsynced = True
         self._pended([*returned, *failed])
         self._finished(finished)
 
-    def fail_rows(self, failed: Mapping[int, AfterFailure], error: str, now: float) -> None:
-        """Rows whose turn could not even start: one attempt each, in one commit."""
+    def settle_rows(
+        self,
+        *,
+        done: Sequence[int] = (),
+        returned: Sequence[int] = (),
+        failed: Mapping[int, AfterFailure],
+        error: str,
+        now: float,
+    ) -> None:
+        """Settle running rows whose turn is settled already (or unknown), as settle_turn
+        would, in one durable commit; their turn's record is left as it is."""
         with self._tx():
-            self._fail_rows(failed, error, now)
-        self._pended(failed)
+            finished = self._settle_rows(done, returned, failed, error, now)
+        self._pended([*returned, *failed])
+        self._finished(finished)
 
-    def _fail_rows(self, failed: Mapping[int, AfterFailure], error: str, now: float) -> None:
+    def _settle_rows(
+        self,
+        done: Sequence[int],
+        returned: Sequence[int],
+        failed: Mapping[int, AfterFailure],
+        error: str,
+        now: float,
+    ) -> list[int]:
+        """Inside a transaction: settle what is still running of these rows; the ids
+        that became done."""
+        finished = []
+        for delivery_id in returned:
+            self.db.execute(
+                "UPDATE deliveries SET state = ?, turn_id = NULL, folded = 0 "
+                "WHERE id = ? AND state = ?",
+                (PENDING, delivery_id, RUNNING),
+            )
+        for delivery_id in done:
+            cursor = self.db.execute(
+                "UPDATE deliveries SET state = ?, finished_at = ? WHERE id = ? AND state = ?",
+                (DONE, now, delivery_id, RUNNING),
+            )
+            if cursor.rowcount:
+                finished.append(delivery_id)
         for delivery_id, after in failed.items():
             dead = after.state is DEAD
             self.db.execute(
@@ -532,12 +554,7 @@ class Store:
                     RUNNING,
                 ),
             )
-
-    def end_turn(
-        self, turn_id: int, outcome: Outcome, exit_status: int | None, detail: str, now: float
-    ) -> None:
-        with self._tx():
-            self._end_turn(turn_id, outcome, exit_status, detail, now)
+        return finished
 
     def _end_turn(
         self, turn_id: int, outcome: Outcome, exit_status: int | None, detail: str, now: float
@@ -547,6 +564,21 @@ class Store:
             "WHERE id = ?",
             (TurnState.ENDED, outcome, exit_status, detail, now, turn_id),
         )
+
+    def stranded(self) -> list[tuple[Row, TurnRow | None]]:
+        """Rows `running` under a turn that is not open (or under none): each with its
+        turn's record, if there is one. Only a gate that died between a turn's end and
+        its rows' settlement (before issue 29) leaves such rows; the next one settles
+        them at its start."""
+        cursor = self._select(
+            f"SELECT {ROW_COLUMNS} FROM deliveries WHERE state = ? AND (turn_id IS NULL OR "
+            "turn_id NOT IN (SELECT id FROM turns WHERE state != ?)) ORDER BY id",
+            (RUNNING, TurnState.ENDED),
+        )
+        rows = [_row_of(values) for values in cursor]
+        turn_ids = {row.turn_id for row in rows if row.turn_id is not None}
+        turns = {turn_id: self.turn(turn_id) for turn_id in turn_ids}
+        return [(row, turns.get(row.turn_id) if row.turn_id is not None else None) for row in rows]
 
     def open_turns(self) -> list[TurnRow]:
         cursor = self._select(
