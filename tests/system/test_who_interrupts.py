@@ -127,7 +127,7 @@ def test_an_admins_interrupt_cuts_a_members_turn_short_but_marks_her_delivery_no
     wait_for(lambda: rows(machine)[hers]["state"] == "done" or rows(machine)[hers]["attempts"])
     assert rows(machine)[hers]["state"] != "done"
     assert rows(machine)[hers]["attempts"] == 1
-    assert alice_waits.poll() is None  # not told of an end: tried hers
+    assert alice_waits.poll() is None  # not told of an end: tried again
     machine.run(["touch", RELEASE])
     out, err = alice_waits.communicate(timeout=90)
     assert alice_waits.returncode == 0, (out, err, journal(machine))

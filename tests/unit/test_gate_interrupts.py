@@ -172,3 +172,27 @@ def test_a_members_interrupt_behind_another_members_delivery_in_her_own_turn_is_
     assert [(row(harness, i).state, row(harness, i).attempts) for i in ids] == [
         (QueueState.DONE, 0)
     ] * 3
+
+
+def test_who_cut_a_turn_short_outlives_a_gate_crash(
+    tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness]
+) -> None:
+    """The fold's commit records which interrupt cut the turn: a gate that restarts
+    while the turn winds down settles it as the first would have. The admin's delivery
+    is done; Alice's counts a failed attempt."""
+    command, log = probe
+    harness = Harness(
+        tmp_path, minds={"m": f"{command} 5 exit-on-int 0 1"}, backoff_initial_seconds=30
+    )
+    harnesses.append(harness)
+    alice = deliver(connect_as(harness, ALICE))["id"]
+    harness.pump(lambda: log.started() == 1)
+    admin = deliver(harness.connect(), interrupt=True)["id"]
+    harness.pump(lambda: bool(harness.journal.of(events.TurnInterrupted)))
+    harness.crash()
+    harness.restart()
+    harness.pump(lambda: row(harness, alice).state is not QueueState.RUNNING, timeout=15)
+    assert [f[4] for f in log.lines() if f[0] == "end"] == ["130"]
+    hers = row(harness, alice)
+    assert (hers.state, hers.attempts) == (QueueState.PENDING, 1)
+    assert row(harness, admin).state is QueueState.DONE

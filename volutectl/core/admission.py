@@ -7,6 +7,10 @@ carries out what comes back.
 Queue states: pending -> running -> done; a failed turn sends its rows back to pending
 with an attempt counted and a backoff (`after_failure`), or to dead after the last
 attempt. A hold is not a state: a held row simply stays pending, its attempts untouched.
+
+Who may interrupt: an --interrupt cuts a turn short only if everything the turn runs
+ahead of it is its sender's, or its sender was an admin (`interrupts_that_cut`); an
+interrupted turn is done only for whoever cut it (`settle`).
 """
 
 from __future__ import annotations
@@ -413,7 +417,7 @@ def turn_outcome(
     `released`: the gate recorded that it let the command exec. `started_marker`: the
     turn's wrapper got as far as running the command. `interrupted`: the gate sent it
     SIGINT for an --interrupt delivery; a turn that then exits non-zero did what it
-    was asked (stop), so its deliveries count as carried, not as a failure to retry.
+    was asked (stop): not a failure, and `settle` says whose deliveries that carries.
     `timed_out`: it ran past its max runtime and was stopped; that is a failed attempt,
     whatever it exited with, and it outranks an interrupt.
     """

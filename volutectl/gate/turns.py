@@ -488,12 +488,10 @@ class Turns:
             outcome.kind, [row.as_sent() for row in rows], set(report.not_taken)
         )
         carried = [row for row in rows if row.id not in settlement.returned]
-        error = f"turn {turn.id} {outcome.detail}"
         failing = [row for row in carried if row.id in settlement.failed]
         failed = self.failures(failing)
-        others = settlement.cut_by_other
-        if others:
-            error = f"{error}: cut short by another user's interrupt, so tried again"
+        by_other = ": cut short by another user's interrupt" if settlement.cut_by_other else ""
+        error = f"turn {turn.id} {outcome.detail}{by_other}"
         self.store.settle_turn(
             turn.id,
             outcome=outcome.kind,
