@@ -516,6 +516,7 @@ def test_a_schema_8_database_gets_who_may_interrupt_and_an_interrupted_turn_sett
         [new] = store.add_deliveries(
             [NewDelivery("mimsy", "main", b"stop", interrupt=True, uid=0, admin=True)]
         )
+        assert isinstance(new, int)
         row = store.row(new)
         assert row is not None and row.admin and not row.cut
     finally:
