@@ -13,6 +13,7 @@ in tests/unit/test_gate_fair_shares.py. Root is the admin.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -196,3 +197,28 @@ def test_who_cut_a_turn_short_outlives_a_gate_crash(
     hers = row(harness, alice)
     assert (hers.state, hers.attempts) == (QueueState.PENDING, 1)
     assert row(harness, admin).state is QueueState.DONE
+
+
+def test_a_refused_interrupt_reaches_the_turn_as_a_plain_delivery(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    """The turn's inbox record of an interrupt that may not cut it says
+    "interrupt": false; one that did, true."""
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    # Keeps what reaches its inbox, for 3 s, or until a SIGINT (keeping it then too).
+    keep = f'for f in "$VOLUTE_INBOX"/*.json; do [ -e "$f" ] && mv "$f" {seen}/; done'
+    keeper = (
+        f"trap '{keep}; exit 130' INT; i=0; "
+        f"while [ $i -lt 150 ]; do {keep}; sleep 0.02; i=$((i+1)); done"
+    )
+    harness = Harness(tmp_path, minds={"m": keeper})
+    harnesses.append(harness)
+    deliver(connect_as(harness, ALICE))
+    harness.pump(lambda: bool(harness.gate.state.turns.all()))
+    bob = deliver(connect_as(harness, BOB), interrupt=True)["id"]
+    harness.pump(lambda: (seen / f"{bob}.json").exists())
+    assert json.loads((seen / f"{bob}.json").read_text())["interrupt"] is False
+    admin = deliver(harness.connect(), interrupt=True)["id"]
+    harness.pump(lambda: settled(harness), timeout=30)
+    assert json.loads((seen / f"{admin}.json").read_text())["interrupt"] is True
