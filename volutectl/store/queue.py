@@ -18,7 +18,7 @@ import dataclasses
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from volutectl.core.admission import AfterFailure, interrupts_that_cut
@@ -430,9 +430,12 @@ class Store:
         senders of what it runs): those come back with `cut` set, and the turn is
         recorded as interrupted. The others fold in as plain deliveries."""
         with self._tx():
-            running = self.senders_of_turn(turn_id)
             rows = self._take(turn_id, delivery_ids, now, folded=True)
-            cut = set(interrupts_that_cut(running, [row.as_sent() for row in rows]))
+            cut: set[int] = set()
+            if any(row.interrupt for row in rows):  # only then: a fold is on the handoff path
+                taken = {row.id for row in rows}
+                running = self.senders_of_turn(turn_id, besides=taken)
+                cut = set(interrupts_that_cut(running, [row.as_sent() for row in rows]))
             if cut:
                 self.db.execute("UPDATE turns SET interrupted = 1 WHERE id = ?", (turn_id,))
                 self.db.executemany(
@@ -441,13 +444,12 @@ class Store:
         self._unpended(row.id for row in rows)
         return [dataclasses.replace(row, cut=True) if row.id in cut else row for row in rows]
 
-    def senders_of_turn(self, turn_id: int) -> set[int | None]:
-        """Who sent the deliveries a turn runs (its rows still running)."""
+    def senders_of_turn(self, turn_id: int, besides: Container[int] = ()) -> set[int | None]:
+        """Who sent the deliveries a turn runs (its rows still running), `besides` those."""
         cursor = self.db.execute(
-            "SELECT DISTINCT uid FROM deliveries WHERE turn_id = ? AND state = ?",
-            (turn_id, RUNNING),
+            "SELECT id, uid FROM deliveries WHERE turn_id = ? AND state = ?", (turn_id, RUNNING)
         )
-        return {uid for (uid,) in cursor}
+        return {uid for delivery_id, uid in cursor if delivery_id not in besides}
 
     def _take(self, turn_id: int, ids: Sequence[int], now: float, *, folded: bool) -> list[Row]:
         rows = [row for row in self.rows(ids) if row.state is PENDING]
