@@ -80,6 +80,7 @@ class Event(StrEnum):
     GATE_CONFIG_INVALID = "gate_config_invalid"
     GATE_CONFIG_RELOADED = "gate_config_reloaded"
     GATE_CONFIG_REFUSED = "gate_config_refused"
+    INTERRUPT_REFUSED = "interrupt_refused"
 
 
 # MESSAGE_ID of each event an operator queries for (`journalctl MESSAGE_ID=...`); made
@@ -125,6 +126,7 @@ MESSAGE_IDS: Mapping[Event, str] = {
     Event.GATE_CONFIG_INVALID: "677af27734f7478d8a64e701be14cc76",
     Event.GATE_CONFIG_RELOADED: "7a53a0c8111c46e1a178729271413029",
     Event.GATE_CONFIG_REFUSED: "78306785c64d4ed6ae6b1470f5d3779c",
+    Event.INTERRUPT_REFUSED: "6a72d6ba8e124c758585b89bb4872da1",
 }
 
 # The metadata of a field that is in the message only, not sent as a journal field.
@@ -472,6 +474,23 @@ class TurnInterrupted(TurnEvent):
 
     def text(self) -> str:
         return "interrupted (SIGINT to its scope)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class InterruptRefused(TurnEvent):
+    """A delivery with --interrupt reached a live turn that runs another user's delivery,
+    from a sender who was no admin: it folded in as a plain delivery, and no SIGINT."""
+
+    LEVEL = "notice"
+    EVENT = Event.INTERRUPT_REFUSED
+    delivery_id: int
+    uid: int | None
+
+    def text(self) -> str:
+        return (
+            f"was not interrupted by delivery {self.delivery_id} of uid {self.uid}: it runs "
+            "another user's delivery, so that folded in as a plain one"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

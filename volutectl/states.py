@@ -31,7 +31,9 @@ class Outcome(StrEnum):
     """How a turn ended."""
 
     OK = "ok"  # exited 0
-    INTERRUPTED = "interrupted"  # exited non-zero after an --interrupt: carried
+    # exited non-zero after an --interrupt cut it short: done for whoever cut it, one
+    # attempt for every other sender's delivery (core/admission.py's `settle`)
+    INTERRUPTED = "interrupted"
     FAILED = "failed"  # exited non-zero, or ended with no exit status: one attempt
     TIMEOUT = "timeout"  # stopped for running past its time limit: one attempt
     NEVER_RAN = "never_ran"  # its command never started: back to pending, no attempt
@@ -39,7 +41,7 @@ class Outcome(StrEnum):
 
     @property
     def carried(self) -> bool:
-        """Its deliveries are done."""
+        """Its deliveries are done (an interrupted turn's: those of whoever cut it)."""
         return self in (Outcome.OK, Outcome.INTERRUPTED)
 
     @property

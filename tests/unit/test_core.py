@@ -595,3 +595,82 @@ def test_a_paused_mind_starts_nothing_but_its_running_session_still_folds() -> N
     assert decision.starts == [admission.Start("b", "main", (3,))]
     everyone = admission.admit(pending, [], Limits(), now=0.0, paused=admission.EVERY_MIND)
     assert everyone.starts == [] and {h.reason for h in everyone.holds} == {HoldReason.PAUSED}
+
+
+# -- who may interrupt (issue 29, item 2) ---------------------------------------------------
+
+ALICE, BOB, ROOT = 1001, 1002, 0
+Sent = admission.Sent
+
+
+def test_an_interrupt_may_cut_a_turn_of_its_senders_own_deliveries_only_unless_an_admins() -> None:
+    assert admission.may_interrupt(ALICE, False, [ALICE, ALICE])
+    assert admission.may_interrupt(ALICE, False, [])  # nothing ahead of it
+    assert not admission.may_interrupt(BOB, False, [ALICE])
+    assert not admission.may_interrupt(ALICE, False, [ALICE, BOB])
+    assert admission.may_interrupt(ROOT, True, [ALICE, BOB])  # an admin's, any turn
+    assert admission.may_interrupt(BOB, True, [ALICE])  # volute-admin when it delivered
+    assert not admission.may_interrupt(None, False, [None])  # a sender not known owns nothing
+
+
+def test_each_interrupt_of_a_fold_is_judged_on_what_the_turn_runs_ahead_of_it() -> None:
+    fold = [
+        Sent(5, BOB, interrupt=True),
+        Sent(6, ALICE, interrupt=True),  # behind Bob's delivery: not Alice's turn alone
+        Sent(7, ROOT, interrupt=True, admin=True),
+    ]
+    assert admission.interrupts_that_cut([BOB], fold) == (5, 7)
+    assert admission.interrupts_that_cut([ALICE], fold) == (7,)
+    # A delivery of another that comes after an interrupt does not undo it.
+    assert admission.interrupts_that_cut([ALICE], [Sent(9, BOB), Sent(8, ALICE, True)]) == (8,)
+    assert admission.interrupts_that_cut([ALICE], [Sent(8, ALICE), Sent(9, BOB)]) == ()
+
+
+def test_an_interrupted_turn_is_done_only_for_whoever_cut_it() -> None:
+    rows = [
+        Sent(1, ALICE),
+        Sent(2, ALICE),
+        Sent(3, ROOT, interrupt=True, admin=True, cut=True),
+        Sent(4, BOB, interrupt=True),  # refused: folded in as a plain delivery
+        Sent(5, ROOT),  # the admin's own too
+        Sent(6, ALICE),  # not taken from the inbox
+    ]
+    settled = admission.settle(Outcome.INTERRUPTED, rows, not_taken={6})
+    assert settled.done == (3, 5)
+    assert settled.failed == settled.cut_by_other == (1, 2, 4)
+    assert settled.returned == (6,)
+    # A turn that exits 0 did its work, whoever asked what; a failure fails them all.
+    assert admission.settle(Outcome.OK, rows, {6}).done == (1, 2, 3, 4, 5)
+    assert admission.settle(Outcome.FAILED, rows, {6}).failed == (1, 2, 3, 4, 5)
+    assert admission.settle(Outcome.TIMEOUT, rows, {6}).cut_by_other == ()
+    assert admission.settle(Outcome.NEVER_RAN, rows, {6}).returned == (6, 1, 2, 3, 4, 5)
+    # Interrupted before volutectl recorded who cut it: done whole, as it was then.
+    legacy = [Sent(1, None), Sent(2, ALICE, interrupt=True)]
+    assert admission.settle(Outcome.INTERRUPTED, legacy).done == (1, 2)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([ALICE, BOB, ROOT, None]), st.booleans(), st.booleans()),
+        max_size=12,
+    ),
+    st.sampled_from(list(Outcome)),
+    st.sets(st.integers(min_value=0, max_value=12)),
+)
+def test_no_delivery_is_done_by_another_users_interrupt(
+    drawn: list[tuple[int | None, bool, bool]], kind: Outcome, not_taken: set[int]
+) -> None:
+    """Every row lands in exactly one place; under an interrupt, a row is done only if
+    its sender cut the turn; a row is never lost."""
+    rows = [
+        Sent(i, uid, interrupt=cut or asked, cut=cut) for i, (uid, asked, cut) in enumerate(drawn)
+    ]
+    settled = admission.settle(kind, rows, not_taken)
+    placed = settled.done + settled.returned + settled.failed
+    assert sorted(placed) == [row.id for row in rows]
+    assert set(settled.cut_by_other) <= set(settled.failed)
+    cutters = {row.uid for row in rows if row.cut}
+    if kind is Outcome.INTERRUPTED and cutters:
+        for row in rows:
+            if row.id in settled.done:
+                assert row.cut or (row.uid is not None and row.uid in cutters)

@@ -196,6 +196,23 @@ def test_acknowledged_delivery_prints_its_id(socket_dir: Path) -> None:
     }
 
 
+def test_a_refused_interrupt_is_said_on_one_line_of_stderr(socket_dir: Path) -> None:
+    """The gate's ack says the interrupt may not cut the running turn short (it runs
+    another user's delivery): the id still goes to stdout, and stderr says why, once.
+    A field this client does not know is ignored, as an older client ignores this one."""
+    ack = {"v": 1, "ok": True, "id": 7, "interrupt_refused": True, "later_field": [1]}
+    with gate_at(socket_dir, [ack]) as gate:
+        result = run("ada", "-s", "chat", "--interrupt", "-m", "stop", "--socket", str(gate.path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"7\n"
+    [line] = result.stderr.decode().splitlines()
+    assert line.startswith("volutectl: interrupt refused: the running turn of ada/chat")
+    assert "folded in as a plain delivery" in line
+    with FakeGate(socket_dir / "again.sock", [ACK]) as gate:  # no such field: nothing said
+        result = run("ada", "--interrupt", "-m", "stop", "--socket", str(gate.path))
+    assert (result.returncode, result.stderr) == (0, b"")
+
+
 def test_every_delivery_gets_a_new_request_id(socket_dir: Path) -> None:
     with gate_at(socket_dir) as gate:
         for _ in range(3):

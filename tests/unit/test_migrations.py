@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from tests.unit.retention_child import run_child
+from volutectl.core import admission
 from volutectl.errors import UnavailableError
+from volutectl.states import Outcome
 from volutectl.store import schema as queue_schema
 from volutectl.store.indexed import IndexedStore
 from volutectl.store.queue import AlreadyQueued, NewDelivery, RequestIdReused, Store
@@ -210,7 +212,7 @@ def test_a_schema_3_database_is_upgraded_with_every_row_kept_and_then_made_incre
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 8
+        assert store.schema_version() == SCHEMA_VERSION == 9
         assert not is_incremental(store.db)  # the migration itself never VACUUMs
         assert same_rows(table_rows(path), before)
         outcome = enable_incremental_vacuum(store.db, path)
@@ -329,7 +331,7 @@ def test_a_schema_4_database_gets_the_last_turn_index_and_status_uses_it(
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 8
+        assert store.schema_version() == SCHEMA_VERSION == 9
         assert "index turns_mind_ended" in schema(path)
         assert "index turns_ended" in schema(path)  # retention's, kept
         plan = " ".join(
@@ -375,7 +377,7 @@ def test_a_schema_5_database_keeps_its_rows_and_indexes_only_rows_with_a_turn(
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 8
+        assert store.schema_version() == SCHEMA_VERSION == 9
         assert "WHERE turn_id IS NOT NULL" in index_sql(path, "deliveries_turn")
         for query in (
             "SELECT id FROM deliveries WHERE turn_id = ? AND state = 'running'",
@@ -427,7 +429,7 @@ def test_a_schema_6_database_gets_a_uid_column_and_its_rows_count_against_nobody
     assert ("uid", "INTEGER", 0, None, 0) not in schema(path)["table deliveries"]
     store = IndexedStore(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 8
+        assert store.schema_version() == SCHEMA_VERSION == 9
         assert ("uid", "INTEGER", 0, None, 0) in schema(path)["table deliveries"]
         counted = "SELECT COUNT(*) FROM deliveries WHERE uid IS NOT NULL"
         assert store.db.execute(counted).fetchone() == (0,)
@@ -442,7 +444,8 @@ def test_a_schema_6_database_gets_a_uid_column_and_its_rows_count_against_nobody
     after = table_rows(path)
     after["deliveries"] = [row for row in after["deliveries"] if row[0] != new]
     assert same_rows(after, before)
-    assert all(row[-1] is None for row in after["deliveries"])
+    uid_column = len(before["deliveries"][0])  # the first column appended after these
+    assert all(row[uid_column] is None for row in after["deliveries"])
 
 
 def test_a_schema_7_database_keeps_request_ids_unique_per_sender_uid(tmp_path: Path) -> None:
@@ -460,7 +463,7 @@ def test_a_schema_7_database_keeps_request_ids_unique_per_sender_uid(tmp_path: P
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 8
+        assert store.schema_version() == SCHEMA_VERSION == 9
         nightly = [
             NewDelivery("mimsy", "main", b"backup", request_id="nightly-1", uid=uid)
             for uid in (1000, 1001, 1000)
@@ -477,4 +480,47 @@ def test_a_schema_7_database_keeps_request_ids_unique_per_sender_uid(tmp_path: P
         store.close()
     after = table_rows(path)
     after["deliveries"] = [row for row in after["deliveries"] if row[0] not in (first, other)]
+    assert same_rows(after, before)
+
+
+def test_a_schema_8_database_gets_who_may_interrupt_and_an_interrupted_turn_settles_as_then(
+    tmp_path: Path,
+) -> None:
+    """The who-may-interrupt step (9): each interrupt's sender's admin-ness, and whether
+    it cut its turn short. Rows from before have neither; a turn an older gate
+    interrupted (no row says who cut it) is done whole, as it was then."""
+    path = v3_database(tmp_path / "queue.sqlite3")
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("BEGIN")
+    for version in (3, 4, 5, 6, 7):
+        for statement in statements(MIGRATIONS[version]):
+            db.execute(statement)
+    db.execute("PRAGMA user_version = 8")
+    db.execute("COMMIT")
+    db.close()
+    before = table_rows(path)
+    columns = schema(path)["table deliveries"]
+    assert not any(column[0] in ("admin", "cut") for column in columns)
+    store = Store(path)
+    try:
+        assert store.schema_version() == SCHEMA_VERSION == 9
+        columns = schema(path)["table deliveries"]
+        assert ("admin", "INTEGER", 1, "0", 0) in columns
+        assert ("cut", "INTEGER", 1, "0", 0) in columns
+        [turn] = store.open_turns()[:1]
+        running = store.rows_of_turn(turn.id)
+        assert running and not any(row.cut or row.admin for row in running)
+        sent = [row.as_sent() for row in running]
+        settled = admission.settle(Outcome.INTERRUPTED, sent)
+        assert settled.done == tuple(row.id for row in running) and not settled.failed
+        [new] = store.add_deliveries(
+            [NewDelivery("mimsy", "main", b"stop", interrupt=True, uid=0, admin=True)]
+        )
+        assert isinstance(new, int)
+        row = store.row(new)
+        assert row is not None and row.admin and not row.cut
+    finally:
+        store.close()
+    after = table_rows(path)
+    after["deliveries"] = [row for row in after["deliveries"] if row[0] != new]
     assert same_rows(after, before)

@@ -415,6 +415,32 @@ def test_fold_into_marks_rows_folded(store: Store) -> None:
     assert store.fold_into(turn_id, [b], NOW + 1) == []
 
 
+def test_fold_into_decides_in_its_commit_which_interrupts_cut_the_turn(store: Store) -> None:
+    """Who sent what the turn runs decides: Bob's interrupt of Alice's turn folds in as
+    a plain delivery; an admin's cuts it; only a cut marks the turn interrupted."""
+    alice, bob, admin = 1001, 1002, 0
+
+    def sent(item: NewDelivery) -> int:
+        [delivery_id] = store.add_deliveries([item])
+        assert isinstance(delivery_id, int)
+        return delivery_id
+
+    a = sent(NewDelivery("a", "main", b"hers", uid=alice))
+    turn_id, _ = store.start_turn("a", "main", unit_for, [a], NOW)
+    b = sent(NewDelivery("a", "main", b"stop", True, uid=bob))
+    [folded] = store.fold_into(turn_id, [b], NOW)
+    assert folded.id == b and folded.interrupt and not folded.cut
+    turn = store.turn(turn_id)
+    assert turn is not None and not turn.interrupted
+    assert store.senders_of_turn(turn_id) == {alice, bob}
+    c = sent(NewDelivery("a", "main", b"stop", True, uid=admin, admin=True))
+    [folded] = store.fold_into(turn_id, [c], NOW)
+    assert folded.cut and one(store, c).cut and one(store, c).admin
+    turn = store.turn(turn_id)
+    assert turn is not None and turn.interrupted
+    assert not one(store, b).cut  # decided once, at its fold
+
+
 def test_turn_lifecycle_released_then_ended(store: Store) -> None:
     [a] = add(store, ("a", "main"))
     turn_id, _ = store.start_turn("a", "main", unit_for, [a], NOW)

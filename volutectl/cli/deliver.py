@@ -73,7 +73,10 @@ def _deliver_parser() -> argparse.ArgumentParser:
     parser.add_argument("--session", "-s", default="main", help="session (default: main)")
     parser.add_argument("--message", "-m", help="the message (default: read stdin)")
     parser.add_argument(
-        "--interrupt", action="store_true", help="interrupt the session's running turn"
+        "--interrupt",
+        action="store_true",
+        help="interrupt the session's running turn, if every delivery it runs is yours (an "
+        "admin's may interrupt any); else the message folds in as a plain delivery",
     )
     parser.add_argument(
         "--wait",
@@ -139,6 +142,14 @@ def deliver_main(argv: list[str]) -> int:
             print(
                 f"volutectl: request id {args.request_id} was queued already, as delivery "
                 f"{ack.id}; nothing new was queued",
+                file=sys.stderr,
+                flush=True,
+            )
+        if ack.interrupt_refused:
+            print(
+                f"volutectl: interrupt refused: the running turn of {args.mind}/{args.session} "
+                "carries another user's delivery, so it goes on; the message is folded in "
+                "as a plain delivery",
                 file=sys.stderr,
                 flush=True,
             )

@@ -7,6 +7,10 @@ carries out what comes back.
 Queue states: pending -> running -> done; a failed turn sends its rows back to pending
 with an attempt counted and a backoff (`after_failure`), or to dead after the last
 attempt. A hold is not a state: a held row simply stays pending, its attempts untouched.
+
+Who may interrupt: an --interrupt cuts a turn short only if everything the turn runs
+ahead of it is its sender's, or its sender was an admin (`interrupts_that_cut`); an
+interrupted turn is done only for whoever cut it (`settle`).
 """
 
 from __future__ import annotations
@@ -133,7 +137,9 @@ class Fold:
 
     turn_id: int
     delivery_ids: tuple[int, ...]
-    interrupt: bool  # signal the turn: one of the deliveries asked to interrupt
+    # One of the deliveries asks to interrupt: whether it may cut the turn short is
+    # decided in the fold's commit (`interrupts_that_cut`), from who sent what.
+    interrupt: bool
 
 
 @dataclass(frozen=True)
@@ -278,6 +284,81 @@ def may_pass(regime: HoldReason, held: HoldReason | None, light_load: float, cos
     return regime is HoldReason.ADAPTIVE_LIMIT and held is None and light_load + cost < 1
 
 
+# -- who may interrupt ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A delivery as the interrupt rules see it: who sent it (`uid`, SO_PEERCRED; None:
+    not known), and, for an --interrupt, whether its sender was an admin when it
+    delivered (`admin`) and whether it cut its turn short (`cut`, decided at its fold)."""
+
+    id: int
+    uid: int | None
+    interrupt: bool = False
+    admin: bool = False
+    cut: bool = False
+
+
+def may_interrupt(sender: int | None, admin: bool, ahead: Iterable[int | None]) -> bool:
+    """Whether an interrupt may cut a turn short: its sender was an admin when it
+    delivered, or every delivery the turn runs ahead of it (`ahead`: their senders) is
+    the sender's own. A sender not known owns nothing."""
+    return admin or (sender is not None and all(uid == sender for uid in ahead))
+
+
+def interrupts_that_cut(running: Iterable[int | None], fold: Sequence[Sent]) -> tuple[int, ...]:
+    """The ids of the fold's interrupts that cut its turn short; the others fold in as
+    plain deliveries. `running`: the senders of the deliveries the turn runs already.
+    Each interrupt is judged on what the turn runs when it arrives: those, and the
+    fold's deliveries before it (by id). One delivered after it cannot undo it, and is
+    not done by it either (`settle`)."""
+    ahead = set(running)
+    cut = []
+    for sent in sorted(fold, key=lambda s: s.id):
+        if sent.interrupt and may_interrupt(sent.uid, sent.admin, ahead):
+            cut.append(sent.id)
+        ahead.add(sent.uid)
+    return tuple(cut)
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """What becomes of an ended turn's deliveries."""
+
+    done: tuple[int, ...] = ()
+    returned: tuple[int, ...] = ()  # back to pending, no attempt counted
+    failed: tuple[int, ...] = ()  # one attempt counted: backoff, or dead after the last
+    # Of `failed`: cut short by someone else's interrupt (said in their error).
+    cut_by_other: tuple[int, ...] = ()
+
+
+def settle(kind: Outcome, rows: Sequence[Sent], not_taken: Container[int] = ()) -> Settlement:
+    """Settle a turn's deliveries by its outcome. A folded delivery it did not take goes
+    back with no attempt; so does every one of a turn whose command never ran. Of those
+    it carried: exit 0, done; a failure, one attempt each.
+
+    An interrupted turn (it exited non-zero after an interrupt cut it short) is done
+    only for whoever asked: the deliveries of a sender whose interrupt cut it, and
+    those interrupts. Every other delivery it carried counts one failed attempt and is
+    tried again, so that nobody's delivery is marked done by someone else's interrupt.
+    A turn interrupted before volutectl recorded who cut it (no row says so) is done
+    whole, as it was then."""
+    returned = [s.id for s in rows if s.id in not_taken]
+    carried = [s for s in rows if s.id not in not_taken]
+    ids = tuple(s.id for s in carried)
+    if kind is Outcome.NEVER_RAN:
+        return Settlement(returned=tuple(returned) + ids)
+    if kind.failed:
+        return Settlement(returned=tuple(returned), failed=ids)
+    askers = {s.uid for s in rows if s.cut and s.uid is not None}
+    if kind is not Outcome.INTERRUPTED or not any(s.cut for s in rows):
+        return Settlement(done=ids, returned=tuple(returned))
+    done = tuple(s.id for s in carried if s.cut or (s.uid is not None and s.uid in askers))
+    others = tuple(i for i in ids if i not in done)
+    return Settlement(done=done, returned=tuple(returned), failed=others, cut_by_other=others)
+
+
 @dataclass(frozen=True)
 class AfterFailure:
     state: QueueState  # PENDING (backing off) or DEAD
@@ -336,7 +417,7 @@ def turn_outcome(
     `released`: the gate recorded that it let the command exec. `started_marker`: the
     turn's wrapper got as far as running the command. `interrupted`: the gate sent it
     SIGINT for an --interrupt delivery; a turn that then exits non-zero did what it
-    was asked (stop), so its deliveries count as carried, not as a failure to retry.
+    was asked (stop): not a failure, and `settle` says whose deliveries that carries.
     `timed_out`: it ran past its max runtime and was stopped; that is a failed attempt,
     whatever it exited with, and it outranks an interrupt.
     """

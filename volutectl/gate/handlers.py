@@ -355,11 +355,14 @@ def accept_deliveries(
     """
     replies: list[Reply | None] = []
     rows: list[NewDelivery] = []
-    uids = [caller.uid for caller in callers] if callers is not None else [None] * len(batch)
-    for request, uid in zip(batch, uids, strict=True):
+    senders: Sequence[Caller | None] = callers if callers is not None else [None] * len(batch)
+    uids = [caller.uid if caller is not None else None for caller in senders]
+    for request, caller in zip(batch, senders, strict=True):
         try:
             row = validate.delivery(state.settings, request, state.minds_on_disk)
-            rows.append(dataclasses.replace(row, uid=uid))
+            admin = _interrupts_as_admin(request, caller)
+            uid = caller.uid if caller is not None else None
+            rows.append(dataclasses.replace(row, uid=uid, admin=admin))
             replies.append(None)
         except VoluteError as error:
             replies.append(ErrorReply.of(error))
@@ -386,15 +389,33 @@ def accept_deliveries(
         if isinstance(result, VoluteError):
             done.append(ErrorReply.of(result))
             continue
+        refused = request.interrupt and _interrupt_refused(state, result)
         if isinstance(result, AlreadyQueued):
-            done.append(DeliverAck(result, already_queued=True))
+            done.append(DeliverAck(result, already_queued=True, interrupt_refused=refused))
             continue  # its DeliveryQueued was told when it was stored
-        done.append(DeliverAck(result))
+        done.append(DeliverAck(result, interrupt_refused=refused))
         state.journal.emit(
             events.DeliveryQueued(mind=request.mind, session=request.session, delivery_id=result)
         )
     state.dirty = True
     return done
+
+
+def _interrupts_as_admin(request: DeliverRequest, caller: Caller | None) -> bool:
+    """Whether `request` is an interrupt from an admin, who may cut short any turn: the
+    fact its fold decides by, recorded as it is delivered. Only an interrupt pays for
+    the group lookup."""
+    return request.interrupt and caller is not None and caller.role is roles.Role.ADMIN
+
+
+def _interrupt_refused(state: GateState, delivery_id: int) -> bool:
+    """Whether the interrupt just stored as `delivery_id` will not cut short the turn it
+    reaches (its ack says so). Not knowing says nothing: the fold decides anyway."""
+    row = state.store.row(delivery_id)
+    try:
+        return row is not None and state.turns.interrupt_refused(row)
+    except sqlite3.Error:
+        return False
 
 
 def _refusal(state: GateState, count: int, error: Exception) -> ErrorReply:

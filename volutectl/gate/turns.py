@@ -16,7 +16,7 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 
 from volutectl import events, names
@@ -146,12 +146,21 @@ class Turns:
                 self.journal.emit(events.DeliveryHeld(**events.delivery_fields(row), reason=reason))
 
     def fold(self, fold: admission.Fold, now: float) -> None:
-        """Hand deliveries to a live turn of their session, through its inbox."""
+        """Hand deliveries to a live turn of their session, through its inbox. An
+        interrupt cuts the turn short only if the store's commit decided it may (`cut`);
+        one that may not folds in as a plain delivery, and its record says so."""
         turn = self._turns[fold.turn_id]
-        rows = self.store.fold_into(turn.id, list(fold.delivery_ids), now, interrupt=fold.interrupt)
+        rows = self.store.fold_into(turn.id, list(fold.delivery_ids), now)
         crash_point("fold_committed")
         for row in rows:
-            record = fork.delivery_record(row.id, row.session, row.message, row.interrupt)
+            if row.interrupt and not row.cut:
+                self.journal.emit(
+                    events.InterruptRefused(
+                        **events.turn_fields(turn), delivery_id=row.id, uid=row.uid
+                    )
+                )
+        for row in rows:
+            record = fork.delivery_record(row.id, row.session, row.message, row.cut)
             offer = orders.Offer(turn_id=turn.id, mind=turn.mind, delivery_id=row.id)
             try:
                 self.hands.offer(offer, record)
@@ -169,8 +178,29 @@ class Turns:
         if rows:
             ids = " ".join(str(r.id) for r in rows)
             self.journal.emit(events.TurnFolded(**events.turn_fields(turn), delivery_ids=ids))
-        if fold.interrupt:
+        if any(row.cut for row in rows):
             self.apply(turn, lifecycle.Interrupt())
+
+    def interrupt_refused(self, row: Row) -> bool:
+        """Whether the interrupt of `row`, just acknowledged, will not cut short the turn
+        it reaches: what `fold` will decide, told in its ack. Pending, it is judged as its
+        fold will judge it (core/admission.py's `interrupts_that_cut`), on the session's
+        live turn (the oldest, which admission folds into) and the pending deliveries
+        ahead of it, which fold in with it; with no live turn it starts one, and cuts
+        nothing short. Folded already (a request id sent again), as it was decided."""
+        if not row.interrupt:
+            return False
+        if row.state is not QueueState.PENDING:
+            return row.state is QueueState.RUNNING and row.folded and not row.cut
+        live = [t for t in self.all() if (t.mind, t.session) == (row.mind, row.session)]
+        if not live:
+            return False
+        ahead = self.store.senders_of_turn(live[0].id)
+        index = self.store.index.minds.get(row.mind)
+        queue = index.sessions.get(row.session) if index is not None else None
+        before = [i for i in queue.ids if i < row.id] if queue is not None else []
+        ahead |= {other.uid for other in self.store.rows(before, with_message=False)}
+        return not admission.may_interrupt(row.uid, row.admin, ahead)
 
     def start(self, start: admission.Start, now: float) -> None:
         """Commit the turn, then have its hands start it (directory, fork, scope, release)."""
@@ -482,26 +512,28 @@ class Turns:
                 now=now,
             ),
         )
-        not_taken = set(report.not_taken)
-        returned = [row.id for row in rows if row.id in not_taken]
-        carried = [row for row in rows if row.id not in not_taken]
-        carried_ids = [row.id for row in carried]
-        error = f"turn {turn.id} {outcome.detail}"
-        failed = self.failures(carried) if outcome.kind.failed else {}
+        settlement = admission.settle(
+            outcome.kind, [row.as_sent() for row in rows], set(report.not_taken)
+        )
+        carried = [row for row in rows if row.id not in settlement.returned]
+        failing = [row for row in carried if row.id in settlement.failed]
+        failed = self.failures(failing)
+        by_other = ": cut short by another user's interrupt" if settlement.cut_by_other else ""
+        error = f"turn {turn.id} {outcome.detail}{by_other}"
         self.store.settle_turn(
             turn.id,
             outcome=outcome.kind,
             exit_status=outcome.exit_status,
             detail=outcome.detail,
-            done=carried_ids if outcome.kind.carried else [],
-            returned=returned + (carried_ids if outcome.kind is Outcome.NEVER_RAN else []),
+            done=settlement.done,
+            returned=settlement.returned,
             failed=failed,
             error=error,
             now=now,
             durable=False,  # the gate calls store.sync() before it sleeps
         )
         crash_point("settled")
-        self.tell_dead(carried, failed, error, notify=False)  # _tell_settled tells them
+        self.tell_dead(failing, failed, error, notify=False)  # _tell_settled tells them
         self._turns.pop(turn.id, None)
         self.close_pidfd(turn)
         turn.state, _ = lifecycle.step(turn.state, lifecycle.Ended(outcome.kind))
@@ -519,7 +551,7 @@ class Turns:
                 detail=outcome.detail,
             )
         )
-        self._tell_settled(turn, outcome, carried, failed, error)
+        self._tell_settled(turn, outcome, carried, settlement.done, failed, error)
         self.wake()
 
     def _tell_settled(
@@ -527,6 +559,7 @@ class Turns:
         turn: Turn,
         outcome: admission.TurnOutcome,
         carried: list[Row],
+        done: Container[int],
         failed: Mapping[int, admission.AfterFailure],
         error: str,
     ) -> None:
@@ -534,7 +567,7 @@ class Turns:
         their last attempt. One that will be tried again stays waited for."""
         for row in carried:
             after = failed.get(row.id)
-            if outcome.kind.carried:
+            if row.id in done:
                 state = QueueState.DONE
             elif after is not None:
                 state = after.state  # dead, or backing off (told only to who asks progress)

@@ -14,13 +14,14 @@ and transaction helper are volutectl/store/schema.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from pathlib import Path
 
-from volutectl.core.admission import AfterFailure
+from volutectl.core.admission import AfterFailure, interrupts_that_cut
 from volutectl.errors import PermissionDeniedError, UnavailableError, VoluteError
 from volutectl.states import HoldReason, Outcome, QueueState, TurnState
 from volutectl.store.minds import MindStore
@@ -47,7 +48,7 @@ def _marks(values: Sequence[object]) -> str:
 # The columns of a SELECT that reads whole rows; the decoders below read them by name.
 ROW_COLUMNS = (
     "id, mind, session, message, interrupt, state, attempts, not_before, created_at, "
-    "held_since, hold_reason, held_ms, turn_id, folded, last_error, uid"
+    "held_since, hold_reason, held_ms, turn_id, folded, last_error, uid, admin, cut"
 )
 # The same, with an empty message: admission must not read a deep queue's message bodies.
 ROW_COLUMNS_NO_MESSAGE = ROW_COLUMNS.replace("message", "x'' AS message", 1)
@@ -76,6 +77,8 @@ def _row_of(values: sqlite3.Row) -> Row:
         folded=bool(values["folded"]),
         last_error=values["last_error"],
         uid=values["uid"],
+        admin=bool(values["admin"]),
+        cut=bool(values["cut"]),
     )
 
 
@@ -206,8 +209,8 @@ class Store:
                     continue
                 cursor = self.db.execute(
                     "INSERT INTO deliveries "
-                    "(mind, session, message, interrupt, created_at, request_id, uid) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    "(mind, session, message, interrupt, created_at, request_id, uid, admin) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         item.mind,
                         item.session,
@@ -216,6 +219,7 @@ class Store:
                         now,
                         item.request_id,
                         item.uid,
+                        int(item.interrupt and item.admin),
                     ),
                 )
                 delivery_id = int(cursor.lastrowid or 0)
@@ -420,16 +424,32 @@ class Store:
         self._unpended(row.id for row in rows)
         return turn_id, rows
 
-    def fold_into(
-        self, turn_id: int, delivery_ids: Sequence[int], now: float, *, interrupt: bool = False
-    ) -> list[Row]:
-        """Hand rows to a running turn; `interrupt` is recorded in the same commit."""
+    def fold_into(self, turn_id: int, delivery_ids: Sequence[int], now: float) -> list[Row]:
+        """Hand rows to a running turn, and decide in the same commit which of their
+        interrupts cut it short (core/admission.py's `interrupts_that_cut`, from the
+        senders of what it runs): those come back with `cut` set, and the turn is
+        recorded as interrupted. The others fold in as plain deliveries."""
         with self._tx():
-            if interrupt:
-                self.db.execute("UPDATE turns SET interrupted = 1 WHERE id = ?", (turn_id,))
             rows = self._take(turn_id, delivery_ids, now, folded=True)
+            cut: set[int] = set()
+            if any(row.interrupt for row in rows):  # only then: a fold is on the handoff path
+                taken = {row.id for row in rows}
+                running = self.senders_of_turn(turn_id, besides=taken)
+                cut = set(interrupts_that_cut(running, [row.as_sent() for row in rows]))
+            if cut:
+                self.db.execute("UPDATE turns SET interrupted = 1 WHERE id = ?", (turn_id,))
+                self.db.executemany(
+                    "UPDATE deliveries SET cut = 1 WHERE id = ?", [(i,) for i in sorted(cut)]
+                )
         self._unpended(row.id for row in rows)
-        return rows
+        return [dataclasses.replace(row, cut=True) if row.id in cut else row for row in rows]
+
+    def senders_of_turn(self, turn_id: int, besides: Container[int] = ()) -> set[int | None]:
+        """Who sent the deliveries a turn runs (its rows still running), `besides` those."""
+        cursor = self.db.execute(
+            "SELECT id, uid FROM deliveries WHERE turn_id = ? AND state = ?", (turn_id, RUNNING)
+        )
+        return {uid for delivery_id, uid in cursor if delivery_id not in besides}
 
     def _take(self, turn_id: int, ids: Sequence[int], now: float, *, folded: bool) -> list[Row]:
         rows = [row for row in self.rows(ids) if row.state is PENDING]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from volutectl.core.admission import Delivery
+from volutectl.core.admission import Delivery, Sent
 from volutectl.errors import DataError
 from volutectl.states import HoldReason, Outcome, QueueState, TurnState
 
@@ -40,7 +40,7 @@ class AlreadyQueued(int):
 class NewDelivery:
     """A delivery to add. `request_id`, made by the client, makes a retry harmless (it is
     unique per `uid`); `uid` is who delivered it (None: not known), whose quota it counts
-    against."""
+    against; `admin`, for an interrupt, that its sender was an admin then."""
 
     mind: str
     session: str
@@ -48,6 +48,7 @@ class NewDelivery:
     interrupt: bool = False
     request_id: str | None = None
     uid: int | None = None
+    admin: bool = False  # an interrupt whose sender is an admin: it may cut any turn
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class Row:
     folded: bool
     last_error: str | None
     uid: int | None = None  # who delivered it (SO_PEERCRED); None: not known
+    admin: bool = False  # an interrupt whose sender was an admin when it delivered
+    cut: bool = False  # an interrupt that cut its turn short (decided at its fold)
 
     def as_delivery(self) -> Delivery:
         return Delivery(
@@ -77,6 +80,10 @@ class Row:
             interrupt=self.interrupt,
             not_before=self.not_before,
         )
+
+    def as_sent(self) -> Sent:
+        """The row as the interrupt rules see it (core/admission.py)."""
+        return Sent(self.id, self.uid, self.interrupt, self.admin, self.cut)
 
 
 @dataclass(frozen=True)

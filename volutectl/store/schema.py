@@ -128,6 +128,18 @@ DROP INDEX deliveries_request;
 CREATE UNIQUE INDEX deliveries_request ON deliveries(uid, request_id)
     WHERE request_id IS NOT NULL;
 """,
+    # 8 -> 9 (who may interrupt): an --interrupt may cut short a turn that runs only its
+    # sender's deliveries, or any turn if its sender was an admin when it delivered.
+    # - admin: an interrupt's sender was root or in volute-admin then (0 for any other
+    #   delivery: the group lookup is paid for interrupts only);
+    # - cut: set in the fold's commit, the interrupt did cut its turn short. The ended
+    #   turn's deliveries of that sender are done; the others' are tried again.
+    # Rows from before have neither: a turn interrupted then, with no row cut, settles
+    # as it did then (core/admission.py's `settle`).
+    8: """
+ALTER TABLE deliveries ADD COLUMN admin INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE deliveries ADD COLUMN cut INTEGER NOT NULL DEFAULT 0;
+""",
 }
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
 

@@ -316,10 +316,14 @@ class DeliverAck(Reply):
     """The delivery is durably queued as `id` (or was already: a retried request id)."""
 
     id: int
-    QUIET = frozenset({"already_queued"})
+    QUIET = frozenset({"already_queued", "interrupt_refused"})
     # True: the request id was the sender's already, for this same delivery; nothing new
     # was stored (false from a gate before this field).
     already_queued: bool = False
+    # True: an interrupt that may not cut short the session's running turn (it runs
+    # another user's delivery, and the sender is no admin): the message folds in as a
+    # plain delivery, and the turn is not signalled (false from a gate before this field).
+    interrupt_refused: bool = False
 
 
 class Unchanged(Record):
