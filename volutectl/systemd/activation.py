@@ -114,8 +114,11 @@ def inherited(
 
 
 def keep(name: str, fd: int) -> bool:
-    """Put `fd` in our fd store as `name`: the next start of the service gets it back."""
-    return sd_notify(f"FDSTORE=1\nFDNAME={name}", [fd])
+    """Put `fd` in our fd store as `name`: the next start of the service gets it back.
+
+    FDPOLL=0: systemd would otherwise poll it to drop it on a hang-up, and epoll refuses
+    an O_PATH descriptor (EBADF), which makes systemd refuse the descriptor."""
+    return sd_notify(f"FDSTORE=1\nFDNAME={name}\nFDPOLL=0", [fd])
 
 
 def forget(name: str) -> bool:
