@@ -24,10 +24,12 @@ import pytest
 from tests.unit.gate_harness import Harness
 from tests.unit.test_slotwatch import Log, git, hold_in_child, make_watch, pump, seen
 from volutectl import events
+from volutectl.core import slotmath
 from volutectl.gate import server
 from volutectl.kernel import pathwalk
 from volutectl.slots import gitdirs
 from volutectl.slots import watch as slotwatch
+from volutectl.slots.registry import MAX_REPOSITORIES_PER_USER
 from volutectl.slots.watch import FdStore, SlotWatch
 
 
@@ -126,6 +128,11 @@ def test_a_repository_the_gate_may_not_open_is_watched_through_its_descriptor(
         assert holder.stdout is not None
         holder.stdout.readline()
         pump(watch, lambda: seen(watch) == ["slot-1"])
+        # A run in that checkout is listed under it, though its path does not open.
+        run = slotmath.InFlight("volute-test-1.scope", str(repo), "sleep 60", 1.0)
+        [entry] = watch.status([run])
+        assert (entry["repository"], entry["slots_held"]) == (str(common), 1)
+        assert [listed["unit"] for listed in entry["runs"]] == ["volute-test-1.scope"]  # type: ignore[attr-defined]
         assert json.loads((tmp_path / "state" / "repositories.json").read_text())[
             "repositories"
         ] == [{"path": str(common), "uid": os.getuid()}]
@@ -308,3 +315,38 @@ def test_the_fd_store_comes_back_named_apart_from_the_socket() -> None:
     assert slotwatch.anchor_uid("volute-repo-1000-1-2") == 1000
     assert slotwatch.anchor_uid("volute-gate.socket") is None
     assert slotwatch.anchor_uid("volute-repo-x-1-2") is None
+
+
+def test_registrations_by_descriptor_keep_the_bound_per_user(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 33rd repository of a member is refused (75 from the handler), and keeps no
+    descriptor: a member holds at most 32 of the gate's."""
+    homes = tmp_path / "home"
+    commons = []
+    for number in range(MAX_REPOSITORIES_PER_USER + 1):
+        common = homes / f"r{number}" / ".git"
+        for part in ("objects", "refs"):
+            (common / part).mkdir(parents=True)
+        (common / "HEAD").write_text("ref: refs/heads/main\n")
+        os.chown(common, 1000, 1000)
+        commons.append(common)
+    refuse_paths_under(monkeypatch, homes)
+    store = Store()
+    watch = SlotWatch(
+        [], tmp_path / "state" / "repositories.json", Log(), fd_store=store.fd_store()
+    )
+    try:
+        before = open_fds()
+        for common in commons[:-1]:
+            fd = o_path(common)
+            assert watch.register(common, 1000, fd) is True
+            os.close(fd)
+        fd = o_path(commons[-1])
+        with pytest.raises(slotwatch.RepositoryLimit):
+            watch.register(commons[-1], 1000, fd)
+        os.close(fd)
+        assert open_fds() == before + MAX_REPOSITORIES_PER_USER
+        assert len(store.kept) == MAX_REPOSITORIES_PER_USER
+    finally:
+        watch.close()

@@ -517,7 +517,7 @@ class SlotWatch:
                 "runs": [],
             }
         for run in runs:
-            common = resolve_run(run.worktree)
+            common = resolve_run(run.worktree) or self._anchored(run.worktree)
             key = common or Path(run.worktree)
             entry = entries.setdefault(
                 key,
@@ -541,6 +541,13 @@ class SlotWatch:
                 }
             )
         return [entries[key] for key in sorted(entries)]
+
+    def _anchored(self, worktree: str) -> Path | None:
+        """The repository of a run in a main checkout the gate may not open, watched
+        through its anchor: the one whose common dir is that checkout's `.git`."""
+        key = Path(worktree) / ".git"
+        repo = self._repos.get(key)
+        return key if repo is not None and repo.anchor is not None else None
 
     def close(self) -> None:
         """Stop watching. Anchors are closed here, and stay in the fd store."""
