@@ -126,6 +126,8 @@ def test_a_restarted_gate_still_holds_turns_for_the_run(machine: Machine) -> Non
         assert unit_property(machine, "volute-gate.service", "NFileDescriptorStore") == "1"
         machine.run(["systemctl", "restart", "volute-gate.service"], timeout=60)
         assert slots_held(machine) == 1  # the first answer after the restart knows
+        listed = [(e["repository"], e["problem"]) for e in status(machine)["test_runs"]]
+        assert listed == [(COMMON_DIR, None)]  # once, not also as "permission denied"
         deliver(machine, "a", "after the restart")
         wait_for(lambda: held_as_test_run(machine), timeout=10)
         # A second restart, with the delivery waiting: it waits on.
@@ -197,3 +199,9 @@ def test_descriptors_sent_with_other_requests_are_closed_and_anothers_refused(
     assert gate_fds(machine) == before + 1
     assert unit_property(machine, "volute-gate.service", "NFileDescriptorStore") == "1"
     assert repository_entry(machine) is not None
+    # A git dir the gate may not search (made under umask 077): said as such (77).
+    as_bob(machine, f"git init -q {HOME}/closed && chmod 700 {HOME}/closed/.git")
+    reply = send("register_repo", f"{HOME}/closed/.git", 1)
+    assert (reply["ok"], reply["code"]) == (False, 77), reply
+    assert "permission denied" in str(reply["error"])
+    assert gate_fds(machine) == before + 1

@@ -8,6 +8,7 @@ Each refusal names the field and carries its exit code (65 bad data, 67 unknown 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Callable, Collection
@@ -149,6 +150,10 @@ def _passed_common_dir(path: str, uid: int, descriptor: int) -> Path:
             raise DataError(f"path: the descriptor sent for {path} is not a directory")
         resolved = pathwalk.descriptor_path(descriptor)
         via = f" (its descriptor, {resolved})" if str(resolved) != path else ""
+        with contextlib.suppress(FileNotFoundError):  # no HEAD: the check says so
+            # A git dir the gate may not search (umask 077) is "permission denied",
+            # not "no git directory", which is all the check below could tell.
+            os.stat("HEAD", dir_fd=descriptor, follow_symlinks=False)
         _check_common_dir(path, via, descriptor, uid)
     except PermissionError:
         raise
