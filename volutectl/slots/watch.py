@@ -123,8 +123,9 @@ def anchor_uid(name: str) -> int | None:
 
 @dataclass(frozen=True)
 class FdStore:
-    """Where anchors are kept across restarts (systemd's fd store: volutectl.systemd.fdstore);
-    by default nowhere, and a repository's next `volutectl test` registers it again."""
+    """Where anchors are kept across restarts (systemd's fd store: `keep` and `forget` of
+    volutectl.systemd.activation); by default nowhere, and a repository's next
+    `volutectl test` registers it again."""
 
     keep: Callable[[str, int], object] = lambda name, fd: None
     forget: Callable[[str], object] = lambda name: None
@@ -304,8 +305,9 @@ class SlotWatch:
     def _reopen(self, repo: _Repository) -> int | None:
         """The watched level, opened again by its path, if it is still the same inode.
 
-        The watch holds no descriptor: an open one would keep a removed directory's
-        inode alive, and its IN_DELETE_SELF would never come."""
+        The watch holds no descriptor of the level: an open one would keep a removed
+        directory's inode alive, and its IN_DELETE_SELF would never come. A repository
+        the gate may not open by path is reopened below its anchor (the common dir)."""
         below = slotmath.SLOT_DIR_PARTS[: repo.depth]
         try:
             if repo.anchor is not None:
