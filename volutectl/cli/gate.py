@@ -48,8 +48,11 @@ def signal_pipe(*signums: int) -> int:
 def gate_command(config_path: str | None) -> None:
     """Run the turn gate in the foreground (the daemon behind volute-gate.service)."""
     # First of all, before the gate can fork a turn: take the socket systemd may have
-    # passed (made close-on-exec, its variables unset). Run by hand, there is none.
-    listener = activation.inherited_listener()
+    # passed (made close-on-exec, its variables unset), and the repositories' descriptors
+    # it kept for us across a restart (its fd store). Run by hand, there are none.
+    from volutectl.slots.watch import ANCHOR_PREFIX
+
+    listener, anchors = activation.inherited(ANCHOR_PREFIX)
     # Before anything slow: a SIGHUP's default action would end the gate.
     stop_fd = signal_pipe(signal.SIGTERM, signal.SIGINT)
     reload_fd = signal_pipe(signal.SIGHUP)
@@ -65,7 +68,7 @@ def gate_command(config_path: str | None) -> None:
             sd_notify("STOPPING=1")
             return
         settings = reloaded
-    run_gate(settings, journal, listener, stop_fd, reload_fd, config)
+    run_gate(settings, journal, listener, stop_fd, reload_fd, config, anchors)
 
 
 def serve_degraded(
@@ -92,11 +95,12 @@ def run_gate(
     stop_fd: int,
     reload_fd: int,
     config: ConfigFile,
+    anchors: list[tuple[str, int]],
 ) -> None:
     from volutectl.gate.loop import Gate
 
     fork.raise_nofile_limit()  # a descriptor per client; turns get the old limit back
-    gate = Gate(settings, listener=listener, journal=journal, config=config)
+    gate = Gate(settings, listener=listener, journal=journal, config=config, anchors=anchors)
 
     def ready() -> None:
         sd_notify("READY=1\nSTATUS=accepting deliveries")

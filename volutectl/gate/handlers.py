@@ -71,6 +71,9 @@ class Caller:
     # The uid's groups (names); None: looked up in the user database when first needed,
     # once per request, so a change of membership counts from the next request on.
     groups: frozenset[str] | None = None
+    # A descriptor that came with the request (SCM_RIGHTS; register_repo's directory),
+    # open until the handler returns: what is kept of it is a dup.
+    descriptor: int | None = None
 
     @cached_property
     def role(self) -> roles.Role:
@@ -155,20 +158,22 @@ def register_repo_handler(
     """Watch the repository `volutectl test` runs in, if it is the caller's (or root's).
 
     What is checked is what the gate will watch: the common dir that the path's `.git`
-    and `commondir` lead to (volutectl.gate.validate.git_common_dir); the watch checks it
-    again, on the descriptor it watches. A repository the gate may not look into (it
-    runs unprivileged) is refused with 77, and `status` lists it with that problem."""
+    and `commondir` lead to (volutectl.gate.validate.git_common_dir), or, where the gate
+    may not open the path (a private home), the directory whose descriptor came with the
+    request; the watch checks it again, on the descriptor it watches. A repository the
+    gate may not look into, sent with no descriptor, is refused with 77, and `status`
+    lists it with that problem."""
     try:
-        common = validate.git_common_dir(request.path, caller.uid)
+        common = validate.git_common_dir(request.path, caller.uid, caller.descriptor)
     except PermissionError:
         with contextlib.suppress(RepositoryLimit):
             state.slots.register(Path(request.path), caller.uid)  # listed, with its problem
         raise PermissionDeniedError(
             f"path: the gate cannot watch {request.path}: permission denied",
-            hint="docs/test-slots.md says how to let the gate read a repository",
+            hint="docs/test-slots.md says what the gate needs to read a repository",
         ) from None
     try:
-        new = state.slots.register(common, caller.uid)
+        new = state.slots.register(common, caller.uid, caller.descriptor)
     except RepositoryLimit as limit:
         raise TemporaryError(
             str(limit),

@@ -36,7 +36,7 @@ import os
 import socket
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -57,10 +57,11 @@ from volutectl.gate.state import GateState
 from volutectl.gate.turns import Turn, Turns
 from volutectl.launcher import preflight
 from volutectl.launcher.hands import LocalHands, RemoteHands, TurnHands
-from volutectl.slots.watch import SlotWatch
+from volutectl.slots.watch import FdStore, SlotWatch
 from volutectl.states import HoldReason
 from volutectl.store.indexed import IndexedStore
 from volutectl.store.retention import DAY, Retention
+from volutectl.systemd import activation
 from volutectl.systemd.journal import Journal, sd_notify, watchdog_interval
 from volutectl.systemd.port import SystemdManager
 from volutectl.wire.messages import ConfigStatus
@@ -92,6 +93,7 @@ class Gate:
         listener: socket.socket | None = None,
         hands: TurnHands | None = None,
         config: ConfigFile | None = None,
+        anchors: Sequence[tuple[str, int]] = (),
     ) -> None:
         """Open the store, connect to systemd (subscribed before anything is listed, so no
         turn can end unseen), take the socket, then take back the open turns."""
@@ -108,6 +110,7 @@ class Gate:
         self.notifier = status.StatusNotifier()  # STATUS= for systemd, when it changes
         self.started = False  # this pass started a turn
         self._opened: list[Any] = [self.reactor]
+        self._anchors = anchors  # repositories' descriptors from the fd store: the watch's
         try:
             self.state = self._build_state(manager, hands)
             handlers.load_pauses(self.state)  # a pause outlives the gate that took it
@@ -168,6 +171,8 @@ class Gate:
             settings.gate.state_dir / "repositories.json",
             journal.emit,
             max_slot_files=settings.tests.max_slot_files,
+            anchors=self._anchors,
+            fd_store=FdStore(keep=activation.keep, forget=activation.forget),
         )
         self._opened.append(slots)
         return GateState(

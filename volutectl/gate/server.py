@@ -21,10 +21,18 @@ with 75 as soon as it is accepted (its uid is known only then). A client that wa
 an outcome after its end of requests is watched for hang-up (`hangups`, an epoll set
 that reports nothing else): once its peer has closed, nobody can read the outcome, and
 it is dropped at once instead of holding its place until the delivery settles.
+
+Descriptors (SCM_RIGHTS): a `register_repo` line may carry one, its repository's git
+common directory, which the gate cannot open by path in a private home. It must come
+in the same sendmsg as the line's end. Each read takes at most MAX_PASSED_FDS (the
+kernel discards what does not fit the ancillary buffer); the one that came with a
+register_repo line is kept for that request (`take_passed`), and every other, with any
+other request, with no complete line, or past one per client, is closed at once.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import grp
 import os
@@ -58,6 +66,9 @@ MAX_OUTBOX = 1 << 20
 ACCEPT_RETRY_SECONDS = 1.0
 # Lines of one client taken in one pass of the loop; the rest wait for the next pass.
 MAX_LINES_PER_PASS = 1024
+# Descriptors one read may bring in (SCM_RIGHTS); the kernel closes any past them.
+MAX_PASSED_FDS = 2
+_ANCILLARY = socket.CMSG_SPACE(MAX_PASSED_FDS * 4)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 # The peer has closed its socket (or shut both ways), or reset it: nothing sent reaches it.
 _GONE = select.POLLHUP | select.POLLERR
@@ -78,6 +89,10 @@ class Client:
     # Monotonic time of the last complete line, of the accept, or of a wait's end: the
     # client is dropped gate.client_idle_seconds later, unless it is waiting.
     idle_since: float = 0.0
+    # A descriptor that came with one of its lines (SCM_RIGHTS), the gate's until its
+    # request is handled or the client dropped: (fd, lines still to go until that one).
+    incoming_fd: tuple[int, int] | None = None
+    passed: tuple[Request[Reply], int] | None = None  # that request, decoded, and the fd
 
     def peer_uid(self) -> int:
         """The uid of the process that connected."""
@@ -86,6 +101,21 @@ class Client:
 
 # A request as it arrived: decoded, or already refused.
 Incoming: TypeAlias = tuple[Client, Request[Reply] | ErrorReply]
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _passed_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors in a read's ancillary data (SCM_RIGHTS), all of them."""
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -339,11 +369,15 @@ class Server:
 
     def _read(self, client: Client) -> list[Incoming]:
         try:
-            chunk = client.sock.recv(1 << 20)
+            chunk, ancillary, _, _ = client.sock.recvmsg(
+                1 << 20, _ANCILLARY, socket.MSG_CMSG_CLOEXEC
+            )
         except BlockingIOError:
             return []
         except OSError:
-            chunk = b""
+            chunk, ancillary = b"", []
+        if ancillary:
+            self._take_fds(client, _passed_fds(ancillary), chunk)
         if not chunk:
             self._end_of_requests(client)
             return []
@@ -353,6 +387,39 @@ class Server:
                 self._refuse_oversized(client)
             return []
         return self._lines(client)
+
+    def _take_fds(self, client: Client, fds: list[int], chunk: bytes) -> None:
+        """Keep the first descriptor of a read for the last line it completes, if the
+        client has none waiting; close every other one now. Before a read a client's
+        buffer holds no complete line (one with lines left is not read), so that line
+        is the buffer's Nth, N the newlines in the chunk."""
+        lines = chunk.count(b"\n")
+        if fds and lines and client.incoming_fd is None and client.passed is None:
+            client.incoming_fd = (fds.pop(0), lines)
+        _close_fds(fds)
+
+    def _attached(self, client: Client, request: Request[Reply] | ErrorReply) -> None:
+        """One more line of the client's decoded: if the descriptor came with it, keep
+        it for that request when it is a register_repo, else close it."""
+        if client.incoming_fd is None:
+            return
+        fd, lines = client.incoming_fd
+        if lines > 1:
+            client.incoming_fd = (fd, lines - 1)
+            return
+        client.incoming_fd = None
+        if isinstance(request, messages.RegisterRepoRequest) and client.passed is None:
+            client.passed = (request, fd)
+        else:
+            _close_fds([fd])
+
+    def take_passed(self, client: Client, request: Request[Reply]) -> int | None:
+        """The descriptor that came with `request`, now the caller's to close; or None."""
+        if client.passed is None or client.passed[0] is not request:
+            return None
+        fd = client.passed[1]
+        client.passed = None
+        return fd
 
     def _lines(self, client: Client) -> list[Incoming]:
         """The complete lines in the client's buffer, at most MAX_LINES_PER_PASS of them:
@@ -371,10 +438,13 @@ class Server:
             if len(line) > protocol.MAX_LINE:
                 self._refuse_oversized(client)
             elif not client.closed:
+                decoded: Request[Reply] | ErrorReply
                 try:
-                    requests.append((client, messages.decode_request(protocol.decode(line))))
+                    decoded = messages.decode_request(protocol.decode(line))
                 except VoluteError as error:
-                    requests.append((client, ErrorReply.of(error)))
+                    decoded = ErrorReply.of(error)
+                requests.append((client, decoded))
+                self._attached(client, decoded)
             if client.closed:
                 return []
         if client.fd not in self.backlog and len(client.buffer) > protocol.MAX_LINE:
@@ -522,6 +592,11 @@ class Server:
             if not self.per_uid[client.uid]:
                 del self.per_uid[client.uid]
         self.on_drop(client)
+        if client.incoming_fd is not None:
+            _close_fds([client.incoming_fd[0]])
+        if client.passed is not None:
+            _close_fds([client.passed[1]])
+        client.incoming_fd = client.passed = None
         with contextlib.suppress(OSError):
             client.sock.close()
         self._resume_accepting()  # one place free, or one descriptor

@@ -10,6 +10,8 @@ the clients it met, never the loop.
 
 from __future__ import annotations
 
+import os
+
 from volutectl.gate import handlers
 from volutectl.gate.handlers import Caller
 from volutectl.gate.outcomes import Waiters
@@ -81,11 +83,19 @@ class Serving:
         batch.clear()
 
     def _handle(self, client: Client, request: Request[Reply]) -> Reply | None:
+        # A descriptor that came with the request (register_repo's): the handler dups
+        # what it keeps, and it is closed here whatever happens.
+        passed = self.server.take_passed(client, request)
         try:
-            return handlers.handle(self.state, request, Caller(client.peer_uid()))
+            return handlers.handle(
+                self.state, request, Caller(client.peer_uid(), descriptor=passed)
+            )
         except Exception as error:  # noqa: BLE001 - a bug: it ends this client only
             self.server.client_failed(client, f"handling a {request.OP} request", error)
             return None
+        finally:
+            if passed is not None:
+                os.close(passed)
 
     def _deliver(self, clients: list[Client], batch: list[DeliverRequest]) -> list[Reply | None]:
         try:

@@ -8,7 +8,9 @@ Each refusal names the field and carries its exit code (65 bad data, 67 unknown 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -61,7 +63,7 @@ def delivery(
     return NewDelivery(mind, request.session, data, request.interrupt, request.request_id)
 
 
-def git_common_dir(path: str, uid: int) -> Path:
+def git_common_dir(path: str, uid: int, descriptor: int | None = None) -> Path:
     """The git common directory that registering `path` would have the gate watch, if
     the user `uid` may have it watched; its path as the kernel names it.
 
@@ -73,25 +75,45 @@ def git_common_dir(path: str, uid: int) -> Path:
     watches what it registers and persists it, so a group member must not make it
     watch anyone else's tree, or the kernel's. Raises PermissionError when the gate may
     not look there (run unprivileged, it cannot enter a private home), DataError else.
-    """
+
+    `descriptor`, a directory the client opened and passed with the request: when the
+    path can be opened, it must be the very directory that the path leads to; when the
+    gate may not open the path, it is the descriptor that is checked, as above."""
     try:
         top = pathwalk.open_directory(path)
     except NotADirectoryError:
         raise DataError(f"path: {path} is not a directory") from None
     except PermissionError:
-        raise
+        if descriptor is None:
+            raise
+        return _passed_common_dir(path, uid, descriptor)
     except OSError as error:
         raise DataError(f"path: {path}: {error.strerror}") from None
     except pathwalk.KernelPath as error:
         raise DataError(f"path: {path} is under {error.root}, not a git repository") from None
     except pathwalk.UntrustedPath as error:
         raise DataError(f"path: {path} is reached through {error}") from None
+    common, given = _common_dir_below(path, top)
+    try:
+        resolved = pathwalk.descriptor_path(common)
+        via = "" if resolved == given else f" leads to {resolved}, which"
+        _check_common_dir(path, via, common, uid)
+        if descriptor is not None and not same_inode(common, descriptor):
+            raise DataError(f"path: {path}{via} is not the directory whose descriptor came with it")
+    finally:
+        os.close(common)
+    return resolved
+
+
+def _common_dir_below(path: str, top: int) -> tuple[int, Path]:
+    """The common dir of the directory open at `top` (which this closes), opened, and
+    the path the kernel has for `top`; DataError or PermissionError as git_common_dir."""
     try:
         where = pathwalk.kernel_filesystem(top)
         if where is not None:
             raise DataError(f"path: {path} is under {where}, not a git repository")
         given = pathwalk.descriptor_path(top)
-        common = gitdirs.common_dir_of(top)
+        return gitdirs.common_dir_of(top), given
     except gitdirs.NotARepository:
         raise DataError(
             f"path: {path} is not a git common directory (it needs HEAD, objects/ and refs/)",
@@ -105,19 +127,42 @@ def git_common_dir(path: str, uid: int) -> Path:
         raise DataError(f"path: {path}: {error.strerror}") from None
     finally:
         os.close(top)
+
+
+def _check_common_dir(path: str, via: str, common: int, uid: int) -> None:
     try:
-        resolved = pathwalk.descriptor_path(common)
-        via = "" if resolved == given else f" leads to {resolved}, which"
-        try:
-            gitdirs.check_common_dir(common, uid)
-        except gitdirs.NotARepository:
-            raise DataError(
-                f"path: {path}{via} is not a git common directory "
-                "(it needs HEAD, objects/ and refs/)",
-                hint="register the repository's .git directory (git rev-parse --git-common-dir)",
-            ) from None
-        except gitdirs.RepositoryRefused as refusal:
-            raise DataError(f"path: {path}{via} {refusal}") from None
-    finally:
-        os.close(common)
+        gitdirs.check_common_dir(common, uid)
+    except gitdirs.NotARepository:
+        raise DataError(
+            f"path: {path}{via} is not a git common directory (it needs HEAD, objects/ and refs/)",
+            hint="register the repository's .git directory (git rev-parse --git-common-dir)",
+        ) from None
+    except gitdirs.RepositoryRefused as refusal:
+        raise DataError(f"path: {path}{via} {refusal}") from None
+
+
+def _passed_common_dir(path: str, uid: int, descriptor: int) -> Path:
+    """The common dir passed as `descriptor` with a request whose `path` the gate may not
+    open: a directory, checked as git_common_dir checks what a path leads to; its path
+    as the kernel names it. PermissionError if even it may not be looked into."""
+    try:
+        if not stat.S_ISDIR(os.fstat(descriptor).st_mode):
+            raise DataError(f"path: the descriptor sent for {path} is not a directory")
+        resolved = pathwalk.descriptor_path(descriptor)
+        via = f" (its descriptor, {resolved})" if str(resolved) != path else ""
+        with contextlib.suppress(FileNotFoundError):  # no HEAD: the check says so
+            # A git dir the gate may not search (umask 077) is "permission denied",
+            # not "no git directory", which is all the check below could tell.
+            os.stat("HEAD", dir_fd=descriptor, follow_symlinks=False)
+        _check_common_dir(path, via, descriptor, uid)
+    except PermissionError:
+        raise
+    except OSError as error:
+        raise DataError(f"path: {path}: {error.strerror}") from None
     return resolved
+
+
+def same_inode(one: int, other: int) -> bool:
+    """Do two descriptors refer to the same inode?"""
+    first, second = os.fstat(one), os.fstat(other)
+    return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)

@@ -217,7 +217,9 @@ def register_with_gate(socket_path: str, common_dir: Path) -> None:
     Sent on every capped run rather than once: it costs one connect and one write (tens
     of microseconds when no gate listens), and a gate that lost its registry, or a
     repository that was re-cloned, is picked up again without a marker file to go stale.
-    The reply is not awaited, so a busy or absent gate never delays or fails a run."""
+    The common dir goes with it as a descriptor (SCM_RIGHTS), so that a gate that may
+    not enter the user's private home still watches it. The reply is not awaited, so a
+    busy or absent gate never delays or fails a run."""
     from volutectl.errors import VoluteError
     from volutectl.wire.protocol import Connection
 
@@ -226,11 +228,18 @@ def register_with_gate(socket_path: str, common_dir: Path) -> None:
     except (VoluteError, OSError):
         return
     try:
-        connection.send(RegisterRepoRequest(str(common_dir)).to_wire())
+        directory = slotfiles.open_common_dir(common_dir)
+    except OSError:
+        directory = None
+    try:
+        fds = () if directory is None else (directory,)
+        connection.send(RegisterRepoRequest(str(common_dir)).to_wire(), fds)
     except (VoluteError, OSError):
         pass
     finally:
         connection.close()
+        if directory is not None:
+            os.close(directory)
 
 
 # -- the command itself -------------------------------------------------------------------

@@ -46,8 +46,19 @@ The gate never takes a slot, and never opens one. It learns that a slot is held 
   inode checked, whatever is renamed or swapped afterwards. This is done again on each
   (re)attach, so a repository that stops passing the checks stops being watched.
 - **A gate that may not look.** Run as an unprivileged user, the gate cannot enter a
-  private home directory. Such a repository is listed with the problem "permission
-  denied" in `status` and said once in the journal, and is otherwise ignored.
+  private home directory (Debian makes homes 0700). `volutectl test` therefore sends
+  the repository's common dir as a descriptor with its registration (SCM_RIGHTS); the
+  gate checks that descriptor as it would the path's (owner, filesystem, shape; the
+  same inode as the path's, where the path opens), keeps a dup of it (the repository's
+  *anchor*), and reaches the slot directory relative to it, never by the path. An
+  anchor is a descriptor held, so the common dir's own removal raises no event; it is
+  let go when the repository stops passing the checks (its slot directory going
+  raises one), or is found removed (no links left) when next looked at. Anchors are
+  kept across gate restarts in systemd's fd store (`FdStore`, named
+  volute-repo-UID-DEV-INO), and checked again when they come back. A repository
+  registered with no descriptor that the gate may not look into is listed with the
+  problem "permission denied" in `status` and said once in the journal, and is
+  otherwise ignored.
 """
 
 from __future__ import annotations
@@ -60,7 +71,7 @@ import pwd
 import stat
 import sys
 import termios
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +103,32 @@ SLOT_DIR_MASK = (
 SLOT_DEPTH = len(slotmath.SLOT_DIR_PARTS)
 
 Device = slotmath.Device
+
+
+ANCHOR_PREFIX = "volute-repo-"  # the fd store's name of an anchor: volute-repo-UID-DEV-INO
+
+
+def anchor_name(uid: int, fd: int) -> str:
+    info = os.fstat(fd)
+    return f"{ANCHOR_PREFIX}{uid}-{info.st_dev}-{info.st_ino}"
+
+
+def anchor_uid(name: str) -> int | None:
+    """Whose an anchor is, from its name in the fd store; None for no anchor's name."""
+    if not name.startswith(ANCHOR_PREFIX):
+        return None
+    uid = name[len(ANCHOR_PREFIX) :].split("-")[0]
+    return int(uid) if uid.isdigit() else None
+
+
+@dataclass(frozen=True)
+class FdStore:
+    """Where anchors are kept across restarts (systemd's fd store: `keep` and `forget` of
+    volutectl.systemd.activation); by default nowhere, and a repository's next
+    `volutectl test` registers it again."""
+
+    keep: Callable[[str, int], object] = lambda name, fd: None
+    forget: Callable[[str], object] = lambda name: None
 
 
 class RepositoryLimit(Exception):
@@ -139,6 +176,9 @@ class _Repository:
     files: dict[str, _SlotFile] = field(default_factory=dict)
     problem: str | None = None  # why it is not watched now
     over_cap: bool = False  # has slot files past max_slot_files
+    # The common dir, as a descriptor a client passed: the gate may not open the path.
+    anchor: int | None = None
+    anchor_name: str | None = None  # its name in the fd store
 
 
 class SlotWatch:
@@ -151,8 +191,11 @@ class SlotWatch:
         emit: events.Emit,
         *,
         max_slot_files: int = DEFAULT_MAX_SLOT_FILES,
+        anchors: Iterable[tuple[str, int]] = (),
+        fd_store: FdStore | None = None,
     ) -> None:
         self._inotify = INotify()
+        self._fd_store = fd_store or FdStore()
         self._registry = registry
         self._emit = emit
         self._max_slot_files = max_slot_files
@@ -162,6 +205,8 @@ class SlotWatch:
         self._held: frozenset[HeldSlot] = frozenset()
         for path in repositories:
             self._add(Path(path), uid=0, registered=False, configured=True)
+        for name, fd in anchors:
+            self._restore(name, fd)
         forgotten = False
         for entry in load_registry(self._registry, self._problem):
             uid, reason = self._usable(entry)
@@ -260,11 +305,15 @@ class SlotWatch:
     def _reopen(self, repo: _Repository) -> int | None:
         """The watched level, opened again by its path, if it is still the same inode.
 
-        The watch holds no descriptor: an open one would keep a removed directory's
-        inode alive, and its IN_DELETE_SELF would never come."""
-        where = repo.key.joinpath(*slotmath.SLOT_DIR_PARTS[: repo.depth])
+        The watch holds no descriptor of the level: an open one would keep a removed
+        directory's inode alive, and its IN_DELETE_SELF would never come. A repository
+        the gate may not open by path is reopened below its anchor (the common dir)."""
+        below = slotmath.SLOT_DIR_PARTS[: repo.depth]
         try:
-            directory = pathwalk.open_directory(where)
+            if repo.anchor is not None:
+                directory = pathwalk.open_directory("/".join(below) or ".", relative_to=repo.anchor)
+            else:
+                directory = pathwalk.open_directory(repo.key.joinpath(*below))
         except (OSError, pathwalk.UntrustedPath):
             return None
         info = os.fstat(directory)
@@ -290,15 +339,17 @@ class SlotWatch:
         except OSError:
             return False
 
-    def register(self, repository: Path, uid: int = 0) -> bool:
+    def register(self, repository: Path, uid: int = 0, descriptor: int | None = None) -> bool:
         """Watch one more repository (a checkout, worktree or git dir) for the user `uid`
         (0: root, who may have any repository watched), and persist it.
 
         True if it is new, or known but was not being watched (it had gone, and is back):
         the held set may then have grown, so re-run admission. False, with the reason
         logged once, when it is no repository this user may have watched. One the gate
-        may not look into (permission denied) is kept, unwatched and unpersisted, so
-        that `status` says so. Raises RepositoryLimit past the bounds on registrations."""
+        may not look into (permission denied) is watched through `descriptor`, its
+        common dir as the client passed it (a dup is kept; the caller closes it), when
+        there is one; else it is kept, unwatched and unpersisted, so that `status` says
+        so. Raises RepositoryLimit past the bounds on registrations."""
         path = Path(repository)
         if not path.is_absolute():
             self._refused(path, "not an absolute path")
@@ -306,12 +357,16 @@ class SlotWatch:
         try:
             fd = gitdirs.open_common_dir(path)
         except PermissionError:
+            if descriptor is not None:
+                return self._register_passed(path, uid, descriptor)
             return self._register_unreadable(path, uid)
         except (OSError, gitdirs.RepositoryRefused):
             self._refused(path, "not a git repository")
             return False
         try:
             gitdirs.check_common_dir(fd, uid)
+            if descriptor is not None and _identity(fd) != _identity(descriptor):
+                raise gitdirs.RepositoryRefused("is not the directory its descriptor is")
             common = pathwalk.descriptor_path(fd)
         except (OSError, gitdirs.RepositoryRefused) as refusal:
             self._refused(path, str(refusal))
@@ -336,6 +391,74 @@ class SlotWatch:
         self._save_registry()  # the gate logs the registration itself
         self._refresh()
         return True
+
+    def _register_passed(self, path: Path, uid: int, descriptor: int) -> bool:
+        """Register the common dir open at `descriptor` (the gate may not open `path`),
+        checked as its user's, and watch it through a dup of that descriptor."""
+        try:
+            _check_anchor(descriptor, uid)
+            common = pathwalk.descriptor_path(descriptor)
+        except (OSError, gitdirs.RepositoryRefused) as refusal:
+            self._refused(path, _reason(refusal))
+            return False
+        listed = self._repos.get(path)
+        if listed is not None and path != common and listed.wd is None and listed.anchor is None:
+            del self._repos[path]  # listed as unreadable: it is watched now
+            self._problems.pop(str(path), None)
+        known = self._repos.get(common)
+        if known is not None and known.wd is not None:
+            return False
+        if known is None or known.uid != uid:
+            self._check_bounds(common, uid)
+        if known is None:
+            known = self._repos[common] = _Repository(key=common, given=common, uid=uid)
+        # Listed unwatched, perhaps by another user that named this path: it is the
+        # user's whose descriptor passed the checks.
+        known.uid = uid
+        if not known.registered and not known.configured:
+            known.registered = True
+            self._save_registry()
+        self._anchor(known, descriptor)
+        self._attach(known)
+        self._refresh()
+        return known.wd is not None
+
+    def _anchor(self, repo: _Repository, descriptor: int) -> None:
+        """Keep a dup of `descriptor` as the repository's anchor, and in the fd store."""
+        self._release_anchor(repo)
+        repo.anchor = os.dup(descriptor)  # not inheritable: no turn or child gets it
+        repo.anchor_name = anchor_name(repo.uid, repo.anchor)
+        self._fd_store.keep(repo.anchor_name, repo.anchor)
+
+    def _release_anchor(self, repo: _Repository) -> None:
+        if repo.anchor is not None:
+            os.close(repo.anchor)
+        if repo.anchor_name is not None:
+            self._fd_store.forget(repo.anchor_name)
+        repo.anchor = repo.anchor_name = None
+
+    def _restore(self, name: str, fd: int) -> None:
+        """An anchor from the fd store, kept before a restart: watched again if it still
+        passes the checks; else closed and taken out of the store."""
+        uid = anchor_uid(name)
+        try:
+            if uid is None:
+                raise gitdirs.RepositoryRefused(f"is no anchor ({name!r})")
+            _check_anchor(fd, uid)
+            key = pathwalk.descriptor_path(fd)
+        except (OSError, gitdirs.RepositoryRefused) as refusal:
+            where = pathwalk.descriptor_path(fd) if uid is not None else name
+            os.close(fd)
+            self._fd_store.forget(name)
+            self._emit(events.RepositoryForgotten(repository=str(where), reason=_reason(refusal)))
+            return
+        if uid is None or key in self._repos:  # a second copy: the store keeps the first
+            os.close(fd)
+            return
+        repo = _Repository(key=key, given=key, uid=uid, registered=True)
+        repo.anchor, repo.anchor_name = fd, name
+        self._repos[key] = repo
+        self._attach(repo)
 
     def _register_unreadable(self, path: Path, uid: int) -> bool:
         if path not in self._repos:
@@ -396,7 +519,7 @@ class SlotWatch:
                 "runs": [],
             }
         for run in runs:
-            common = resolve_run(run.worktree)
+            common = resolve_run(run.worktree) or self._anchored(run.worktree)
             key = common or Path(run.worktree)
             entry = entries.setdefault(
                 key,
@@ -421,9 +544,20 @@ class SlotWatch:
             )
         return [entries[key] for key in sorted(entries)]
 
+    def _anchored(self, worktree: str) -> Path | None:
+        """The repository of a run in a main checkout the gate may not open, watched
+        through its anchor: the one whose common dir is that checkout's `.git`."""
+        key = Path(worktree) / ".git"
+        repo = self._repos.get(key)
+        return key if repo is not None and repo.anchor is not None else None
+
     def close(self) -> None:
+        """Stop watching. Anchors are closed here, and stay in the fd store."""
         for repo in self._repos.values():
             self._detach(repo)
+            if repo.anchor is not None:
+                os.close(repo.anchor)
+                repo.anchor = None
         self._inotify.close()
 
     # -- watches ----------------------------------------------------------------------------
@@ -500,6 +634,8 @@ class SlotWatch:
     def _open_common_dir(self, repo: _Repository) -> int | None:
         """The repository's common git directory, opened and checked as its owner's; None
         (and the problem said) when it cannot be watched."""
+        if repo.anchor is not None:
+            return self._open_anchor(repo)
         try:
             directory = gitdirs.open_common_dir(repo.given)
         except PermissionError:
@@ -521,6 +657,18 @@ class SlotWatch:
             self._cannot_watch(repo, _reason(error))
             return None
         return directory
+
+    def _open_anchor(self, repo: _Repository) -> int | None:
+        """A dup of the repository's anchor, checked again; None (the anchor let go, and
+        the problem said) once it no longer passes: removed, or no longer its user's."""
+        assert repo.anchor is not None
+        try:
+            _check_anchor(repo.anchor, repo.uid)
+            return os.dup(repo.anchor)
+        except (OSError, gitdirs.RepositoryRefused) as error:
+            self._release_anchor(repo)
+            self._cannot_watch(repo, _reason(error))
+            return None
 
     def _watch_deepest_level(
         self, repo: _Repository, directory: int
@@ -651,6 +799,22 @@ def resolve_run(worktree: str) -> Path | None:
     if worktree == "?" or not os.path.isabs(worktree):
         return None
     return gitdirs.resolve_common_dir(worktree)
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
+
+
+def _check_anchor(fd: int, uid: int) -> None:
+    """That a passed descriptor is a common dir `uid` may have watched, still linked in
+    its filesystem (removed, it would be watched for ever and raise nothing)."""
+    info = os.fstat(fd)
+    if not stat.S_ISDIR(info.st_mode):
+        raise gitdirs.RepositoryRefused("is not a directory")
+    if info.st_nlink == 0:
+        raise gitdirs.RepositoryRefused("gone")
+    gitdirs.check_common_dir(fd, uid)
 
 
 def _open_level(directory: int, depth: int) -> int | None:

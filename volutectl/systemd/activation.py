@@ -6,6 +6,11 @@ accepts them: no client is refused (DESIGN invariant 9). The hand-over is the
 sd_listen_fds(3) protocol: LISTEN_FDS descriptors from fd 3 on, meant for the process
 whose pid is LISTEN_PID. Like sd_notify in journal.py it is spoken directly, with no
 pystemd, which stays inside the one systemd adapter.
+
+The same variables bring back what the gate put in its fd store (FDSTORE=1 with an
+FDNAME; FileDescriptorStoreMax= on volute-gate.service): descriptors it keeps across
+its own restarts, told from the socket by their names (LISTEN_FDNAMES). `keep` and
+`forget` put one in the store and take it out.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import socket
 from collections.abc import MutableMapping
 
 from volutectl.errors import ConfigError
+from volutectl.systemd.journal import sd_notify
 
 LISTEN_FDS_START = 3  # SD_LISTEN_FDS_START
 VARIABLES = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
@@ -26,6 +32,12 @@ UNIT_HINT = (
 def listen_fds(
     environ: MutableMapping[str, str] | None = None, pid: int | None = None
 ) -> list[int]:
+    return [fd for fd, _ in named_fds(environ, pid)]
+
+
+def named_fds(
+    environ: MutableMapping[str, str] | None = None, pid: int | None = None
+) -> list[tuple[int, str]]:
     """The descriptors systemd passed to this process, now close-on-exec; [] if none.
 
     The variables are removed whatever they say, as sd_listen_fds(unset_environment=1)
@@ -47,6 +59,8 @@ def listen_fds(
             f"socket activation: LISTEN_PID={listen_pid!r} LISTEN_FDS={count!r} are not numbers"
         ) from None
     fds = list(range(LISTEN_FDS_START, LISTEN_FDS_START + max(number, 0)))
+    names = (values["LISTEN_FDNAMES"] or "").split(":")
+    names += ["unknown"] * (len(fds) - len(names))  # sd_listen_fds_with_names' default
     for fd in fds:
         try:
             # Turns are forked from the gate: an inherited listener must not reach them.
@@ -55,7 +69,7 @@ def listen_fds(
             raise ConfigError(
                 f"socket activation: fd {fd} of LISTEN_FDS={count} is not open: {error.strerror}"
             ) from None
-    return fds
+    return list(zip(fds, names, strict=False))
 
 
 def listener_from_fd(fd: int) -> socket.socket:
@@ -83,7 +97,36 @@ def inherited_listener(
     environ: MutableMapping[str, str] | None = None, pid: int | None = None
 ) -> socket.socket | None:
     """The listening socket systemd passed us, or None when we were started by hand."""
-    fds = listen_fds(environ, pid)
+    return _listener([fd for fd, _ in named_fds(environ, pid)])
+
+
+def inherited(
+    stored_prefix: str,
+    environ: MutableMapping[str, str] | None = None,
+    pid: int | None = None,
+) -> tuple[socket.socket | None, list[tuple[str, int]]]:
+    """The listening socket, and the descriptors from the fd store (those whose names
+    begin with `stored_prefix`), as (name, fd)."""
+    passed = named_fds(environ, pid)
+    stored = [(name, fd) for fd, name in passed if name.startswith(stored_prefix)]
+    sockets = [fd for fd, name in passed if not name.startswith(stored_prefix)]
+    return _listener(sockets), stored
+
+
+def keep(name: str, fd: int) -> bool:
+    """Put `fd` in our fd store as `name`: the next start of the service gets it back.
+
+    FDPOLL=0: systemd would otherwise poll it to drop it on a hang-up, and epoll refuses
+    an O_PATH descriptor (EBADF), which makes systemd refuse the descriptor."""
+    return sd_notify(f"FDSTORE=1\nFDNAME={name}\nFDPOLL=0", [fd])
+
+
+def forget(name: str) -> bool:
+    """Take every descriptor named `name` out of our fd store."""
+    return sd_notify(f"FDSTOREREMOVE=1\nFDNAME={name}")
+
+
+def _listener(fds: list[int]) -> socket.socket | None:
     if not fds:
         return None
     if len(fds) != 1:

@@ -16,11 +16,12 @@
 
 from __future__ import annotations
 
+import array
 import os
 import re
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,8 +147,9 @@ class TurnStream:
         return sock.detach()
 
 
-def sd_notify(state: str) -> bool:
-    """Send `state` (e.g. "READY=1") to the service manager; False if not under one."""
+def sd_notify(state: str, fds: Sequence[int] = ()) -> bool:
+    """Send `state` (e.g. "READY=1") to the service manager, with `fds` (SCM_RIGHTS, for
+    FDSTORE=1); False if not under one."""
     address = os.environ.get("NOTIFY_SOCKET")
     if not address:
         return False
@@ -156,7 +158,13 @@ def sd_notify(state: str) -> bool:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
             sock.connect(address)
-            sock.send(state.encode())
+            if fds:
+                sock.sendmsg(
+                    [state.encode()],
+                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, bytes(array.array("i", fds)))],
+                )
+            else:
+                sock.send(state.encode())
         return True
     except OSError:
         return False

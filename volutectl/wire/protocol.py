@@ -8,10 +8,12 @@ of heavy imports: `volutectl deliver` loads this module on its hot path.
 
 from __future__ import annotations
 
+import array
 import json
 import re
 import socket
 import time
+from socket import SCM_RIGHTS, SOL_SOCKET
 
 from volutectl.errors import (
     EX_NOPERM,
@@ -26,7 +28,7 @@ from volutectl.errors import (
 # Not `import typing`: this module is on deliver's hot path (~6 ms).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
     from typing import Any, TypeVar
 
     T = TypeVar("T")
@@ -195,9 +197,14 @@ class Connection:
             raise UnavailableError(f"cannot connect to the gate at {path}: {error}") from None
         self.buffer = b""
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+        """Send one request line; `fds` go with it (SCM_RIGHTS), in the same sendmsg."""
         try:
-            self.sock.sendall(encode(message))
+            line = encode(message)
+            if fds:
+                rights = array.array("i", fds).tobytes()
+                line = line[self.sock.sendmsg([line], [(SOL_SOCKET, SCM_RIGHTS, rights)]) :]
+            self.sock.sendall(line)
         except (BrokenPipeError, ConnectionResetError) as error:
             if self._refused_at_once():
                 return  # receive() gives the refusal, which answers this request
