@@ -61,7 +61,7 @@ def start_leave_behind_gate(machine: Machine, **turns: object) -> None:
     machine.write("/usr/local/bin/leave-behind", LEAVE_BEHIND, mode=0o755)
     machine.sh(f": > {LOG}; chmod 666 {LOG}")
     # One turn of the mind at a time (the default), and the default hour of max runtime.
-    start_gate(machine, gate_config({"m": "leave-behind"}, **({"turns": turns} if turns else {})))
+    start_gate(machine, gate_config({"m": "leave-behind"}, turns=turns))
 
 
 def deliver_two(machine: Machine) -> tuple[int, int]:

@@ -318,6 +318,7 @@ LATER: list[Event] = [EXITED, ScopeEnded(), LISTED, UNLISTED, NOT_DUE, DUE_NOW]
 LATER += [*LAUNCHER, *ANSWERS, TIME_LIMIT, STOP_FAILED, LEFTOVERS_FAILED, Interrupt(), ENDED]
 EVENTS = START_RESULTS + LATER
 
+RUNNING_STATES: list[State] = [UNCONFIRMED, RUNNING, RUNNING_UNSEEN, RUNNING_ASKING]
 ILLEGAL: list[tuple[State, Event]] = [
     # A starting turn is with its hands: the gate holds no place for it, and only how
     # its start went can come.
@@ -332,8 +333,7 @@ ILLEGAL: list[tuple[State, Event]] = [
     # The launcher is waited for only by an unconfirmed turn.
     *((state, event) for state in HELD if state != UNCONFIRMED for event in LAUNCHER),
     # What a main process left behind is stopped only once it has exited.
-    *((state, LEFTOVERS_FAILED) for state in [UNCONFIRMED, RUNNING, RUNNING_UNSEEN]),
-    (RUNNING_ASKING, LEFTOVERS_FAILED),
+    *((state, LEFTOVERS_FAILED) for state in RUNNING_STATES),
 ]
 
 
