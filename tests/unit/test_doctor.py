@@ -561,3 +561,11 @@ def test_doctor_checks_cron_and_at_for_each_minds_user() -> None:
         }
     )
     assert doctor.mind_users(settings) == ["bob", "volute-turn"]
+
+
+def test_a_minds_user_that_lingers_is_named_with_the_line_that_stops_it(tmp_path: Path) -> None:
+    assert doctor.check_linger(["volute-turn"], tmp_path).status == "ok"
+    write(tmp_path / "volute-turn", "")  # as `loginctl enable-linger volute-turn` leaves it
+    check = doctor.check_linger(["bob", "volute-turn"], tmp_path)
+    assert check.status == "warn" and "volute-turn" in check.found and "bob" not in check.found
+    assert check.change == "as root: loginctl disable-linger volute-turn"

@@ -500,6 +500,25 @@ def check_scheduler(
     return Check(scheduler.name, "warn", found, change)
 
 
+LINGER_DIR = Path("/var/lib/systemd/linger")  # logind's: one empty file per lingering user
+
+
+def check_linger(users: Sequence[str], linger_dir: Path = LINGER_DIR) -> Check:
+    """Whether a mind's user lingers: its user manager then runs at boot and outlives
+    every turn, and a turn can start services there (`systemd-run --user`) that no
+    turn's scope, limit or pause holds. Where polkit allows it, a turn can turn
+    lingering on for its own user (`loginctl enable-linger`): this sees it afterwards."""
+    lingering = [user for user in sorted(set(users)) if (linger_dir / user).exists()]
+    if not lingering:
+        return Check("linger", "ok", "no mind's user lingers (no user manager outlives turns)")
+    found = (
+        f"the minds' user(s) {', '.join(lingering)} linger: their user managers run "
+        "outside any turn, and so does what a turn started there"
+    )
+    names = " ".join(shlex.quote(user) for user in lingering)
+    return Check("linger", "warn", found, f"as root: loginctl disable-linger {names}")
+
+
 def mind_users(settings: Settings) -> list[str]:
     """The users the minds' turns run as."""
     default = settings.turns.default_user
@@ -541,6 +560,7 @@ def run_checks(config_path: str | None) -> list[Check]:
     checks.extend(check_mind(report) for report in preflight.check_minds(settings))
     if settings.minds:
         checks.extend(check_scheduler(s, mind_users(settings)) for s in SCHEDULERS)
+        checks.append(check_linger(mind_users(settings)))
     return checks
 
 
