@@ -47,6 +47,7 @@ class Event(StrEnum):
     STRANDED = "stranded"
     ADOPT = "adopt"
     EMPTY_SCOPE = "empty_scope"
+    LEFTOVERS_STOPPED = "leftovers_stopped"
     NOT_OFFERED = "not_offered"
     NOT_STORED = "not_stored"
     IO_PRESSURE_ON = "io_pressure_on"
@@ -93,6 +94,7 @@ MESSAGE_IDS: Mapping[Event, str] = {
     Event.TIMEOUT: "98f69cfd2dde4ff081cf73a80c7cbaa7",
     Event.DEAD: "69b9ac8362694fa49b471479c58a75bf",
     Event.STRANDED: "b3f463b249d9486aa4da49845f154797",
+    Event.LEFTOVERS_STOPPED: "2d205a995f8641a19a2a39c0bfb48530",
     Event.NOT_OFFERED: "2d4a2e048a0a49818ddec92b327e95c8",
     Event.NOT_STORED: "82e7dbea24134bdbaa0565787567d3d5",
     Event.IO_PRESSURE_ON: "9d11c5f578ba49e9a4cc7dee44bbd236",
@@ -575,6 +577,29 @@ class TurnTimedOut(TurnEvent):
         return (
             f"ran past its limit of {self.limit_seconds:.0f} s: stopping it (SIGTERM, then "
             f"SIGKILL after {self.grace_seconds:g} s)"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnLeftoversStopped(TurnEvent):
+    """A turn's main process exited a grace ago, and its scope still holds processes
+    (`processes`, None if systemd could not say; `pids`, the first of them): the scope
+    is stopped, and the place freed once it ends."""
+
+    LEVEL = "notice"
+    EVENT = Event.LEFTOVERS_STOPPED
+    processes: int | None
+    pids: str | None
+    grace_seconds: float = field(metadata=NOT_SENT)
+    stop_seconds: float = field(metadata=NOT_SENT)
+
+    def text(self) -> str:
+        left = "processes"
+        if self.processes is not None:
+            left = f"{self.processes} process" + ("" if self.processes == 1 else "es")
+        return (
+            f"ended {self.grace_seconds:g} s ago, and {self.unit} still holds {left}: "
+            f"stopping it (SIGTERM, then SIGKILL after {self.stop_seconds:g} s)"
         )
 
 

@@ -639,6 +639,61 @@ def test_a_lean_install_suffices_and_a_homeless_mind_has_a_home(installed: Insta
     ]
 
 
+# -- issue 29: a turn's user is kept out of cron and at, by the admin, as doctor says ------
+
+CRON_JOB = "17 3 * * * true\n"
+DEFAULT_TURN_USER = "volute-turn"
+ONE_MIND = "/var/tmp/one-mind.toml"  # a mind of the default turn user, for doctor
+
+
+def scheduler_checks(m: Machine) -> dict[str, dict[str, str]]:
+    command = ["volutectl", "doctor", "--json", "--config", ONE_MIND]
+    report = json.loads(m.run(command, check=False).stdout)
+    return {c["check"]: c for c in report["checks"] if c["check"] in ("cron", "at")}
+
+
+def test_doctor_names_the_turn_user_cron_and_at_take_and_its_line_keeps_it_out(
+    installed: Installed,
+) -> None:
+    """Debian's cron and at decide by /etc/cron.{allow,deny} and /etc/at.{allow,deny},
+    files of theirs that no other package may edit (Policy 10.7.4): the admin keeps the
+    minds' users out, with the line `doctor` prints (docs/packaging.md, "Cron and at")."""
+    m = installed.machine
+    m.run(
+        ["apt-get", "install", "-y", "-q", "--no-install-recommends", "cron", "at"],
+        env={"DEBIAN_FRONTEND": "noninteractive"},
+        timeout=600,
+    )
+    m.write(ONE_MIND, '[minds.plain]\ncommand = ["/bin/true"]\n')
+    checks = scheduler_checks(m)
+    artifact("doctor-cron-at.json", json.dumps(checks, indent=2))
+    # Fresh: cron takes every user (no cron.allow, no cron.deny); at.deny, at's conffile,
+    # lists system users but not volute-turn. So a turn could leave a job behind.
+    for name in ("cron", "at"):
+        assert checks[name]["status"] == "warn", checks[name]
+        assert "volute-turn" in checks[name]["found"], checks[name]
+    assert as_user(m, DEFAULT_TURN_USER, "crontab", "-", stdin=CRON_JOB)[0] == 0
+    assert as_user(m, DEFAULT_TURN_USER, "crontab", "-r")[0] == 0
+    took, said = as_user(m, DEFAULT_TURN_USER, "at", "now", "+", "10", "hours", stdin="true\n")
+    assert took == 0, said
+    m.sh("atrm $(atq | cut -f1)")
+    at_deny_before = m.host_path("/etc/at.deny").read_text()
+    # The admin runs the lines doctor gives, as root.
+    for name in ("cron", "at"):
+        m.run(["sh", "-c", checks[name]["change"].removeprefix("as root: ")])
+    after = scheduler_checks(m)
+    assert [after[name]["status"] for name in ("cron", "at")] == ["ok", "ok"], after
+    assert m.host_path("/etc/cron.deny").read_text() == "volute-turn\n"
+    assert m.host_path("/etc/at.deny").read_text() == at_deny_before + "volute-turn\n"
+    # crontab and at, setgid and setuid, now refuse the turn's user.
+    refused, said = as_user(m, DEFAULT_TURN_USER, "crontab", "-", stdin=CRON_JOB)
+    assert refused != 0 and "not allowed" in said, said
+    refused, said = as_user(m, DEFAULT_TURN_USER, "at", "now", "+", "10", "hours", stdin="true\n")
+    assert refused != 0 and "permission" in said, said
+    artifact("cron-at-refused.txt", said)
+    assert m.run(["atq"]).stdout == ""
+
+
 def test_remove_keeps_state_and_purge_leaves_nothing(installed: Installed) -> None:
     m = installed.machine
     m.run(["systemctl", "enable", "volute-heartbeat@m1.timer"])

@@ -470,3 +470,102 @@ def test_adaptive_of_a_gate_out_of_reach_says_why(tmp_path: Path) -> None:
     assert status is None and problem is not None and "not running" in problem
     check = doctor.check_adaptive(status, problem)
     assert check.status == "warn" and "cannot ask the gate" in check.found
+
+
+# -- cron and at: read as cron and at read them, with the line that keeps a user out --
+
+CRON, AT = doctor.SCHEDULERS
+
+
+def installed_programs(root: Path) -> list[Path]:
+    bin_dir = root / "usr" / "bin"
+    bin_dir.mkdir(parents=True)
+    for program in ("crontab", "at"):
+        write(bin_dir / program, "")
+    return [bin_dir]
+
+
+def keep_out(check: Check, etc: Path) -> None:
+    """Run the line the check gives, as root would (here: the test's user, on its files)."""
+    assert check.change.startswith("as root: "), check
+    subprocess.run(["sh", "-c", check.change.removeprefix("as root: ")], check=True, cwd=etc)
+
+
+@pytest.mark.parametrize(
+    ("files", "cron_takes", "at_takes"),
+    [
+        ({}, True, False),  # Debian's cron: every user; at: root alone
+        ({"cron.deny": "", "at.deny": ""}, True, True),  # an empty deny file refuses no one
+        ({"cron.deny": "volute-turn\n", "at.deny": "daemon\nvolute-turn\n"}, False, False),
+        ({"cron.deny": " volute-turn\n", "at.deny": "#volute-turn\n"}, True, True),  # whole lines
+        ({"cron.allow": "volute-turn\n", "cron.deny": "volute-turn\n"}, True, False),  # allow first
+        ({"cron.allow": "alice\n", "at.allow": "alice\n", "at.deny": ""}, False, False),
+        ({"cron.deny": "daemon\nvolute-turn", "at.deny": "volute-turn"}, False, False),  # no \n
+    ],
+)
+def test_cron_and_at_take_jobs_as_their_allow_and_deny_files_say(
+    tmp_path: Path, files: dict[str, str], cron_takes: bool, at_takes: bool
+) -> None:
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    for name, text in files.items():
+        write(etc / name, text)
+    bins = installed_programs(tmp_path)
+    for scheduler, takes in ((CRON, cron_takes), (AT, at_takes)):
+        check = doctor.check_scheduler(scheduler, ["volute-turn", "root"], etc, bins)
+        assert check.status == ("warn" if takes else "ok"), check
+        if takes:
+            assert "user(s) volute-turn (" in check.found  # root's jobs are always taken
+            keep_out(check, etc)  # the line it gives works
+            after = doctor.check_scheduler(scheduler, ["volute-turn"], etc, bins)
+            assert after.status == "ok", (check, after)
+
+
+def test_the_line_to_keep_users_out_is_exact() -> None:
+    etc = Path("/etc")
+    assert doctor.keep_out_line(CRON, ["a", "b.c"], etc / "cron.allow", etc) == (
+        r"sed -i -e '/^a$/d' -e '/^b\.c$/d' /etc/cron.allow"
+    )
+    assert doctor.keep_out_line(CRON, ["volute-turn"], None, etc) == (
+        r"printf '%s\n' volute-turn >> /etc/cron.deny"
+    )
+
+
+def test_a_deny_file_without_its_last_newline_gets_one_first(tmp_path: Path) -> None:
+    write(tmp_path / "at.deny", "daemon")
+    line = doctor.keep_out_line(AT, ["m1"], tmp_path / "at.deny", tmp_path)
+    assert line == rf"printf '\n%s\n' m1 >> {tmp_path}/at.deny"
+
+
+def test_cron_or_at_not_installed_is_ok_and_an_unreadable_file_says_run_as_root(
+    tmp_path: Path,
+) -> None:
+    check = doctor.check_scheduler(CRON, ["volute-turn"], tmp_path, [tmp_path / "none"])
+    assert (check.status, check.found) == ("ok", "not installed (no crontab)")
+    (tmp_path / "cron.allow").mkdir()  # reading it fails, as a file root alone may read
+    check = doctor.check_scheduler(CRON, ["volute-turn"], tmp_path, installed_programs(tmp_path))
+    assert check.status == "warn" and "cannot read" in check.found
+    assert "as root" in check.change
+
+
+def test_doctor_checks_cron_and_at_for_each_minds_user() -> None:
+    from volutectl.config.settings import Settings
+
+    settings = Settings.model_validate(
+        {
+            "minds": {
+                "a": {"command": "x"},
+                "b": {"command": "x", "user": "bob"},
+                "c": {"command": "x"},
+            }
+        }
+    )
+    assert doctor.mind_users(settings) == ["bob", "volute-turn"]
+
+
+def test_a_minds_user_that_lingers_is_named_with_the_line_that_stops_it(tmp_path: Path) -> None:
+    assert doctor.check_linger(["volute-turn"], tmp_path).status == "ok"
+    write(tmp_path / "volute-turn", "")  # as `loginctl enable-linger volute-turn` leaves it
+    check = doctor.check_linger(["bob", "volute-turn"], tmp_path)
+    assert check.status == "warn" and "volute-turn" in check.found and "bob" not in check.found
+    assert check.change == "as root: loginctl disable-linger volute-turn"

@@ -27,6 +27,7 @@ from volutectl.gate.lifecycle import (
     LauncherAway,
     LauncherBack,
     LauncherLost,
+    LeftoversStopFailed,
     Lingering,
     Listed,
     LogCannotTell,
@@ -50,6 +51,7 @@ from volutectl.gate.lifecycle import (
     State,
     StopEmptyScope,
     StopFailed,
+    StopLeftovers,
     StopOverrun,
     TimeLimit,
     Unconfirmed,
@@ -65,6 +67,8 @@ from volutectl.states import Outcome
 DUE = 5.0  # when a question owed is to be asked again
 NOW = 10.0  # when the events below happen
 AGAIN = 11.0  # NOW + ASK_AGAIN_SECONDS
+GRACE = 2.0  # what a main process that exited at NOW leaves behind is stopped at LEFT_AT
+LEFT_AT = NOW + GRACE
 
 # -- sample states --------------------------------------------------------------------------
 STARTING = Starting()
@@ -76,6 +80,10 @@ LINGERING = Lingering()
 UNSEEN = Unseen()
 ASKING = Asking(verified=True, ask_at=DUE)
 ASKING_UNSEEN = Asking(verified=False, ask_at=DUE)
+# Its main process exited: what it left behind is to be stopped at DUE.
+LINGERING_LEFT = Lingering(stop_at=DUE)
+UNSEEN_LEFT = Unseen(stop_at=DUE)  # adopted, its main process gone
+ASKING_LEFT = Asking(verified=True, ask_at=DUE, stop_at=DUE)
 SETTLED = Settled(outcome=Outcome.OK)
 
 # -- sample events --------------------------------------------------------------------------
@@ -91,6 +99,8 @@ QUESTION_FAILED = QuestionFailed(error="timeout", now=NOW)
 SETTLE_FAILED = SettleFailed(now=NOW)
 TIME_LIMIT = TimeLimit(now=NOW)
 STOP_FAILED = StopFailed(now=NOW)
+EXITED = MainExited(now=NOW, grace=GRACE)
+LEFTOVERS_FAILED = LeftoversStopFailed(now=NOW)
 ENDED = Ended(outcome=Outcome.OK)
 
 # -- effects that recur ---------------------------------------------------------------------
@@ -108,7 +118,7 @@ ROWS: list[Row] = [
     (STARTING, NoAnswer(), Settled(outcome=Outcome.NEVER_RAN), (ReturnDeliveries(),)),
     (STARTING, StartFailed(), Settled(outcome=Outcome.START_FAILED), (FailDeliveries(), Wake())),
     # Unconfirmed: nothing is asked of systemd before the launcher is back.
-    (UNCONFIRMED, MainExited(), UNCONFIRMED, (Ask(),)),
+    (UNCONFIRMED, EXITED, UNCONFIRMED, (Ask(),)),
     (UNCONFIRMED, ScopeEnded(), UNCONFIRMED, (Ask(),)),
     (UNCONFIRMED, LISTED, UNCONFIRMED, ()),
     (UNCONFIRMED, UNLISTED, UNCONFIRMED, (Ask(),)),
@@ -120,7 +130,8 @@ ROWS: list[Row] = [
     (UNCONFIRMED, STOP_FAILED, Unconfirmed(ask_at=AGAIN), ()),
     (UNCONFIRMED, Interrupt(), UNCONFIRMED, (RecordInterrupt(),)),
     # Running, seen holding a process (a turn this gate started).
-    (RUNNING, MainExited(), LINGERING, (CloseMainFd(pidfd=7), Ask())),
+    # Its main process exited: what it left behind is stopped a grace later.
+    (RUNNING, EXITED, Lingering(stop_at=LEFT_AT), (CloseMainFd(pidfd=7), Ask())),
     (RUNNING, ScopeEnded(), RUNNING, ()),  # systemd's initial "inactive": its pidfd says
     (RUNNING, LISTED, RUNNING, ()),
     (RUNNING, UNLISTED, RUNNING, ()),
@@ -136,7 +147,7 @@ ROWS: list[Row] = [
     (RUNNING, Interrupt(), RUNNING, (RecordInterrupt(),)),
     (RUNNING, ENDED, SETTLED, ()),
     # Running, adopted and not yet seen holding a process.
-    (RUNNING_UNSEEN, MainExited(), UNSEEN, (CloseMainFd(pidfd=7), Ask())),
+    (RUNNING_UNSEEN, EXITED, Unseen(stop_at=LEFT_AT), (CloseMainFd(pidfd=7), Ask())),
     (RUNNING_UNSEEN, ScopeEnded(), RUNNING_UNSEEN, ()),
     (RUNNING_UNSEEN, LISTED, RUNNING_UNSEEN, ()),
     (RUNNING_UNSEEN, UNLISTED, RUNNING_UNSEEN, ()),
@@ -152,7 +163,12 @@ ROWS: list[Row] = [
     (RUNNING_UNSEEN, Interrupt(), RUNNING_UNSEEN, (RecordInterrupt(),)),
     (RUNNING_UNSEEN, ENDED, SETTLED, ()),
     # Running, a question about it owed (a stop after its time limit failed).
-    (RUNNING_ASKING, MainExited(), ASKING, (CloseMainFd(pidfd=7), Ask())),
+    (
+        RUNNING_ASKING,
+        EXITED,
+        Asking(verified=True, ask_at=DUE, stop_at=LEFT_AT),
+        (CloseMainFd(pidfd=7), Ask()),
+    ),
     (RUNNING_ASKING, ScopeEnded(), RUNNING_ASKING, ()),
     (RUNNING_ASKING, LISTED, RUNNING_ASKING, ()),
     (RUNNING_ASKING, UNLISTED, RUNNING_ASKING, ()),
@@ -168,7 +184,7 @@ ROWS: list[Row] = [
     (RUNNING_ASKING, Interrupt(), RUNNING_ASKING, (RecordInterrupt(),)),
     (RUNNING_ASKING, ENDED, SETTLED, ()),
     # Lingering: systemd reports when its scope empties.
-    (LINGERING, MainExited(), LINGERING, (Ask(),)),
+    (LINGERING, EXITED, LINGERING, (Ask(),)),
     (LINGERING, ScopeEnded(), LINGERING, (Ask(),)),
     (LINGERING, LISTED, LINGERING, ()),
     (LINGERING, UNLISTED, LINGERING, (Ask(),)),
@@ -182,9 +198,10 @@ ROWS: list[Row] = [
     (LINGERING, TIME_LIMIT, LINGERING, TIME_OUT),
     (LINGERING, STOP_FAILED, Asking(verified=True, ask_at=AGAIN), ()),
     (LINGERING, Interrupt(), LINGERING, (RecordInterrupt(),)),
+    (LINGERING, LEFTOVERS_FAILED, Lingering(stop_at=AGAIN), ()),
     (LINGERING, ENDED, SETTLED, ()),
     # Unseen: adopted, not watched; a listing that shows it has it asked about.
-    (UNSEEN, MainExited(), UNSEEN, (Ask(),)),
+    (UNSEEN, EXITED, UNSEEN, (Ask(),)),
     (UNSEEN, ScopeEnded(), UNSEEN, (Ask(),)),
     (UNSEEN, LISTED, UNSEEN, (Ask(),)),
     (UNSEEN, UNLISTED, UNSEEN, (Ask(),)),
@@ -198,9 +215,10 @@ ROWS: list[Row] = [
     (UNSEEN, TIME_LIMIT, UNSEEN, TIME_OUT),
     (UNSEEN, STOP_FAILED, Asking(verified=False, ask_at=AGAIN), ()),
     (UNSEEN, Interrupt(), UNSEEN, (RecordInterrupt(),)),
+    (UNSEEN, LEFTOVERS_FAILED, Unseen(stop_at=AGAIN), ()),
     (UNSEEN, ENDED, SETTLED, ()),
     # Asking, seen holding a process before: a failed question is told of only once.
-    (ASKING, MainExited(), ASKING, (Ask(),)),
+    (ASKING, EXITED, ASKING, (Ask(),)),
     (ASKING, ScopeEnded(), ASKING, (Ask(),)),
     (ASKING, LISTED, ASKING, ()),
     (ASKING, UNLISTED, ASKING, (Ask(),)),
@@ -214,9 +232,10 @@ ROWS: list[Row] = [
     (ASKING, TIME_LIMIT, ASKING, TIME_OUT),
     (ASKING, STOP_FAILED, Asking(verified=True, ask_at=AGAIN), ()),
     (ASKING, Interrupt(), ASKING, (RecordInterrupt(),)),
+    (ASKING, LEFTOVERS_FAILED, Asking(verified=True, ask_at=DUE, stop_at=AGAIN), ()),
     (ASKING, ENDED, SETTLED, ()),
     # Asking, never seen holding a process.
-    (ASKING_UNSEEN, MainExited(), ASKING_UNSEEN, (Ask(),)),
+    (ASKING_UNSEEN, EXITED, ASKING_UNSEEN, (Ask(),)),
     (ASKING_UNSEEN, ScopeEnded(), ASKING_UNSEEN, (Ask(),)),
     (ASKING_UNSEEN, LISTED, ASKING_UNSEEN, ()),
     (ASKING_UNSEEN, UNLISTED, ASKING_UNSEEN, (Ask(),)),
@@ -230,18 +249,76 @@ ROWS: list[Row] = [
     (ASKING_UNSEEN, TIME_LIMIT, ASKING_UNSEEN, TIME_OUT),
     (ASKING_UNSEEN, STOP_FAILED, Asking(verified=False, ask_at=AGAIN), ()),
     (ASKING_UNSEEN, Interrupt(), ASKING_UNSEEN, (RecordInterrupt(),)),
+    (
+        ASKING_UNSEEN,
+        LEFTOVERS_FAILED,
+        Asking(verified=False, ask_at=DUE, stop_at=AGAIN),
+        (),
+    ),
     (ASKING_UNSEEN, ENDED, SETTLED, ()),
+    # Lingering, what its main process left behind to be stopped at DUE: once.
+    (LINGERING_LEFT, EXITED, LINGERING_LEFT, (Ask(),)),
+    (LINGERING_LEFT, ScopeEnded(), LINGERING_LEFT, (Ask(),)),
+    (LINGERING_LEFT, LISTED, LINGERING_LEFT, ()),
+    (LINGERING_LEFT, UNLISTED, LINGERING_LEFT, (Ask(),)),
+    (LINGERING_LEFT, NOT_DUE, LINGERING_LEFT, ()),
+    (LINGERING_LEFT, DUE_NOW, LINGERING, (StopLeftovers(),)),
+    (LINGERING_LEFT, ScopeHolds(), LINGERING_LEFT, ()),
+    (LINGERING_LEFT, EMPTY, LINGERING_LEFT, SETTLE_EMPTY),
+    (LINGERING_LEFT, ScopeGone(), LINGERING_LEFT, (Settle(),)),
+    (LINGERING_LEFT, QUESTION_FAILED, Asking(verified=True, ask_at=AGAIN, stop_at=DUE), TELL_ONCE),
+    (LINGERING_LEFT, SETTLE_FAILED, Asking(verified=True, ask_at=AGAIN, stop_at=DUE), ()),
+    (LINGERING_LEFT, TIME_LIMIT, LINGERING_LEFT, TIME_OUT),
+    (LINGERING_LEFT, STOP_FAILED, Asking(verified=True, ask_at=AGAIN, stop_at=DUE), ()),
+    (LINGERING_LEFT, LEFTOVERS_FAILED, Lingering(stop_at=AGAIN), ()),  # stop again then
+    (LINGERING_LEFT, Interrupt(), LINGERING_LEFT, (RecordInterrupt(),)),
+    (LINGERING_LEFT, ENDED, SETTLED, ()),
+    # Unseen, adopted with its main process gone: the grace runs from its adoption.
+    (UNSEEN_LEFT, EXITED, UNSEEN_LEFT, (Ask(),)),
+    (UNSEEN_LEFT, ScopeEnded(), UNSEEN_LEFT, (Ask(),)),
+    (UNSEEN_LEFT, LISTED, UNSEEN_LEFT, (Ask(),)),
+    (UNSEEN_LEFT, UNLISTED, UNSEEN_LEFT, (Ask(),)),
+    (UNSEEN_LEFT, NOT_DUE, UNSEEN_LEFT, ()),
+    (UNSEEN_LEFT, DUE_NOW, UNSEEN, (StopLeftovers(),)),
+    (UNSEEN_LEFT, ScopeHolds(), LINGERING_LEFT, ()),
+    (UNSEEN_LEFT, EMPTY, UNSEEN_LEFT, STOP_AND_SETTLE_EMPTY),
+    (UNSEEN_LEFT, ScopeGone(), UNSEEN_LEFT, (Settle(),)),
+    (UNSEEN_LEFT, QUESTION_FAILED, Asking(verified=False, ask_at=AGAIN, stop_at=DUE), TELL_ONCE),
+    (UNSEEN_LEFT, SETTLE_FAILED, Asking(verified=False, ask_at=AGAIN, stop_at=DUE), ()),
+    (UNSEEN_LEFT, TIME_LIMIT, UNSEEN_LEFT, TIME_OUT),
+    (UNSEEN_LEFT, STOP_FAILED, Asking(verified=False, ask_at=AGAIN, stop_at=DUE), ()),
+    (UNSEEN_LEFT, LEFTOVERS_FAILED, Unseen(stop_at=AGAIN), ()),
+    (UNSEEN_LEFT, Interrupt(), UNSEEN_LEFT, (RecordInterrupt(),)),
+    (UNSEEN_LEFT, ENDED, SETTLED, ()),
+    # Asking, with the stop of its leftovers owed too: both, at their times.
+    (ASKING_LEFT, EXITED, ASKING_LEFT, (Ask(),)),
+    (ASKING_LEFT, ScopeEnded(), ASKING_LEFT, (Ask(),)),
+    (ASKING_LEFT, LISTED, ASKING_LEFT, ()),
+    (ASKING_LEFT, UNLISTED, ASKING_LEFT, (Ask(),)),
+    (ASKING_LEFT, NOT_DUE, ASKING_LEFT, ()),
+    (ASKING_LEFT, DUE_NOW, ASKING, (StopLeftovers(), Ask())),
+    (ASKING_LEFT, ScopeHolds(), LINGERING_LEFT, ()),
+    (ASKING_LEFT, EMPTY, LINGERING_LEFT, SETTLE_EMPTY),
+    (ASKING_LEFT, ScopeGone(), LINGERING_LEFT, (Settle(),)),
+    (ASKING_LEFT, QUESTION_FAILED, Asking(verified=True, ask_at=AGAIN, stop_at=DUE), ()),
+    (ASKING_LEFT, SETTLE_FAILED, Asking(verified=True, ask_at=AGAIN, stop_at=DUE), ()),
+    (ASKING_LEFT, TIME_LIMIT, ASKING_LEFT, TIME_OUT),
+    (ASKING_LEFT, STOP_FAILED, Asking(verified=True, ask_at=AGAIN, stop_at=DUE), ()),
+    (ASKING_LEFT, LEFTOVERS_FAILED, Asking(verified=True, ask_at=DUE, stop_at=AGAIN), ()),
+    (ASKING_LEFT, Interrupt(), ASKING_LEFT, (RecordInterrupt(),)),
+    (ASKING_LEFT, ENDED, SETTLED, ()),
 ]
 
 HELD: list[State] = [UNCONFIRMED, RUNNING, RUNNING_UNSEEN, RUNNING_ASKING, LINGERING, UNSEEN]
-HELD += [ASKING, ASKING_UNSEEN]
+HELD += [ASKING, ASKING_UNSEEN, LINGERING_LEFT, UNSEEN_LEFT, ASKING_LEFT]
 START_RESULTS: list[Event] = [STARTED, LAUNCHER_LOST, NoAnswer(), StartFailed()]
 LAUNCHER: list[Event] = [LauncherBack(), LAUNCHER_AWAY]
 ANSWERS: list[Event] = [ScopeHolds(), EMPTY, ScopeGone(), QUESTION_FAILED, SETTLE_FAILED]
-LATER: list[Event] = [MainExited(), ScopeEnded(), LISTED, UNLISTED, NOT_DUE, DUE_NOW]
-LATER += [*LAUNCHER, *ANSWERS, TIME_LIMIT, STOP_FAILED, Interrupt(), ENDED]
+LATER: list[Event] = [EXITED, ScopeEnded(), LISTED, UNLISTED, NOT_DUE, DUE_NOW]
+LATER += [*LAUNCHER, *ANSWERS, TIME_LIMIT, STOP_FAILED, LEFTOVERS_FAILED, Interrupt(), ENDED]
 EVENTS = START_RESULTS + LATER
 
+RUNNING_STATES: list[State] = [UNCONFIRMED, RUNNING, RUNNING_UNSEEN, RUNNING_ASKING]
 ILLEGAL: list[tuple[State, Event]] = [
     # A starting turn is with its hands: the gate holds no place for it, and only how
     # its start went can come.
@@ -255,6 +332,8 @@ ILLEGAL: list[tuple[State, Event]] = [
     *((UNCONFIRMED, event) for event in [*ANSWERS, ENDED]),
     # The launcher is waited for only by an unconfirmed turn.
     *((state, event) for state in HELD if state != UNCONFIRMED for event in LAUNCHER),
+    # What a main process left behind is stopped only once it has exited.
+    *((state, LEFTOVERS_FAILED) for state in RUNNING_STATES),
 ]
 
 
@@ -282,6 +361,7 @@ def test_every_state_meets_every_event_in_exactly_one_table() -> None:
 def test_an_adopted_turn_starts_watched_if_its_main_process_lives() -> None:
     assert adopted(7) == RUNNING_UNSEEN
     assert adopted(None) == UNSEEN
+    assert adopted(None, stop_at=DUE) == UNSEEN_LEFT  # its main process is gone
 
 
 @pytest.mark.parametrize(

@@ -216,6 +216,9 @@ class TurnsSettings(Section):
     # counts one failed attempt, outcome "timeout". 0: no limit.
     max_runtime_seconds: Annotated[float, Field(ge=0)] = 3600.0
     timeout_grace_seconds: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    # A turn ends with its main process: what it left behind in its scope (`setsid
+    # sleep 600 &`, a daemon) is stopped this long after it exited, and its place freed.
+    leftover_grace_seconds: Annotated[float, Field(ge=0, le=3600)] = 5.0
 
     @field_validator("slice")
     @classmethod

@@ -16,6 +16,15 @@ gate knows of whether the turn still runs, for only systemd's word settles a tur
   its settlement): ask again at `ask_at`.
 - `Settled`: ended, with its outcome; the gate holds no place for it any more.
 
+A turn ends with its main process. What that process left behind in the scope (a
+`setsid sleep 600`, a daemon it forked) is given a grace: `MainExited` brings the
+deadline (`stop_at`: when the main process exited, plus `turns.leftover_grace_seconds`),
+which the states after `Running` carry (`Lingering`, `Unseen`, `Asking`) through
+systemd's answers. At that deadline (`Due`) the scope is stopped (`StopLeftovers`), once;
+a stop that failed (`LeftoversStopFailed`) is tried again a second later. The place is
+freed when systemd says the scope ended, as for any turn. A turn adopted at a restart
+whose recorded main process is gone gets the grace again from its adoption.
+
 What the store records of a turn (released, interrupted, its time limit, when it was
 stopped for running past it) stays on the `Turn` record (volutectl/gate/turns.py): the
 outcome is computed from those facts, and an interrupted or timed-out turn is watched
@@ -69,12 +78,20 @@ class Running:
 
 @dataclass(frozen=True)
 class Lingering:
-    """Not watched (its main process exited), seen holding a process: systemd will say."""
+    """Not watched (its main process exited), seen holding a process: systemd will say.
+
+    `stop_at`: when what its main process left behind is to be stopped (None: not owed)."""
+
+    stop_at: float | None = None
 
 
 @dataclass(frozen=True)
 class Unseen:
-    """Adopted, not watched, never seen holding a process: ask systemd now."""
+    """Adopted, not watched, never seen holding a process: ask systemd now.
+
+    `stop_at`: its main process is gone; stop what is left at that time."""
+
+    stop_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +100,7 @@ class Asking:
 
     verified: bool
     ask_at: float
+    stop_at: float | None = None  # as Lingering's
 
 
 @dataclass(frozen=True)
@@ -125,7 +143,11 @@ class StartFailed:
 
 @dataclass(frozen=True)
 class MainExited:
-    """Its main process's pidfd became readable."""
+    """Its main process's pidfd became readable, at `now`: what it left behind in the
+    scope is stopped `grace` seconds later."""
+
+    now: float
+    grace: float
 
 
 @dataclass(frozen=True)
@@ -206,6 +228,13 @@ class StopFailed:
 
 
 @dataclass(frozen=True)
+class LeftoversStopFailed:
+    """Stopping what its main process left behind failed: try again."""
+
+    now: float
+
+
+@dataclass(frozen=True)
 class Interrupt:
     """The gate decided: an --interrupt delivery was folded into the turn."""
 
@@ -235,6 +264,7 @@ Event = (
     | SettleFailed
     | TimeLimit
     | StopFailed
+    | LeftoversStopFailed
     | Interrupt
     | Ended
 )
@@ -314,6 +344,13 @@ class StopOverrun:
 
 
 @dataclass(frozen=True)
+class StopLeftovers:
+    """Its main process exited a grace ago and its scope still holds processes: say
+    what is left, and have systemd stop the scope (SIGTERM, then SIGKILL after
+    turns.timeout_grace_seconds)."""
+
+
+@dataclass(frozen=True)
 class RecordInterrupt:
     """Record the interrupt, and send SIGINT to its scope."""
 
@@ -336,6 +373,7 @@ Effect = (
     | FailDeliveries
     | RecordTimeout
     | StopOverrun
+    | StopLeftovers
     | RecordInterrupt
     | Wake
 )
@@ -362,6 +400,13 @@ def ask_at(state: State) -> float | None:
     return None
 
 
+def stop_at(state: State) -> float | None:
+    """When what its main process left behind is to be stopped, if that is owed."""
+    if isinstance(state, Lingering | Unseen | Asking):
+        return state.stop_at
+    return None
+
+
 def verified(state: State) -> bool:
     """Whether systemd has seen the turn's scope hold a process."""
     if isinstance(state, Running | Asking):
@@ -375,23 +420,35 @@ def holds_place(state: State, listed: bool) -> bool:
     return listed or isinstance(state, Running) or ask_at(state) is not None
 
 
-def adopted(pidfd: int | None) -> Running | Unseen:
+def adopted(pidfd: int | None, stop_at: float | None = None) -> Running | Unseen:
     """The first state of a turn taken back at a restart: watched, if its main process
-    still lives in its scope; asked about at once either way."""
-    return Unseen() if pidfd is None else Running(pidfd=pidfd, verified=False)
+    still lives in its scope; asked about at once either way. `stop_at`: its main
+    process is known to be gone, so what is left is stopped then."""
+    if pidfd is None:
+        return Unseen(stop_at=stop_at)
+    return Running(pidfd=pidfd, verified=False)
 
 
 def _asking_again(state: Held, at: float) -> Held:
     if isinstance(state, Running | Unconfirmed | Asking):
         return dataclasses.replace(state, ask_at=at)
-    return Asking(verified=verified(state), ask_at=at)
+    return Asking(verified=verified(state), ask_at=at, stop_at=stop_at(state))
 
 
 def _answered(state: Held, *, holds: bool) -> Held:
     """systemd answered (the question owed, if any, is not owed any more)."""
     if isinstance(state, Running):
         return Running(pidfd=state.pidfd, verified=state.verified or holds)
-    return Lingering() if holds or verified(state) else Unseen()
+    if holds or verified(state):
+        return Lingering(stop_at=stop_at(state))
+    return Unseen(stop_at=stop_at(state))
+
+
+def _stopping_at(state: Held, at: float | None) -> Held:
+    """The state with its stop of leftovers owed at `at` (None: not owed)."""
+    if isinstance(state, Lingering | Unseen | Asking):
+        return dataclasses.replace(state, stop_at=at)
+    return state
 
 
 # -- the transitions --------------------------------------------------------------------------
@@ -464,9 +521,10 @@ def _from_held(state: Held, event: Event) -> Step:
     if isinstance(event, MainExited):
         if not isinstance(state, Running):
             return state, (Ask(),)  # its pidfd was closed already: ask all the same
-        left: Held = Lingering() if state.verified else Unseen()
+        at = event.now + event.grace  # then what it left behind is stopped
+        left: Held = Lingering(stop_at=at) if state.verified else Unseen(stop_at=at)
         if state.ask_at is not None:
-            left = Asking(verified=state.verified, ask_at=state.ask_at)
+            left = Asking(verified=state.verified, ask_at=state.ask_at, stop_at=at)
         return left, (CloseMainFd(state.pidfd), Ask())
     if isinstance(event, ScopeEnded):
         # systemd also announces a scope's initial "inactive" while creating it; and a
@@ -475,18 +533,34 @@ def _from_held(state: Held, event: Event) -> Step:
     if isinstance(event, Listed):
         return state, (Ask(),) if _listing_asks(state, event.listed) else ()
     if isinstance(event, Due):
-        due = ask_at(state)
-        return state, (Ask(),) if due is not None and event.now >= due else ()
+        return _on_due(state, event.now)
     if isinstance(event, TimeLimit):
         return state, (RecordTimeout(event.now), StopOverrun(event.now))
     if isinstance(event, StopFailed):
         # Stopping it is still owed: systemd's RuntimeMaxSec= backstop will.
         return _asking_again(state, event.now + ASK_AGAIN_SECONDS), ()
+    if isinstance(event, LeftoversStopFailed):
+        if isinstance(state, Running | Unconfirmed):
+            raise IllegalEvent(state, event)  # no stop of leftovers comes before its exit
+        return _stopping_at(state, event.now + ASK_AGAIN_SECONDS), ()
     if isinstance(event, Interrupt):
         return state, (RecordInterrupt(),)
     if isinstance(event, Ended):
         return Settled(event.outcome), ()
     raise IllegalEvent(state, event)
+
+
+def _on_due(state: Held, now: float) -> Step:
+    """The clock reached a deadline: stop what the main process left behind, once, if
+    its grace is over; ask systemd, if a question is owed."""
+    effects: tuple[Effect, ...] = ()
+    stop = stop_at(state)
+    if stop is not None and now >= stop:
+        state, effects = _stopping_at(state, None), (StopLeftovers(),)
+    due = ask_at(state)
+    if due is not None and now >= due:
+        effects = (*effects, Ask())
+    return state, effects
 
 
 def _listing_asks(state: Held, listed: bool) -> bool:

@@ -167,7 +167,8 @@ class Liveness:
         if not self.turns.holds(turn):
             self.turns.close_pidfd(turn)
             return
-        self._learn(turn, lifecycle.MainExited())
+        grace = self.settings.turns.leftover_grace_seconds
+        self._learn(turn, lifecycle.MainExited(now=time.time(), grace=grace))
 
     def unit_ended(self, unit: str) -> None:
         """systemd says a turn scope left the live states (or was removed)."""
@@ -187,11 +188,15 @@ class Liveness:
 
     def next_deadline(self) -> float | None:
         """The earliest wall-clock time at which `on_deadline` has work: a turn's time
-        limit, or a question to systemd to ask again."""
+        limit, a question to systemd to ask again, or the end of the grace of what a
+        turn's main process left behind."""
         times: list[float] = []
         for turn in self.turns.all():
             if turn.recheck_at is not None:
                 times.append(turn.recheck_at)
+            stop_at = lifecycle.stop_at(turn.state)
+            if stop_at is not None:
+                times.append(stop_at)
             if turn.deadline is not None and turn.limit_pending():
                 times.append(turn.deadline)
         return min(times, default=None)
@@ -210,16 +215,19 @@ class Liveness:
         Each open turn first takes its place (so admission counts it), then is checked:
         settled if its scope is gone, inactive or empty; adopted if its scope holds a
         process; kept, and asked about again, if systemd cannot say. Its main process is
-        watched again by the PID recorded at release, if that PID is still in the scope.
+        watched again by the PID recorded at release, if that PID is still in the scope;
+        if that process is gone, what it left behind gets its grace again from now.
         Before them, rows left running under a turn that is not open, which no open turn
         would settle, are settled by that turn's outcome (Turns.settle_stranded).
         """
         self.turns.settle_stranded()
         open_turns = self.store.open_turns()
         self._remove_stale_dirs({row.id for row in open_turns})
+        grace = self.settings.turns.leftover_grace_seconds
         for row in open_turns:
-            pidfd = self._adopted_pidfd(row)
-            turn = self._turn_from_row(row, lifecycle.adopted(pidfd))
+            pidfd, main_gone = self._adopted_main(row)
+            stop_at = time.time() + grace if main_gone else None
+            turn = self._turn_from_row(row, lifecycle.adopted(pidfd, stop_at))
             self.turns.add(turn)
             if pidfd is not None:
                 self.turns.watch_fd(pidfd, turn)
@@ -252,20 +260,23 @@ class Liveness:
             timed_out_at=row.timed_out_at,
         )
 
-    def _adopted_pidfd(self, row: TurnRow) -> int | None:
+    def _adopted_main(self, row: TurnRow) -> tuple[int | None, bool]:
         """A pidfd on an adopted turn's main process, if the PID recorded at its release
-        still belongs to its scope."""
+        still belongs to its scope; and whether that process is known to be gone (its
+        PID ended, or its scope no longer holds it). A turn never recorded as released,
+        or whose scope systemd could not list, is neither."""
         if row.pid is None:
-            return None
+            return None, False
         try:
             fd = os.pidfd_open(row.pid)
         except OSError:
-            return None  # exited (or the PID is gone): nothing to watch
+            return None, True  # exited (the PID is gone): nothing to watch
         try:
             in_scope = row.pid in (self.manager.unit_processes(row.unit) or [])
         except VoluteError:
-            in_scope = False
+            os.close(fd)  # the question failed: it may still run
+            return None, False
         if not in_scope:
-            os.close(fd)  # reused by an unrelated process, or the question failed
-            return None
-        return fd
+            os.close(fd)  # reused by an unrelated process
+            return None, True
+        return fd, False

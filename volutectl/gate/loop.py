@@ -164,6 +164,7 @@ class Gate:
             watch_fd=self._watch,
             unwatch_fd=self._unwatch,
             wake=self.mark_dirty,
+            processes=manager.unit_processes,
         )
         liveness = Liveness(settings, store, manager, turns, wake=self.mark_dirty)
         slots = SlotWatch(

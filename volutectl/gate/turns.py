@@ -34,6 +34,8 @@ from volutectl.store.queue import Row, TurnRow
 from volutectl.systemd.journal import Journal
 from volutectl.wire import orders
 
+LEFTOVER_PIDS_SAID = 16  # the journal names at most this many of a scope's leftover PIDs
+
 
 @dataclass
 class Turn:
@@ -52,6 +54,7 @@ class Turn:
     interrupted: bool = False
     deadline: float | None = None  # wall clock; None: no time limit
     timed_out_at: float | None = None  # when the gate stopped it for running past that
+    leftovers_told: bool = False  # the journal said what its main process left behind
 
     def main_alive(self) -> bool:
         return isinstance(self.state, lifecycle.Running)
@@ -83,6 +86,7 @@ class Turns:
         watch_fd: Callable[[int, Turn], None],
         unwatch_fd: Callable[[int], None],
         wake: Callable[[], None],
+        processes: Callable[[str], list[int] | None],
     ) -> None:
         self.settings = settings
         self.store = store
@@ -92,6 +96,9 @@ class Turns:
         self.watch_fd = watch_fd
         self.unwatch_fd = unwatch_fd
         self.wake = wake  # a turn ended or failed to start: admission should run
+        # The PIDs in a scope, as systemd lists them (None: not loaded): what a turn's
+        # main process left behind, said when its grace is over.
+        self.processes = processes
         # Told what each ended turn wrote, by mind (the adaptive limit's IO costs).
         self.on_written: Callable[[str, int], None] | None = None
         self._turns: dict[int, Turn] = {}
@@ -376,6 +383,8 @@ class Turns:
                 self._record_timeout(turn, now)
             case lifecycle.StopOverrun(now):
                 self._stop_overrun(turn, now)
+            case lifecycle.StopLeftovers():
+                self._stop_leftovers(turn)
             case lifecycle.RecordInterrupt():
                 turn.interrupted = True
                 with contextlib.suppress(VoluteError):
@@ -419,6 +428,40 @@ class Turns:
                 events.TurnStopFailed(**events.turn_fields(turn), error=error.message)
             )
             self.apply(turn, lifecycle.StopFailed(now=now))
+
+    def _stop_leftovers(self, turn: Turn) -> None:
+        """Its main process exited a grace ago and its scope is still there: say what is
+        left in it, and have systemd stop the scope. A scope systemd no longer knows has
+        ended: the turn is settled."""
+        try:
+            left = self.processes(turn.unit)
+        except VoluteError:
+            left = []  # cannot tell what is left: stop it all the same
+            count = None
+        else:
+            if left is None:
+                self.apply(turn, lifecycle.ScopeGone())
+                return
+            count = len(left)
+        told, turn.leftovers_told = turn.leftovers_told, True
+        if not told:  # a stop tried again is not said again
+            self.journal.emit(
+                events.TurnLeftoversStopped(
+                    **events.turn_fields(turn),
+                    processes=count,
+                    pids=" ".join(str(pid) for pid in left[:LEFTOVER_PIDS_SAID]) or None,
+                    grace_seconds=self.settings.turns.leftover_grace_seconds,
+                    stop_seconds=self.settings.turns.timeout_grace_seconds,
+                )
+            )
+        try:
+            self.hands.stop(turn.id, turn.mind)
+        except VoluteError as error:
+            if not told:
+                self.journal.emit(
+                    events.TurnStopFailed(**events.turn_fields(turn), error=error.message)
+                )
+            self.apply(turn, lifecycle.LeftoversStopFailed(now=time.time()))
 
     def stop_quietly(self, unit: str) -> None:
         """Stop a turn scope, by the name the launcher derives; a failure is only logged."""

@@ -17,8 +17,9 @@ systemd manager (exit 69) is a failure; everything else is advice and exits 0.
 from __future__ import annotations
 
 import os
+import shlex
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -403,6 +404,127 @@ def gate_adaptive(path: Path, timeout: float = 2.0) -> tuple[AdaptiveStatus | No
         connection.close()
 
 
+# -- cron and at ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scheduler:
+    """A program that runs a user's jobs later, outside any turn, scope or limit; and the
+    files that say whom it takes jobs from (docs/packaging.md, "Cron and at")."""
+
+    name: str
+    program: str  # what a user runs to leave a job: setgid crontab, setuid at
+    allow: str
+    deny: str
+    # With neither file: Debian's cron takes every user's jobs; at takes root's alone.
+    neither_takes: bool
+
+
+SCHEDULERS = (
+    Scheduler("cron", "crontab", "cron.allow", "cron.deny", neither_takes=True),
+    Scheduler("at", "at", "at.allow", "at.deny", neither_takes=False),
+)
+PROGRAM_DIRS = (Path("/usr/bin"), Path("/bin"))
+
+
+def _lines(path: Path) -> list[str] | None:
+    """An allow or deny file's lines, None if it does not exist. As cron and at read
+    one: each whole line is a user name, its newline taken off, nothing else (no
+    comments; blanks are part of the name)."""
+    try:
+        return path.read_text(errors="surrogateescape").split("\n")
+    except FileNotFoundError:
+        return None
+
+
+def scheduler_takes(
+    scheduler: Scheduler, users: Sequence[str], etc: Path
+) -> tuple[list[str], Path | None]:
+    """The users whose jobs the scheduler would take, and the file that decides (None:
+    neither exists). The allow file, if it exists, names the only users taken; else the
+    deny file, if it exists, names the users refused. Raises OSError if one cannot be
+    read."""
+    allow = _lines(etc / scheduler.allow)
+    if allow is not None:
+        return [user for user in users if user in allow], etc / scheduler.allow
+    deny = _lines(etc / scheduler.deny)
+    if deny is not None:
+        return [user for user in users if user not in deny], etc / scheduler.deny
+    return (list(users) if scheduler.neither_takes else []), None
+
+
+def _bre(text: str) -> str:
+    """`text` as a sed basic regular expression that matches it alone."""
+    return "".join("\\" + char if char in ".[]*^$\\/" else char for char in text)
+
+
+def keep_out_line(
+    scheduler: Scheduler, users: Sequence[str], decides: Path | None, etc: Path
+) -> str:
+    """The one shell line, for root, that keeps `users` out of the scheduler: out of its
+    allow file, or into its deny file (made, when neither exists)."""
+    if decides is not None and decides.name == scheduler.allow:
+        patterns = " ".join(f"-e {shlex.quote('/^' + _bre(user) + '$/d')}" for user in users)
+        return f"sed -i {patterns} {decides}"
+    deny = etc / scheduler.deny
+    text = deny.read_text(errors="surrogateescape") if decides is not None else ""
+    newline = "\\n" if text and not text.endswith("\n") else ""  # a last line left open
+    names = " ".join(shlex.quote(user) for user in users)
+    return f"printf '{newline}%s\\n' {names} >> {deny}"
+
+
+def check_scheduler(
+    scheduler: Scheduler,
+    users: Sequence[str],
+    etc: Path = Path("/etc"),
+    bins: Sequence[Path] = PROGRAM_DIRS,
+) -> Check:
+    """Whether `scheduler` would take jobs from the minds' `users` (root aside: cron and
+    at always take root's), and the line that keeps them out."""
+    if not any((where / scheduler.program).exists() for where in bins):
+        return Check(scheduler.name, "ok", f"not installed (no {scheduler.program})")
+    users = sorted({user for user in users if user != "root"})
+    try:
+        taken, decides = scheduler_takes(scheduler, users, etc)
+    except OSError as error:
+        found = f"cannot read {error.filename}: {error.strerror}"
+        return Check(scheduler.name, "warn", found, "run `volutectl doctor` as root")
+    why = f"by {decides}" if decides is not None else f"no {scheduler.allow} or {scheduler.deny}"
+    if not taken:
+        return Check(scheduler.name, "ok", f"takes no job from the minds' users ({why})")
+    found = (
+        f"{scheduler.program} would take jobs from the minds' user(s) {', '.join(taken)} "
+        f"({why}): a turn could leave a job that runs later, outside any turn, scope or limit"
+    )
+    change = "as root: " + keep_out_line(scheduler, taken, decides, etc)
+    return Check(scheduler.name, "warn", found, change)
+
+
+LINGER_DIR = Path("/var/lib/systemd/linger")  # logind's: one empty file per lingering user
+
+
+def check_linger(users: Sequence[str], linger_dir: Path = LINGER_DIR) -> Check:
+    """Whether a mind's user lingers: its user manager then runs at boot and outlives
+    every turn, and a turn can start services there (`systemd-run --user`) that no
+    turn's scope, limit or pause holds. Where polkit allows it, a turn can turn
+    lingering on for its own user (`loginctl enable-linger`): this sees it afterwards."""
+    lingering = [user for user in sorted(set(users)) if (linger_dir / user).exists()]
+    if not lingering:
+        return Check("linger", "ok", "no mind's user lingers (no user manager outlives turns)")
+    found = (
+        f"the minds' user(s) {', '.join(lingering)} linger: their user managers run "
+        "outside any turn, and so does what a turn started there"
+    )
+    names = " ".join(shlex.quote(user) for user in lingering)
+    return Check("linger", "warn", found, f"as root: loginctl disable-linger {names}")
+
+
+def mind_users(settings: Settings) -> list[str]:
+    """The users the minds' turns run as."""
+    default = settings.turns.default_user
+    return sorted({mind.user or default for mind in settings.minds.values()})
+
+
 # -- the report ------------------------------------------------------------------------
 
 
@@ -436,6 +558,9 @@ def run_checks(config_path: str | None) -> list[Check]:
     checks.append(Check("turn-cap", *preflight.check_cap(settings)))
     checks.append(check_adaptive(*gate_adaptive(settings.gate.socket)))
     checks.extend(check_mind(report) for report in preflight.check_minds(settings))
+    if settings.minds:
+        checks.extend(check_scheduler(s, mind_users(settings)) for s in SCHEDULERS)
+        checks.append(check_linger(mind_users(settings)))
     return checks
 
 
