@@ -29,7 +29,7 @@ from volutectl.errors import (
     EX_TEMPFAIL,
     EX_USAGE,
 )
-from volutectl.gate import handlers, server
+from volutectl.gate import handlers, loop
 from volutectl.states import QueueState
 from volutectl.wire import protocol
 from volutectl.wire.messages import Reply, StatusRequest
@@ -305,8 +305,8 @@ def test_a_full_disk_refuses_every_delivery_of_the_batch_and_acknowledges_none(
     store.db.execute(f"PRAGMA max_page_count = {pages}")  # SQLite's view of a full disk
     peers = [harness.connect() for _ in range(3)]
     big = b'{"v":1,"op":"deliver","mind":"mimsy","message":"' + b"y" * 900 + b'"}\n'
-    # Many deliveries each, so that the batch cannot fit; all in one pass's budget.
-    each = server.REQUESTS_PER_PASS // len(peers)
+    # Deliveries enough that the batch cannot fit; all in one batch of the pass.
+    each = loop.REQUEST_BATCH // len(peers)
     for peer in peers:
         peer.send(big * each)
     replies = [peer.reply() for peer in peers for _ in range(each)]

@@ -51,7 +51,7 @@ from volutectl.gate.liveness import Liveness
 from volutectl.gate.outcomes import Settled, Waiters
 from volutectl.gate.pressure import open_for_turns
 from volutectl.gate.reactor import Reactor, from_wall_clock, only_wake
-from volutectl.gate.server import Server
+from volutectl.gate.server import REQUESTS_PER_PASS, Server
 from volutectl.gate.serving import Serving
 from volutectl.gate.state import GateState
 from volutectl.gate.turns import Turn, Turns
@@ -66,6 +66,12 @@ from volutectl.systemd.port import SystemdManager
 from volutectl.wire.messages import ConfigStatus
 
 ADMIT_RETRY_SECONDS = 1.0
+# One pass serves the requests that arrived in batches of this many (the deliveries of
+# a batch share one commit), until server.REQUESTS_PER_PASS or PASS_SECONDS: then the
+# loop goes round (reading, systemd's news, deadlines, admission), and the rest wait in
+# the clients' buffers, taken in turns (volutectl/gate/server.py's `take_requests`).
+REQUEST_BATCH = 16
+PASS_SECONDS = 0.2
 
 
 def limits_of(settings: Settings) -> admission.Limits:
@@ -461,9 +467,7 @@ class Gate:
         """One pass of the loop: wait, take in what arrived, then admit."""
         ready = self.reactor.wait(timeout)
         self.started = False
-        incoming = self.server.take_requests()
-        if incoming:
-            self.serving.serve(incoming)
+        served = self._serve_requests()
         events = self.state.manager.process_events()
         for event in events:
             news = f"systemd's news of {event.name}"
@@ -475,9 +479,28 @@ class Gate:
         # A turn's settlement is durable before the gate sleeps; if the disk refuses,
         # the next pass tries again (what was not synced is still in the WAL).
         self._guarded("syncing the queue", self.state.store.sync)
-        idle = not (ready or incoming or events)  # woke for deadlines alone
+        idle = not (ready or served or events)  # woke for deadlines alone
         mono = time.monotonic()
         self._guarded("retention", self.retention.on_pass, mono, idle, self.started)
+
+    def _serve_requests(self) -> int:
+        """Serve this pass's share of the requests that arrived, batch after batch, and
+        feed the watchdog between batches: at most server.REQUESTS_PER_PASS of them, and
+        no batch begun after PASS_SECONDS. How many were served."""
+        started = time.monotonic()
+        served = 0
+        while served < REQUESTS_PER_PASS:
+            incoming = self.server.take_requests(min(REQUEST_BATCH, REQUESTS_PER_PASS - served))
+            if not incoming:
+                break
+            self.serving.serve(incoming)
+            served += len(incoming)
+            now = time.monotonic()
+            if self.next_ping is not None and now >= self.next_ping:
+                self._ping_watchdog(now)
+            if now - started >= PASS_SECONDS:
+                break
+        return served
 
     # -- admission ---------------------------------------------------------------------------
 

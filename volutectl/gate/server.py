@@ -23,14 +23,15 @@ that reports nothing else): once its peer has closed, nobody can read the outcom
 it is dropped at once instead of holding its place until the delivery settles.
 
 Fair shares of time and memory: one pass of the loop takes at most REQUESTS_PER_PASS
-requests for all clients together (`take_requests`): root's first, then the others in
-turns between uids, and within a uid between its connections (volutectl/core/shares.py),
-the uid served longest ago first. A client's lines wait in its buffer until their turn,
-and a client with a complete line waiting is not read further, so what one holds is at
-most one read past its partial line. A uid's partial lines together hold at most
-MAX_PARTIAL_BYTES_PER_UID (root: no limit); past it, the connection that grew them is
-refused with 75 and closed. A line is checked for what it would cost before it is
-parsed (protocol.check_cost).
+requests for all clients together (`take_requests`, batch by batch within the pass's
+time: volutectl/gate/loop.py): root's first, then the others in turns between uids,
+and within a uid between its connections (volutectl/core/shares.py), the uid served
+longest ago first. A client's lines wait in its buffer until their turn, and a client
+with a complete line waiting is not read further, so what one holds is at most one
+read past its partial line. A line is checked for what it would cost before it is
+parsed, and while it still arrives (protocol.check_cost); a uid's partial lines
+together hold at most MAX_PARTIAL_BYTES_PER_UID (root: no limit). A line refused as it
+arrives is answered at once, and its rest is dropped unread.
 """
 
 from __future__ import annotations
@@ -67,12 +68,12 @@ MAX_OUTBOX = 1 << 20
 # After accept() failed for want of descriptors or memory, the listener rests until a
 # client leaves or this long has passed (the descriptors may be held by turns instead).
 ACCEPT_RETRY_SECONDS = 1.0
-# Requests taken in one pass of the loop, of every client together (root's first, then
-# the others' in turns): the rest wait for the next pass, in the clients' buffers. A
-# `status` takes some 0.5 ms here (2 cores of a VM), 2 ms on a Raspberry Pi 3: a pass of
-# 64 of them is over in a fraction of a second, so root's request, first in the next
-# pass, never waits long, and the watchdog is fed between passes.
-REQUESTS_PER_PASS = 64
+# Requests served in one pass of the loop, of every client together (root's first, then
+# the others' in turns), in batches and within volutectl/gate/loop.py's PASS_SECONDS:
+# the rest wait for the next pass, in the clients' buffers. A `status` takes some 0.5 ms
+# here (2 cores of a VM), 2 ms on a Raspberry Pi 3; so a pass is over in a fraction of a
+# second, and root's request, read in the next, never waits long.
+REQUESTS_PER_PASS = 256
 # The partial lines of one uid's connections, together (a `deliver` of 1 MiB is at most
 # some 6 MiB on the wire): beyond, the connection that grew them is refused (75).
 MAX_PARTIAL_BYTES_PER_UID = 32 << 20
