@@ -51,7 +51,7 @@ from volutectl.gate.liveness import Liveness
 from volutectl.gate.outcomes import Settled, Waiters
 from volutectl.gate.pressure import open_for_turns
 from volutectl.gate.reactor import Reactor, from_wall_clock, only_wake
-from volutectl.gate.server import REQUESTS_PER_PASS, Server
+from volutectl.gate.server import REQUESTS_PER_PASS, Incoming, Server
 from volutectl.gate.serving import Serving
 from volutectl.gate.state import GateState
 from volutectl.gate.turns import Turn, Turns
@@ -67,9 +67,10 @@ from volutectl.wire.messages import ConfigStatus
 
 ADMIT_RETRY_SECONDS = 1.0
 # One pass serves the requests that arrived in batches of this many (the deliveries of
-# a batch share one commit), until server.REQUESTS_PER_PASS or PASS_SECONDS: then the
-# loop goes round (reading, systemd's news, deadlines, admission), and the rest wait in
-# the clients' buffers, taken in turns (volutectl/gate/server.py's `take_requests`).
+# a batch share one commit), until server.REQUESTS_PER_PASS, or until PASS_SECONDS (no
+# request is begun after it): then the loop goes round (reading, systemd's news,
+# deadlines, admission), and the rest wait in the clients' buffers, taken in turns
+# (volutectl/gate/server.py's `take_requests`).
 REQUEST_BATCH = 16
 PASS_SECONDS = 0.2
 
@@ -377,7 +378,8 @@ class Gate:
 
     def timeout(self) -> float | None:
         """How long the wait may sleep: only until a real deadline, else forever."""
-        if self.state.manager.has_pending_events() or self.server.backlog or self.state.dirty:
+        owed = self.server.backlog or self.serving.left or self.state.dirty
+        if owed or self.state.manager.has_pending_events():
             return 0.0  # a pass is owed (a new gate's first one included): no sleep
         return self.reactor.timeout()
 
@@ -486,19 +488,21 @@ class Gate:
     def _serve_requests(self) -> int:
         """Serve this pass's share of the requests that arrived, batch after batch, and
         feed the watchdog between batches: at most server.REQUESTS_PER_PASS of them, and
-        no batch begun after PASS_SECONDS. How many were served."""
-        started = time.monotonic()
+        none begun after PASS_SECONDS (volutectl/gate/serving.py). How many were served."""
+        deadline = time.monotonic() + PASS_SECONDS
         served = 0
         while served < REQUESTS_PER_PASS:
-            incoming = self.server.take_requests(min(REQUEST_BATCH, REQUESTS_PER_PASS - served))
+            left, self.serving.left = self.serving.left, []
+            budget = min(REQUEST_BATCH, REQUESTS_PER_PASS - served) - len(left)
+            # Those left from the last pass first, but root's first of all.
+            incoming = sorted(left + self.server.take_requests(max(0, budget)), key=_not_roots)
             if not incoming:
                 break
-            self.serving.serve(incoming)
-            served += len(incoming)
+            served += self.serving.serve(incoming, deadline)
             now = time.monotonic()
             if self.next_ping is not None and now >= self.next_ping:
                 self._ping_watchdog(now)
-            if now - started >= PASS_SECONDS:
+            if self.serving.left or now >= deadline:
                 break
         return served
 
@@ -591,3 +595,9 @@ class Gate:
         waiting = state.store.index.counts[HoldReason.ADAPTIVE_LIMIT]
         adaptive.after_pass(time.monotonic(), busy, waiting, load + others)
         self.notifier.update(status.gate_line(state, now, test_runs))
+
+
+def _not_roots(incoming: Incoming) -> bool:
+    """The sort key that puts root's requests first (a stable sort: each client's keep
+    their order)."""
+    return incoming[0].uid != 0
