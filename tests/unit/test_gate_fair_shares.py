@@ -404,3 +404,31 @@ def test_a_pass_ends_after_its_time_and_feeds_the_watchdog_between_batches(
     harness.step(0)
     assert sum(peer.sock.recv(1 << 20).count(b"\n") for peer in flood) > len(gate.serving.left)
     harness.pump(lambda: len(fed_before) == 400)
+
+
+def test_a_uids_lines_still_arriving_hold_at_most_their_share_then_75_and_the_rest_unread(
+    harnesses: list[Harness], tmp_path: Path
+) -> None:
+    harness = Harness(tmp_path)
+    harnesses.append(harness)
+    start = b'{"v":1,"op":"deliver","mind":"mimsy","message":"'
+    chunk = start + b"x" * (7 << 20)  # 7 MiB of one line, its end not sent yet
+    peers = [connect_as(harness, MEMBER) for _ in range(5)]
+    for peer in peers[:4]:  # 28 MiB: within the share
+        peer.send(chunk)
+    server_side = harness.gate.server.clients.values
+    harness.pump(lambda: sum(client.partial for client in server_side()) == 4 * len(chunk))
+    assert not any(peer.has_line() for peer in peers[:4])
+    peers[4].send(chunk)  # 35 MiB: past it
+    reply = peers[4].reply()
+    assert reply["code"] == EX_TEMPFAIL and reply["error"].startswith(f"uid {MEMBER} has ")
+    assert str(server.MAX_PARTIAL_BYTES_PER_UID) in reply["error"]
+    # What it held is let go, what follows of that line is dropped unread, and the
+    # connection goes on with its next line.
+    assert sum(client.partial for client in server_side()) == 4 * len(chunk)
+    peers[4].send(b"x" * (1 << 20) + b'"}\n{"v":1,"op":"ping"}\n')
+    assert peers[4].reply() == {"v": 1, "ok": True}
+    # Root is no party to it; and the others' lines, once whole, are answered.
+    assert accepted(harness, harness.connect())
+    peers[0].send(b'"}\n')
+    assert peers[0].reply()["code"] == 65  # over gate.max_message_bytes: it was 7 MiB
