@@ -25,6 +25,7 @@ from volute_testbed.gate import (
     all_settled,
     gate_config,
     start_gate,
+    unit_property,
     wait_for,
 )
 from volute_testbed.machine import Machine
@@ -197,3 +198,249 @@ def test_a_members_deliveries_past_its_quota_get_75_and_leave_the_state_dir_boun
     wait_for(lambda: all_settled(machine), timeout=120)
     again = volutectl(machine, "deliver", "nap", "--message", "later", user=True)
     assert again.returncode == 0, again.stderr
+
+
+# Issue 29, finding 1: one member's flood of requests held the gate's loop past its
+# watchdog (a pass took 1,024 lines of each client, and each `status` asked systemd),
+# and one member's `wait` lines of a million ids kept it busy for seconds and grew it to
+# 209 MB. Each attack runs while root delivers, and the gate must answer root within 2 s.
+
+# N connections, each sending bursts of LINES `status` requests and never reading a
+# reply, for SECONDS; a connection the gate drops (for not reading) is made again.
+# Prints "flooding" once every connection has sent its first burst, then the totals.
+STATUS_FLOOD = r"""
+import json, socket, sys, time
+path, count, lines, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+burst = memoryview(b'{"v":1,"op":"status"}\n' * lines)
+def connect():
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    sock.setblocking(False)
+    return [sock, 0]
+conns = [connect() for _ in range(count)]
+sent = dropped = bursts = 0
+announced = False
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    moved = False
+    for conn in conns:
+        try:
+            n = conn[0].send(burst[conn[1]:])
+        except BlockingIOError:
+            continue
+        except OSError:  # dropped for not reading its replies: connect again
+            conn[0].close()
+            conn[:] = connect()
+            dropped += 1
+            continue
+        moved = True
+        conn[1] += n
+        if conn[1] == len(burst):
+            conn[1] = 0
+            sent += lines
+            bursts += 1
+    if not announced and bursts >= count:
+        announced = True
+        print("flooding", flush=True)
+    if not moved:
+        time.sleep(0.005)
+print(json.dumps({"sent": sent, "dropped": dropped}), flush=True)
+"""
+
+# N connections, each sending one `wait` for IDS ids (7 digits each: about 8 MB) at
+# once; then each reply is read. Prints each reply's code and error, and the seconds
+# from the first send to the last reply.
+HUGE_WAITS = r"""
+import json, socket, sys, time
+path, count, ids = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+line = b'{"v":1,"op":"wait","ids":[' + b",".join([b"1234567"] * ids) + b"]}\n"
+socks = []
+for _ in range(count):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(120)
+    sock.connect(path)
+    socks.append(sock)
+print("sending", flush=True)
+start = time.monotonic()
+import threading
+def send(sock):
+    try:
+        sock.sendall(line)
+    except OSError:
+        pass
+threads = [threading.Thread(target=send, args=(sock,)) for sock in socks]
+for thread in threads:
+    thread.start()
+replies = []
+for sock in socks:
+    try:
+        reply = json.loads(sock.makefile("rb").readline())
+        replies.append([reply.get("code"), reply.get("error")])
+    except (OSError, ValueError) as error:
+        replies.append([None, repr(error)])
+print(json.dumps({"replies": replies, "seconds": time.monotonic() - start}), flush=True)
+"""
+
+# The gate's peak memory under the huge waits: 209 MB on 4bb6e7b.
+PEAK_RSS_BOUND_KIB = 150 * 1024
+WATCHDOG_DROP_IN = "/etc/systemd/system/volute-gate.service.d/watchdog.conf"
+
+
+def timed_root_deliveries(machine: Machine, attack: subprocess.Popen[str]) -> list[float]:
+    """Root's `volutectl deliver`, one after another while the attack runs: the seconds
+    each took to be acknowledged (each must succeed)."""
+    took = []
+    while attack.poll() is None:
+        start = time.monotonic()
+        ours = volutectl(machine, "deliver", "mimsy", "--message", "root's")
+        took.append(time.monotonic() - start)
+        assert ours.returncode == 0, ours.stderr
+        time.sleep(0.5)
+    return took
+
+
+def gate_peak_rss_kib(machine: Machine) -> int:
+    """The gate's process's peak resident memory (VmHWM), in KiB."""
+    pid = machine.run(["systemctl", "show", "-P", "MainPID", "volute-gate.service"]).stdout
+    status = machine.run(["cat", f"/proc/{pid.strip()}/status"]).stdout
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1])
+
+
+def test_a_members_status_flood_keeps_the_watchdog_fed_and_root_served_within_2s(
+    machine: Machine,
+) -> None:
+    # The watchdog the flood tripped at 30 s, made 10 s: the same attack shows in 40 s.
+    machine.write(WATCHDOG_DROP_IN, "[Service]\nWatchdogSec=10s\n")
+    start_gate(machine, gate_config({"mimsy": "true"}))
+    add_attacker(machine)
+    attack = machine.popen(
+        as_attacker([PYTHON, "-I", "-S", "-c", STATUS_FLOOD, DEFAULT_SOCKET, "64", "1024", "40"]),
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert attack.stdout is not None
+        assert attack.stdout.readline().strip() == "flooding"
+        took = timed_root_deliveries(machine, attack)
+        totals = json.loads(attack.stdout.readline())
+    finally:
+        attack.kill()
+        attack.wait()
+    print(f"root's deliveries under the flood: {sorted(took)[-3:]} s (slowest); {totals}")
+    # The flood was real: 64 connections' first bursts, and more, were sent.
+    assert totals["sent"] >= 64 * 1024, totals
+    assert len(took) >= 10, took
+    assert max(took) < 2.0, took
+    assert unit_property(machine, "volute-gate.service", "NRestarts") == "0"
+    assert "Watchdog" not in machine.run(["journalctl", "-u", "volute-gate.service"]).stdout
+    # The member itself is still served.
+    status = volutectl(machine, "status", "--json", user=True)
+    assert status.returncode == 0, status.stderr
+
+
+def test_a_members_huge_wait_requests_are_refused_at_once_naming_ids_in_bounded_memory(
+    machine: Machine,
+) -> None:
+    start_gate(machine, gate_config({"mimsy": "true"}))
+    add_attacker(machine)
+    attack = machine.popen(
+        as_attacker([PYTHON, "-I", "-S", "-c", HUGE_WAITS, DEFAULT_SOCKET, "16", "1000000"]),
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert attack.stdout is not None
+        assert attack.stdout.readline().strip() == "sending"
+        took = timed_root_deliveries(machine, attack)
+        result = json.loads(attack.stdout.readline())
+    finally:
+        attack.kill()
+        attack.wait()
+    assert len(result["replies"]) == 16
+    for code, error in result["replies"]:
+        assert code == 65 and error.startswith("ids: "), (code, error)
+    assert max(took) < 2.0, took
+    # Before: 15 s for the 16 refusals, and the gate grew to 209 MB.
+    assert result["seconds"] < 10, result["seconds"]
+    assert gate_peak_rss_kib(machine) < PEAK_RSS_BOUND_KIB
+    assert unit_property(machine, "volute-gate.service", "NRestarts") == "0"
+
+
+# A member's worst load on the gate's memory, all at once on its 64 connections: 16
+# send `wait` lines of 8 MB one after another, 16 hold deliveries of 2 MB that never
+# end, and 32 flood `status` without reading; its quota of deliveries is already full.
+WORST_LOAD = r"""
+import json, socket, sys, time
+path, seconds = sys.argv[1], float(sys.argv[2])
+huge = b'{"v":1,"op":"wait","ids":[' + b",".join([b"1234567"] * 1000000) + b"]}\n"
+held = b'{"v":1,"op":"deliver","mind":"nap","message":"' + b"x" * (2 << 20)
+flood = b'{"v":1,"op":"status"}\n' * 1024
+def connect(kind):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    sock.setblocking(False)
+    return [sock, kind, memoryview({"huge": huge, "held": held, "flood": flood}[kind])]
+conns = [connect("huge") for _ in range(16)] + [connect("held") for _ in range(16)]
+conns += [connect("flood") for _ in range(32)]
+sent = {"huge": 0, "held": 0, "flood": 0}
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    for conn in conns:
+        sock, kind, rest = conn
+        try:
+            if kind == "huge":
+                while sock.recv(1 << 16):
+                    pass
+        except BlockingIOError:
+            pass
+        except OSError:
+            pass
+        if not rest:
+            if kind == "held":
+                continue
+            conn[2] = rest = memoryview({"huge": huge, "flood": flood}[kind])
+        try:
+            n = sock.send(rest)
+        except BlockingIOError:
+            continue
+        except OSError:
+            sock.close()
+            conn[:] = connect(kind)
+            continue
+        conn[2] = rest[n:]
+        sent[kind] += n
+    time.sleep(0.002)
+print(json.dumps(sent), flush=True)
+"""
+GATE_MEMORY_MAX = 256 << 20  # units/volute-gate.service's MemoryMax=
+
+
+def test_a_members_worst_load_keeps_the_gate_well_within_its_memory_max(machine: Machine) -> None:
+    start_gate(machine, gate_config({"nap": "true", "mimsy": "true"}))
+    add_attacker(machine)
+    assert unit_property(machine, "volute-gate.service", "MemoryMax") == str(GATE_MEMORY_MAX)
+    idle = gate_peak_rss_kib(machine)
+    assert volutectl(machine, "pause", "nap").returncode == 0
+    quota = machine.run(  # 64 MiB of messages: gate.max_pending_bytes_per_uid
+        as_attacker([PYTHON, "-I", "-S", "-c", FLOOD, DEFAULT_SOCKET, "nap", "70", "1000000"]),
+        timeout=300,
+    )
+    assert json.loads(quota.stdout)["acks"] == 67, quota.stdout
+    attack = machine.popen(
+        as_attacker([PYTHON, "-I", "-S", "-c", WORST_LOAD, DEFAULT_SOCKET, "30"]),
+        stdout=subprocess.PIPE,
+    )
+    try:
+        took = timed_root_deliveries(machine, attack)
+        assert attack.stdout is not None
+        sent = json.loads(attack.stdout.readline())
+    finally:
+        attack.kill()
+        attack.wait()
+    peak = gate_peak_rss_kib(machine)
+    print(f"gate peak RSS: idle {idle} KiB, under a member's worst load {peak} KiB; {sent}")
+    print(f"root's deliveries meanwhile: {sorted(took)[-3:]} s (slowest)")
+    assert sent["huge"] > 16 * 8_000_000 and sent["flood"] > 32 * 22 * 1024, sent
+    assert max(took) < 2.0, took
+    # Measured: 104 MiB (52 idle). The rest of MemoryMax= is for what else the service's
+    # cgroup is charged (socket buffers, page cache), and for a second member at once.
+    assert peak * 1024 < GATE_MEMORY_MAX * 3 // 5, peak
+    assert unit_property(machine, "volute-gate.service", "NRestarts") == "0"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,8 +26,10 @@ import pytest
 
 from tests.unit.gate_harness import Harness, Peer, settled
 from volutectl.errors import EX_TEMPFAIL, VoluteError
+from volutectl.gate import handlers, loop, server, status
 from volutectl.states import QueueState
 from volutectl.wire import protocol
+from volutectl.wire.messages import PingRequest, Pong
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="connects as other uids: needs root")
 
@@ -266,3 +269,166 @@ def test_dead_deliveries_count_until_dropped(harnesses: list[Harness], tmp_path:
     assert refusal["code"] == EX_TEMPFAIL
     assert harness.connect().request({"op": "drop", "ids": ids})["changed"] == ids
     assert member.request({"op": "deliver", "mind": "fails", "message": "m"})["ok"] is True
+
+
+# -- time: one pass's budget of requests, and status's questions to systemd -----------
+
+PING = b'{"v":1,"op":"ping"}\n'
+
+
+def read_all(harness: Harness, clients: int) -> None:
+    """Let the server read what the peers sent, without taking any of it."""
+    server = harness.gate.server
+    for _ in range(200):
+        if len(server.backlog) >= clients:
+            return
+        harness.gate.reactor.wait(0.02)
+    raise AssertionError(f"{len(server.backlog)} clients with lines, not {clients}")
+
+
+def test_a_pass_takes_its_budget_root_first_then_uid_by_uid_and_connection_by_connection(
+    harnesses: list[Harness], tmp_path: Path
+) -> None:
+    harness = Harness(tmp_path)
+    harnesses.append(harness)
+    flood = [connect_as(harness, MEMBER) for _ in range(3)]
+    for peer in flood:
+        peer.sock.send(PING * 500)
+    other = connect_as(harness, OTHER_MEMBER)
+    other.sock.send(PING * 3)
+    root = harness.connect()
+    root.sock.send(PING)
+    harness.pump(lambda: len(harness.gate.server.clients) == 5)
+    read_all(harness, 5)
+    server = harness.gate.server
+    taken = server.take_requests(10)
+    assert all(type(request).__name__ == "PingRequest" for _, request in taken)
+    uids = [client.uid for client, _ in taken]
+    # Root first; then one of each member in turn, until the other member has none left.
+    assert uids == [0, MEMBER, OTHER_MEMBER] * 1 + [MEMBER, OTHER_MEMBER] * 2 + [MEMBER] * 3
+    flooders = [client.fd for client, _ in taken if client.uid == MEMBER]
+    assert len(set(flooders[:3])) == 3  # its three connections in turn
+    # The next pass goes on where this one stopped: the member's connections in turn.
+    again = [client.fd for client, _ in server.take_requests(3)]
+    assert len(set(again)) == 3 and again[0] != flooders[-1]
+    # What was taken nowhere near the flood: its lines wait in the clients' buffers.
+    assert sum(len(client.buffer) for client in server.clients.values()) >= 1490 * len(PING)
+
+
+def test_roots_request_is_answered_in_the_pass_it_arrives_despite_a_members_flood(
+    harnesses: list[Harness], tmp_path: Path
+) -> None:
+    harness = Harness(tmp_path, minds={"mimsy": "true"})
+    harnesses.append(harness)
+    line = b'{"v":1,"op":"status"}\n'
+    flood = [connect_as(harness, MEMBER) for _ in range(8)]
+    harness.pump(lambda: len(harness.gate.server.clients) == 8)
+    for peer in flood:
+        peer.sock.send(line * 1024)  # 8 x 1,024 requests, never read
+    read_all(harness, 8)
+    root = harness.connect()
+    root.sock.send(b'{"v":1,"op":"deliver","mind":"mimsy","message":"root\'s"}\n')
+    read_all(harness, 9)  # the reactor's wait accepts it, and reads its line
+    asks = harness.gate.state.status_asks = status.SystemdAsks(clock=lambda: 1000.0)
+    harness.step(0)  # one pass
+    assert root.has_line() and "id" in root.reply()
+    # That pass answered its share of requests (a budget of them, within a time), not
+    # 8 x 1,024; and its statuses shared one question to systemd (the clock stood
+    # still: one window).
+    answered = sum(peer.sock.recv(1 << 22).count(b"\n") for peer in flood)
+    assert 0 < answered <= server.REQUESTS_PER_PASS - 1
+    assert asks.asked == 1
+
+
+def test_statuses_within_the_window_share_one_question_to_systemd(
+    harnesses: list[Harness], tmp_path: Path
+) -> None:
+    harness = Harness(tmp_path, minds={"mimsy": "sleep 5"})
+    harnesses.append(harness)
+    now = [1000.0]
+    asks = status.SystemdAsks(clock=lambda: now[0])
+    state = harness.gate.state
+    state.status_asks = asks
+    peer = harness.connect()
+    for _ in range(50):
+        assert peer.request({"op": "status"})["ok"] is True
+    assert asks.asked == 1
+    now[0] += status.ASK_SYSTEMD_EVERY_SECONDS
+    assert peer.request({"op": "status"})["ok"] is True
+    assert asks.asked == 2
+    # A turn the gate starts is shown at once: a change in its own turns asks again.
+    delivered = harness.deliver_ok(peer)
+    harness.pump(lambda: bool(state.turns.all()))
+    shown = peer.request({"op": "status"})["status"]
+    assert asks.asked == 3
+    assert [turn["mind"] for turn in shown["turns"]] == ["mimsy"], (delivered, shown)
+    assert peer.request({"op": "status"})["ok"] is True
+    assert asks.asked == 3
+
+
+def test_a_pass_ends_after_its_time_and_feeds_the_watchdog_between_batches(
+    harnesses: list[Harness], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    harness = Harness(tmp_path)
+    harnesses.append(harness)
+    gate = harness.gate
+
+    pinged: list[str] = []
+    fed_before: list[int] = []  # for each ping served, the watchdog's pings before it
+
+    def slow_ping(state: object, request: object, caller: object) -> Pong:
+        fed_before.append(len(pinged))
+        time.sleep(0.005)  # a costly request: 16 of them are a batch of 0.08 s
+        return Pong()
+
+    monkeypatch.setitem(handlers.HANDLERS, PingRequest, slow_ping)
+    monkeypatch.setattr(loop, "sd_notify", pinged.append)
+    flood = [connect_as(harness, MEMBER) for _ in range(4)]
+    harness.pump(lambda: len(gate.server.clients) == 4)
+    for peer in flood:
+        peer.sock.send(PING * 100)
+    read_all(harness, 4)
+    gate.watchdog, gate.next_ping = 10.0, time.monotonic()  # a ping is due
+    started = time.monotonic()
+    harness.step(0)
+    took = time.monotonic() - started
+    answered = sum(peer.sock.recv(1 << 20).count(b"\n") for peer in flood)
+    # No request began after PASS_SECONDS: some 40 pings, not the 400 (2 s).
+    assert loop.REQUEST_BATCH < answered <= loop.PASS_SECONDS / 0.005 + 1, answered
+    assert took < loop.PASS_SECONDS + 0.5
+    # The watchdog was fed after the first batch, before the next: within the pass.
+    assert pinged[0] == "WATCHDOG=1"
+    assert fed_before[0] == 0 and fed_before[-1] >= 1
+    # The requests taken but not begun are the next pass's first.
+    assert 0 < len(gate.serving.left) < loop.REQUEST_BATCH
+    harness.step(0)
+    assert sum(peer.sock.recv(1 << 20).count(b"\n") for peer in flood) > len(gate.serving.left)
+    harness.pump(lambda: len(fed_before) == 400)
+
+
+def test_a_uids_lines_still_arriving_hold_at_most_their_share_then_75_and_the_rest_unread(
+    harnesses: list[Harness], tmp_path: Path
+) -> None:
+    harness = Harness(tmp_path)
+    harnesses.append(harness)
+    start = b'{"v":1,"op":"deliver","mind":"mimsy","message":"'
+    chunk = start + b"x" * (7 << 20)  # 7 MiB of one line, its end not sent yet
+    peers = [connect_as(harness, MEMBER) for _ in range(5)]
+    for peer in peers[:4]:  # 28 MiB: within the share
+        peer.send(chunk)
+    server_side = harness.gate.server.clients.values
+    harness.pump(lambda: sum(client.partial for client in server_side()) == 4 * len(chunk))
+    assert not any(peer.has_line() for peer in peers[:4])
+    peers[4].send(chunk)  # 35 MiB: past it
+    reply = peers[4].reply()
+    assert reply["code"] == EX_TEMPFAIL and reply["error"].startswith(f"uid {MEMBER} has ")
+    assert str(server.MAX_PARTIAL_BYTES_PER_UID) in reply["error"]
+    # What it held is let go, what follows of that line is dropped unread, and the
+    # connection goes on with its next line.
+    assert sum(client.partial for client in server_side()) == 4 * len(chunk)
+    peers[4].send(b"x" * (1 << 20) + b'"}\n{"v":1,"op":"ping"}\n')
+    assert peers[4].reply() == {"v": 1, "ok": True}
+    # Root is no party to it; and the others' lines, once whole, are answered.
+    assert accepted(harness, harness.connect())
+    peers[0].send(b'"}\n')
+    assert peers[0].reply()["code"] == 65  # over gate.max_message_bytes: it was 7 MiB

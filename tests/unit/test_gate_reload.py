@@ -233,6 +233,13 @@ def test_a_gate_without_a_valid_config_refuses_everything_with_78_until_reloaded
             assert '"code":78' in reply and "global_concurent_turns" in reply, reply
             assert "did you mean `global_concurrent_turns`?" in reply
             assert "systemctl reload volute-gate" in reply
+        # More lines at once than one pass takes: each is answered, none waits for more.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.settimeout(5)
+            client.connect(str(tmp_path / "gate.sock"))
+            client.sendall(b'{"v":1,"op":"ping"}\n' * 600)
+            replies = client.makefile()
+            assert all('"code":78' in replies.readline() for _ in range(600))
         [invalid] = [e for e in journal.events if isinstance(e, events.GateConfigInvalid)]
         assert "global_concurent_turns" in invalid.error
         # Fixed, then reloaded: serve returns the settings, for the whole gate to start.

@@ -29,7 +29,7 @@ from volutectl.errors import (
     EX_TEMPFAIL,
     EX_USAGE,
 )
-from volutectl.gate import handlers
+from volutectl.gate import handlers, loop
 from volutectl.states import QueueState
 from volutectl.wire import protocol
 from volutectl.wire.messages import Reply, StatusRequest
@@ -83,8 +83,13 @@ BAD_REQUESTS: list[tuple[str, Callable[[Path], bytes], int, str]] = [
      EX_DATAERR, "n: -9223372036854775809 is outside"),
     ("5000-digit int", line('{"v":1,"op":"retry","ids":[' + "7" * 5000 + "]}"),
      EX_DATAERR, "ids[0]: 777777777777...7777 (5000 digits)"),
+    # 200,000 arrays: over the values a request may hold, refused before it is parsed.
     ("nested 200,000 deep", lambda _t: b'{"v":1,"op":"ping","x":' + deep(200_000) + b"}",
-     EX_DATAERR, "x: nested deeper than 16 levels"),
+     EX_DATAERR, f"x: a request holds at most {protocol.MAX_VALUES} values"),
+    ("a million ids", lambda _t: b'{"v":1,"op":"wait","ids":[' + b"1234567," * 999_999 + b"1]}",
+     EX_DATAERR, f"ids: a request holds at most {protocol.MAX_VALUES} values"),
+    ("1,001 ids in a wait", line('{"v":1,"op":"wait","ids":[' + "1," * 1000 + "1]}"),
+     EX_DATAERR, "ids: at most 1000 deliveries in one wait, not 1001"),
     ("nested 40 deep", lambda _t: b'{"v":1,"op":"status","x":' + deep(40) + b"}",
      EX_DATAERR, "x[0][0]"),
     ("interrupt NaN", line(f'{{"v":1,"op":"{D}","mind":"mimsy","message":"m","interrupt":NaN}}'),
@@ -300,9 +305,11 @@ def test_a_full_disk_refuses_every_delivery_of_the_batch_and_acknowledges_none(
     store.db.execute(f"PRAGMA max_page_count = {pages}")  # SQLite's view of a full disk
     peers = [harness.connect() for _ in range(3)]
     big = b'{"v":1,"op":"deliver","mind":"mimsy","message":"' + b"y" * 900 + b'"}\n'
+    # Deliveries enough that the batch cannot fit; all in one batch of the pass.
+    each = loop.REQUEST_BATCH // len(peers)
     for peer in peers:
-        peer.send(big * 40)  # many deliveries each, so the batch cannot fit
-    replies = [peer.reply() for peer in peers for _ in range(40)]
+        peer.send(big * each)
+    replies = [peer.reply() for peer in peers for _ in range(each)]
     assert {(r["ok"], r["code"]) for r in replies} == {(False, EX_TEMPFAIL)}
     assert all("database or disk is full" in r["error"] for r in replies), replies[0]
     assert [row.id for row in store.list_rows(NOT_DEAD)] == [first]

@@ -308,3 +308,41 @@ def test_a_gate_that_never_answers_is_a_temporary_failure(socket_dir: Path) -> N
     finally:
         listener.close()
     assert caught.value.exit_code == EX_TEMPFAIL
+
+
+# -- what one request may cost: protocol.check_cost, before the line is parsed ----------
+
+IDS = b'{"v":1,"op":"wait","ids":['
+
+
+def refusal_of(line: bytes, start: int = 0, *, partial: bool = False) -> str | None:
+    try:
+        protocol.check_cost(line, start, partial=partial)
+    except DataError as error:
+        assert error.exit_code == 65
+        return error.message
+    return None
+
+
+def test_a_request_of_more_values_than_allowed_is_refused_before_parsing_naming_its_field() -> None:
+    most = protocol.MAX_VALUES
+    assert refusal_of(IDS + b"7," * (most - 10) + b"7]}") is None
+    refused = refusal_of(IDS + b"1234567," * 1_000_000 + b"7]}")  # 8 MB, as the attack's
+    values = "values (numbers, strings, arrays, objects)"
+    assert refused == f"ids: a request holds at most {most} {values}, this one more"
+    # Arrays, objects and strings count as much as numbers do.
+    assert (refusal_of(b'{"v":1,"x":[' + b"[]," * most + b"1]}") or "").startswith("x: ")
+    assert (refusal_of(b'{"v":1,"k\\"y":[' + b'"",' * most + b"1]}") or "").startswith("ky: ")
+    assert (refusal_of(b"[" + b"{}," * most + b"1]") or "").startswith("the request: ")
+
+
+def test_a_delivers_message_counts_as_one_value_whatever_it_holds() -> None:
+    message = json.dumps(',[{"\\' * 100_000 + "\u00e9")
+    line = b'{"v":1,"op":"deliver","mind":"m","message":' + message.encode() + b"}"
+    assert refusal_of(line) is None
+    assert refusal_of(line[: len(line) // 2], partial=True) is None  # still arriving
+    # Values outside the message count, even behind it, and even in escaped keys.
+    tail = b',"x\\\\":[' + b"1," * protocol.MAX_VALUES + b"1]}"
+    assert (refusal_of(line[:-1] + tail) or "").startswith("x: ")  # escapes left out
+    # Only from `start`: what comes before it is another, complete, line.
+    assert refusal_of(b"[" + b"1," * 20_000 + b"1]\n" + line, start=40_004) is None

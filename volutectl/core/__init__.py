@@ -6,6 +6,7 @@
 - `adaptive`: the adaptive limit's rules: how many turns may run, from the probe and PSI.
 - `iocost`: what one turn of each mind costs against that limit, from what it wrote.
 - `psi`: PSI trigger lines, the stalled share of an interval, and the hysteresis.
+- `shares`: whose requests one pass of the gate takes: in turns between uids, then connections.
 
 Each module is the package's surface: import it by name. Nothing is re-exported here.
 """

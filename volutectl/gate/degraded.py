@@ -78,7 +78,8 @@ class Degraded:
         self.next_ping = time.monotonic() if self.watchdog else None
         try:
             while not self.stopping and self.reloaded is None:
-                self.reactor.wait(self.reactor.timeout())
+                # Lines beyond one pass's share wait in the server: no sleep then.
+                self.reactor.wait(0.0 if self.server.backlog else self.reactor.timeout())
                 if self.reloaded is not None:
                     break  # what came with the reload is not refused: its clients try again
                 for client, _ in self.server.take_requests():

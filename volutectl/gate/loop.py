@@ -51,7 +51,7 @@ from volutectl.gate.liveness import Liveness
 from volutectl.gate.outcomes import Settled, Waiters
 from volutectl.gate.pressure import open_for_turns
 from volutectl.gate.reactor import Reactor, from_wall_clock, only_wake
-from volutectl.gate.server import Server
+from volutectl.gate.server import REQUESTS_PER_PASS, Incoming, Server
 from volutectl.gate.serving import Serving
 from volutectl.gate.state import GateState
 from volutectl.gate.turns import Turn, Turns
@@ -67,6 +67,13 @@ from volutectl.systemd.port import SystemdManager
 from volutectl.wire.messages import ConfigStatus
 
 ADMIT_RETRY_SECONDS = 1.0
+# One pass serves the requests that arrived in batches of this many (the deliveries of
+# a batch share one commit), until server.REQUESTS_PER_PASS, or until PASS_SECONDS (no
+# request is begun after it): then the loop goes round (reading, systemd's news,
+# deadlines, admission), and the rest wait in the clients' buffers, taken in turns
+# (volutectl/gate/server.py's `take_requests`).
+REQUEST_BATCH = 16
+PASS_SECONDS = 0.2
 
 
 def limits_of(settings: Settings) -> admission.Limits:
@@ -377,7 +384,8 @@ class Gate:
 
     def timeout(self) -> float | None:
         """How long the wait may sleep: only until a real deadline, else forever."""
-        if self.state.manager.has_pending_events() or self.server.backlog or self.state.dirty:
+        owed = self.server.backlog or self.serving.left or self.state.dirty
+        if owed or self.state.manager.has_pending_events():
             return 0.0  # a pass is owed (a new gate's first one included): no sleep
         return self.reactor.timeout()
 
@@ -467,9 +475,7 @@ class Gate:
         """One pass of the loop: wait, take in what arrived, then admit."""
         ready = self.reactor.wait(timeout)
         self.started = False
-        incoming = self.server.take_requests()
-        if incoming:
-            self.serving.serve(incoming)
+        served = self._serve_requests()
         events = self.state.manager.process_events()
         for event in events:
             news = f"systemd's news of {event.name}"
@@ -481,9 +487,30 @@ class Gate:
         # A turn's settlement is durable before the gate sleeps; if the disk refuses,
         # the next pass tries again (what was not synced is still in the WAL).
         self._guarded("syncing the queue", self.state.store.sync)
-        idle = not (ready or incoming or events)  # woke for deadlines alone
+        idle = not (ready or served or events)  # woke for deadlines alone
         mono = time.monotonic()
         self._guarded("retention", self.retention.on_pass, mono, idle, self.started)
+
+    def _serve_requests(self) -> int:
+        """Serve this pass's share of the requests that arrived, batch after batch, and
+        feed the watchdog between batches: at most server.REQUESTS_PER_PASS of them, and
+        none begun after PASS_SECONDS (volutectl/gate/serving.py). How many were served."""
+        deadline = time.monotonic() + PASS_SECONDS
+        served = 0
+        while served < REQUESTS_PER_PASS:
+            left, self.serving.left = self.serving.left, []
+            budget = min(REQUEST_BATCH, REQUESTS_PER_PASS - served) - len(left)
+            # Those left from the last pass first, but root's first of all.
+            incoming = sorted(left + self.server.take_requests(max(0, budget)), key=_not_roots)
+            if not incoming:
+                break
+            served += self.serving.serve(incoming, deadline)
+            now = time.monotonic()
+            if self.next_ping is not None and now >= self.next_ping:
+                self._ping_watchdog(now)
+            if self.serving.left or now >= deadline:
+                break
+        return served
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -574,3 +601,9 @@ class Gate:
         waiting = state.store.index.counts[HoldReason.ADAPTIVE_LIMIT]
         adaptive.after_pass(time.monotonic(), busy, waiting, load + others)
         self.notifier.update(status.gate_line(state, now, test_runs))
+
+
+def _not_roots(incoming: Incoming) -> bool:
+    """The sort key that puts root's requests first (a stable sort: each client's keep
+    their order)."""
+    return incoming[0].uid != 0

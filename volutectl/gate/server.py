@@ -22,6 +22,17 @@ an outcome after its end of requests is watched for hang-up (`hangups`, an epoll
 that reports nothing else): once its peer has closed, nobody can read the outcome, and
 it is dropped at once instead of holding its place until the delivery settles.
 
+Fair shares of time and memory: one pass of the loop takes at most REQUESTS_PER_PASS
+requests for all clients together (`take_requests`, batch by batch within the pass's
+time: volutectl/gate/loop.py): root's first, then the others in turns between uids,
+and within a uid between its connections (volutectl/core/shares.py), the uid served
+longest ago first. A client's lines wait in its buffer until their turn, and a client
+with a complete line waiting is not read further, so what one holds is at most one
+read past its partial line. A line is checked for what it would cost before it is
+parsed, and while it still arrives (protocol.check_cost); a uid's partial lines
+together hold at most MAX_PARTIAL_BYTES_PER_UID (root: no limit). A line refused as it
+arrives is answered at once, and its rest is dropped unread.
+
 Descriptors (SCM_RIGHTS): a `register_repo` line may carry one, its repository's git
 common directory, which the gate cannot open by path in a private home. It must come
 in the same sendmsg as the line's end. Each read takes at most MAX_PASSED_FDS (the
@@ -51,6 +62,7 @@ from typing import TypeAlias
 
 from volutectl import events
 from volutectl.config.settings import Settings
+from volutectl.core import shares
 from volutectl.errors import EX_SOFTWARE, DataError, TemporaryError, UnavailableError, VoluteError
 from volutectl.gate.reactor import Reactor
 from volutectl.systemd import activation
@@ -64,8 +76,17 @@ MAX_OUTBOX = 1 << 20
 # After accept() failed for want of descriptors or memory, the listener rests until a
 # client leaves or this long has passed (the descriptors may be held by turns instead).
 ACCEPT_RETRY_SECONDS = 1.0
-# Lines of one client taken in one pass of the loop; the rest wait for the next pass.
-MAX_LINES_PER_PASS = 1024
+# Requests served in one pass of the loop, of every client together (root's first, then
+# the others' in turns), in batches and within volutectl/gate/loop.py's PASS_SECONDS:
+# the rest wait for the next pass, in the clients' buffers. A `status` takes some 0.5 ms
+# here (2 cores of a VM), 2 ms on a Raspberry Pi 3; so a pass is over in a fraction of a
+# second, and root's request, read in the next, never waits long.
+REQUESTS_PER_PASS = 256
+# The partial lines of one uid's connections, together (a `deliver` of 1 MiB is at most
+# some 6 MiB on the wire): beyond, the connection that grew them is refused (75).
+MAX_PARTIAL_BYTES_PER_UID = 32 << 20
+# A client's partial line past this is counted with its uid's others.
+_PARTIAL_CHECKED = 64 << 10
 # Descriptors one read may bring in (SCM_RIGHTS); the kernel closes any past them.
 MAX_PASSED_FDS = 2
 _ANCILLARY = socket.CMSG_SPACE(MAX_PASSED_FDS * 4)
@@ -79,7 +100,10 @@ class Client:
     sock: socket.socket
     fd: int  # the key in Server.clients and Server.idle; sock.fileno() is -1 once closed
     uid: int  # SO_PEERCRED of the connection: fixed at connect()
-    buffer: bytearray = field(default_factory=bytearray)  # a request line still partial
+    buffer: bytearray = field(default_factory=bytearray)  # lines read, not yet all taken
+    taken: int = 0  # the offset in `buffer` of the first byte not yet taken as a line
+    partial: int = 0  # the bytes at the end of `buffer` after its last complete line
+    skipping: bool = False  # a line was refused as it arrived: drop the rest of it
     outbox: bytearray = field(default_factory=bytearray)
     events: int = selectors.EVENT_READ  # what the reactor watches it for; 0: not at all
     closed: bool = False
@@ -149,8 +173,9 @@ class Server:
         self.idle: dict[int, Client] = {}
         # Called with each client dropped: the waiters forget it (gate/outcomes.py).
         self.on_drop: Callable[[Client], None] = lambda client: None
-        self.backlog: dict[int, Client] = {}  # clients with complete lines not yet taken
-        self.arrived: list[Incoming] = []  # read in this pass, not yet taken
+        # Clients with complete lines not yet taken, by fd: those served longest ago first.
+        self.backlog: dict[int, Client] = {}
+        self.served: list[int] = []  # uids with lines taken before, the most recent last
         self.accept_retry: float | None = None  # monotonic, after accept() lacked fds
         self.accept_problem: str | None = None  # why accepting paused, as last logged
         self.stopping = False
@@ -338,7 +363,7 @@ class Server:
             client = next(iter(self.idle.values()))
             if now < client.idle_since + limit:
                 return
-            if client.buffer:  # a request that never ended: say why it is cut off
+            if client.partial:  # a request that never ended: say why it is cut off
                 refusal = TemporaryError(
                     f"no complete request in {limit:g} s: closing the connection"
                 )
@@ -348,45 +373,100 @@ class Server:
     # -- reading --------------------------------------------------------------------------
 
     def on_client(self, client: Client, mask: int) -> None:
-        """Serve one client's readiness: its requests, in the order they came, each
-        decoded or already refused, wait in `arrived` (the gate replies to all of them
-        in that order). Whatever fails ends that client, not the loop."""
+        """Serve one client's readiness: what it sent waits in its buffer, and a client
+        with a complete line is in `backlog` until the gate takes its lines in turn
+        (`take_requests`). Whatever fails ends that client, not the loop."""
         try:
             if mask & selectors.EVENT_WRITE:
                 self._flush(client)
             # A client with lines still waiting in its backlog is not read further
             # until they are taken: its buffer stays within one read.
             if mask & selectors.EVENT_READ and not client.closed and client.fd not in self.backlog:
-                self.arrived += self._read(client)
+                self._read(client)
         except Exception as error:  # noqa: BLE001 - see client_failed
             self.client_failed(client, "reading a request", error)
 
-    def take_requests(self) -> list[Incoming]:
-        """The requests read in this pass, then the next lines of clients that sent more
-        than one pass takes."""
-        requests, self.arrived = self.arrived, []
-        return requests + self._backlogged()
+    def take_requests(self, budget: int = REQUESTS_PER_PASS) -> list[Incoming]:
+        """At most `budget` requests of the clients' complete lines, each decoded or
+        already refused, each client's in the order it sent them: root's first, then
+        one of each other uid's in turn, the uid served longest ago first, and within
+        a uid one of each connection in turn. The rest wait for the next pass."""
+        requests: list[Incoming] = []
+        by_uid: dict[int, list[Client]] = {}
+        for client in self.backlog.values():  # served longest ago first
+            by_uid.setdefault(client.uid, []).append(client)
+        roots = by_uid.pop(0, [])
+        take = partial(self._take_line, requests)
+        turns = shares.take_turns([roots], budget, take)
+        others = shares.least_recent_first(by_uid, self.served)
+        turns += shares.take_turns([by_uid[uid] for uid in others], budget - len(turns), take)
+        for client in shares.served_order((), turns):
+            if self.backlog.pop(client.fd, None) is not None:
+                self.backlog[client.fd] = client  # served now: last in line
+        self.served = shares.served_order(self.served, [c.uid for c in turns if c.uid])
+        return requests
 
-    def _read(self, client: Client) -> list[Incoming]:
+    def _take_line(self, requests: list[Incoming], client: Client) -> bool:
+        """Take the client's next complete line into `requests`, decoded or refused;
+        False if it had none (it leaves the backlog) or was closed for it."""
+        end = client.buffer.find(b"\n", client.taken) if not client.closed else -1
+        if end < 0:
+            self.backlog.pop(client.fd, None)
+            return False
+        line = bytes(client.buffer[client.taken : end])
+        client.taken = end + 1
+        self._mark_active(client)  # a complete line: the idle clock starts again
+        if len(line) > protocol.MAX_LINE:
+            self._refuse_oversized(client)
+            return False
+        decoded: Request[Reply] | ErrorReply
+        try:
+            protocol.check_cost(line)
+            decoded = messages.decode_request(protocol.decode(line))
+        except VoluteError as error:
+            decoded = ErrorReply.of(error)
+        except Exception as error:  # noqa: BLE001 - see client_failed
+            self.client_failed(client, "reading a request", error)
+            return False
+        requests.append((client, decoded))
+        self._attached(client, decoded)
+        return True
+
+    def _read(self, client: Client) -> None:
         try:
             chunk, ancillary, _, _ = client.sock.recvmsg(
                 1 << 20, _ANCILLARY, socket.MSG_CMSG_CLOEXEC
             )
         except BlockingIOError:
-            return []
+            return
         except OSError:
             chunk, ancillary = b"", []
-        if ancillary:
-            self._take_fds(client, _passed_fds(ancillary), chunk)
+        fds = _passed_fds(ancillary) if ancillary else []
         if not chunk:
+            _close_fds(fds)
             self._end_of_requests(client)
-            return []
+            return
+        if client.skipping:  # the rest of a line refused while it arrived: not kept
+            end = chunk.find(b"\n")
+            if end < 0:
+                _close_fds(fds)
+                return
+            chunk, client.skipping = chunk[end + 1 :], False
+        if fds:  # counted on what is kept of the chunk: its lines are the ones decoded
+            self._take_fds(client, fds, chunk)
+        if client.taken:  # every complete line was taken: what is left is partial
+            del client.buffer[: client.taken]
+            client.taken = 0
         client.buffer += chunk  # a bytearray: a line that trickles in is not recopied
-        if b"\n" not in chunk:
-            if len(client.buffer) > protocol.MAX_LINE:
-                self._refuse_oversized(client)
-            return []
-        return self._lines(client)
+        if b"\n" in chunk:
+            self.backlog[client.fd] = client
+            client.partial = len(chunk) - chunk.rfind(b"\n") - 1
+        else:
+            client.partial += len(chunk)
+        if client.partial > protocol.MAX_LINE:
+            self._refuse_oversized(client)
+        elif client.partial > _PARTIAL_CHECKED:
+            self._check_partial(client)
 
     def _take_fds(self, client: Client, fds: list[int], chunk: bytes) -> None:
         """Keep the first descriptor of a read for the last line it completes, if the
@@ -421,45 +501,28 @@ class Server:
         client.passed = None
         return fd
 
-    def _lines(self, client: Client) -> list[Incoming]:
-        """The complete lines in the client's buffer, at most MAX_LINES_PER_PASS of them:
-        a client that sends a flood of lines gets them answered over several passes,
-        while the others are served (and its unread replies may end it first). The rest
-        waits in `backlog`, which the gate serves without waiting for the socket."""
-        parts = bytes(client.buffer).split(b"\n", MAX_LINES_PER_PASS)  # one pass: linear
-        client.buffer = bytearray(parts.pop())
-        if b"\n" in client.buffer:
-            self.backlog[client.fd] = client
-        else:
-            self.backlog.pop(client.fd, None)
-        self._mark_active(client)  # a complete line: the idle clock starts again
-        requests: list[Incoming] = []
-        for line in parts:
-            if len(line) > protocol.MAX_LINE:
-                self._refuse_oversized(client)
-            elif not client.closed:
-                decoded: Request[Reply] | ErrorReply
-                try:
-                    decoded = messages.decode_request(protocol.decode(line))
-                except VoluteError as error:
-                    decoded = ErrorReply.of(error)
-                requests.append((client, decoded))
-                self._attached(client, decoded)
-            if client.closed:
-                return []
-        if client.fd not in self.backlog and len(client.buffer) > protocol.MAX_LINE:
-            self._refuse_oversized(client)
-        return requests
-
-    def _backlogged(self) -> list[Incoming]:
-        """The next lines of clients that sent more than one pass takes."""
-        requests: list[Incoming] = []
-        for client in list(self.backlog.values()):
-            try:
-                requests += self._lines(client)
-            except Exception as error:  # noqa: BLE001 - see client_failed
-                self.client_failed(client, "reading a request", error)
-        return requests
+    def _check_partial(self, client: Client) -> None:
+        """A long line still arriving: refuse it now if it already holds more values
+        than a request may, or takes its uid past its share of partial bytes, rather
+        than once the whole line is in. What arrives of it until its end is dropped
+        unread; the connection goes on with the next line."""
+        refusal: VoluteError | None = None
+        try:
+            protocol.check_cost(client.buffer, len(client.buffer) - client.partial, partial=True)
+        except DataError as error:
+            refusal = error
+        if refusal is None and client.uid != 0:
+            held = sum(other.partial for other in self.clients.values() if other.uid == client.uid)
+            if held > MAX_PARTIAL_BYTES_PER_UID:
+                refusal = TemporaryError(
+                    f"uid {client.uid} has {held} bytes of requests still arriving on its "
+                    f"connections to the gate, its most ({MAX_PARTIAL_BYTES_PER_UID})",
+                    hint="send each request whole, and fewer at once",
+                )
+        if refusal is not None:
+            del client.buffer[len(client.buffer) - client.partial :]
+            client.partial, client.skipping = 0, True
+            self.reply(client, ErrorReply.of(refusal))
 
     def _refuse_oversized(self, client: Client) -> None:
         limit = self.settings.gate.max_message_bytes
@@ -591,6 +654,8 @@ class Server:
             self.per_uid[client.uid] -= 1
             if not self.per_uid[client.uid]:
                 del self.per_uid[client.uid]
+                with contextlib.suppress(ValueError):
+                    self.served.remove(client.uid)
         self.on_drop(client)
         if client.incoming_fd is not None:
             _close_fds([client.incoming_fd[0]])

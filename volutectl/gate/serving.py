@@ -6,11 +6,17 @@ Every other request goes to its handler (volutectl/gate/handlers.py). A reply is
 sent (volutectl/gate/server.py), or, for a wait or a `deliver --wait`, sent and the
 client kept for the outcome (volutectl/gate/outcomes.py). A failure that is a bug ends
 the clients it met, never the loop.
+
+A pass has its time (volutectl/gate/loop.py): past its deadline no further request is
+begun, and those not begun wait in `left`, answered first in the next pass (each
+client's still in its order), so that costly requests one after another (a `queue` of
+10,000 rows takes most of a second) cannot hold the loop.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 from volutectl.gate import handlers
 from volutectl.gate.handlers import Caller
@@ -33,12 +39,17 @@ class Serving:
         self.state = state
         self.server = server
         self.waiters = waiters
+        self.left: list[Incoming] = []  # taken, not begun: the pass's time was up
 
-    def serve(self, incoming: list[Incoming]) -> None:
-        """Answer every request that came in this pass, each client's in its order."""
+    def serve(self, incoming: list[Incoming], deadline: float | None = None) -> int:
+        """Answer the requests, each client's in its order: every one, or those begun
+        before the (monotonic) deadline, the rest left in `left`. How many answered."""
         replies: list[Reply | None] = [None] * len(incoming)
         batch: list[int] = []  # indexes of deliveries not yet committed
         for index, (client, request) in enumerate(incoming):
+            if index and deadline is not None and time.monotonic() >= deadline:
+                self.left, incoming, replies = incoming[index:], incoming[:index], replies[:index]
+                break
             if isinstance(request, ErrorReply):
                 replies[index] = request
             elif client.closed:
@@ -52,6 +63,7 @@ class Serving:
         for (client, request), reply in zip(incoming, replies, strict=True):
             if reply is not None and not client.closed:
                 self._send(client, request, reply)
+        return len(incoming)
 
     def _send(self, client: Client, request: Request[Reply] | ErrorReply, reply: Reply) -> None:
         """Send the reply; a client that asked to wait is kept for the outcome."""

@@ -16,6 +16,7 @@ from volutectl.gate.adaptive import AdaptiveLimit
 from volutectl.gate.liveness import Liveness
 from volutectl.gate.outcomes import Settled
 from volutectl.gate.pressure import PressureWatch
+from volutectl.gate.status import SystemdAsks
 from volutectl.gate.turns import Turns
 from volutectl.slots.watch import SlotWatch
 from volutectl.store.indexed import IndexedStore
@@ -49,3 +50,5 @@ class GateState:
     # mind's refusal says to reload when the file has it. None: not asked.
     minds_on_disk: Callable[[], Collection[str]] | None = None
     config: ConfigStatus | None = None  # when the config was read; a refused reload
+    # What status last asked systemd: every status within its window shares it.
+    status_asks: SystemdAsks = field(default_factory=SystemdAsks)

@@ -2,9 +2,16 @@
 the one line the gate gives systemd (sd_notify STATUS=, `systemctl status`).
 
 Live turns are counted as admission counts them (scopes that hold a process), by the
-status handler just before `build` (volutectl/gate/liveness.py's `recount`: counting can
-settle a turn that ended); if systemd does not answer, the status says what the gate
-last knew rather than failing. `build` itself only reads.
+status handler just before `build` (`SystemdAsks.refresh`, which runs
+volutectl/gate/liveness.py's `recount`: counting can settle a turn that ended); if
+systemd does not answer, the status says what the gate last knew rather than failing.
+`build` itself only reads.
+
+No client can make the gate ask systemd more than a few times a second: what status
+asks systemd (the turns slice's scopes, the tests slice's runs) is asked at most every
+ASK_SYSTEMD_EVERY_SECONDS, and every status within that window shares the answer. Only
+a change in the gate's own turns (which admission paces, not clients) asks again at
+once, so that a status never shows a turn the gate has settled or misses one it started.
 
 What a client sees of it (`seen_by`): every mind's name and counts, its running
 sessions, the test runs (systemd shows their scopes to any user anyway); never a mind's
@@ -24,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from volutectl import roles
 from volutectl.core import admission
+from volutectl.core.slotmath import InFlight
 from volutectl.errors import VoluteError
 from volutectl.launcher import preflight
 from volutectl.slots.scopes import list_in_flight
@@ -43,6 +51,36 @@ from volutectl.wire.messages import (
 
 if TYPE_CHECKING:
     from volutectl.gate.state import GateState
+
+# What status asks systemd is asked at most this often; statuses meanwhile share it.
+ASK_SYSTEMD_EVERY_SECONDS = 0.25
+
+
+class SystemdAsks:
+    """What status last asked systemd, shared by every status in its window."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.at: float | None = None  # monotonic: when systemd was last asked
+        self.turns: frozenset[int] = frozenset()  # the gate's turns once it had answered
+        self.runs: list[InFlight] = []  # the tests slice's runs, as listed then
+        self.asked = 0  # how many times (for the tests)
+
+    def refresh(self, state: GateState) -> None:
+        """Count the live turns and list the test runs, unless that was done less than
+        ASK_SYSTEMD_EVERY_SECONDS ago and the gate's turns are the same since."""
+        now = self.clock()
+        turns = frozenset(turn.id for turn in state.turns.all())
+        if self.at is not None and 0 <= now - self.at < ASK_SYSTEMD_EVERY_SECONDS:
+            if turns == self.turns:
+                return
+        state.liveness.recount(known_foreign=state.foreign_live)  # settles what ended
+        try:
+            self.runs = list_in_flight(state.manager, state.settings.tests.slice)  # type: ignore[arg-type]
+        except VoluteError:
+            self.runs = []
+        self.at, self.asked = now, self.asked + 1
+        self.turns = frozenset(turn.id for turn in state.turns.all())
 
 
 def build(state: GateState) -> Status:
@@ -150,11 +188,9 @@ def _minds(
 
 
 def _test_runs(state: GateState) -> tuple[RepositoryStatus, ...]:
-    """Per repository: slots held of N, and its runs from the tests slice's scopes."""
-    try:
-        runs = list_in_flight(state.manager, state.settings.tests.slice)  # type: ignore[arg-type]
-    except VoluteError:
-        runs = []
+    """Per repository: slots held of N, and its runs from the tests slice's scopes (as
+    last listed: `SystemdAsks.refresh`)."""
+    runs = state.status_asks.runs
     return tuple(
         RepositoryStatus(
             repository=str(entry["repository"]),
