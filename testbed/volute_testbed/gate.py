@@ -23,11 +23,15 @@ VOLUTECTL = str(SCRIPTS / "volutectl")
 DEFAULT_TURN_USER = "volute-turn"  # turns.default_user's default, as the package makes it
 # As debian/volutectl.sysusers makes it: its own group, and volute to read the config.
 GATE_USER_GROUPS = ("-g", "volute-gate", "-G", "volute")
+TURNS_GROUP = "volute-turns"  # debian/volutectl.sysusers: the turns' users
+POLKIT_RULE = CHECKOUT / "packaging" / "polkit" / "40-volutectl.rules"
+POLKIT_RULES = f"/usr/share/polkit-1/rules.d/{POLKIT_RULE.name}"  # where the package puts it
 
 
 def install_units(machine: Machine) -> None:
     """Copy units/ into the container; the gate and the launcher run this checkout's
-    volutectl, and the users the package makes (debian/volutectl.sysusers) are made.
+    volutectl, and the users the package makes (debian/volutectl.sysusers) are made,
+    and its polkit rule is installed.
 
     volute-gate.socket and volute-launcher.socket come along and are enabled as the
     package does; the gate Requires= its socket, so every gate a test starts serves
@@ -60,6 +64,12 @@ def install_units(machine: Machine) -> None:
     for user, groups in users:
         add = ["useradd", "-r", *groups, "-M", "-d", "/nonexistent", "-s", "/usr/sbin/nologin"]
         machine.sh(f"id {user} >/dev/null 2>&1 || {' '.join(add)} {user}")
+    # As the package does: the default turn user in group volute-turns, whose members
+    # the package's polkit rule refuses lingering (debian/volutectl.install puts it in
+    # /usr/share/polkit-1/rules.d; polkitd, D-Bus activated, reads it when it starts).
+    machine.run(["groupadd", "-f", "-r", TURNS_GROUP])
+    machine.run(["usermod", "-a", "-G", TURNS_GROUP, DEFAULT_TURN_USER])
+    machine.write(POLKIT_RULES, POLKIT_RULE.read_text())
     machine.run(["systemctl", "daemon-reload"])
     machine.run(["systemctl", "enable", "volute-gate.socket", "volute-launcher.socket"])
 

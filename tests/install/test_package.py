@@ -158,7 +158,8 @@ def test_sysusers_tmpfiles_and_config_permissions(installed: Installed) -> None:
     socket_group = m.run(["getent", "group", "volute"]).stdout.strip().split(":")
     assert user[3] == own[2] != socket_group[2] and int(user[2]) < 1000
     assert "volute-turn" not in socket_group[3].split(",")
-    assert m.run(["id", "-nG", "volute-turn"]).stdout.split() == ["volute-turn"]
+    # ... and in volute-turns, whose members the package's polkit rule keeps from lingering.
+    assert m.run(["id", "-nG", "volute-turn"]).stdout.split() == ["volute-turn", "volute-turns"]
     listing = m.sh("stat -c '%U %G %a %n' /etc/volute/volutectl.toml /var/lib/volute /run/volute")
     assert listing.stdout.splitlines() == [
         "root volute-admin 640 /etc/volute/volutectl.toml",  # an admin's (roles, below)
@@ -692,6 +693,46 @@ def test_doctor_names_the_turn_user_cron_and_at_take_and_its_line_keeps_it_out(
     assert refused != 0 and "permission" in said, said
     artifact("cron-at-refused.txt", said)
     assert m.run(["atq"]).stdout == ""
+
+
+# -- issue 29: a turn's user may not linger, by the package's polkit rule --------------
+
+POLKIT_RULE = "/usr/share/polkit-1/rules.d/40-volutectl.rules"
+
+
+def loginctl(m: Machine, user: str, verb: str, target: str) -> tuple[int, str]:
+    """`loginctl VERB TARGET` as `user`, in a unit of its own as a turn is: trixie's
+    logind reads its caller's cgroup, and a process entered with nsenter has none inside
+    ("Protocol driver not attached")."""
+    argv = ["systemd-run", "--quiet", "--pipe", "--wait", "-p", f"User={user}"]
+    done = m.run([*argv, "loginctl", verb, target], check=False, timeout=90)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_the_packages_polkit_rule_keeps_the_turn_user_from_lingering(
+    installed: Installed,
+) -> None:
+    """systemd lets any user make itself linger (set-self-linger: yes), and a lingering
+    user's manager runs what a turn started there after the turn. The .deb ships a rule
+    in /usr/share/polkit-1/rules.d, where polkit reads packages' rules (polkitd's
+    NEWS.Debian, 121): trixie's polkitd refuses it to volute-turn, and not to others."""
+    m = installed.machine
+    assert POLKIT_RULE in m.run(["dpkg", "-L", "volutectl"]).stdout.splitlines()
+    m.run(
+        ["apt-get", "install", "-y", "-q", "--no-install-recommends", "polkitd"],
+        env={"DEBIAN_FRONTEND": "noninteractive"},
+        timeout=600,
+    )
+    polkitd = m.run(["dpkg-query", "-W", "-f=${Version}", "polkitd"]).stdout
+    m.run(["useradd", "-M", "lingerer"])  # a user of no volute group: the rule's control
+    allowed, said = loginctl(m, "lingerer", "enable-linger", "lingerer")
+    assert allowed == 0, said
+    assert m.host_path("/var/lib/systemd/linger/lingerer").exists()
+    assert loginctl(m, "root", "disable-linger", "lingerer")[0] == 0
+    refused, said = loginctl(m, DEFAULT_TURN_USER, "enable-linger", DEFAULT_TURN_USER)
+    assert refused != 0 and "Access denied" in said, said
+    assert not m.host_path(f"/var/lib/systemd/linger/{DEFAULT_TURN_USER}").exists()
+    artifact("linger-refused.txt", f"polkitd {polkitd}\n{said}")
 
 
 def test_remove_keeps_state_and_purge_leaves_nothing(installed: Installed) -> None:

@@ -569,3 +569,40 @@ def test_a_minds_user_that_lingers_is_named_with_the_line_that_stops_it(tmp_path
     check = doctor.check_linger(["bob", "volute-turn"], tmp_path)
     assert check.status == "warn" and "volute-turn" in check.found and "bob" not in check.found
     assert check.change == "as root: loginctl disable-linger volute-turn"
+
+
+def test_the_linger_rule_covers_the_turn_group_and_names_each_user_outside_it(
+    tmp_path: Path,
+) -> None:
+    rule = tmp_path / "40-volutectl.rules"
+    members = {"volute-turn": True, "bob": False, "carol": False, "ghost": None}
+
+    def check(users: list[str], group_exists: bool = True) -> doctor.Check:
+        return doctor.check_linger_rule(users, members.get, rule, lambda group: group_exists)
+
+    missing = check(["volute-turn"])
+    assert missing.status == "warn" and str(rule) in missing.found  # no rule: nothing refuses
+    write(rule, "polkit.addRule(...)")
+    assert check(["volute-turn", "root", "ghost"]).status == "ok"
+    outside = check(["carol", "volute-turn", "bob"])
+    assert outside.status == "warn"
+    assert outside.found.startswith("the minds' user(s) bob, carol are not in group volute-turns")
+    assert outside.change == (
+        "as root: usermod -a -G volute-turns bob; usermod -a -G volute-turns carol"
+    )
+    # A group the package did not make (volutectl installed without it, e.g. by pip).
+    assert check(["bob"], group_exists=False).change == (
+        "as root: groupadd -r volute-turns; usermod -a -G volute-turns bob"
+    )
+
+
+def test_membership_is_read_as_polkit_reads_it() -> None:
+    import grp
+    import os
+    import pwd
+
+    me = pwd.getpwuid(os.getuid())
+    primary = grp.getgrgid(me.pw_gid).gr_name
+    assert doctor.in_group(me.pw_name, primary) is True  # its primary group counts
+    assert doctor.in_group(me.pw_name, "no-such-group-volute") is False
+    assert doctor.in_group("no-such-user-volute", primary) is None

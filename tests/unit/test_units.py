@@ -22,6 +22,7 @@ import pytest
 
 from volutectl import roles
 from volutectl.config.settings import Settings, flatten, load_settings
+from volutectl.host import doctor
 from volutectl.launcher import home
 from volutectl.wire import orders
 
@@ -448,3 +449,26 @@ def test_every_unit_is_installed_and_only_the_gate_is_restarted_on_upgrade() -> 
         ["volute-gate.service"],
         ["--no-enable", "volute-launcher.service"],
     ]
+
+
+def test_the_polkit_rule_its_group_and_doctor_agree(tmp_path: Path) -> None:
+    """The rule the .deb installs is the file doctor checks, refuses both linger actions
+    to the default turn user and the group sysusers makes, and sysusers puts that user
+    in that group (docs/packaging.md, "Lingering")."""
+    rule = REPO / "packaging" / "polkit" / doctor.POLKIT_RULE.name
+    install = (DEBIAN / "volutectl.install").read_text().splitlines()
+    assert f"packaging/polkit/{rule.name} {doctor.POLKIT_RULE.parent.relative_to('/')}" in install
+    text = rule.read_text()
+    for action in ("set-self-linger", "set-user-linger"):
+        assert f'action.id == "org.freedesktop.login1.{action}"' in text
+    assert f'subject.user == "{Settings().turns.default_user}"' in text
+    assert f'subject.isInGroup("{doctor.TURNS_GROUP}")' in text
+    assert "polkit.Result.NO" in text and "polkit.Result.YES" not in text
+    (tmp_path / "etc").mkdir()
+    users = [tool("systemd-sysusers"), f"--root={tmp_path}", str(DEBIAN / "volutectl.sysusers")]
+    subprocess.run(users, check=True, capture_output=True, timeout=60)
+    groups = {
+        line.split(":")[0]: line.split(":")
+        for line in (tmp_path / "etc/group").read_text().splitlines()
+    }
+    assert groups[doctor.TURNS_GROUP][3].split(",") == [Settings().turns.default_user]

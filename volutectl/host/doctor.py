@@ -16,7 +16,9 @@ systemd manager (exit 69) is a failure; everything else is advice and exits 0.
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import shlex
 import socket
 from collections.abc import Callable, Sequence
@@ -519,6 +521,60 @@ def check_linger(users: Sequence[str], linger_dir: Path = LINGER_DIR) -> Check:
     return Check("linger", "warn", found, f"as root: loginctl disable-linger {names}")
 
 
+TURNS_GROUP = "volute-turns"  # debian/volutectl.sysusers: the turns' users
+# The package's rule (packaging/polkit/): polkit refuses lingering to TURNS_GROUP.
+POLKIT_RULE = Path("/usr/share/polkit-1/rules.d/40-volutectl.rules")
+
+
+def in_group(user: str, group: str) -> bool | None:
+    """Whether `user` is in `group` as polkit's `subject.isInGroup` sees it (getgrouplist:
+    its primary group and /etc/group's lists); None if there is no such user."""
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        return None
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        return False
+    return gid in os.getgrouplist(user, entry.pw_gid)
+
+
+def _group_exists(group: str) -> bool:
+    try:
+        grp.getgrnam(group)
+    except KeyError:
+        return False
+    return True
+
+
+def check_linger_rule(
+    users: Sequence[str],
+    covered: Callable[[str], bool | None] = lambda user: in_group(user, TURNS_GROUP),
+    rule: Path = POLKIT_RULE,
+    group_exists: Callable[[str], bool] = _group_exists,
+) -> Check:
+    """Whether the package's polkit rule refuses lingering to every mind's user: it
+    refuses members of group volute-turns, which the admin adds a mind's own user to
+    (docs/packaging.md, "Lingering"). Users that do not exist are the mind check's."""
+    users = sorted({user for user in users if user != "root"})
+    if not rule.exists():
+        found = f"{rule} is missing: where polkitd runs, a turn may make its user linger"
+        return Check("linger-rule", "warn", found, "install the volutectl package, which ships it")
+    outside = [user for user in users if covered(user) is False]
+    if not outside:
+        return Check("linger-rule", "ok", f"{rule.name} refuses the minds' users lingering")
+    found = (
+        f"the minds' user(s) {', '.join(outside)} are not in group {TURNS_GROUP}: "
+        f"{rule.name} does not refuse them lingering, and a turn could then leave "
+        "services running in its user manager (loginctl enable-linger; systemd-run --user)"
+    )
+    lines = [f"usermod -a -G {TURNS_GROUP} {shlex.quote(user)}" for user in outside]
+    if not group_exists(TURNS_GROUP):
+        lines.insert(0, f"groupadd -r {TURNS_GROUP}")
+    return Check("linger-rule", "warn", found, "as root: " + "; ".join(lines))
+
+
 def mind_users(settings: Settings) -> list[str]:
     """The users the minds' turns run as."""
     default = settings.turns.default_user
@@ -561,6 +617,7 @@ def run_checks(config_path: str | None) -> list[Check]:
     if settings.minds:
         checks.extend(check_scheduler(s, mind_users(settings)) for s in SCHEDULERS)
         checks.append(check_linger(mind_users(settings)))
+        checks.append(check_linger_rule(mind_users(settings)))
     return checks
 
 
