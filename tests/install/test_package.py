@@ -704,7 +704,7 @@ def loginctl(m: Machine, user: str, verb: str, target: str) -> tuple[int, str]:
     """`loginctl VERB TARGET` as `user`, in a unit of its own as a turn is: trixie's
     logind reads its caller's cgroup, and a process entered with nsenter has none inside
     ("Protocol driver not attached")."""
-    argv = ["systemd-run", "--quiet", "--pipe", "--wait", "-p", f"User={user}"]
+    argv = ["systemd-run", "--quiet", "--pipe", "--wait", "--collect", "-p", f"User={user}"]
     done = m.run([*argv, "loginctl", verb, target], check=False, timeout=90)
     return done.returncode, done.stdout + done.stderr
 

@@ -118,10 +118,25 @@ def test_a_client_waiting_for_its_turn_is_not_idle(harness: Harness) -> None:
     until_closed(harness, peer.closed_by_gate)
 
 
-def test_a_client_that_never_reads_is_dropped_without_blocking_the_gate(harness: Harness) -> None:
+@pytest.fixture
+def patient_harness(tmp_path: Path) -> Iterator[Harness]:
+    """The harness, with clients idle for 10 s before they are dropped: a flood's drop
+    takes passes enough (REQUESTS_PER_PASS each) that IDLE's reader would go first."""
+    opened = Harness(tmp_path, client_idle_seconds=10.0, minds={"mimsy": "true"})
+    yield opened
+    opened.close()
+
+
+def test_a_client_that_never_reads_is_dropped_without_blocking_the_gate(
+    patient_harness: Harness,
+) -> None:
+    harness = patient_harness
     reader = harness.connect()
     assert reader.request({"op": "ping"}) == {"v": 1, "ok": True}
     flood = harness.connect()
+    # Accepted before it floods: else the pump below may return at once (only the reader
+    # accepted yet), and the flood, read from the last pump on, is never dropped.
+    harness.pump(lambda: len(harness.gate.server.clients) == 2)
     request = b'{"v":1,"op":"status"}\n'
     reply = StatusReply(status.build(harness.gate.state))
     reply_size = len(protocol.encode(reply.to_wire()))
@@ -136,9 +151,8 @@ def test_a_client_that_never_reads_is_dropped_without_blocking_the_gate(harness:
     assert time.monotonic() - started < 10
     harness.deliver_ok(reader)
     # What the flood finds when it finally reads: some replies, then the end. The gate
-    # is stepped meanwhile: under load it may not have reached the flood's drop yet (the
-    # pump above can return before it even accepted the flood), and a loop that only
-    # sleeps would then wait for ever.
+    # is stepped meanwhile, though the pump above saw it dropped: a loop that only sleeps
+    # would wait for ever on a gate that is not stepped.
     harness.pump(flood.closed_by_gate)
     assert 0 < flood.buffer.count(b"\n") < count
 
