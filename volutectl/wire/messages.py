@@ -451,8 +451,8 @@ class AdaptiveStatus(Record):
     # Each known mind's IO cost for its next turn, learnt from what its turns wrote (a
     # mind not listed costs 1), and what each mind's running turns cost now, from what
     # they have written so far (volutectl/core/iocost.py).
-    costs: dict[str, float] = {}  # noqa: RUF012 - a frozen record's default
-    running_costs: dict[str, float] = {}  # noqa: RUF012
+    costs: dict[str, float] = {}  # a frozen record's default: never mutated
+    running_costs: dict[str, float] = {}
 
 
 class ConfigStatus(Record):
