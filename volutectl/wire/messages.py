@@ -544,7 +544,7 @@ class AttemptFailed(Reply):
 
 
 Event = TurnEnded | DeliveryDead | DeliveryDropped
-EVENTS: dict[object, type[Reply]] = {
+EVENTS: dict[object, type[Event | AttemptFailed]] = {
     "turn_ended": TurnEnded,
     "dead": DeliveryDead,
     "dropped": DeliveryDropped,
@@ -567,4 +567,4 @@ def decode_event(obj: dict[str, Any]) -> Event | AttemptFailed:
     cls = EVENTS.get(obj.get("event"))
     if cls is None:
         raise WireError(f"unexpected reply from the gate: {str(obj)[:200]}")
-    return cls.from_wire(obj)  # type: ignore[return-value]
+    return cls.from_wire(obj)
