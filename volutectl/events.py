@@ -679,6 +679,8 @@ class EmptyScopeFound(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class ScopeStopFailed(BaseEvent):
+    """A turn scope the gate asked to stop could not be stopped."""
+
     LEVEL = "warning"
     unit: str
     error: str = field(metadata=NOT_SENT)
@@ -689,6 +691,8 @@ class ScopeStopFailed(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class TurnDirectoriesNotSwept(BaseEvent):
+    """The launcher could not sweep the directories of settled turns yet."""
+
     LEVEL = "warning"
     error: str = field(metadata=NOT_SENT)
 
@@ -701,6 +705,8 @@ class TurnDirectoriesNotSwept(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class GateReady(BaseEvent):
+    """The gate serves its socket and admits, with these limits."""
+
     socket: str
     global_cap: int | None = field(metadata=NOT_SENT)
     turns_per_mind: int = field(metadata=NOT_SENT)
@@ -741,6 +747,8 @@ class AdmissionFailing(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class AdmissionWorks(BaseEvent):
+    """Admission runs again, after an `AdmissionFailing`."""
+
     def message(self) -> str:
         return "admission works again"
 
@@ -796,6 +804,8 @@ class SocketMismatch(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class SocketGroupMissing(BaseEvent):
+    """The group to own the gate's socket does not exist: only root can use it."""
+
     LEVEL = "warning"
     group: str = field(metadata=NOT_SENT)
     path: str = field(metadata=NOT_SENT)
@@ -856,6 +866,8 @@ class PreflightFailed(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class MindFailsPreflight(BaseEvent):
+    """A mind's turns cannot start on this host, as its preflight says."""
+
     LEVEL = "warning"
     mind: str
     problems: str = field(metadata=NOT_SENT)
@@ -974,6 +986,8 @@ class AdaptiveMeasuring(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class RetentionFailing(BaseEvent):
+    """The queue refused a batch of retention: said once, tried again every retry_seconds."""
+
     LEVEL = "warning"
     error: str = field(metadata=NOT_SENT)
     retry_seconds: float = field(metadata=NOT_SENT)
@@ -987,6 +1001,8 @@ class RetentionFailing(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class RetentionWorks(BaseEvent):
+    """Retention's batches are taken again, after a `RetentionFailing`."""
+
     def message(self) -> str:
         return "retention: the queue takes batches again"
 
@@ -1024,6 +1040,8 @@ class RetentionDeletedAtStart(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class RetentionDeleteFailed(BaseEvent):
+    """At the gate's start, deleting expired rows before the VACUUM failed; it goes on."""
+
     LEVEL = "warning"
     error: str = field(metadata=NOT_SENT)
 
@@ -1100,6 +1118,8 @@ class RepositoryUnwatchable(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class RepositoryWatchedAgain(BaseEvent):
+    """A repository whose slots could not be watched is watched again."""
+
     EVENT = Event.REPOSITORY_WATCHED_AGAIN
     repository: str
 
@@ -1125,6 +1145,8 @@ class SlotsPastCap(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class SlotEventsUnreadable(BaseEvent):
+    """The slot watch's inotify descriptor could not be read."""
+
     LEVEL = "warning"
     EVENT = Event.SLOT_EVENTS_UNREADABLE
     error: str = field(metadata=NOT_SENT)
@@ -1167,6 +1189,8 @@ class RegistrationsFull(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class RegistryUnreadable(BaseEvent):
+    """The registry of watched repositories could not be read: the gate starts without it."""
+
     LEVEL = "warning"
     EVENT = Event.REGISTRY_UNREADABLE
     path: str = field(metadata=NOT_SENT)
@@ -1178,6 +1202,8 @@ class RegistryUnreadable(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class RegistryNotSaved(BaseEvent):
+    """The registry of watched repositories could not be written: it is kept in memory."""
+
     LEVEL = "warning"
     EVENT = Event.REGISTRY_NOT_SAVED
     path: str = field(metadata=NOT_SENT)
@@ -1260,6 +1286,8 @@ class ConfigurationKept(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class OrderAcceptFailed(BaseEvent):
+    """The launcher could not accept a connection on its order socket."""
+
     LEVEL = "warning"
     EVENT = Event.ORDER_ACCEPT_FAILED
     error: str = field(metadata=NOT_SENT)
@@ -1312,6 +1340,8 @@ class TurnLaunched(BaseEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class TurnDirectoryNotRemoved(BaseEvent):
+    """A turn's directory could not be removed; the next sweep tries it again."""
+
     LEVEL = "warning"
     EVENT = Event.TURN_DIR_NOT_REMOVED
     path: str = field(metadata=NOT_SENT)

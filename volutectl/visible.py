@@ -62,7 +62,7 @@ def visible(text: str, *, newlines: bool = False) -> str:
     """`text` with every control character shown as an escape (this module's docstring
     lists them). `newlines`: keep the newline as it is, for a caller that shows a text
     of several lines and marks each one itself (`volutectl logs` indents them)."""
-    global _pattern  # noqa: PLW0603 - compiled once, on first use
+    global _pattern  # compiled once, on first use
     if _pattern is None:
         _pattern = re.compile(f"[{SHOWN}]")
     return _pattern.sub(_keep_newline if newlines else _form, text)

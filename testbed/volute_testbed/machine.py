@@ -313,7 +313,7 @@ def _nspawn_argv(
 
 def _start_nspawn(args: list[str], base: Path, cgroups: list[Path]) -> subprocess.Popen[bytes]:
     """Start systemd-nspawn in `cgroups`, its output in `base`/nspawn.log."""
-    log = open(base / "nspawn.log", "wb")  # noqa: SIM115
+    log = open(base / "nspawn.log", "wb")  # closed below, once nspawn holds it
     try:
         return subprocess.Popen(
             args,

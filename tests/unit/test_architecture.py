@@ -164,22 +164,13 @@ def test_no_function_is_over_60_lines_but_admission() -> None:
     assert {(f[0], f[1]) for f in long_functions(PACKAGE)} == LONG_FUNCTION_ALLOWED  # scanned
 
 
-def test_docs_architecture_lists_every_file_with_its_length() -> None:
-    """docs/architecture.md has a row `| `pkg/file.py` | LINES | ... |` per file of the
-    package; a count may drift a little with edits, not by a redesign's worth."""
+def test_docs_architecture_lists_every_file() -> None:
+    """docs/architecture.md has a row `| `pkg/file.py` | its job |` per file of the
+    package, and none for a file that is gone: a new module says where it belongs."""
     doc = (REPO / "docs" / "architecture.md").read_text()
-    listed = {
-        name: int(lines)
-        for name, lines in re.findall(r"^\| `([\w/.-]+\.(?:py|sh))` \| (\d+) \|", doc, re.M)
-    }
-    files = {
-        str(path.relative_to(PACKAGE)): len(path.read_text().splitlines())
-        for path in [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.sh")]
-    }
+    listed = re.findall(r"^\| `([\w/.-]+\.(?:py|sh))` \|", doc, re.M)
+    files = [
+        str(path.relative_to(PACKAGE)) for path in [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.sh")]
+    ]
+    assert len(files) > 80  # the package was read at all
     assert sorted(listed) == sorted(files)
-    drifted = {
-        name: (listed[name], lines)
-        for name, lines in files.items()
-        if abs(listed[name] - lines) > max(40, lines * 0.3)
-    }
-    assert drifted == {}, "docs/architecture.md's line counts are stale: " + repr(drifted)

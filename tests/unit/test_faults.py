@@ -28,10 +28,34 @@ from volutectl.wire import protocol
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_unarmed_points_do_nothing() -> None:
-    faults.arm(None)
-    for point in faults.POINTS + faults.FAILED_START_POINTS + faults.STORAGE_POINTS:
-        faults.crash_point(point)
+UNARMED = """
+import sys
+from volutectl import faults
+faults.kill_own_cgroup = lambda: sys.exit(9)  # what a point that fires would do
+for point in faults.POINTS + faults.FAILED_START_POINTS + faults.STORAGE_POINTS:
+    faults.crash_point(point)
+print("passed", len(faults.POINTS + faults.FAILED_START_POINTS + faults.STORAGE_POINTS))
+"""
+
+
+def test_unarmed_points_do_nothing(tmp_path: Path) -> None:
+    """As in production (no VOLUTE_CRASH_AT), every point is passed: none kills, raises
+    or marks its crash-once file, even with VOLUTE_CRASH_ONCE set."""
+    once = tmp_path / "crashed-once"
+    env = {name: value for name, value in os.environ.items() if name != "VOLUTE_CRASH_AT"}
+    result = subprocess.run(
+        [sys.executable, "-c", UNARMED],
+        env={**env, "VOLUTE_CRASH_ONCE": str(once)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    points = faults.POINTS + faults.FAILED_START_POINTS + faults.STORAGE_POINTS
+    assert (result.returncode, result.stdout) == (0, f"passed {len(points)}\n"), result.stderr
+    assert not once.exists()
+    faults.arm("forked")
+    faults.arm(None)  # disarmed in-process: the point it armed is passed too
+    faults.crash_point("forked")
 
 
 def test_an_armed_point_raises_once_and_only_there() -> None:

@@ -95,7 +95,7 @@ def test_the_index_follows_every_commit(tmp_path: Path, history: list[tuple[str,
                 # As the gate does: the index decides a hold (and records it), the store
                 # writes it.
                 delivery_id, reason = rng.choice(pending), rng.choice(list(HoldReason))
-                store.index._record(delivery_id, reason)  # noqa: SLF001
+                store.index._record(delivery_id, reason)
                 store.mark_held([(delivery_id, reason)], NOW)
             assert_in_step(store)
     finally:
@@ -106,7 +106,7 @@ def test_a_failed_hold_write_rebuilds_the_index_from_the_database(tmp_path: Path
     store = IndexedStore(tmp_path / "queue.sqlite3")
     [row] = store.add_deliveries([NewDelivery("a", "x", b"m")], now=NOW)
     assert isinstance(row, int), row
-    store.index._record(row, HoldReason.GLOBAL_CAP)  # noqa: SLF001 - what admit does
+    store.index._record(row, HoldReason.GLOBAL_CAP)  # what admit does
     store.db.execute("PRAGMA query_only = 1")  # the next write fails
     with pytest.raises(sqlite3.OperationalError):
         store.mark_held([(row, HoldReason.GLOBAL_CAP)], NOW)

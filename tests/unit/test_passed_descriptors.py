@@ -132,7 +132,7 @@ def test_a_repository_the_gate_may_not_open_is_watched_through_its_descriptor(
         run = slotmath.InFlight("volute-test-1.scope", str(repo), "sleep 60", 1.0)
         [entry] = watch.status([run])
         assert (entry["repository"], entry["slots_held"]) == (str(common), 1)
-        assert [listed["unit"] for listed in entry["runs"]] == ["volute-test-1.scope"]  # type: ignore[attr-defined]
+        assert [listed["unit"] for listed in entry["runs"]] == ["volute-test-1.scope"]
         assert json.loads((tmp_path / "state" / "repositories.json").read_text())[
             "repositories"
         ] == [{"path": str(common), "uid": os.getuid()}]

@@ -109,6 +109,28 @@ def test_every_unit_is_documented() -> None:
         assert parse_unit(path).get("Unit", "Documentation", fallback=""), path.name
 
 
+NAMED_UNIT = re.compile(r"\bvolute-[\w-]+(?:@[\w]*)?\.(?:service|socket|slice|timer)\b")
+
+
+def test_every_unit_the_package_and_docs_name_is_one_we_ship() -> None:
+    """A hint, a docstring or a page that names a unit names one in units/ (an instance
+    of a template, `volute-heartbeat@MIND.timer`, names the template)."""
+    shipped = {path.name for path in unit_files()}
+    texts = [
+        *(REPO / "volutectl").rglob("*.py"),
+        *(REPO / "docs").glob("*.md"),
+        REPO / "README.md",
+        PACKAGING / "volutectl.1",
+    ]
+    named = {
+        (re.sub(r"@\w*\.", "@.", name), str(path.relative_to(REPO)))
+        for path in texts
+        for name in NAMED_UNIT.findall(path.read_text())
+    }
+    assert len({unit for unit, _ in named}) >= 6  # the texts were read at all
+    assert sorted(pair for pair in named if pair[0] not in shipped) == []
+
+
 def test_slices_nest_and_turns_outweigh_tests() -> None:
     turns = parse_unit(UNITS / "volute-turns.slice")
     tests = parse_unit(UNITS / "volute-tests.slice")

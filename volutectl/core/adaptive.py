@@ -14,18 +14,13 @@ wait at the limit. `step` says whether the limit moves, and why.
   do, and says nothing of them). It doubles while nothing has gone wrong yet (slow
   start, as TCP's); after the first distress it grows by one (congestion avoidance).
   A limit that met distress is tried again only after `RETRY_AFTER` healthy readings
-  in a row (CUBIC's plateau at the window that last lost, W_max): behind synced writes
-  one probe is quick or slow by luck, and three lucky ones in a row took a cold SD
-  card's all-write fan-out from 1 writer to 4 in two seconds, 211 ms at the probe
-  (docs/benchmarks.md). Below that limit it grows as before.
-  Doubling at every reading let a cold SD card's all-write fan-out reach 8 writers at
-  once before the probe saw the first 4 (docs/benchmarks.md).
+  in a row (CUBIC's plateau at the window that last lost, W_max): a few lucky probes
+  in a row are no evidence. Below that limit it grows as before.
   Doubling is safe only because the limit is a budget of IO costs (core/iocost.py): a
   turn whose writes are not known costs a whole place until a sample of what it has
   written shows otherwise, so a reading lets in at most as many turns of unknown writes
   as the limit, and a cold gate's heavy writers are counted whole, and meet the probe's
-  distress, before the next doubling (docs/benchmarks.md: doubling a limit that
-  counted turns let a cold gate's 16 in at once).
+  distress, before the next doubling.
 - **It shrinks on distress**: by one when the storage is slower than healthy; by a
   third (multiplicative decrease) when it is far slower twice in a row, so a sudden
   slowdown is answered within a few intervals and one stray slow sample is not.
@@ -38,8 +33,7 @@ wait at the limit. `step` says whether the limit moves, and why.
   it knows fits a low limit, and one of heavy turns it knows starts no more of them at
   once than the start value, whatever the limit grew to for the last mix; and the
   limit of the last distress, in IO costs, below which it starts if that is lower
-  than `start` (a warm SD card's mixed fan-out let a second heavy writer in at `start`,
-  356 ms at the probe, where the first fan-out had shown that two distress it).
+  than `start` (a distress says how many heavy writers the disk did not bear).
 - It stays within the bounds; a new gate starts at `start` (the limit is not kept).
 
 Two rules judge a reading (`RULES`, by name for the benchmark):
@@ -57,7 +51,8 @@ Two rules judge a reading (`RULES`, by name for the benchmark):
 tests/unit/test_adaptive.py runs both against a simulated disk, and says why gradient
 is the default: PSI `some` counts a lone writer's own waits, so a disk kept busy by
 one turn reads as stalled, and aimd holds write-heavy work to one turn where the probe
-shows the disk bears more.
+shows the disk bears more. The runs that chose each rule above are in
+docs/benchmarks.md, "The adaptive rule's choices".
 
 No I/O and no clock here: times come in with the readings.
 """
@@ -157,10 +152,8 @@ def learn_baseline(state: Controller, reading: Reading) -> float | None:
 def learn_quiet(state: Controller, latency_ms: float) -> Controller:
     """A probe taken while no turn ran or waited (a gate that has not measured its disk
     yet takes one, volutectl/gate/adaptive.py): the baseline learns from it as from an
-    idle reading; nothing else moves. Without it a cold gate's first baseline came from
-    its first reading, under the fan-out that woke it, and read a queue as normal: a
-    cold SD card's all-write fan-out then doubled to 4 writers, 238 ms at the probe
-    (docs/benchmarks.md)."""
+    idle reading; nothing else moves. Without it a cold gate's first baseline would come
+    from its first reading, under the fan-out that woke it, and read a queue as normal."""
     quiet = Reading(now=0.0, latency_ms=latency_ms, stalled=None, running=0, waiting=0)
     return replace(state, baseline_ms=learn_baseline(state, quiet))
 

@@ -1,8 +1,11 @@
 """The gate's pure core: who may start a turn now, and how a row moves through the queue.
 
-No I/O here: no pystemd, sqlite3, fcntl, socket or fork. The daemon feeds `admit()`
-plain data (pending deliveries from the store, live turns as systemd lists them) and
-carries out what comes back.
+No I/O here: no pystemd, sqlite3, fcntl, socket or fork. `admit()` states the rule over
+plain data (pending deliveries, live turns as systemd lists them), every row in id order.
+The gate does not call it: it runs `PendingIndex.admit` (volutectl/store/index.py), which
+decides the same from an index kept in step with the store, built on this module's
+records and `may_pass`; tests/unit/test_queueindex.py holds the two to the same decisions
+over random histories.
 
 Queue states: pending -> running -> done; a failed turn sends its rows back to pending
 with an attempt counted and a backoff (`after_failure`), or to dead after the last

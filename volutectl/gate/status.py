@@ -76,7 +76,7 @@ class SystemdAsks:
                 return
         state.liveness.recount(known_foreign=state.foreign_live)  # settles what ended
         try:
-            self.runs = list_in_flight(state.manager, state.settings.tests.slice)  # type: ignore[arg-type]
+            self.runs = list_in_flight(state.manager, state.settings.tests.slice)
         except VoluteError:
             self.runs = []
         self.at, self.asked = now, self.asked + 1
@@ -194,13 +194,13 @@ def _test_runs(state: GateState) -> tuple[RepositoryStatus, ...]:
     return tuple(
         RepositoryStatus(
             repository=str(entry["repository"]),
-            slots_held=entry["slots_held"],  # type: ignore[arg-type]
-            slots=entry["slots"],  # type: ignore[arg-type]
+            slots_held=entry["slots_held"],
+            slots=entry["slots"],
             runs=tuple(
-                TestRunStatus(str(r["unit"]), str(r["worktree"]), str(r["command"]), r["running_s"])
-                for r in entry["runs"]  # type: ignore[attr-defined]
+                TestRunStatus(r["unit"], r["worktree"], r["command"], r["running_s"])
+                for r in entry["runs"]
             ),
-            problem=entry["problem"],  # type: ignore[arg-type]
+            problem=entry["problem"],
         )
         for entry in state.slots.status(runs)
     )

@@ -6,7 +6,7 @@ folded delivery into its inbox, interrupt or stop its scope, read from its direc
 it ran, and remove directories. Two implementations:
 
 - `LocalHands` does it in this process: volutectl/launcher/fork.py and the systemd manager.
-  It is what volute-fork.service runs (volutectl/launcher/service.py), and what a gate
+  It is what volute-launcher.service runs (volutectl/launcher/service.py), and what a gate
   uses when no launcher socket is configured (a root gate run by hand, the unit tests).
 - `RemoteHands` gives the same orders to volute-launcher over its socket
   (volutectl/wire/orders.py): the gate itself then holds no privilege.
@@ -354,7 +354,7 @@ class RemoteHands:
             sock.close()
             raise LauncherUnavailable(
                 f"the launcher does not answer at {self.path}: {error.strerror or error}",
-                hint="systemctl status volute-fork.socket volute-fork.service",
+                hint="systemctl status volute-launcher.socket volute-launcher.service",
             ) from None
         self.sock, self.reader = sock, orders.LineReader()
         try:

@@ -425,7 +425,7 @@ _last: tuple[Settings, float, dict[str, tuple[str, ...]]] | None = None
 def failing_recently(settings: Settings) -> dict[str, tuple[str, ...]]:
     """failing(settings), asked again when the last answer for these settings is older
     than RECHECK_SECONDS (what status shows)."""
-    global _last  # noqa: PLW0603 - one gate per process; keyed on its settings object
+    global _last  # one gate per process; keyed on its settings object
     now = _clock()
     if _last is None or _last[0] is not settings or not 0 <= now - _last[1] < RECHECK_SECONDS:
         _last = (settings, now, failing(settings))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,9 +148,9 @@ def _mode(directory: int, name: str) -> int | None:
         return None
 
 
-def _entry_is(directory: int, name: str, *kinds: object) -> bool:
+def _entry_is(directory: int, name: str, *kinds: Callable[[int], bool]) -> bool:
     mode = _mode(directory, name)
-    return mode is not None and any(kind(mode) for kind in kinds)  # type: ignore[operator]
+    return mode is not None and any(kind(mode) for kind in kinds)
 
 
 def check_common_dir(fd: int, uid: int) -> None:

@@ -20,6 +20,7 @@ from volutectl.errors import PermissionDeniedError, SystemdError, UnavailableErr
 if TYPE_CHECKING:
     from volutectl.config.settings import TestsSettings
     from volutectl.systemd.adapter import Manager, ScopeProperties
+    from volutectl.systemd.port import SystemdManager
 
 
 def one_line(text: str) -> str:
@@ -55,7 +56,7 @@ def scope_properties(
     )
 
 
-def list_in_flight(manager: Manager | None, slice_name: str) -> list[slotmath.InFlight]:
+def list_in_flight(manager: SystemdManager | None, slice_name: str) -> list[slotmath.InFlight]:
     """The live test runs, from the scopes in the tests slice. Best effort: the wait line
     and the gate's status decorate with it, they never decide by it."""
     if manager is None:

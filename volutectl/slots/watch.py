@@ -74,6 +74,7 @@ import termios
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 from inotify_simple import INotify, flags
 
@@ -133,6 +134,25 @@ class FdStore:
 
 class RepositoryLimit(Exception):
     """A registration past a bound (all repositories, or one user's); says which."""
+
+
+class RunEntry(TypedDict):
+    """A test run in `status --json`'s "test_runs"."""
+
+    unit: str
+    worktree: str
+    command: str
+    running_s: float | None
+
+
+class RepositoryEntry(TypedDict):
+    """One repository in `status --json`'s "test_runs" (wire.messages.RepositoryStatus)."""
+
+    repository: str
+    slots_held: int | None
+    slots: int | None
+    problem: str | None
+    runs: list[RunEntry]
 
 
 @dataclass(frozen=True)
@@ -503,13 +523,13 @@ class SlotWatch:
             for key, repo in sorted(self._repos.items())
         ]
 
-    def status(self, runs: Iterable[slotmath.InFlight]) -> list[dict[str, object]]:
+    def status(self, runs: Iterable[slotmath.InFlight]) -> list[RepositoryEntry]:
         """`status --json`'s "test_runs": per repository, slots held of N and its runs.
 
         `runs` are the live scopes of the tests slice; each goes to the repository its
         worktree belongs to. Runs in repositories the gate does not watch are listed
         too, with null slot counts."""
-        entries: dict[Path, dict[str, object]] = {}
+        entries: dict[Path, RepositoryEntry] = {}
         for state in self.summary():
             entries[state.repository] = {
                 "repository": str(state.repository),
@@ -532,9 +552,7 @@ class SlotWatch:
                 },
             )
             running = None if run.running_seconds is None else round(run.running_seconds, 3)
-            runs_list = entry["runs"]
-            assert isinstance(runs_list, list)
-            runs_list.append(
+            entry["runs"].append(
                 {
                     "unit": run.unit,
                     "worktree": run.worktree,

@@ -95,7 +95,9 @@ _UNIT_PROPERTY_SIGNATURES: dict[str, bytes] = {
 _UNIT_PROPERTY_INTERFACE: dict[str, bytes] = {"Slice": b"org.freedesktop.systemd1.Scope"}
 
 
-# pystemd's errors, classified into the port's (volutectl/systemd/port.py).
+# pystemd's errors, classified into the port's (volutectl/systemd/port.py). They differ
+# by release and share no base class but Exception, so each call catches Exception
+# (`noqa: BLE001 - pystemd's errors`) and maps it here.
 _GONE_ERRORS = ("NoSuchUnit", "UnknownObject")
 
 
@@ -179,7 +181,7 @@ class Manager:
             manager._get(MANAGER_PATH, MANAGER_INTERFACE, "Version", b"s")
         except UnavailableError:
             raise
-        except Exception as error:  # pystemd raises bare DBusError subclasses
+        except Exception as error:  # noqa: BLE001 - pystemd's errors
             which = "user" if user else "system"
             hint = (
                 "is XDG_RUNTIME_DIR set and the user manager running (loginctl enable-linger)?"
@@ -213,7 +215,7 @@ class Manager:
             return self._bus.call_method(
                 DESTINATION, MANAGER_PATH, MANAGER_INTERFACE, method, args
             ).body
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - pystemd's errors
             raise dbus_error(error, what) from None
 
     def _get(self, path: bytes, interface: bytes, prop: str, signature: bytes) -> Any:
@@ -358,7 +360,7 @@ class Manager:
                 continue
             try:
                 unit_slice = _text(self._get(path, _scope_or_unit(name), "Slice", b"s"))
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - pystemd's errors
                 if no_such_unit(error):
                     continue  # the unit vanished between the two calls
                 # Any other failure says nothing about the unit: dropping it would
@@ -379,7 +381,7 @@ class Manager:
             interface = _scope_or_unit(name)
         try:
             value = self._get(path, interface, prop, signature)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - pystemd's errors
             raise dbus_error(error, f"reading {prop} of {name}") from None
         return _text(value) if isinstance(value, bytes) else value
 
@@ -392,7 +394,7 @@ class Manager:
             listen = (
                 self._get(path, SOCKET_INTERFACE, "Listen", b"a(ss)") if load == "loaded" else []
             )
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - pystemd's errors
             raise dbus_error(error, f"reading {name}") from None
         pairs = tuple((_text(kind), _text(address)) for kind, address in listen)
         return SocketUnit(name, load, active, pairs)
@@ -413,7 +415,7 @@ class Manager:
                 apply_signature(b"s", [name.encode()]),
             ).body
             return _text(self._get(bytes(path), UNIT_INTERFACE, "ActiveState", b"s"))
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - pystemd's errors
             if no_such_unit(error):
                 return None
             raise dbus_error(error, f"reading the state of {name}") from None
@@ -430,7 +432,7 @@ class Manager:
                 b"GetUnitProcesses",
                 apply_signature(b"s", [name.encode()]),
             ).body
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - pystemd's errors
             if no_such_unit(error):
                 return None
             raise dbus_error(error, f"listing the processes of {name}") from None
@@ -476,4 +478,5 @@ def journal_sender() -> Callable[..., None]:
     """libsystemd's sd_journal_sendv: one b"FIELD=value" per argument, each framed whole."""
     from pystemd.journal import sendv
 
-    return sendv  # type: ignore[no-any-return]
+    send: Callable[..., None] = sendv  # pystemd is untyped
+    return send

@@ -451,8 +451,8 @@ class AdaptiveStatus(Record):
     # Each known mind's IO cost for its next turn, learnt from what its turns wrote (a
     # mind not listed costs 1), and what each mind's running turns cost now, from what
     # they have written so far (volutectl/core/iocost.py).
-    costs: dict[str, float] = {}  # noqa: RUF012 - a frozen record's default
-    running_costs: dict[str, float] = {}  # noqa: RUF012
+    costs: dict[str, float] = {}  # a frozen record's default: never mutated
+    running_costs: dict[str, float] = {}
 
 
 class ConfigStatus(Record):
@@ -544,7 +544,7 @@ class AttemptFailed(Reply):
 
 
 Event = TurnEnded | DeliveryDead | DeliveryDropped
-EVENTS: dict[object, type[Reply]] = {
+EVENTS: dict[object, type[Event | AttemptFailed]] = {
     "turn_ended": TurnEnded,
     "dead": DeliveryDead,
     "dropped": DeliveryDropped,
@@ -567,4 +567,4 @@ def decode_event(obj: dict[str, Any]) -> Event | AttemptFailed:
     cls = EVENTS.get(obj.get("event"))
     if cls is None:
         raise WireError(f"unexpected reply from the gate: {str(obj)[:200]}")
-    return cls.from_wire(obj)  # type: ignore[return-value]
+    return cls.from_wire(obj)

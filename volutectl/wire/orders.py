@@ -202,8 +202,10 @@ REPLIES: dict[str, type[Reply]] = {
 
 
 def encode(message: Order | Reply) -> bytes:
-    tag: str | None = getattr(message, "ORDER", None)
-    body: dict[str, Any] = {"order": tag} if tag is not None else {"reply": message.REPLY}  # type: ignore[union-attr]
+    if isinstance(message, Order):
+        body: dict[str, Any] = {"order": message.ORDER}
+    else:
+        body = {"reply": message.REPLY}
     for field in fields(message):
         value = getattr(message, field.name)
         body[field.name] = list(value) if isinstance(value, tuple) else value

@@ -175,7 +175,7 @@ def _decode(kind: str, value: object, where: str) -> object:
     if kind in _SCALARS:
         if not isinstance(value, _SCALARS[kind]) or (kind != "bool" and type(value) is bool):
             raise WireError(f"{where}: expected {kind}, not {kind_of(value)}")
-        return float(value) if kind == "float" else value  # type: ignore[arg-type]
+        return float(value) if kind == "float" and isinstance(value, int) else value
     if kind in _ENUMS:
         try:
             return _ENUMS[kind](value)
