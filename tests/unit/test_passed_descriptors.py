@@ -233,7 +233,8 @@ def test_descriptors_with_any_other_request_are_closed(harness: Harness, repo: P
         assert open_fds() == before, {k: v for k, v in now.items() if links.get(k) != v}
     # With no complete line, or the end of the stream: closed at once too.
     send_with_fds(peer.sock, b'{"v":1,', [fd])
-    harness.run_for(0.1)
+    clients = harness.gate.server.clients.values()
+    harness.pump(lambda: any(c.buffer.endswith(b'{"v":1,') for c in clients))  # read
     assert open_fds() == before
     peer.send(b'"op":"ping"}\n')
     assert peer.reply()["ok"] is True
@@ -251,7 +252,7 @@ def test_descriptors_with_any_other_request_are_closed(harness: Harness, repo: P
     # Closed with a descriptor still unread: dropped with the client.
     send_with_fds(peer.sock, b'{"v":1,"op":"ping"}\n', [fd])
     peer.close()
-    harness.run_for(0.2)
+    harness.pump(lambda: not harness.gate.server.clients)  # dropped
     assert open_fds() == before - 2  # its socket, and the gate's end of it
     os.close(fd)
     assert server.MAX_PASSED_FDS == 2
