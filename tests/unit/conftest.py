@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.gate_harness import Harness
+from tests.unit.gate_harness import Harness, Turns
+from volute_testbed import turn_probe
 from volutectl import faults
 
 
@@ -28,3 +29,13 @@ def harnesses() -> Iterator[list[Harness]]:
     for harness in made:
         harness.close()
     faults.arm(None)
+
+
+@pytest.fixture
+def probe(tmp_path: Path) -> tuple[str, Turns]:
+    """The turn probe (volute_testbed.turn_probe) as a mind's command, and its log."""
+    log = tmp_path / "turns.log"
+    script = tmp_path / "probe"
+    script.write_text(turn_probe.script(str(log)))
+    script.chmod(0o755)
+    return str(script), Turns(log)

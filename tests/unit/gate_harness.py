@@ -5,6 +5,7 @@ happened. systemd is tests/unit/fake_systemd.py; turns are real forked processes
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -13,7 +14,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -297,3 +299,48 @@ def settled(harness: Harness) -> bool:
     """Nothing pending or running any more."""
     store = harness.gate.state.store
     return not store.list_rows([QueueState.PENDING, QueueState.RUNNING])
+
+
+@contextmanager
+def effective_uid(uid: int) -> Iterator[None]:
+    """Act as `uid` (the effective uid, which SO_PEERCRED reports) for a while: root's."""
+    os.seteuid(uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+def connect_as(harness: Harness, uid: int) -> Peer:
+    """A client of the harness's gate that connected as `uid`."""
+    with effective_uid(uid):
+        return harness.connect()
+
+
+class Turns:
+    """The turn probe's log (volute_testbed.turn_probe), read back."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def lines(self) -> list[list[str]]:
+        if not self.path.exists():
+            return []
+        return [line.split() for line in self.path.read_text().splitlines() if line]
+
+    def runs(self) -> collections.Counter[int]:
+        """How many turns that exited 0 each delivery id reached."""
+        got: dict[str, list[int]] = collections.defaultdict(list)
+        codes: dict[str, str] = {}
+        for fields in self.lines():
+            if fields[0] == "start":
+                got[fields[3]] += [int(x) for x in fields[5:]]
+            elif fields[0] == "took":
+                got[fields[3]].append(int(fields[4]))
+            elif fields[0] == "end":
+                codes[fields[3]] = fields[4]
+        return collections.Counter(i for turn, ids in got.items() if codes.get(turn) == "0"
+                                   for i in ids)  # fmt: skip
+
+    def started(self) -> int:
+        return sum(1 for fields in self.lines() if fields[0] == "start")

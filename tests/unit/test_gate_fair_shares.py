@@ -17,14 +17,12 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.unit.gate_harness import Harness, Peer, settled
+from tests.unit.gate_harness import Harness, Peer, connect_as, effective_uid, settled
 from volutectl.errors import EX_TEMPFAIL, VoluteError
 from volutectl.gate import handlers, loop, server, status
 from volutectl.states import QueueState
@@ -34,20 +32,6 @@ from volutectl.wire.messages import PingRequest, Pong
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="connects as other uids: needs root")
 
 MEMBER, OTHER_MEMBER, THIRD_MEMBER = 65534, 65533, 65532
-
-
-@contextmanager
-def effective_uid(uid: int) -> Iterator[None]:
-    os.seteuid(uid)
-    try:
-        yield
-    finally:
-        os.seteuid(0)
-
-
-def connect_as(harness: Harness, uid: int) -> Peer:
-    with effective_uid(uid):
-        return harness.connect()
 
 
 def accepted(harness: Harness, peer: Peer) -> bool:

@@ -16,16 +16,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.unit.gate_harness import Harness, Peer, settled
-from tests.unit.test_gate_loop import Turns
-from volute_testbed import turn_probe
+from tests.unit.gate_harness import Harness, Peer, Turns, connect_as, settled
 from volutectl import events
 from volutectl.states import Outcome, QueueState
 
@@ -34,35 +30,12 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="connects as other uid
 ALICE, BOB = 65534, 65533  # members of the socket's group, no admins
 
 
-@contextmanager
-def effective_uid(uid: int) -> Iterator[None]:
-    os.seteuid(uid)
-    try:
-        yield
-    finally:
-        os.seteuid(0)
-
-
-def connect_as(harness: Harness, uid: int) -> Peer:
-    with effective_uid(uid):
-        return harness.connect()
-
-
 def deliver(peer: Peer, **fields: Any) -> dict[str, Any]:
     reply = peer.request(
         {"op": "deliver", "mind": "m", "session": "chat", "message": "m", **fields}
     )
     assert reply.get("ok") is True, reply
     return reply
-
-
-@pytest.fixture
-def probe(tmp_path: Path) -> tuple[str, Turns]:
-    log = tmp_path / "turns.log"
-    script = tmp_path / "probe"
-    script.write_text(turn_probe.script(str(log)))
-    script.chmod(0o755)
-    return str(script), Turns(log)
 
 
 def gate(tmp_path: Path, command: str, harnesses: list[Harness]) -> Harness:

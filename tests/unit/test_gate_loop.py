@@ -11,7 +11,6 @@ are hard to time there, in milliseconds.
 
 from __future__ import annotations
 
-import collections
 import os
 import signal
 import time
@@ -20,50 +19,11 @@ from typing import Any
 
 import pytest
 
-from tests.unit.gate_harness import Harness, settled
-from volute_testbed import turn_probe
+from tests.unit.gate_harness import Harness, Turns, settled
 from volutectl import events, faults, names
 from volutectl.states import HoldReason, Outcome, QueueState
 from volutectl.store.queue import NewDelivery, Store
 from volutectl.systemd.port import ScopeProperties
-
-
-class Turns:
-    """The turn probe's log (volute_testbed.turn_probe), read back."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def lines(self) -> list[list[str]]:
-        if not self.path.exists():
-            return []
-        return [line.split() for line in self.path.read_text().splitlines() if line]
-
-    def runs(self) -> collections.Counter[int]:
-        """How many turns that exited 0 each delivery id reached."""
-        got: dict[str, list[int]] = collections.defaultdict(list)
-        codes: dict[str, str] = {}
-        for fields in self.lines():
-            if fields[0] == "start":
-                got[fields[3]] += [int(x) for x in fields[5:]]
-            elif fields[0] == "took":
-                got[fields[3]].append(int(fields[4]))
-            elif fields[0] == "end":
-                codes[fields[3]] = fields[4]
-        return collections.Counter(i for turn, ids in got.items() if codes.get(turn) == "0"
-                                   for i in ids)  # fmt: skip
-
-    def started(self) -> int:
-        return sum(1 for fields in self.lines() if fields[0] == "start")
-
-
-@pytest.fixture
-def probe(tmp_path: Path) -> tuple[str, Turns]:
-    log = tmp_path / "turns.log"
-    script = tmp_path / "probe"
-    script.write_text(turn_probe.script(str(log)))
-    script.chmod(0o755)
-    return str(script), Turns(log)
 
 
 def gate(tmp_path: Path, minds: dict[str, str], **options: Any) -> Harness:

@@ -19,23 +19,12 @@ from typing import Any
 
 import pytest
 
-from tests.unit.gate_harness import Harness, gate_settings, settled
-from tests.unit.test_gate_loop import Turns
-from volute_testbed import turn_probe
+from tests.unit.gate_harness import Harness, Turns, gate_settings, settled
 from volutectl import events
 from volutectl.core import admission
 from volutectl.errors import EX_DATAERR, EX_NOUSER, EX_TEMPFAIL
 from volutectl.gate.status import status_line
 from volutectl.states import HoldReason, QueueState
-
-
-@pytest.fixture
-def probe(tmp_path: Path) -> tuple[str, Turns]:
-    log = tmp_path / "turns.log"
-    script = tmp_path / "probe"
-    script.write_text(turn_probe.script(str(log)))
-    script.chmod(0o755)
-    return str(script), Turns(log)
 
 
 @pytest.fixture
