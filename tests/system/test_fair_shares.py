@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from typing import Any
 
 import pytest
 
@@ -299,6 +300,27 @@ def timed_root_deliveries(machine: Machine, attack: subprocess.Popen[str]) -> li
     return took
 
 
+def attack_while_root_delivers(
+    machine: Machine, script: str, *args: str, ready: str | None = None
+) -> tuple[list[float], Any]:
+    """A member's attack `script` (its arguments after the socket's path): once it prints
+    `ready`, root's deliveries are timed until it ends. Their seconds, and the JSON line
+    the attack printed last."""
+    attack = machine.popen(
+        as_attacker([PYTHON, "-I", "-S", "-c", script, DEFAULT_SOCKET, *args]),
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert attack.stdout is not None
+        if ready is not None:
+            assert attack.stdout.readline().strip() == ready
+        took = timed_root_deliveries(machine, attack)
+        return took, json.loads(attack.stdout.readline())
+    finally:
+        attack.kill()
+        attack.wait()
+
+
 def gate_peak_rss_kib(machine: Machine) -> int:
     """The gate's process's peak resident memory (VmHWM), in KiB."""
     pid = machine.run(["systemctl", "show", "-P", "MainPID", "volute-gate.service"]).stdout
@@ -313,18 +335,9 @@ def test_a_members_status_flood_keeps_the_watchdog_fed_and_root_served_within_2s
     machine.write(WATCHDOG_DROP_IN, "[Service]\nWatchdogSec=10s\n")
     start_gate(machine, gate_config({"mimsy": "true"}))
     add_attacker(machine)
-    attack = machine.popen(
-        as_attacker([PYTHON, "-I", "-S", "-c", STATUS_FLOOD, DEFAULT_SOCKET, "64", "1024", "40"]),
-        stdout=subprocess.PIPE,
+    took, totals = attack_while_root_delivers(
+        machine, STATUS_FLOOD, "64", "1024", "40", ready="flooding"
     )
-    try:
-        assert attack.stdout is not None
-        assert attack.stdout.readline().strip() == "flooding"
-        took = timed_root_deliveries(machine, attack)
-        totals = json.loads(attack.stdout.readline())
-    finally:
-        attack.kill()
-        attack.wait()
     print(f"root's deliveries under the flood: {sorted(took)[-3:]} s (slowest); {totals}")
     # The flood was real: 64 connections' first bursts, and more, were sent.
     assert totals["sent"] >= 64 * 1024, totals
@@ -342,18 +355,7 @@ def test_a_members_huge_wait_requests_are_refused_at_once_naming_ids_in_bounded_
 ) -> None:
     start_gate(machine, gate_config({"mimsy": "true"}))
     add_attacker(machine)
-    attack = machine.popen(
-        as_attacker([PYTHON, "-I", "-S", "-c", HUGE_WAITS, DEFAULT_SOCKET, "16", "1000000"]),
-        stdout=subprocess.PIPE,
-    )
-    try:
-        assert attack.stdout is not None
-        assert attack.stdout.readline().strip() == "sending"
-        took = timed_root_deliveries(machine, attack)
-        result = json.loads(attack.stdout.readline())
-    finally:
-        attack.kill()
-        attack.wait()
+    took, result = attack_while_root_delivers(machine, HUGE_WAITS, "16", "1000000", ready="sending")
     assert len(result["replies"]) == 16
     for code, error in result["replies"]:
         assert code == 65 and error.startswith("ids: "), (code, error)
@@ -424,17 +426,7 @@ def test_a_members_worst_load_keeps_the_gate_well_within_its_memory_max(machine:
         timeout=300,
     )
     assert json.loads(quota.stdout)["acks"] == 67, quota.stdout
-    attack = machine.popen(
-        as_attacker([PYTHON, "-I", "-S", "-c", WORST_LOAD, DEFAULT_SOCKET, "30"]),
-        stdout=subprocess.PIPE,
-    )
-    try:
-        took = timed_root_deliveries(machine, attack)
-        assert attack.stdout is not None
-        sent = json.loads(attack.stdout.readline())
-    finally:
-        attack.kill()
-        attack.wait()
+    took, sent = attack_while_root_delivers(machine, WORST_LOAD, "30")
     peak = gate_peak_rss_kib(machine)
     print(f"gate peak RSS: idle {idle} KiB, under a member's worst load {peak} KiB; {sent}")
     print(f"root's deliveries meanwhile: {sorted(took)[-3:]} s (slowest)")
