@@ -14,8 +14,8 @@ It holds the turn open for at most SECONDS. MODE:
 - leave: never take the inbox;
 - take-until-int: as take, but end once it has taken what was in its inbox when a SIGINT
   came (the gate offers an interrupt's delivery before its SIGINT);
-- exit-on-int: as take, but a SIGINT takes the inbox, winds down for WIND_DOWN seconds
-  (0) and ends the turn with status 130.
+- exit-on-int: as take, but after a SIGINT it takes the inbox, winds down for WIND_DOWN
+  seconds (0) and ends the turn with status 130.
 
 EXIT is the status it ends with ($TURN_EXIT, else 0), or 1/N: 1 once in N turns at
 random, else 0 (the kill storms' retried failures).
@@ -70,19 +70,23 @@ take() {
     [ -e "$f" ] || echo "took $turn $id" >> $log
   done
 }
+# The trap only notes the SIGINT: the shell runs it between two commands, and one that
+# ended the turn itself could fall between take's rm and its log line, so that a
+# delivery taken went unlogged. The loop acts on it.
 interrupted=
-if [ "$mode" = exit-on-int ]; then
-  trap 'echo "sigint $turn" >> $log; take; sleep "$wind_down";
-        echo "end $turn 130" >> $log; exit 130' INT
-else
-  trap 'interrupted=1; echo "sigint $turn" >> $log' INT
-fi
+trap 'interrupted=1; echo "sigint $turn" >> $log' INT
 # Milliseconds: mawk's printf %d stops at 2^31, so nanoseconds would cap holds at 2.1 s.
 end=$(( $(date +%s%3N) + $(echo "$hold" | awk '{printf "%d", $1 * 1000}') ))
 while now=$(date +%s%3N); [ -z "$now" ] || [ "$now" -lt "$end" ]; do
   before=$interrupted
   take
   [ "$mode" = take-until-int ] && [ -n "$before" ] && break
+  if [ "$mode" = exit-on-int ] && [ -n "$interrupted" ]; then
+    take
+    sleep "$wind_down"
+    echo "end $turn 130" >> $log
+    exit 130
+  fi
   sleep 0.02
 done
 [ "$mode" = take-until-int ] || take

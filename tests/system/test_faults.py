@@ -316,7 +316,9 @@ def test_an_interrupted_turn_still_counts_as_interrupted_after_a_gate_restart(
 
 def test_systemd_reexecuting_and_reloading_under_running_turns(machine: Machine) -> None:
     install_probe(machine)
-    minds = {f"m{i}": "turn-probe 0.8" for i in range(6)}
+    # 12 turns of 2 s, 2 at a time: about 12 s of turns, so that each of the three
+    # commands below, slow on a loaded host, still meets turns running.
+    minds = {f"m{i}": "turn-probe 2" for i in range(6)}
     config = gate_config(minds, adaptive=False, limits={"global_concurrent_turns": 2})
     start_gate(machine, config)
     pid = gate_pid(machine)
