@@ -14,8 +14,8 @@ pidfd on each turn's main process (the wrapper), its own child or, after a resta
 the PID recorded at release. While that process lives, the scope is not empty.
 
 Liveness turns systemd's evidence (and the clock's) into the events of
-volutectl/gate/lifecycle.py, which volutectl/gate/turns.py applies: it carries out every
-effect, `Ask` too, by `Evidence.about` here. Also here: counting what holds a place under
+volutectl/gate/lifecycle.py, which volutectl/gate/turns.py applies, carrying out every
+effect (`Ask` with `Evidence.about`, here). Also here: counting what holds a place under
 the cap, re-adopting turns at start, and each turn's time limit. Liveness changes nothing
 of a turn or of `Turns` itself: it tells `Turns` what it learnt.
 """
