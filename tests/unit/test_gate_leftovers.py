@@ -45,9 +45,10 @@ def lingering_turn(hands: Hands, listed: list[int] | None) -> tuple[Turns, Turn,
         unwatch_fd=lambda fd: None,
         wake=lambda: None,
         processes=lambda unit: listed,
+        ask=lambda turn: lifecycle.ScopeHolds(),  # systemd: its scope still holds a process
     )
-    turn = Turn(7, "m", "main", "volute-turn-m-7.scope", 90.0, lifecycle.Running(-1, True))
-    turns.add(turn)
+    turn = Turn(7, "m", "main", "volute-turn-m-7.scope", 90.0, lifecycle.Starting())
+    turns.apply(turn, lifecycle.Started(pidfd=-1))
     turns.apply(turn, lifecycle.MainExited(now=EXITED_AT, grace=GRACE))
     return turns, turn, journal
 

@@ -171,6 +171,35 @@ def test_a_start_systemd_never_answers_is_no_attempt_and_runs_once_it_answers(
     assert harness.journal.messages("error") == []
 
 
+def test_after_a_start_systemd_never_answers_no_turn_starts_for_a_second(
+    tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness]
+) -> None:
+    """ "Start nothing for a second" is a deadline (gate/lifecycle.py's PauseStarts), not
+    a flag one pass clears: a delivery for another mind, admitted in a pass inside that
+    second, starts only once the second is over."""
+    command, _ = probe
+    harness = gate(tmp_path, {"m": f"{command} 0", "n": f"{command} 0"})
+    harnesses.append(harness)
+    emitted: list[tuple[float, events.BaseEvent]] = []  # each event, and when
+    emit = harness.journal.emit
+
+    def timed(event: events.BaseEvent) -> None:
+        emitted.append((time.time(), event))
+        emit(event)
+
+    harness.journal.emit = timed  # type: ignore[method-assign]
+    harness.manager.silent.add("start_scope")
+    deliver(harness, "m", "s")
+    harness.pump(lambda: bool(harness.journal.of(events.TurnNeverStarted)))
+    harness.manager.silent.clear()
+    deliver(harness, "n", "s")
+    harness.pump(lambda: settled(harness), timeout=30)
+    [never_at] = [at for at, event in emitted if isinstance(event, events.TurnNeverStarted)]
+    started = [at for at, event in emitted if isinstance(event, events.TurnStarted)]
+    assert len(started) == 2  # m's delivery, tried again, and n's
+    assert min(started) >= never_at + 1.0  # none inside the second
+
+
 # -- failures --------------------------------------------------------------------------------
 
 

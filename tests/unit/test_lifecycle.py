@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from volutectl.gate.lifecycle import (
+    Adopted,
     Ask,
     Asking,
     CloseMainFd,
@@ -21,6 +22,7 @@ from volutectl.gate.lifecycle import (
     Event,
     FailDeliveries,
     ForgetUnit,
+    Free,
     Hold,
     IllegalEvent,
     Interrupt,
@@ -33,7 +35,9 @@ from volutectl.gate.lifecycle import (
     LogCannotTell,
     MainExited,
     NoAnswer,
+    PauseStarts,
     QuestionFailed,
+    Recorded,
     RecordInterrupt,
     RecordTimeout,
     ReturnDeliveries,
@@ -72,6 +76,7 @@ LEFT_AT = NOW + GRACE
 
 # -- sample states --------------------------------------------------------------------------
 STARTING = Starting()
+RECORDED = Recorded()  # open in the store at the gate's start
 UNCONFIRMED = Unconfirmed(ask_at=DUE)
 RUNNING = Running(pidfd=7, verified=True)
 RUNNING_UNSEEN = Running(pidfd=7, verified=False)  # adopted, not yet asked
@@ -102,12 +107,20 @@ STOP_FAILED = StopFailed(now=NOW)
 EXITED = MainExited(now=NOW, grace=GRACE)
 LEFTOVERS_FAILED = LeftoversStopFailed(now=NOW)
 ENDED = Ended(outcome=Outcome.OK)
+NO_ANSWER = NoAnswer(error="no answer", now=NOW)
+START_FAILED = StartFailed(error="no such user")
+ADOPTED = Adopted(pidfd=7)  # its main process still lives in its scope
+ADOPTED_UNWATCHED = Adopted(pidfd=None)  # never released, or systemd could not list it
+ADOPTED_MAIN_GONE = Adopted(pidfd=None, stop_at=DUE)
 
 # -- effects that recur ---------------------------------------------------------------------
 SETTLE_EMPTY = (ForgetUnit(), Settle())
 STOP_AND_SETTLE_EMPTY = (StopEmptyScope(active_state="active"), ForgetUnit(), Settle())
 TIME_OUT = (RecordTimeout(now=NOW), StopOverrun(now=NOW))
 TELL_ONCE = (LogCannotTell(error="timeout"),)
+# Its deliveries are settled: its place is freed (its pidfd closed, if it is watched).
+END = (Free(), Wake())
+END_WATCHED = (Free(), CloseMainFd(pidfd=7), Wake())
 
 Row = tuple[State, Event, State, tuple[Effect, ...]]
 
@@ -115,8 +128,17 @@ ROWS: list[Row] = [
     # Starting: how its start went.
     (STARTING, STARTED, Running(pidfd=9, verified=True), (Hold(), WatchMainFd(pidfd=9))),
     (STARTING, LAUNCHER_LOST, Unconfirmed(ask_at=NOW), (Hold(), Wake())),
-    (STARTING, NoAnswer(), Settled(outcome=Outcome.NEVER_RAN), (ReturnDeliveries(),)),
-    (STARTING, StartFailed(), Settled(outcome=Outcome.START_FAILED), (FailDeliveries(), Wake())),
+    # It never ran: its deliveries are settled first; systemd silent, no turn starts
+    # for a second.
+    (STARTING, NO_ANSWER, STARTING, (ReturnDeliveries("no answer"), PauseStarts(until=NOW + 1))),
+    (STARTING, START_FAILED, STARTING, (FailDeliveries("no such user"), Wake())),
+    (STARTING, ENDED, SETTLED, ()),  # settled: it held no place to free
+    # Their settlement's commit refused: kept as a turn whose start is unknown.
+    (STARTING, SETTLE_FAILED, Unconfirmed(ask_at=NOW), (Hold(), Wake())),
+    # Recorded: taken back at a restart, it holds its place and systemd is asked at once.
+    (RECORDED, ADOPTED, RUNNING_UNSEEN, (Hold(), WatchMainFd(pidfd=7), Ask())),
+    (RECORDED, ADOPTED_UNWATCHED, UNSEEN, (Hold(), Ask())),
+    (RECORDED, ADOPTED_MAIN_GONE, UNSEEN_LEFT, (Hold(), Ask())),
     # Unconfirmed: nothing is asked of systemd before the launcher is back.
     (UNCONFIRMED, EXITED, UNCONFIRMED, (Ask(),)),
     (UNCONFIRMED, ScopeEnded(), UNCONFIRMED, (Ask(),)),
@@ -145,7 +167,7 @@ ROWS: list[Row] = [
     (RUNNING, TIME_LIMIT, RUNNING, TIME_OUT),
     (RUNNING, STOP_FAILED, Running(pidfd=7, verified=True, ask_at=AGAIN), ()),
     (RUNNING, Interrupt(), RUNNING, (RecordInterrupt(),)),
-    (RUNNING, ENDED, SETTLED, ()),
+    (RUNNING, ENDED, SETTLED, END_WATCHED),
     # Running, adopted and not yet seen holding a process.
     (RUNNING_UNSEEN, EXITED, Unseen(stop_at=LEFT_AT), (CloseMainFd(pidfd=7), Ask())),
     (RUNNING_UNSEEN, ScopeEnded(), RUNNING_UNSEEN, ()),
@@ -161,7 +183,7 @@ ROWS: list[Row] = [
     (RUNNING_UNSEEN, TIME_LIMIT, RUNNING_UNSEEN, TIME_OUT),
     (RUNNING_UNSEEN, STOP_FAILED, Running(pidfd=7, verified=False, ask_at=AGAIN), ()),
     (RUNNING_UNSEEN, Interrupt(), RUNNING_UNSEEN, (RecordInterrupt(),)),
-    (RUNNING_UNSEEN, ENDED, SETTLED, ()),
+    (RUNNING_UNSEEN, ENDED, SETTLED, END_WATCHED),
     # Running, a question about it owed (a stop after its time limit failed).
     (
         RUNNING_ASKING,
@@ -182,7 +204,7 @@ ROWS: list[Row] = [
     (RUNNING_ASKING, TIME_LIMIT, RUNNING_ASKING, TIME_OUT),
     (RUNNING_ASKING, STOP_FAILED, Running(pidfd=7, verified=True, ask_at=AGAIN), ()),
     (RUNNING_ASKING, Interrupt(), RUNNING_ASKING, (RecordInterrupt(),)),
-    (RUNNING_ASKING, ENDED, SETTLED, ()),
+    (RUNNING_ASKING, ENDED, SETTLED, END_WATCHED),
     # Lingering: systemd reports when its scope empties.
     (LINGERING, EXITED, LINGERING, (Ask(),)),
     (LINGERING, ScopeEnded(), LINGERING, (Ask(),)),
@@ -199,7 +221,7 @@ ROWS: list[Row] = [
     (LINGERING, STOP_FAILED, Asking(verified=True, ask_at=AGAIN), ()),
     (LINGERING, Interrupt(), LINGERING, (RecordInterrupt(),)),
     (LINGERING, LEFTOVERS_FAILED, Lingering(stop_at=AGAIN), ()),
-    (LINGERING, ENDED, SETTLED, ()),
+    (LINGERING, ENDED, SETTLED, END),
     # Unseen: adopted, not watched; a listing that shows it has it asked about.
     (UNSEEN, EXITED, UNSEEN, (Ask(),)),
     (UNSEEN, ScopeEnded(), UNSEEN, (Ask(),)),
@@ -216,7 +238,7 @@ ROWS: list[Row] = [
     (UNSEEN, STOP_FAILED, Asking(verified=False, ask_at=AGAIN), ()),
     (UNSEEN, Interrupt(), UNSEEN, (RecordInterrupt(),)),
     (UNSEEN, LEFTOVERS_FAILED, Unseen(stop_at=AGAIN), ()),
-    (UNSEEN, ENDED, SETTLED, ()),
+    (UNSEEN, ENDED, SETTLED, END),
     # Asking, seen holding a process before: a failed question is told of only once.
     (ASKING, EXITED, ASKING, (Ask(),)),
     (ASKING, ScopeEnded(), ASKING, (Ask(),)),
@@ -233,7 +255,7 @@ ROWS: list[Row] = [
     (ASKING, STOP_FAILED, Asking(verified=True, ask_at=AGAIN), ()),
     (ASKING, Interrupt(), ASKING, (RecordInterrupt(),)),
     (ASKING, LEFTOVERS_FAILED, Asking(verified=True, ask_at=DUE, stop_at=AGAIN), ()),
-    (ASKING, ENDED, SETTLED, ()),
+    (ASKING, ENDED, SETTLED, END),
     # Asking, never seen holding a process.
     (ASKING_UNSEEN, EXITED, ASKING_UNSEEN, (Ask(),)),
     (ASKING_UNSEEN, ScopeEnded(), ASKING_UNSEEN, (Ask(),)),
@@ -255,7 +277,7 @@ ROWS: list[Row] = [
         Asking(verified=False, ask_at=DUE, stop_at=AGAIN),
         (),
     ),
-    (ASKING_UNSEEN, ENDED, SETTLED, ()),
+    (ASKING_UNSEEN, ENDED, SETTLED, END),
     # Lingering, what its main process left behind to be stopped at DUE: once.
     (LINGERING_LEFT, EXITED, LINGERING_LEFT, (Ask(),)),
     (LINGERING_LEFT, ScopeEnded(), LINGERING_LEFT, (Ask(),)),
@@ -272,7 +294,7 @@ ROWS: list[Row] = [
     (LINGERING_LEFT, STOP_FAILED, Asking(verified=True, ask_at=AGAIN, stop_at=DUE), ()),
     (LINGERING_LEFT, LEFTOVERS_FAILED, Lingering(stop_at=AGAIN), ()),  # stop again then
     (LINGERING_LEFT, Interrupt(), LINGERING_LEFT, (RecordInterrupt(),)),
-    (LINGERING_LEFT, ENDED, SETTLED, ()),
+    (LINGERING_LEFT, ENDED, SETTLED, END),
     # Unseen, adopted with its main process gone: the grace runs from its adoption.
     (UNSEEN_LEFT, EXITED, UNSEEN_LEFT, (Ask(),)),
     (UNSEEN_LEFT, ScopeEnded(), UNSEEN_LEFT, (Ask(),)),
@@ -289,7 +311,7 @@ ROWS: list[Row] = [
     (UNSEEN_LEFT, STOP_FAILED, Asking(verified=False, ask_at=AGAIN, stop_at=DUE), ()),
     (UNSEEN_LEFT, LEFTOVERS_FAILED, Unseen(stop_at=AGAIN), ()),
     (UNSEEN_LEFT, Interrupt(), UNSEEN_LEFT, (RecordInterrupt(),)),
-    (UNSEEN_LEFT, ENDED, SETTLED, ()),
+    (UNSEEN_LEFT, ENDED, SETTLED, END),
     # Asking, with the stop of its leftovers owed too: both, at their times.
     (ASKING_LEFT, EXITED, ASKING_LEFT, (Ask(),)),
     (ASKING_LEFT, ScopeEnded(), ASKING_LEFT, (Ask(),)),
@@ -306,23 +328,27 @@ ROWS: list[Row] = [
     (ASKING_LEFT, STOP_FAILED, Asking(verified=True, ask_at=AGAIN, stop_at=DUE), ()),
     (ASKING_LEFT, LEFTOVERS_FAILED, Asking(verified=True, ask_at=DUE, stop_at=AGAIN), ()),
     (ASKING_LEFT, Interrupt(), ASKING_LEFT, (RecordInterrupt(),)),
-    (ASKING_LEFT, ENDED, SETTLED, ()),
+    (ASKING_LEFT, ENDED, SETTLED, END),
 ]
 
 HELD: list[State] = [UNCONFIRMED, RUNNING, RUNNING_UNSEEN, RUNNING_ASKING, LINGERING, UNSEEN]
 HELD += [ASKING, ASKING_UNSEEN, LINGERING_LEFT, UNSEEN_LEFT, ASKING_LEFT]
-START_RESULTS: list[Event] = [STARTED, LAUNCHER_LOST, NoAnswer(), StartFailed()]
+START_RESULTS: list[Event] = [STARTED, LAUNCHER_LOST, NO_ANSWER, START_FAILED]
+ADOPTIONS: list[Event] = [ADOPTED, ADOPTED_UNWATCHED, ADOPTED_MAIN_GONE]
 LAUNCHER: list[Event] = [LauncherBack(), LAUNCHER_AWAY]
 ANSWERS: list[Event] = [ScopeHolds(), EMPTY, ScopeGone(), QUESTION_FAILED, SETTLE_FAILED]
 LATER: list[Event] = [EXITED, ScopeEnded(), LISTED, UNLISTED, NOT_DUE, DUE_NOW]
 LATER += [*LAUNCHER, *ANSWERS, TIME_LIMIT, STOP_FAILED, LEFTOVERS_FAILED, Interrupt(), ENDED]
-EVENTS = START_RESULTS + LATER
+EVENTS = START_RESULTS + ADOPTIONS + LATER
 
 RUNNING_STATES: list[State] = [UNCONFIRMED, RUNNING, RUNNING_UNSEEN, RUNNING_ASKING]
 ILLEGAL: list[tuple[State, Event]] = [
     # A starting turn is with its hands: the gate holds no place for it, and only how
-    # its start went can come.
-    *((STARTING, event) for event in LATER),
+    # its start went can come (and then whether what it carried is settled).
+    *((STARTING, event) for event in LATER if event not in (SETTLE_FAILED, ENDED)),
+    # A recorded turn is only taken back, and only once, at the gate's start.
+    *((RECORDED, event) for event in START_RESULTS + LATER),
+    *((state, event) for state in [STARTING, *HELD] for event in ADOPTIONS),
     # A settled turn has left the gate: nothing more comes to it.
     *((SETTLED, event) for event in EVENTS),
     # A start's result comes once, to a starting turn.
@@ -353,7 +379,7 @@ def test_an_event_that_cannot_come_in_a_state_raises(state: State, event: Event)
 def test_every_state_meets_every_event_in_exactly_one_table() -> None:
     legal = [(state, event) for state, event, _, _ in ROWS]
     assert len(legal) == len(set(legal)) and len(ILLEGAL) == len(set(ILLEGAL))
-    every = {(state, event) for state in [STARTING, *HELD, SETTLED] for event in EVENTS}
+    every = {(state, event) for state in [STARTING, RECORDED, *HELD, SETTLED] for event in EVENTS}
     assert set(legal) | set(ILLEGAL) == every
     assert not set(legal) & set(ILLEGAL)
 

@@ -4,7 +4,10 @@ Each state holds what is true in it, as pueue's task states do. The states say w
 gate knows of whether the turn still runs, for only systemd's word settles a turn:
 
 - `Starting`: committed; its hands are starting it (turn directory, fork, scope,
-  release). The gate waits for them, and holds no place for it yet.
+  release). The gate waits for them, and holds no place for it yet. A start that never
+  ran the command stays here while its deliveries are settled (`Ended` then, or
+  `SettleFailed`: it is kept as `Unconfirmed`).
+- `Recorded`: found open in the store at the gate's start; `Adopted` takes it back.
 - `Unconfirmed`: the launcher was lost while it started the turn, which may run or may
   never have. Once the launcher has finished (or abandoned) that order, systemd can say.
 - `Running`: its main process lives (the gate holds its pidfd), so its scope is not empty.
@@ -32,10 +35,10 @@ as any other, in whichever state it is.
 
 `step(state, event)` is the one place a turn changes state. It is pure (no I/O, no clock:
 times come in the events) and returns the next state and the effects that
-volutectl/gate/turns.py carries out, in order; `Ask` is left to volutectl/gate/liveness.py,
-which asks systemd and turns the answer into the next event. An event that cannot come in
-a state raises `IllegalEvent` (a bug in the caller); one that can but changes nothing
-returns the same state and no effects.
+volutectl/gate/turns.py's `Turns.apply` carries out, in order, every one of them: for
+`Ask` it takes systemd's answer, which volutectl/gate/liveness.py turns into the next
+event. An event that cannot come in a state raises `IllegalEvent` (a bug in the caller);
+one that can but changes nothing returns the same state and no effects.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 from volutectl.states import Outcome
 
 ASK_AGAIN_SECONDS = 1.0  # after a failed question to systemd, ask again this much later
+PAUSE_STARTS_SECONDS = 1.0  # after systemd gave no answer to a start, start nothing this long
 
 
 # -- states -----------------------------------------------------------------------------------
@@ -54,6 +58,11 @@ ASK_AGAIN_SECONDS = 1.0  # after a failed question to systemd, ask again this mu
 @dataclass(frozen=True)
 class Starting:
     """Committed; its hands are starting it. No place is held for it yet."""
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """Open in the store when the gate started, not yet taken back. No place is held."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +119,7 @@ class Settled:
     outcome: Outcome
 
 
-State = Starting | Unconfirmed | Running | Lingering | Unseen | Asking | Settled
+State = Starting | Recorded | Unconfirmed | Running | Lingering | Unseen | Asking | Settled
 Held = Unconfirmed | Running | Lingering | Unseen | Asking  # the gate holds a place
 
 
@@ -133,12 +142,27 @@ class LauncherLost:
 
 @dataclass(frozen=True)
 class NoAnswer:
-    """systemd gave no answer about the scope: its child exited unreleased."""
+    """systemd gave no answer about the scope (at `now`): its child exited unreleased."""
+
+    error: str
+    now: float
 
 
 @dataclass(frozen=True)
 class StartFailed:
     """Its hands say the command never ran (having removed what they made)."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """The gate, restarted, takes the turn back: `pidfd` on its main process if that
+    still lives in its scope; `stop_at`: its main process is known to be gone, so what
+    it left behind is stopped then."""
+
+    pidfd: int | None
+    stop_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -251,6 +275,7 @@ Event = (
     | LauncherLost
     | NoAnswer
     | StartFailed
+    | Adopted
     | MainExited
     | ScopeEnded
     | Listed
@@ -276,6 +301,11 @@ Event = (
 @dataclass(frozen=True)
 class Hold:
     """Hold a place for the turn (admission counts it)."""
+
+
+@dataclass(frozen=True)
+class Free:
+    """Free its place (admission counts it no more)."""
 
 
 @dataclass(frozen=True)
@@ -321,12 +351,24 @@ class Settle:
 @dataclass(frozen=True)
 class ReturnDeliveries:
     """It never ran, through no fault of its deliveries: they go back, no attempt
-    counted, and the gate starts nothing more for a second (systemd is silent)."""
+    counted, in one commit (then `Ended`; a commit refused: `SettleFailed`)."""
+
+    error: str
 
 
 @dataclass(frozen=True)
 class FailDeliveries:
-    """It failed to start: each of its deliveries counts a failed attempt."""
+    """It failed to start: each of its deliveries counts a failed attempt, in one
+    commit (then `Ended`; a commit refused: `SettleFailed`)."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class PauseStarts:
+    """Start no turn before `until` (systemd is silent: a daemon-reexec)."""
+
+    until: float
 
 
 @dataclass(frozen=True)
@@ -362,6 +404,7 @@ class Wake:
 
 Effect = (
     Hold
+    | Free
     | WatchMainFd
     | CloseMainFd
     | Ask
@@ -371,6 +414,7 @@ Effect = (
     | Settle
     | ReturnDeliveries
     | FailDeliveries
+    | PauseStarts
     | RecordTimeout
     | StopOverrun
     | StopLeftovers
@@ -458,8 +502,10 @@ def step(state: State, event: Event) -> Step:
     """The next state of a turn in `state` after `event`, and the effects to carry out."""
     if isinstance(state, Starting):
         return _from_starting(state, event)
-    if isinstance(state, Settled) or isinstance(
-        event, Started | LauncherLost | NoAnswer | StartFailed
+    if isinstance(state, Recorded) and isinstance(event, Adopted):
+        return _adopt(event)
+    if isinstance(state, Settled | Recorded) or isinstance(
+        event, Started | LauncherLost | NoAnswer | StartFailed | Adopted
     ):
         raise IllegalEvent(state, event)
     if isinstance(state, Unconfirmed):
@@ -468,15 +514,29 @@ def step(state: State, event: Event) -> Step:
 
 
 def _from_starting(state: Starting, event: Event) -> Step:
+    """How its start went. A start that never ran the command is settled in the store
+    first: `Ended` once that is committed; if the commit is refused, the turn keeps a
+    place as one whose start is unknown (as a gate restarted then would find it), until
+    systemd's word settles it."""
     if isinstance(event, Started):
         return Running(pidfd=event.pidfd, verified=True), (Hold(), WatchMainFd(event.pidfd))
-    if isinstance(event, LauncherLost):
+    if isinstance(event, LauncherLost | SettleFailed):
         return Unconfirmed(ask_at=event.now), (Hold(), Wake())
     if isinstance(event, NoAnswer):
-        return Settled(Outcome.NEVER_RAN), (ReturnDeliveries(),)
+        pause = PauseStarts(until=event.now + PAUSE_STARTS_SECONDS)
+        return state, (ReturnDeliveries(event.error), pause)
     if isinstance(event, StartFailed):
-        return Settled(Outcome.START_FAILED), (FailDeliveries(), Wake())
+        return state, (FailDeliveries(event.error), Wake())
+    if isinstance(event, Ended):
+        return Settled(event.outcome), ()
     raise IllegalEvent(state, event)
+
+
+def _adopt(event: Adopted) -> Step:
+    """Taken back at a restart: it holds its place, its main process is watched if it
+    lives, and systemd is asked about it at once."""
+    watch: tuple[Effect, ...] = () if event.pidfd is None else (WatchMainFd(event.pidfd),)
+    return adopted(event.pidfd, event.stop_at), (Hold(), *watch, Ask())
 
 
 def _from_unconfirmed(state: Unconfirmed, event: Event) -> Step:
@@ -546,7 +606,10 @@ def _from_held(state: Held, event: Event) -> Step:
     if isinstance(event, Interrupt):
         return state, (RecordInterrupt(),)
     if isinstance(event, Ended):
-        return Settled(event.outcome), ()
+        close: tuple[Effect, ...] = (
+            (CloseMainFd(state.pidfd),) if isinstance(state, Running) else ()
+        )
+        return Settled(event.outcome), (Free(), *close, Wake())
     raise IllegalEvent(state, event)
 
 

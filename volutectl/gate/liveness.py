@@ -14,8 +14,10 @@ pidfd on each turn's main process (the wrapper), its own child or, after a resta
 the PID recorded at release. While that process lives, the scope is not empty.
 
 Liveness turns systemd's evidence (and the clock's) into the events of
-volutectl/gate/lifecycle.py, which volutectl/gate/turns.py applies. Also here: counting
-what holds a place under the cap, re-adopting turns at start, and each turn's time limit.
+volutectl/gate/lifecycle.py, which volutectl/gate/turns.py applies, carrying out every
+effect (`Ask` with `Evidence.about`, here). Also here: counting what holds a place under
+the cap, re-adopting turns at start, and each turn's time limit. Liveness changes nothing
+of a turn or of `Turns` itself: it tells `Turns` what it learnt.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from volutectl import events, names
+from volutectl import names
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import VoluteError
 from volutectl.gate import lifecycle
 from volutectl.gate.turns import Turn, Turns
+from volutectl.launcher.hands import TurnHands
 from volutectl.store.queue import Store, TurnRow
 from volutectl.systemd.port import ENDED_STATES, SystemdManager
 
@@ -44,6 +47,44 @@ class Census:
 
     live_ids: frozenset[int] = frozenset()
     foreign: int = 0
+
+
+class Evidence:
+    """What systemd (and, for a turn whose start is unconfirmed, the launcher) says of a
+    turn, as the next event of its lifecycle: what `Turns` carries out `Ask` with."""
+
+    def __init__(self, manager: SystemdManager, hands: TurnHands) -> None:
+        self.manager = manager
+        self.hands = hands
+
+    def about(self, turn: Turn) -> lifecycle.Event:
+        """Whether the turn still runs, on systemd's word. The answers that settle: the
+        unit is not loaded, is inactive or failed, or holds no process. A question that
+        failed proves nothing: it is asked again in lifecycle.ASK_AGAIN_SECONDS.
+
+        Of a turn whose launcher was lost mid-start, first whether the launcher is back:
+        its next connection is served only once that order is done (or died with it),
+        and until then systemd's answer could come before the scope does."""
+        if isinstance(turn.state, lifecycle.Unconfirmed):
+            try:
+                self.hands.ensure()
+            except VoluteError:
+                return lifecycle.LauncherAway(now=time.time())
+            return lifecycle.LauncherBack()
+        return self._ask(turn.unit)
+
+    def _ask(self, unit: str) -> lifecycle.Event:
+        """systemd's answer about a turn's scope, as an event."""
+        try:
+            state = self.manager.active_state(unit)
+            if state is None or state in ENDED_STATES:
+                return lifecycle.ScopeGone()
+            pids = self.manager.unit_processes(unit)
+        except VoluteError as error:
+            return lifecycle.QuestionFailed(error=error.message, now=time.time())
+        if pids is None:
+            return lifecycle.ScopeGone()
+        return lifecycle.ScopeHolds() if pids else lifecycle.ScopeEmpty(active_state=state)
 
 
 class Liveness:
@@ -73,7 +114,7 @@ class Liveness:
         ours = {turn.unit: turn for turn in self.turns.all()}
         listed = self.manager.list_units(self.settings.turns.slice, [TURN_PATTERN], known=ours)
         names_listed = {unit.name for unit in listed}
-        self.turns.settled_units &= names_listed
+        self.turns.forget_unlisted(names_listed)
         for turn in ours.values():
             if turn.unit not in names_listed:
                 self._learn(turn, lifecycle.Listed(listed=False))
@@ -82,7 +123,7 @@ class Liveness:
             own = ours.get(name)
             if own is not None:
                 self._learn(own, lifecycle.Listed(listed=True))
-            elif name not in self.turns.settled_units and self._foreign_holds_process(name):
+            elif not self.turns.forgotten(name) and self._foreign_holds_process(name):
                 foreign += 1
         live = [
             admission.LiveTurn(turn.id, turn.mind, turn.session)
@@ -114,52 +155,17 @@ class Liveness:
             return False
         if pids:
             return True
-        self.turns.journal.emit(events.EmptyScopeFound(unit=unit))
-        self.turns.stop_quietly(unit)
-        self.turns.settled_units.add(unit)
+        self.turns.scope_found_empty(unit)
         return False
 
     # -- the evidence ------------------------------------------------------------------------
 
     def _learn(self, turn: Turn, event: lifecycle.Event) -> None:
-        """Apply what was learnt of a turn the gate holds; ask systemd, if that is next."""
-        if self.turns.holds(turn) and self.turns.apply(turn, event):
-            self.check(turn)
-
-    def check(self, turn: Turn) -> None:
-        """Ask systemd whether the turn still runs; settle it only if systemd says no.
-
-        Called when its main process exited, when systemd reported its scope inactive,
-        at adoption, and when a question failed before. The answers that settle: the
-        unit is not loaded, is inactive or failed, or holds no process (then, if it was
-        never seen holding one, it is stopped too: it would stay active for ever). Any
-        failed question: ask again in lifecycle.ASK_AGAIN_SECONDS."""
-        if not self.turns.holds(turn):
-            return
-        if isinstance(turn.state, lifecycle.Unconfirmed):
-            # The launcher was lost mid-start. Its next connection is served only once
-            # that order is done (or died with it): until then systemd's answer could
-            # come before the scope does.
-            try:
-                self.turns.hands.ensure()
-            except VoluteError:
-                self.turns.apply(turn, lifecycle.LauncherAway(now=time.time()))
-                return
-            self.turns.apply(turn, lifecycle.LauncherBack())
-        self.turns.apply(turn, self._ask(turn.unit))
-
-    def _ask(self, unit: str) -> lifecycle.Event:
-        """systemd's answer about a turn's scope, as an event."""
-        try:
-            state = self.manager.active_state(unit)
-            if state is None or state in ENDED_STATES:
-                return lifecycle.ScopeGone()
-            pids = self.manager.unit_processes(unit)
-        except VoluteError as error:
-            return lifecycle.QuestionFailed(error=error.message, now=time.time())
-        if pids is None:
-            return lifecycle.ScopeGone()
-        return lifecycle.ScopeHolds() if pids else lifecycle.ScopeEmpty(active_state=state)
+        """Tell `Turns` what was learnt of a turn the gate holds. Asked (when its main
+        process exited, when systemd reported its scope inactive, at adoption, when a
+        question failed before), `Turns` takes systemd's word from `Evidence`."""
+        if self.turns.holds(turn):
+            self.turns.apply(turn, event)
 
     def reap(self, turn: Turn) -> None:
         """The turn's main process exited (its pidfd is readable): find out whether the
@@ -172,8 +178,7 @@ class Liveness:
 
     def unit_ended(self, unit: str) -> None:
         """systemd says a turn scope left the live states (or was removed)."""
-        if unit in self.turns.settled_units:
-            self.turns.settled_units.discard(unit)
+        if self.turns.forgotten_ended(unit):
             return
         parsed = names.parse_turn_scope_name(unit)
         if parsed is None:
@@ -222,28 +227,14 @@ class Liveness:
         """
         self.turns.settle_stranded()
         open_turns = self.store.open_turns()
-        self._remove_stale_dirs({row.id for row in open_turns})
+        self.turns.sweep_directories({row.id for row in open_turns})
         grace = self.settings.turns.leftover_grace_seconds
         for row in open_turns:
             pidfd, main_gone = self._adopted_main(row)
             stop_at = time.time() + grace if main_gone else None
-            turn = self._turn_from_row(row, lifecycle.adopted(pidfd, stop_at))
-            self.turns.add(turn)
-            if pidfd is not None:
-                self.turns.watch_fd(pidfd, turn)
-            self.check(turn)
-            if self.turns.holds(turn) and turn.recheck_at is None:
-                self.turns.journal.emit(events.TurnAdopted(**events.turn_fields(turn)))
+            turn = self._turn_from_row(row, lifecycle.Recorded())
+            self.turns.adopt(turn, lifecycle.Adopted(pidfd=pidfd, stop_at=stop_at))
         self.wake()
-
-    def _remove_stale_dirs(self, open_ids: set[int]) -> None:
-        """Turn directories of turns already settled: a gate killed after settling a turn
-        and before removing its directory leaves one behind. A launcher that cannot be
-        reached now sweeps them when the gate connects to it."""
-        try:
-            self.turns.hands.sweep(sorted(open_ids))
-        except VoluteError as error:
-            self.turns.journal.emit(events.TurnDirectoriesNotSwept(error=error.message))
 
     def _turn_from_row(self, row: TurnRow, state: lifecycle.State) -> Turn:
         return Turn(

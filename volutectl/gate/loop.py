@@ -47,7 +47,7 @@ from volutectl.core import admission
 from volutectl.errors import VoluteError, one_line
 from volutectl.gate import handlers, status
 from volutectl.gate.adaptive import AdaptiveLimit
-from volutectl.gate.liveness import Liveness
+from volutectl.gate.liveness import Evidence, Liveness
 from volutectl.gate.outcomes import Settled, Waiters
 from volutectl.gate.pressure import open_for_turns
 from volutectl.gate.reactor import Reactor, from_wall_clock, only_wake
@@ -172,6 +172,7 @@ class Gate:
             unwatch_fd=self._unwatch,
             wake=self.mark_dirty,
             processes=manager.unit_processes,
+            ask=Evidence(manager, hands).about,
         )
         liveness = Liveness(settings, store, manager, turns, wake=self.mark_dirty)
         slots = SlotWatch(
@@ -584,13 +585,13 @@ class Gate:
         for fold in decision.folds:
             state.turns.fold(fold, now)
         for start in decision.starts:
-            if state.turns.systemd_silent:
+            if state.turns.starts_paused(now) is not None:
                 break  # the rest stay pending, decided again in the next pass
             self.started = True
             state.turns.start(start, now)
-        if state.turns.systemd_silent:
-            state.turns.systemd_silent = False
-            self.admit_retry = time.monotonic() + ADMIT_RETRY_SECONDS
+        paused = state.turns.starts_paused(now)
+        if paused is not None:
+            self.admit_retry = from_wall_clock(paused)
         if pressure is not None and decision.starts:
             pressure.note_started(time.monotonic())
         state.turns.record_holds(changes, now)

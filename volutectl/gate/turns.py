@@ -3,11 +3,14 @@
 `Turns` carries out admission's decisions (`PendingIndex.admit`, volutectl/store/index.py,
 over volutectl/core/admission.py): it commits a turn's row, has its hands
 (volutectl/launcher/hands.py: volute-launcher, or this process) start it in its scope,
-and, once volutectl/gate/liveness.py has systemd's word that nothing of the turn runs any
-more, settles its deliveries in one commit. Each turn moves through the states of
-volutectl/gate/lifecycle.py; `apply` steps it and carries out the effects. It owns no
-sockets and no event loop: the gate gives it callbacks, to watch a pidfd, to tell waiting
-clients how their delivery ended, and to say that admission should run again.
+and, once systemd's word is that nothing of the turn runs any more, settles its
+deliveries in one commit. Each turn moves through the states of
+volutectl/gate/lifecycle.py; `apply` steps it and is the one place that carries out the
+effects, every one of them: it owns the registry of the turns that hold a place, and
+when starts are paused. It owns no sockets and no event loop: the gate gives it
+callbacks, to watch a pidfd, to ask systemd about a turn (volutectl/gate/liveness.py's
+`Evidence`, which answers with the next event), to tell waiting clients how their
+delivery ended, and to say that admission should run again.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
+from typing import assert_never
 
 from volutectl import events, names
 from volutectl.config.settings import Settings
@@ -55,6 +59,7 @@ class Turn:
     deadline: float | None = None  # wall clock; None: no time limit
     timed_out_at: float | None = None  # when the gate stopped it for running past that
     leftovers_told: bool = False  # the journal said what its main process left behind
+    taken: tuple[Row, ...] = ()  # while it starts: the deliveries its start carries
 
     def main_alive(self) -> bool:
         return isinstance(self.state, lifecycle.Running)
@@ -87,6 +92,7 @@ class Turns:
         unwatch_fd: Callable[[int], None],
         wake: Callable[[], None],
         processes: Callable[[str], list[int] | None],
+        ask: Callable[[Turn], lifecycle.Event],
     ) -> None:
         self.settings = settings
         self.store = store
@@ -99,15 +105,16 @@ class Turns:
         # The PIDs in a scope, as systemd lists them (None: not loaded): what a turn's
         # main process left behind, said when its grace is over.
         self.processes = processes
+        # systemd's answer about a turn, as its next event (what `Ask` is carried out by).
+        self.ask = ask
         # Told what each ended turn wrote, by mind (the adaptive limit's IO costs).
         self.on_written: Callable[[str, int], None] | None = None
         self._turns: dict[int, Turn] = {}
-        # A start found systemd silent (a daemon-reexec): the gate's admission stops
-        # starting turns in this pass and tries again a second later.
-        self.systemd_silent = False
+        # A start found systemd silent (a daemon-reexec): no turn starts before then.
+        self._starts_paused_until: float | None = None
         # Scopes of turns we settled that systemd may still list as live for a moment
         # (settled on seeing them empty): not counted, not asked about again.
-        self.settled_units: set[str] = set()
+        self._settled_units: set[str] = set()
 
     # -- the registry -----------------------------------------------------------------------
 
@@ -118,11 +125,39 @@ class Turns:
     def get(self, turn_id: int) -> Turn | None:
         return self._turns.get(turn_id)
 
-    def add(self, turn: Turn) -> None:
-        self._turns[turn.id] = turn
-
     def holds(self, turn: Turn) -> bool:
         return self._turns.get(turn.id) is turn
+
+    def starts_paused(self, now: float) -> float | None:
+        """Until when no turn may start (systemd gave no answer to a start), if it is
+        later than `now`."""
+        until = self._starts_paused_until
+        return until if until is not None and until > now else None
+
+    # -- scopes settled that systemd may still list -------------------------------------------
+
+    def forgotten(self, unit: str) -> bool:
+        """A scope of a turn settled on seeing it empty: not counted, not asked about."""
+        return unit in self._settled_units
+
+    def forget_unlisted(self, listed: Container[str]) -> None:
+        """systemd no longer lists these scopes: nothing more to forget about them."""
+        self._settled_units = {unit for unit in self._settled_units if unit in listed}
+
+    def forgotten_ended(self, unit: str) -> bool:
+        """systemd says the scope ended: whether it was one settled already (then it is
+        forgotten no more)."""
+        if unit not in self._settled_units:
+            return False
+        self._settled_units.discard(unit)
+        return True
+
+    def scope_found_empty(self, unit: str) -> None:
+        """A turn scope that is not one of our turns holds no process (a gate that crashed
+        left it): say so, stop it, and do not count it while systemd still lists it."""
+        self.journal.emit(events.EmptyScopeFound(unit=unit))
+        self.stop_quietly(unit)
+        self._settled_units.add(unit)
 
     # -- logging ----------------------------------------------------------------------------
 
@@ -230,6 +265,7 @@ class Turns:
             started_at=now,
             state=lifecycle.Starting(),
             deadline=deadline,
+            taken=tuple(taken),
         )
         self.log_released(taken, now, f"starting turn {turn_id}")
         stdin = b"".join(
@@ -247,15 +283,15 @@ class Turns:
             self._start_unknown(turn, error)
             return
         except SystemdNoAnswer as error:
-            self._start_unanswered(turn, taken, error)
+            self._start_unanswered(turn, error)
             return
         except (VoluteError, OSError) as error:
-            self._start_failed(turn, taken, error)
+            self._start_failed(turn, error)
             return
         self.store.mark_released(turn_id, launched.pid)
         crash_point("release_recorded")
         turn.released, turn.pid = True, launched.pid
-        self._after_start(turn, lifecycle.Started(pidfd=launched.pidfd), taken, "")
+        self._start_went(turn, lifecycle.Started(pidfd=launched.pidfd))
         ids = " ".join(str(row.id) for row in taken)
         self.journal.emit(events.TurnStarted(**events.turn_fields(turn), delivery_ids=ids))
 
@@ -263,122 +299,128 @@ class Turns:
         """The launcher was lost during the start: the turn may run, or may never have.
         It keeps its place, as an adopted turn does, until systemd says which."""
         self.journal.emit(events.TurnStartUnknown(**events.turn_fields(turn), error=error.message))
-        self._after_start(turn, lifecycle.LauncherLost(now=time.time()), [], error.message)
+        self._start_went(turn, lifecycle.LauncherLost(now=time.time()))
 
-    def _start_unanswered(self, turn: Turn, taken: list[Row], error: SystemdNoAnswer) -> None:
+    def _start_unanswered(self, turn: Turn, error: SystemdNoAnswer) -> None:
         """systemd gave no answer about the scope (a daemon-reexec drops every call in
         flight): the child exited unreleased, so the command never ran. Not the
         deliveries' failure: they go back with no attempt counted, as a hold does."""
         self.journal.emit(events.TurnNeverStarted(**events.turn_fields(turn), error=error.message))
-        self._after_start(turn, lifecycle.NoAnswer(), taken, error.message)
+        self._start_went(turn, lifecycle.NoAnswer(error=error.message, now=time.time()))
 
-    def _start_failed(self, turn: Turn, taken: list[Row], error: Exception) -> None:
+    def _start_failed(self, turn: Turn, error: Exception) -> None:
         """The command never ran (its hands say so, having removed what they made): the
         turn's deliveries count one failed attempt (a missing user fails every time)."""
         message = error.message if isinstance(error, VoluteError) else str(error)
         self.journal.emit(events.TurnStartFailed(**events.turn_fields(turn), error=message))
-        self._after_start(turn, lifecycle.StartFailed(), taken, message)
+        self._start_went(turn, lifecycle.StartFailed(error=message))
 
-    def _after_start(
-        self, turn: Turn, event: lifecycle.Event, taken: list[Row], error: str
-    ) -> None:
-        """Step a starting turn by how its start went, and carry out the effects: those
-        of a turn that never ran settle `taken`, its deliveries, with `error`."""
-        starting = turn.state
-        turn.state, effects = lifecycle.step(starting, event)
+    def _start_went(self, turn: Turn, event: lifecycle.Event) -> None:
+        """Step a starting turn by how its start went; then the rows it carried are the
+        store's to know (a turn that never ran has settled them)."""
+        self.apply(turn, event)
+        turn.taken = ()
+
+    def _return_deliveries(self, turn: Turn, error: str) -> None:
+        """The command never ran, through no fault of its deliveries: the turn ends and
+        they go back with no attempt counted, in one commit."""
         try:
-            self._start_effects(turn, effects, taken, error)
+            self.store.settle_turn(
+                turn.id,
+                outcome=Outcome.NEVER_RAN,
+                exit_status=None,
+                detail=f"never ran: {error}",
+                done=[],
+                returned=[row.id for row in turn.taken],
+                failed={},
+                error=error,
+                now=time.time(),
+            )
         except sqlite3.Error as refused:
-            # The settlement's one commit failed (a full disk): nothing of it happened,
-            # and its rows are running under a turn the store holds open. The turn keeps
-            # its place as one whose start is unknown, until systemd's word settles it
-            # (as never run: no attempt), as a gate restarted now would.
-            self.journal.emit(events.TurnNotSettled(**events.turn_fields(turn), error=str(refused)))
-            turn.state, effects = lifecycle.step(starting, lifecycle.LauncherLost(now=time.time()))
-            for effect in effects:
-                self._carry_out(turn, effect)
+            self._start_not_settled(turn, refused)
+            return
+        self.apply(turn, lifecycle.Ended(Outcome.NEVER_RAN))
 
-    def _start_effects(
-        self, turn: Turn, effects: Iterable[lifecycle.Effect], taken: list[Row], error: str
-    ) -> None:
-        for effect in effects:
-            if isinstance(effect, lifecycle.ReturnDeliveries):
-                self.store.settle_turn(
-                    turn.id,
-                    outcome=Outcome.NEVER_RAN,
-                    exit_status=None,
-                    detail=f"never ran: {error}",
-                    done=[],
-                    returned=[row.id for row in taken],
-                    failed={},
-                    error=error,
-                    now=time.time(),
-                )
-                self.systemd_silent = True  # the gate starts nothing more for a second
-            elif isinstance(effect, lifecycle.FailDeliveries):
-                self._fail_start(turn, taken, error)
-            else:
-                self._carry_out(turn, effect)
-
-    def _fail_start(self, turn: Turn, taken: list[Row], error: str) -> None:
+    def _fail_start(self, turn: Turn, error: str) -> None:
         """The start failed: the turn ends and its deliveries count one attempt, in one
         commit (a gate that dies after it leaves nothing running under a closed turn)."""
+        taken = list(turn.taken)
         failed = self.failures(taken)
-        self.store.settle_turn(
-            turn.id,
-            outcome=Outcome.START_FAILED,
-            exit_status=None,
-            detail=error,
-            done=[],
-            returned=[],
-            failed=failed,
-            error=error,
-            now=time.time(),
-        )
+        try:
+            self.store.settle_turn(
+                turn.id,
+                outcome=Outcome.START_FAILED,
+                exit_status=None,
+                detail=error,
+                done=[],
+                returned=[],
+                failed=failed,
+                error=error,
+                now=time.time(),
+            )
+        except sqlite3.Error as refused:
+            self._start_not_settled(turn, refused)
+            return
         crash_point("start_failure_recorded")
+        self.apply(turn, lifecycle.Ended(Outcome.START_FAILED))
         self.tell_dead(taken, failed, error)
+
+    def _start_not_settled(self, turn: Turn, refused: sqlite3.Error) -> None:
+        """The settlement's one commit failed (a full disk): nothing of it happened, and
+        its rows are running under a turn the store holds open. The turn keeps its place
+        as one whose start is unknown, until systemd's word settles it (as never run: no
+        attempt), as a gate restarted now would."""
+        self.journal.emit(events.TurnNotSettled(**events.turn_fields(turn), error=str(refused)))
+        self.apply(turn, lifecycle.SettleFailed(now=time.time()))
 
     # -- the lifecycle ---------------------------------------------------------------------
 
-    def apply(self, turn: Turn, event: lifecycle.Event) -> bool:
+    def apply(self, turn: Turn, event: lifecycle.Event) -> None:
         """Step the turn by `event` (volutectl/gate/lifecycle.py) and carry out the effects
-        in order. Returns whether systemd is to be asked about it: liveness asks."""
+        in order: the one place they are carried out."""
         turn.state, effects = lifecycle.step(turn.state, event)
-        ask = False
         for effect in effects:
-            if isinstance(effect, lifecycle.Ask):
-                ask = True
-            else:
-                self._carry_out(turn, effect)
-        return ask
+            self._carry_out(turn, effect)
+
+    def adopt(self, turn: Turn, event: lifecycle.Adopted) -> None:
+        """Take back a turn the store holds open (at the gate's start): it takes its
+        place and systemd is asked about it; say so if it still runs."""
+        self.apply(turn, event)
+        if self.holds(turn) and turn.recheck_at is None:
+            self.journal.emit(events.TurnAdopted(**events.turn_fields(turn)))
 
     def _carry_out(self, turn: Turn, effect: lifecycle.Effect) -> None:
         match effect:
             case lifecycle.Hold():
                 self._turns[turn.id] = turn
+            case lifecycle.Free():
+                self._turns.pop(turn.id, None)
             case lifecycle.WatchMainFd(pidfd):
                 self.watch_fd(pidfd, turn)
             case lifecycle.CloseMainFd(pidfd):
                 self._close_fd(pidfd)
             case lifecycle.Wake():
                 self.wake()
+            case lifecycle.Ask():
+                if self.holds(turn):
+                    self.apply(turn, self.ask(turn))
             case lifecycle.LogCannotTell(error):
-                self.journal.emit(
-                    events.TurnUnanswered(
-                        **events.turn_fields(turn),
-                        error=error,
-                        recheck_seconds=lifecycle.ASK_AGAIN_SECONDS,
-                    )
-                )
+                self._log_cannot_tell(turn, error)
             case lifecycle.StopEmptyScope(active_state):
                 self.journal.emit(
                     events.TurnScopeEmpty(**events.turn_fields(turn), state=str(active_state))
                 )
                 self.stop_quietly(turn.unit)
             case lifecycle.ForgetUnit():
-                self.settled_units.add(turn.unit)
+                self._settled_units.add(turn.unit)
             case lifecycle.Settle():
                 self._settle(turn)
+            case lifecycle.ReturnDeliveries(error):
+                self._return_deliveries(turn, error)
+            case lifecycle.FailDeliveries(error):
+                self._fail_start(turn, error)
+            case lifecycle.PauseStarts(until):
+                self._starts_paused_until = until
             case lifecycle.RecordTimeout(now):
                 self._record_timeout(turn, now)
             case lifecycle.StopOverrun(now):
@@ -386,12 +428,24 @@ class Turns:
             case lifecycle.StopLeftovers():
                 self._stop_leftovers(turn)
             case lifecycle.RecordInterrupt():
-                turn.interrupted = True
-                with contextlib.suppress(VoluteError):
-                    self.hands.interrupt(turn.id, turn.mind)
-                self.journal.emit(events.TurnInterrupted(**events.turn_fields(turn)))
+                self._record_interrupt(turn)
             case _:
-                raise AssertionError(f"{effect} comes only from a start")
+                assert_never(effect)
+
+    def _log_cannot_tell(self, turn: Turn, error: str) -> None:
+        self.journal.emit(
+            events.TurnUnanswered(
+                **events.turn_fields(turn),
+                error=error,
+                recheck_seconds=lifecycle.ASK_AGAIN_SECONDS,
+            )
+        )
+
+    def _record_interrupt(self, turn: Turn) -> None:
+        turn.interrupted = True
+        with contextlib.suppress(VoluteError):
+            self.hands.interrupt(turn.id, turn.mind)
+        self.journal.emit(events.TurnInterrupted(**events.turn_fields(turn)))
 
     def _settle(self, turn: Turn) -> None:
         try:
@@ -462,6 +516,15 @@ class Turns:
                     events.TurnStopFailed(**events.turn_fields(turn), error=error.message)
                 )
             self.apply(turn, lifecycle.LeftoversStopFailed(now=time.time()))
+
+    def sweep_directories(self, open_ids: set[int]) -> None:
+        """Turn directories of turns already settled: a gate killed after settling a turn
+        and before removing its directory leaves one behind. A launcher that cannot be
+        reached now sweeps them when the gate connects to it."""
+        try:
+            self.hands.sweep(sorted(open_ids))
+        except VoluteError as error:
+            self.journal.emit(events.TurnDirectoriesNotSwept(error=error.message))
 
     def stop_quietly(self, unit: str) -> None:
         """Stop a turn scope, by the name the launcher derives; a failure is only logged."""
@@ -577,9 +640,7 @@ class Turns:
         )
         crash_point("settled")
         self.tell_dead(failing, failed, error, notify=False)  # _tell_settled tells them
-        self._turns.pop(turn.id, None)
-        self.close_pidfd(turn)
-        turn.state, _ = lifecycle.step(turn.state, lifecycle.Ended(outcome.kind))
+        self.apply(turn, lifecycle.Ended(outcome.kind))  # frees its place, closes its pidfd
         try:
             self.hands.remove(turn.id)
         except VoluteError as kept:  # the next sweep removes it
@@ -595,7 +656,6 @@ class Turns:
             )
         )
         self._tell_settled(turn, outcome, carried, settlement.done, failed, error)
-        self.wake()
 
     def _tell_settled(
         self,
