@@ -366,13 +366,11 @@ def admit(
 
     - Deliveries to a (mind, session) that has a live turn fold into it, even if the
       mind is paused: a pause holds new turns only.
-    - Every other session's first eligible row is a head, and `decide` says whether it
-      starts a turn, against the places the live turns and `others` (other scopes, test
-      runs) hold and those the pass's starts take.
+    - Any other session's first eligible row is a head: `decide` says if it starts, given
+      the places live turns, `others` (other scopes, test runs) and the pass's starts hold.
     - A started turn takes every eligible pending row of its session (batch flush).
-    - A row behind a backing-off row of its session waits, so a session's rows reach
-      turns in id order.
-    """
+    - A row behind a backing-off row of its session waits: a session's rows reach turns
+      in id order."""
     ordered = sorted(pending, key=lambda d: d.id)
     rules = Rules(limits, paused, pressure, max_starts)
     tally = Tally.of([*live, *others], limits)
@@ -381,7 +379,6 @@ def admit(
     # restart), deliveries fold into the oldest whatever order systemd listed them in.
     for turn in sorted(live, key=lambda t: t.turn_id):
         live_session.setdefault((turn.mind, turn.session), turn.turn_id)
-
     backing_off: set[tuple[str, str]] = set()
     started: dict[tuple[str, str], list[int]] = {}
     folds: dict[int, list[Delivery]] = {}
