@@ -396,6 +396,33 @@ def test_turns_alone_filling_the_cap_are_a_global_cap_hold() -> None:
     assert decision.holds == [Hold(3, HoldReason.GLOBAL_CAP)]
 
 
+def test_the_kinds_of_places_other_work_holds_name_the_hold() -> None:
+    pending = [Delivery(1, "a", "main")]
+    live = [LiveTurn(7, "b", "main")]
+    scopes = admission.other_work(scopes=2)
+    both = admission.other_work(scopes=1, test_runs=1)
+    # Other scopes in the slice are the cap's own; a test run among them names the hold.
+    held = admission.admit(pending, live, Limits(global_cap=3), now=NOW, others=scopes)
+    assert held.holds == [Hold(1, HoldReason.GLOBAL_CAP)]
+    held = admission.admit(pending, live, Limits(global_cap=3), now=NOW, others=both)
+    assert held.holds == [Hold(1, HoldReason.TEST_RUN)]
+    # They hold places, not turns: work of mind a does not fill a's limit of turns.
+    mine = [Taken(PlaceKind.TEST_RUN, mind="a")]
+    started = admission.admit(pending, [], Limits(global_cap=3), now=NOW, others=mine)
+    assert started.starts == [Start("a", "main", (1,))]
+
+
+def test_a_place_of_other_work_costs_what_it_says_against_the_adaptive_limit() -> None:
+    pending = [Delivery(1, "a", "main")]
+    limits = Limits(adaptive=1)  # one whole place; light work leaves room beside it
+    whole = [Taken(PlaceKind.TEST_RUN)]
+    light = [Taken(PlaceKind.TEST_RUN, cost=0.25)]
+    held = admission.admit(pending, [], limits, now=NOW, others=whole)
+    assert held.holds == [Hold(1, HoldReason.TEST_RUN)]
+    started = admission.admit(pending, [], limits, now=NOW, others=light)
+    assert started.starts == [Start("a", "main", (1,))]
+
+
 def test_pressure_holds_a_second_turn() -> None:
     pending = [Delivery(1, "a", "main"), Delivery(2, "b", "main")]
     decision = admission.admit(pending, [], Limits(), now=NOW, pressure=True)
