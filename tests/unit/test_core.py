@@ -396,6 +396,21 @@ def test_turns_alone_filling_the_cap_are_a_global_cap_hold() -> None:
     assert decision.holds == [Hold(3, HoldReason.GLOBAL_CAP)]
 
 
+def test_decide_says_of_one_head_whether_it_starts_or_what_holds_it() -> None:
+    rules = admission.Rules(Limits(global_cap=3), paused={"p"})
+    tally = admission.Tally.of([LiveTurn(1, "a", "main"), Taken(PlaceKind.TEST_RUN)], rules.limits)
+    assert admission.decide("p", tally, rules) == HoldReason.PAUSED
+    assert admission.decide("a", tally, rules) == HoldReason.MIND_BUSY
+    assert admission.decide("b", tally, rules) is None
+    tally.note("b", None, rules.limits)  # b starts: the cap is full, one place a test run's
+    assert admission.decide("c", tally, rules) == HoldReason.TEST_RUN
+    tally.note("c", HoldReason.TEST_RUN, rules.limits)
+    assert tally.regime == HoldReason.TEST_RUN and tally.per_mind["b"] == 1
+    # A mind's own holds are not the pass's regime.
+    tally.note("a", HoldReason.MIND_BUSY, rules.limits)
+    assert tally.regime == HoldReason.TEST_RUN
+
+
 def test_the_kinds_of_places_other_work_holds_name_the_hold() -> None:
     pending = [Delivery(1, "a", "main")]
     live = [LiveTurn(7, "b", "main")]
