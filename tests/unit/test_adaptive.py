@@ -43,7 +43,7 @@ from volutectl.core.adaptive import (
     resume,
     step,
 )
-from volutectl.core.admission import Delivery, Limits, LiveTurn, admit
+from volutectl.core.admission import Delivery, Limits, LiveTurn, admit, other_work
 from volutectl.states import HoldReason
 
 BOUNDS = Bounds(start=2, minimum=1, maximum=16)
@@ -330,8 +330,7 @@ def test_admission_caps_at_the_lower_of_ceiling_and_limit_and_names_which_holds(
         [],
         Limits(adaptive=2),
         now=0.0,
-        other_busy=2,
-        other_busy_reason=HoldReason.TEST_RUN,
+        others=other_work(test_runs=2),
     )
     assert held.starts == [] and {hold.reason for hold in held.holds} == {HoldReason.TEST_RUN}
     assert Limits(global_cap=None, adaptive=None).cap is None

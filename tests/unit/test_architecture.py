@@ -133,7 +133,6 @@ def test_no_package_imports_the_cli() -> None:
 # -- the shape rules of docs/architecture.md -------------------------------------------------
 
 TESTBED = REPO / "testbed" / "volute_testbed"
-LONG_FUNCTION_ALLOWED = {("core/admission.py", "admit")}  # a table of rules, read top down
 
 
 def test_at_most_three_fmt_skip_markers_remain_in_the_package() -> None:
@@ -146,22 +145,21 @@ def test_at_most_three_fmt_skip_markers_remain_in_the_package() -> None:
     assert len(marked) <= 3, marked
 
 
-def long_functions(root: Path) -> list[tuple[str, str, int]]:
+def long_functions(root: Path, limit: int = 60) -> list[tuple[str, str, int]]:
     found = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 assert node.end_lineno is not None
                 length = node.end_lineno - node.lineno + 1
-                if length > 60:
+                if length > limit:
                     found.append((str(path.relative_to(root)), node.name, length))
     return found
 
 
-def test_no_function_is_over_60_lines_but_admission() -> None:
-    package = [f for f in long_functions(PACKAGE) if (f[0], f[1]) not in LONG_FUNCTION_ALLOWED]
-    assert package == [] and long_functions(TESTBED) == []
-    assert {(f[0], f[1]) for f in long_functions(PACKAGE)} == LONG_FUNCTION_ALLOWED  # scanned
+def test_no_function_is_over_60_lines() -> None:
+    assert long_functions(PACKAGE) == [] and long_functions(TESTBED) == []
+    assert long_functions(PACKAGE, limit=40)  # the package was scanned at all
 
 
 def test_docs_architecture_lists_every_file() -> None:

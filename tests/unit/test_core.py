@@ -17,7 +17,17 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from volutectl.core import admission
-from volutectl.core.admission import Admission, Delivery, Fold, Hold, Limits, LiveTurn, Start
+from volutectl.core.admission import (
+    Admission,
+    Delivery,
+    Fold,
+    Hold,
+    Limits,
+    LiveTurn,
+    PlaceKind,
+    Start,
+    Taken,
+)
 from volutectl.states import HoldReason, Outcome, QueueState
 
 NOW = 1_000_000.0
@@ -25,7 +35,7 @@ MINDS = ("ada", "bob", "cyd", "dee")
 SESSIONS = ("main", "chat", "heartbeat")
 # None: never failed; in the past or exactly now: backoff over; in the future: backing off.
 NOT_BEFORE = (None, None, None, NOW - 30.0, NOW, NOW + 30.0)
-OTHER_REASONS = (HoldReason.GLOBAL_CAP, HoldReason.TEST_RUN)
+OTHER_KINDS = (PlaceKind.SCOPE, PlaceKind.TEST_RUN)  # places of other work than turns
 
 
 @st.composite
@@ -77,22 +87,26 @@ class Case:
     pending: list[Delivery]
     live: list[LiveTurn]
     limits: Limits
-    other_busy: int
+    others: tuple[Taken, ...]
     pressure: bool
-    other_busy_reason: HoldReason
+
+    @property
+    def other_reason(self) -> HoldReason:
+        """Why other work holds a turn: test runs if any, else the cap itself."""
+        test_runs = any(place.kind is PlaceKind.TEST_RUN for place in self.others)
+        return HoldReason.TEST_RUN if test_runs else HoldReason.GLOBAL_CAP
 
 
 @st.composite
 def scenario(draw: st.DrawFn) -> Case:
     limits = draw(limits_strategy())
-    other_busy = draw(st.integers(min_value=0, max_value=2))
+    kinds = draw(st.lists(st.sampled_from(OTHER_KINDS), max_size=2))
     return Case(
         pending=draw(pending_strategy()),
-        live=draw(live_strategy(limits, other_busy)),
+        live=draw(live_strategy(limits, len(kinds))),
         limits=limits,
-        other_busy=other_busy,
+        others=tuple(Taken(kind) for kind in kinds),
         pressure=draw(st.booleans()),
-        other_busy_reason=draw(st.sampled_from(OTHER_REASONS)),
     )
 
 
@@ -102,9 +116,8 @@ def run(case: Case) -> Admission:
         case.live,
         case.limits,
         now=NOW,
-        other_busy=case.other_busy,
+        others=case.others,
         pressure=case.pressure,
-        other_busy_reason=case.other_busy_reason,
     )
 
 
@@ -114,7 +127,7 @@ def backing_off(delivery: Delivery) -> bool:
 
 def check_invariants(case: Case, decision: Admission) -> None:
     pending, live, limits = case.pending, case.live, case.limits
-    other_busy, pressure, other_busy_reason = case.other_busy, case.pressure, case.other_busy_reason
+    pressure, other_reason = case.pressure, case.other_reason
     by_id = {d.id: d for d in pending}
     live_by_id = {t.turn_id: t for t in live}
     started_ids = [i for start in decision.starts for i in start.delivery_ids]
@@ -126,8 +139,8 @@ def check_invariants(case: Case, decision: Admission) -> None:
     assert all(n == 1 for n in placed.values()), placed
     assert set(placed) == {d.id for d in pending if not backing_off(d)}
 
-    # The global cap, counting turns outside the gate's own (other_busy).
-    busy = len(live) + other_busy
+    # The global cap, counting the places other work holds (others).
+    busy = len(live) + len(case.others)
     if limits.global_cap is not None and decision.starts:
         assert busy + len(decision.starts) <= limits.global_cap
 
@@ -170,7 +183,7 @@ def check_invariants(case: Case, decision: Admission) -> None:
                 assert t < w, f"{t} reached a turn while earlier {w} of {key} waits"
 
     # Every hold has its reason.
-    cap_reasons = {HoldReason.GLOBAL_CAP, other_busy_reason}
+    cap_reasons = {HoldReason.GLOBAL_CAP, other_reason}
     backing_ids = [d.id for d in pending if backing_off(d)]
     for hold in decision.holds:
         held = by_id[hold.delivery_id]
@@ -226,7 +239,7 @@ def test_admit_adds_nothing_when_live_turns_already_fill_the_cap(case: Case) -> 
     assume(case.limits.global_cap is not None)
     assert case.limits.global_cap is not None
     # e.g. the cap was lowered while turns ran, or foreign scopes fill the slice.
-    crowded = replace(case, other_busy=case.limits.global_cap + 1)
+    crowded = replace(case, others=(Taken(PlaceKind.SCOPE),) * (case.limits.global_cap + 1))
     decision = run(crowded)
     assert decision.starts == []
     check_invariants(crowded, decision)
@@ -238,7 +251,7 @@ def test_admit_pressure_starts_nothing_beside_a_live_turn_and_at_most_one_alone(
     case: Case,
 ) -> None:
     decision = run(replace(case, pressure=True))
-    if case.live or case.other_busy:
+    if case.live or case.others:
         assert decision.starts == []
     else:
         assert len(decision.starts) <= 1
@@ -364,8 +377,7 @@ def test_other_busy_counts_against_the_cap_with_its_own_reason() -> None:
         [],
         Limits(global_cap=2),
         now=NOW,
-        other_busy=1,
-        other_busy_reason=HoldReason.TEST_RUN,
+        others=admission.other_work(test_runs=1),
     )
     assert decision.starts == [Start("a", "main", (1,))]
     # The gate's own turn now fills half the cap, test runs the rest: blame the runs.
@@ -379,10 +391,51 @@ def test_turns_alone_filling_the_cap_are_a_global_cap_hold() -> None:
         live,
         Limits(global_cap=2),
         now=NOW,
-        other_busy=1,
-        other_busy_reason=HoldReason.TEST_RUN,
+        others=admission.other_work(test_runs=1),
     )
     assert decision.holds == [Hold(3, HoldReason.GLOBAL_CAP)]
+
+
+def test_decide_says_of_one_head_whether_it_starts_or_what_holds_it() -> None:
+    rules = admission.Rules(Limits(global_cap=3), paused={"p"})
+    tally = admission.Tally.of([LiveTurn(1, "a", "main"), Taken(PlaceKind.TEST_RUN)], rules.limits)
+    assert admission.decide("p", tally, rules) == HoldReason.PAUSED
+    assert admission.decide("a", tally, rules) == HoldReason.MIND_BUSY
+    assert admission.decide("b", tally, rules) is None
+    tally.note("b", None, rules.limits)  # b starts: the cap is full, one place a test run's
+    assert admission.decide("c", tally, rules) == HoldReason.TEST_RUN
+    tally.note("c", HoldReason.TEST_RUN, rules.limits)
+    assert tally.regime == HoldReason.TEST_RUN and tally.per_mind["b"] == 1
+    # A mind's own holds are not the pass's regime.
+    tally.note("a", HoldReason.MIND_BUSY, rules.limits)
+    assert tally.regime == HoldReason.TEST_RUN
+
+
+def test_the_kinds_of_places_other_work_holds_name_the_hold() -> None:
+    pending = [Delivery(1, "a", "main")]
+    live = [LiveTurn(7, "b", "main")]
+    scopes = admission.other_work(scopes=2)
+    both = admission.other_work(scopes=1, test_runs=1)
+    # Other scopes in the slice are the cap's own; a test run among them names the hold.
+    held = admission.admit(pending, live, Limits(global_cap=3), now=NOW, others=scopes)
+    assert held.holds == [Hold(1, HoldReason.GLOBAL_CAP)]
+    held = admission.admit(pending, live, Limits(global_cap=3), now=NOW, others=both)
+    assert held.holds == [Hold(1, HoldReason.TEST_RUN)]
+    # They hold places, not turns: work of mind a does not fill a's limit of turns.
+    mine = [Taken(PlaceKind.TEST_RUN, mind="a")]
+    started = admission.admit(pending, [], Limits(global_cap=3), now=NOW, others=mine)
+    assert started.starts == [Start("a", "main", (1,))]
+
+
+def test_a_place_of_other_work_costs_what_it_says_against_the_adaptive_limit() -> None:
+    pending = [Delivery(1, "a", "main")]
+    limits = Limits(adaptive=1)  # one whole place; light work leaves room beside it
+    whole = [Taken(PlaceKind.TEST_RUN)]
+    light = [Taken(PlaceKind.TEST_RUN, cost=0.25)]
+    held = admission.admit(pending, [], limits, now=NOW, others=whole)
+    assert held.holds == [Hold(1, HoldReason.TEST_RUN)]
+    started = admission.admit(pending, [], limits, now=NOW, others=light)
+    assert started.starts == [Start("a", "main", (1,))]
 
 
 def test_pressure_holds_a_second_turn() -> None:

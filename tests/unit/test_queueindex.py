@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from volutectl.core import admission
-from volutectl.core.admission import Delivery, Limits, LiveTurn
+from volutectl.core.admission import Delivery, Limits, LiveTurn, PlaceKind, Taken
 from volutectl.states import HoldReason
 from volutectl.store.index import PendingIndex
 
@@ -38,8 +38,7 @@ class World:
     paused: set[str] = field(default_factory=set)
     all_paused: bool = False
     pressure: bool = False
-    other_busy: int = 0
-    other_reason: HoldReason = HoldReason.GLOBAL_CAP
+    others: tuple[Taken, ...] = ()  # the places other work holds
     max_starts: int | None = None
     limits: Limits = field(default_factory=lambda: Limits(global_cap=2))
     taken: list[Delivery] = field(default_factory=list)  # rows that left for a turn
@@ -57,8 +56,8 @@ class World:
         """One admission pass both ways; they must agree; then carry out its decisions."""
         paused = admission.EVERY_MIND if self.all_paused else frozenset(self.paused)
         arguments = dict(
-            now=self.now, other_busy=self.other_busy, pressure=self.pressure,
-            other_busy_reason=self.other_reason, max_starts=self.max_starts,
+            now=self.now, others=self.others, pressure=self.pressure,
+            max_starts=self.max_starts,
         )  # fmt: skip
         live = list(self.live.values())
         full = admission.admit(self.pending.values(), live, self.limits, paused=paused, **arguments)  # type: ignore[arg-type]
@@ -134,8 +133,11 @@ def apply(world: World, op: str, seed: int) -> None:
         world.pressure = not world.pressure
         world.max_starts = rng.choice([None, None, 0, 1])
     elif op == "other":
-        world.other_busy = rng.randrange(3)
-        world.other_reason = rng.choice([HoldReason.GLOBAL_CAP, HoldReason.TEST_RUN])
+        kinds = [PlaceKind.SCOPE, PlaceKind.TEST_RUN]
+        costs = [None, None, 0.5]  # None: one place; a place may say its own IO cost
+        world.others = tuple(
+            Taken(rng.choice(kinds), cost=rng.choice(costs)) for _ in range(rng.randrange(3))
+        )
     elif op == "drop" and world.pending:
         world.index.remove([world.pending.pop(rng.choice(sorted(world.pending))).id])
     elif op == "limits":

@@ -1,11 +1,12 @@
 """The gate's pure core: who may start a turn now, and how a row moves through the queue.
 
-No I/O here: no pystemd, sqlite3, fcntl, socket or fork. `admit()` states the rule over
-plain data (pending deliveries, live turns as systemd lists them), every row in id order.
-The gate does not call it: it runs `PendingIndex.admit` (volutectl/store/index.py), which
-decides the same from an index kept in step with the store, built on this module's
-records and `may_pass`; tests/unit/test_queueindex.py holds the two to the same decisions
-over random histories.
+No I/O here: no pystemd, sqlite3, fcntl, socket or fork. Admission's rule lives here once:
+`decide` says whether one session's head may start, given what holds places (`Tally`,
+built from typed `Place`s: the gate's turns, other scopes, test runs) and the pass's
+`Rules`. The gate runs it through `PendingIndex.admit` (volutectl/store/index.py), which
+asks it only about the heads that changed; `admit()` asks it about every row in id order,
+and is the reference tests/unit/test_queueindex.py holds the index to over random
+histories. A new rule goes in `decide` (or `Limits`), and both obey it.
 
 Queue states: pending -> running -> done; a failed turn sends its rows back to pending
 with an attempt counted and a backoff (`after_failure`), or to dead after the last
@@ -18,8 +19,11 @@ interrupted turn is done only for whoever cut it (`settle`).
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Collection, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
 
 from volutectl.states import HoldReason, Outcome, QueueState
 
@@ -45,13 +49,64 @@ class Delivery:
     not_before: float | None = None  # set while backing off after a failure
 
 
+class PlaceKind(Enum):
+    """What holds a place under the global cap. A turn waits for places of other kinds
+    with the reason of the kind (`Tally.other_reason`)."""
+
+    TURN = "turn"  # one of the gate's own turns: counts against its mind's limit too
+    SCOPE = "scope"  # another scope in the turns slice that holds a process
+    TEST_RUN = "test_run"  # a held test slot, with limits.test_runs_count_as_turns
+
+
+# Why a turn waits when places of other kinds fill the cap: the first kind present in
+# this order names it; a kind not listed (another scope) is the cap's own, global_cap.
+OTHER_REASONS: tuple[tuple[PlaceKind, HoldReason], ...] = (
+    (PlaceKind.TEST_RUN, HoldReason.TEST_RUN),
+)
+
+
+class Place(Protocol):
+    """Something that holds one place under the global cap: its kind, its mind if it has
+    one, and its IO cost against the adaptive limit (None: `Limits.place_cost` prices it)."""
+
+    @property
+    def kind(self) -> PlaceKind: ...
+
+    @property
+    def mind(self) -> str | None: ...
+
+    @property
+    def cost(self) -> float | None: ...
+
+
 @dataclass(frozen=True)
 class LiveTurn:
-    """A turn whose scope systemd lists as live."""
+    """A turn whose scope systemd lists as live: a place of kind TURN, which deliveries
+    to its session fold into."""
 
     turn_id: int
     mind: str
     session: str
+    cost: float | None = None  # None: what its mind's running turns cost (Limits)
+
+    @property
+    def kind(self) -> PlaceKind:
+        return PlaceKind.TURN
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A place held by other work than the gate's own turns (another scope, a test run)."""
+
+    kind: PlaceKind
+    mind: str | None = None
+    cost: float | None = None  # None: one place's worth
+
+
+def other_work(*, scopes: int = 0, test_runs: int = 0) -> list[Taken]:
+    """The places other work holds: `scopes` other scopes in the turns slice, `test_runs`
+    held test slots (the gate counts them only with limits.test_runs_count_as_turns)."""
+    return [Taken(PlaceKind.SCOPE)] * scopes + [Taken(PlaceKind.TEST_RUN)] * test_runs
 
 
 @dataclass(frozen=True)
@@ -80,6 +135,15 @@ class Limits:
     def running_cost_of(self, mind: str) -> float:
         """What each running turn of `mind` costs now."""
         return self.running_costs.get(mind, self.cost_of(mind))
+
+    def place_cost(self, place: Place) -> float:
+        """What a place costs now: its own cost if it says; a turn, its mind's running
+        cost; other work, one place."""
+        if place.cost is not None:
+            return place.cost
+        if place.kind is PlaceKind.TURN and place.mind is not None:
+            return self.running_cost_of(place.mind)
+        return 1.0
 
     @property
     def cap(self) -> int | None:
@@ -158,61 +222,165 @@ class Admission:
     holds: list[Hold]
 
 
+# A head held for one of these holds only its mind's sessions; any other reason is the
+# regime's: once the caps or the pressure hold one head, they hold every later one.
+MIND_REASONS = (HoldReason.PAUSED, HoldReason.MIND_BUSY)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What a pass decides by, besides what holds places: the limits, the paused minds
+    (e.g. EVERY_MIND), the pressure, and the pacing (at most `max_starts` starts: PSI
+    reacts late, so a burst is let out one turn at a time)."""
+
+    limits: Limits
+    paused: Container[str] = frozenset()
+    pressure: bool = False
+    max_starts: int | None = None
+
+    @property
+    def passing(self) -> bool:
+        """Whether a light turn may pass a held one (`may_pass`); the pressure's holds
+        are FIFO."""
+        return not self.pressure and self.max_starts is None
+
+
+@dataclass
+class Tally:
+    """What holds places as a pass starts turns: every place (`busy`), the turns among
+    them (`running`, per mind, their costs `load`, and `light`: the costs under 1), the
+    other work's costs and the reason it holds turns for; and what the pass did so far:
+    its starts, and its regime (the hold that stopped the starts), if any."""
+
+    busy: int = 0
+    running: int = 0
+    load: float = 0.0
+    light: float = 0.0
+    other_load: float = 0.0
+    other_reason: HoldReason = HoldReason.GLOBAL_CAP
+    per_mind: Counter[str] = field(default_factory=Counter)
+    starts: int = 0
+    regime: HoldReason | None = None
+
+    @classmethod
+    def of(cls, places: Iterable[Place], limits: Limits) -> Tally:
+        tally = cls()
+        kinds: set[PlaceKind] = set()
+        for place in places:
+            cost = limits.place_cost(place)
+            tally.busy += 1
+            if place.kind is PlaceKind.TURN and place.mind is not None:
+                tally._turn(place.mind, cost)
+            else:
+                tally.other_load += cost
+                kinds.add(place.kind)
+        tally.other_reason = next(
+            (reason for kind, reason in OTHER_REASONS if kind in kinds), HoldReason.GLOBAL_CAP
+        )
+        return tally
+
+    def _turn(self, mind: str, cost: float) -> None:
+        self.running += 1
+        self.per_mind[mind] += 1
+        self.load += cost
+        self.light += cost if cost < 1 else 0.0
+
+    def note(self, mind: str, reason: HoldReason | None, limits: Limits) -> None:
+        """Keep count of what `decide` said of a head of `mind`: a start takes a place;
+        a hold by the caps or the pressure becomes the pass's regime."""
+        if reason is None:
+            self.busy += 1
+            self.starts += 1
+            self._turn(mind, limits.cost_of(mind))
+        elif reason not in MIND_REASONS:
+            self.regime = reason
+
+    def held_by(self, limits: Limits, cost: float) -> HoldReason | None:
+        """Why the caps alone hold a new turn of `cost` (`Limits.held_by`), or None."""
+        return limits.held_by(
+            self.busy,
+            self.running,
+            self.other_reason,
+            load=self.load + self.other_load,
+            running_load=self.load,
+            cost=cost,
+        )
+
+
+def decide(mind: str, tally: Tally, rules: Rules) -> HoldReason | None:
+    """Admission's one rule for one head: whether the oldest eligible row of a session of
+    `mind` that no live turn runs may start a new turn now (None), or why it waits.
+
+    - A paused mind (`Rules.paused`) starts no new turn: `paused`.
+    - A mind at its limit of turns (`Limits.for_mind`): `mind_busy`.
+    - Otherwise the caps and the pressure decide (`cap_hold`)."""
+    return mind_hold(mind, tally, rules) or cap_hold(rules.limits.cost_of(mind), tally, rules)
+
+
+def mind_hold(mind: str, tally: Tally, rules: Rules) -> HoldReason | None:
+    """The holds of a mind's own: its pause, its limit of turns."""
+    if mind in rules.paused:
+        return HoldReason.PAUSED
+    if tally.per_mind[mind] >= rules.limits.for_mind(mind):
+        return HoldReason.MIND_BUSY
+    return None
+
+
+def cap_hold(cost: float, tally: Tally, rules: Rules) -> HoldReason | None:
+    """Whether the caps and the pressure let a new turn of `cost` start (None), or why not.
+
+    - It starts only if the global count (every place: turns and other work that shares
+      the budget) is under the ceiling, and the running costs (`Limits.costs`) leave
+      room for its own under the adaptive limit (`Limits.held_by` says which holds, and
+      names other work's kind when that is what fills the cap: `Tally.other_reason`).
+    - Under pressure nothing starts beside anything else, and the pacing lets out at
+      most `Rules.max_starts` starts: `io_pressure`.
+    - FIFO, with one bounded departure: once the caps (or the pressure) hold one head,
+      they hold every later one for the same reason (the regime), but that a turn
+      lighter than a whole place may pass one the adaptive limit holds while the light
+      turns running, with it, cost less than one place (`may_pass`)."""
+    held = tally.held_by(rules.limits, cost)
+    if tally.regime is None and held is None:
+        paced = rules.max_starts is not None and tally.starts >= rules.max_starts
+        if (rules.pressure and tally.busy >= 1) or paced:
+            held = HoldReason.IO_PRESSURE
+    regime = tally.regime or held
+    if regime is None or (rules.passing and may_pass(regime, held, tally.light, cost)):
+        return None
+    return regime
+
+
 def admit(
     pending: Iterable[Delivery],
     live: Sequence[LiveTurn],
     limits: Limits,
     *,
     now: float,
-    other_busy: int = 0,
+    others: Collection[Place] = (),
     pressure: bool = False,
-    other_busy_reason: HoldReason = HoldReason.GLOBAL_CAP,
     paused: Container[str] = frozenset(),
     max_starts: int | None = None,
 ) -> Admission:
-    """Decide, in id order, what starts, what folds into a live turn, and what waits.
+    """Decide, in id order, what starts, what folds into a live turn, and what waits: the
+    reference the gate's incremental index (volutectl/store/index.py) is held to.
 
     - Deliveries to a (mind, session) that has a live turn fold into it, even if the
       mind is paused: a pause holds new turns only.
-    - A paused mind (`paused`, e.g. EVERY_MIND) starts no new turn.
-    - At most `max_starts` turns start (the pressure gate's pacing: PSI reacts late, so
-      a burst is let out one turn at a time); what would start beyond that is held for
-      `io_pressure`.
-    - A new turn starts only if the mind is under its limit, the global count (live
-      turns plus `other_busy`, e.g. foreign scopes or test runs that share the budget)
-      is under the ceiling, the running turns' costs (`Limits.costs`) leave room for
-      its own under the adaptive limit (`Limits.held_by` says which holds), and, under
-      pressure, nothing else runs at all.
-    - FIFO, with one bounded departure: once the caps (or the pressure) hold one
-      delivery, they hold every later one for the same reason, but that a turn lighter
-      than a whole place (cost under 1) may pass one the adaptive limit holds while the
-      light turns running, with it, cost less than one place (`may_pass`). So no turn
-      of cost 1 ever passes another, the light ones beside it never fill a place, and a
-      held turn starts once the whole turns running when it was held have ended.
+    - Any other session's first eligible row is a head: `decide` says if it starts, given
+      the places live turns, `others` (other scopes, test runs) and the pass's starts hold.
     - A started turn takes every eligible pending row of its session (batch flush).
-    - A row behind a backing-off row of its session waits, so a session's rows reach
-      turns in id order.
-    """
+    - A row behind a backing-off row of its session waits: a session's rows reach turns
+      in id order."""
     ordered = sorted(pending, key=lambda d: d.id)
-    per_mind: dict[str, int] = {}
+    rules = Rules(limits, paused, pressure, max_starts)
+    tally = Tally.of([*live, *others], limits)
     live_session: dict[tuple[str, str], int] = {}
     # In turn-id order, so that when two live turns share a session (adopted after a
     # restart), deliveries fold into the oldest whatever order systemd listed them in.
     for turn in sorted(live, key=lambda t: t.turn_id):
-        per_mind[turn.mind] = per_mind.get(turn.mind, 0) + 1
         live_session.setdefault((turn.mind, turn.session), turn.turn_id)
-    running = len(live)
-    running_costs = [limits.running_cost_of(turn.mind) for turn in live]
-    running_load = sum(running_costs)
-    light_load = sum(cost for cost in running_costs if cost < 1)
-    # The first delivery the caps or the pressure hold holds every later one, for the
-    # same reason, but for the light turns `may_pass` lets by.
-    regime: HoldReason | None = None
-    passing = not pressure and max_starts is None  # the pressure's holds are FIFO
-
     backing_off: set[tuple[str, str]] = set()
     started: dict[tuple[str, str], list[int]] = {}
-    start_order: list[tuple[str, str]] = []
     folds: dict[int, list[Delivery]] = {}
     holds: list[Hold] = []
 
@@ -220,53 +388,22 @@ def admit(
         key = (delivery.mind, delivery.session)
         if delivery.not_before is not None and delivery.not_before > now:
             backing_off.add(key)
-            continue
-        if key in backing_off:
+        elif key in backing_off:
             holds.append(Hold(delivery.id, HoldReason.BEHIND_BACKOFF))
-            continue
-        if key in started:
+        elif key in started:
             started[key].append(delivery.id)
-            continue
-        if key in live_session:
+        elif key in live_session:
             folds.setdefault(live_session[key], []).append(delivery)
-            continue
-        if delivery.mind in paused:
-            holds.append(Hold(delivery.id, HoldReason.PAUSED))
-            continue
-        if per_mind.get(delivery.mind, 0) >= limits.for_mind(delivery.mind):
-            holds.append(Hold(delivery.id, HoldReason.MIND_BUSY))
-            continue
-        busy = running + other_busy
-        cost = limits.cost_of(delivery.mind)
-        held = limits.held_by(
-            busy,
-            running,
-            other_busy_reason,
-            load=running_load + other_busy,
-            running_load=running_load,
-            cost=cost,
-        )
-        if regime is None and held is None:
-            if (pressure and busy >= 1) or (
-                max_starts is not None and len(start_order) >= max_starts
-            ):
-                held = HoldReason.IO_PRESSURE
-        if regime is None and held is not None:
-            regime = held
-        if regime is not None and not (passing and may_pass(regime, held, light_load, cost)):
-            holds.append(Hold(delivery.id, regime))
-            continue
-        started[key] = [delivery.id]
-        start_order.append(key)
-        per_mind[delivery.mind] = per_mind.get(delivery.mind, 0) + 1
-        running += 1
-        running_load += cost
-        light_load += cost if cost < 1 else 0.0
+        else:
+            reason = decide(delivery.mind, tally, rules)
+            tally.note(delivery.mind, reason, limits)
+            if reason is None:
+                started[key] = [delivery.id]
+            else:
+                holds.append(Hold(delivery.id, reason))
 
     return Admission(
-        starts=[
-            Start(mind, session, tuple(started[(mind, session)])) for mind, session in start_order
-        ],
+        starts=[Start(mind, session, tuple(ids)) for (mind, session), ids in started.items()],
         folds=[
             Fold(turn_id, tuple(d.id for d in rows), any(d.interrupt for d in rows))
             for turn_id, rows in folds.items()

@@ -9,15 +9,16 @@ Why the same decisions can be had per session and per mind (admission.admit's ru
   fate: they fold into its live turn, start together as one turn, or are held together.
   The backing-off row itself is not held; the rows after it are held `behind_backoff`.
   So a session is decided at its head.
+- Whether a head starts is admission.decide's to say, here as in admit(): the index
+  only chooses which heads to ask about, and in what order.
 - A held session's reason depends only on its mind and on where admission stopped
-  starting turns: `paused` if the mind is, else `mind_busy` if the mind is at its limit,
-  else the *regime* that stopped the starts: the cap's reason (`test_run` when other
-  work fills it, `adaptive_limit` when the adaptive limit is below the ceiling) or
-  `io_pressure`. Once the regime holds one session no start happens
-  after it, so one regime reason holds for every mind it holds.
+  starting turns: its mind's own (admission.mind_hold: `paused`, `mind_busy`), else
+  the *regime* that stopped the starts (admission.cap_hold). Once the regime holds one
+  session no start happens after it but the light ones admission.may_pass lets by, so
+  one regime reason holds for every mind it holds.
 - Turns start in the order of their sessions' heads: a heap of each startable mind's
-  oldest eligible head gives them; a pass pops only the starts it makes, plus the one
-  the regime stops.
+  oldest eligible head gives them; a pass pops only the starts it makes, plus the ones
+  the regime holds until no head could pass it.
 
 So a pass costs O(live turns + starts + minds and sessions that changed + rows whose
 hold reason changes). tests/unit/test_queueindex.py holds it to admission.admit over the
@@ -32,29 +33,30 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import Counter
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Collection, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from volutectl.core.admission import (
+    EVERY_MIND,
+    MIND_REASONS,
     Admission,
     Delivery,
     Fold,
     Hold,
     Limits,
     LiveTurn,
+    Place,
+    Rules,
     Start,
-    may_pass,
+    Tally,
+    cap_hold,
+    decide,
+    mind_hold,
 )
 from volutectl.states import HoldReason
 
 Key = tuple[str, str]  # (mind, session)
 Change = tuple[int, HoldReason | None]  # a row's hold reason to record (None: not held)
-REGIME = (
-    HoldReason.GLOBAL_CAP,
-    HoldReason.ADAPTIVE_LIMIT,
-    HoldReason.TEST_RUN,
-    HoldReason.IO_PRESSURE,
-)
 
 
 @dataclass(eq=False)
@@ -73,41 +75,6 @@ class MindQueues:
     reason: HoldReason | None = None  # its held sessions' reason, as of the last pass
 
 
-@dataclass
-class Tally:
-    """What runs as a pass starts turns: places taken (turns and other work), turns,
-    and their IO costs (admission.Limits.costs), all and the light ones'."""
-
-    busy: int
-    running: int
-    load: float  # the turns' costs; other work costs 1 a place
-    light: float  # the costs under 1
-    other_busy: int
-
-    @classmethod
-    def of(cls, limits: Limits, live: Counter[str], running: int, other_busy: int) -> Tally:
-        costs = [(limits.running_cost_of(mind), n) for mind, n in live.items()]
-        load = sum(cost * n for cost, n in costs)
-        light = sum(cost * n for cost, n in costs if cost < 1)
-        return cls(running + other_busy, running, load, light, other_busy)
-
-    def held_by(self, limits: Limits, other_reason: HoldReason, cost: float) -> HoldReason | None:
-        return limits.held_by(
-            self.busy,
-            self.running,
-            other_reason,
-            load=self.load + self.other_busy,
-            running_load=self.load,
-            cost=cost,
-        )
-
-    def take(self, cost: float) -> None:
-        self.busy += 1
-        self.running += 1
-        self.load += cost
-        self.light += cost if cost < 1 else 0.0
-
-
 class PendingIndex:
     def __init__(self) -> None:
         self.rows: dict[int, Delivery] = {}
@@ -122,7 +89,6 @@ class PendingIndex:
         self.regime_minds: set[str] = set()  # minds whose held sessions the regime holds
         self.regime: HoldReason | None = None
         self.live: Counter[str] = Counter()  # live turns per mind, as of the last pass
-        self.other_busy_reason = HoldReason.GLOBAL_CAP  # as of the last pass
         self.live_sessions: dict[Key, int] = {}
         self.paused_minds: frozenset[str] = frozenset()
         self.all_paused = False
@@ -245,9 +211,8 @@ class PendingIndex:
         limits: Limits,
         *,
         now: float,
-        other_busy: int = 0,
+        others: Collection[Place] = (),
         pressure: bool = False,
-        other_busy_reason: HoldReason = HoldReason.GLOBAL_CAP,
         paused: Iterable[str] = (),
         all_paused: bool = False,
         max_starts: int | None = None,
@@ -255,7 +220,8 @@ class PendingIndex:
         """What admission.admit() would decide over the pending rows, and the hold reasons the
         store must write so that every row's recorded reason is the one it would give.
 
-        `paused` names the paused minds; `all_paused` is a pause of every mind."""
+        `others`: the places other work holds (admission.admit's); `paused` names the
+        paused minds; `all_paused` is a pause of every mind."""
         self.now = now
         if limits != self.limits:  # new limits change every mind's capacity
             self.dirty_minds |= set(self.minds)
@@ -270,11 +236,12 @@ class PendingIndex:
             # adds one. Rebuilt from the heads, the heap stays O(minds).
             self.startable = [(q.heads[0][0], m) for m, q in self.minds.items() if q.heads]
             heapq.heapify(self.startable)
-        per_mind = Counter(self.live)
         folds = self._folds()
-        self.other_busy_reason = other_busy_reason
-        starts, regime = self._starts(limits, per_mind, len(live), other_busy, pressure, max_starts)
-        changes = self._reasons(limits, per_mind, regime, starts, folds)
+        every = EVERY_MIND if self.all_paused else self.paused_minds
+        rules = Rules(limits, every, pressure, max_starts)
+        tally = Tally.of([*live, *others], limits)
+        starts = self._starts(rules, tally)
+        changes = self._reasons(rules, tally, starts, folds)
         # What was decided is carried out by the store, whose commits come back here; a
         # start that fails before its commit must be offered again, so look again.
         for mind, session in [(s.mind, s.session) for s in starts] + self._fold_keys(folds):
@@ -286,9 +253,6 @@ class PendingIndex:
     def _fold_keys(self, folds: list[Fold]) -> list[Key]:
         by_turn = {turn_id: key for key, turn_id in self.live_sessions.items()}
         return [by_turn[fold.turn_id] for fold in folds]
-
-    def _paused(self, mind: str) -> bool:
-        return self.all_paused or mind in self.paused_minds
 
     def _notice_backoffs_ending(self, now: float) -> None:
         while self.backoffs and self.backoffs[0][0] <= now:
@@ -350,23 +314,14 @@ class PendingIndex:
             )
         return folds
 
-    def _starts(
-        self,
-        limits: Limits,
-        per_mind: Counter[str],
-        running: int,
-        other_busy: int,
-        pressure: bool,
-        max_starts: int | None,
-    ) -> tuple[list[Start], HoldReason | None]:
-        """Start sessions in the order of their heads until the regime stops it, but for
-        the light heads admission.may_pass lets by a held one; the regime's reason, if
-        one stopped them (or would, at the next head)."""
+    def _starts(self, rules: Rules, tally: Tally) -> list[Start]:
+        """Offer admission.decide the sessions' heads in order, and start those it lets,
+        until its regime holds every head that could be left (the light heads
+        admission.may_pass lets by a held one are still asked). `tally` ends with the
+        pass's starts, and its regime: the one that stopped them, or, if none did, the
+        one the next head would meet."""
         starts: list[Start] = []
-        tally = Tally.of(limits, self.live, running, other_busy)
-        least = min(limits.costs.values(), default=1.0)
-        passing = not pressure and max_starts is None
-        regime: HoldReason | None = None
+        least = min(rules.limits.costs.values(), default=1.0)
         passed: list[tuple[int, str]] = []  # held heads light ones went past
         while self.startable:
             head, mind = self.startable[0]
@@ -374,21 +329,14 @@ class PendingIndex:
             if queues is None or not queues.heads or queues.heads[0][0] != head:
                 heapq.heappop(self.startable)  # stale: the mind changed since
                 continue
-            if self._paused(mind) or per_mind[mind] >= limits.for_mind(mind):
+            reason = decide(mind, tally, rules)
+            tally.note(mind, reason, rules.limits)
+            if reason in MIND_REASONS:
                 heapq.heappop(self.startable)  # back when its pause or a turn ends
                 continue
-            cost = limits.cost_of(mind)
-            held = tally.held_by(limits, self.other_busy_reason, cost)
-            if regime is None and held is None:
-                paced = max_starts is not None and len(starts) >= max_starts
-                if (pressure and tally.busy >= 1) or paced:
-                    held = HoldReason.IO_PRESSURE
-            regime = regime or held
-            if regime is not None and not (passing and may_pass(regime, held, tally.light, cost)):
-                if not passing or regime is not HoldReason.ADAPTIVE_LIMIT:
-                    break
-                if tally.light + least >= 1 or tally.held_by(limits, regime, least) is not None:
-                    break  # no light head could pass any more
+            if reason is not None:
+                if cap_hold(least, tally, rules) is not None:
+                    break  # no head could pass any more
                 passed.append(heapq.heappop(self.startable))
                 continue
             heapq.heappop(self.startable)
@@ -397,26 +345,16 @@ class PendingIndex:
             starts.append(
                 Start(mind=mind, session=session, delivery_ids=tuple(queue.ids[: queue.eligible]))
             )
-            per_mind[mind] += 1
-            tally.take(cost)
             if queues.heads:
                 heapq.heappush(self.startable, (queues.heads[0][0], mind))
         for entry in passed:
             heapq.heappush(self.startable, entry)
-        if regime is None:  # no head held: what the next one would meet
-            regime = tally.held_by(limits, self.other_busy_reason, 1.0)
-            paced = max_starts is not None and len(starts) >= max_starts
-            if regime is None and ((pressure and tally.busy >= 1) or paced):
-                regime = HoldReason.IO_PRESSURE
-        return starts, regime
+        if tally.regime is None:  # no head held: what the next one would meet
+            tally.regime = cap_hold(1.0, tally, rules)
+        return starts
 
     def _reasons(
-        self,
-        limits: Limits,
-        per_mind: Counter[str],
-        regime: HoldReason | None,
-        starts: list[Start],
-        folds: list[Fold],
+        self, rules: Rules, tally: Tally, starts: list[Start], folds: list[Fold]
     ) -> list[Change]:
         """The hold reasons that changed: for each mind that changed, the regime's minds
         if the regime changed, sessions whose prefix moved, and rows just added."""
@@ -425,6 +363,7 @@ class PendingIndex:
         for delivery_id in taken:
             self._record(delivery_id, None)  # taking a row clears its hold in the store
         minds = set(self.dirty_minds) | {start.mind for start in starts}
+        regime = tally.regime
         if regime != self.regime:
             minds |= self.regime_minds
         self.regime = regime
@@ -434,8 +373,8 @@ class PendingIndex:
             queues = self.minds.get(mind)
             if queues is None:
                 continue
-            reason = self._mind_reason(mind, limits, per_mind, regime)
-            if reason in REGIME:
+            reason = mind_hold(mind, tally, rules) or regime
+            if reason is not None and reason not in MIND_REASONS:
                 self.regime_minds.add(mind)
             else:
                 self.regime_minds.discard(mind)
@@ -465,16 +404,6 @@ class PendingIndex:
         self.dirty_sessions.clear()
         self.fresh.clear()
         return changes
-
-    def _mind_reason(
-        self, mind: str, limits: Limits, per_mind: Counter[str], regime: HoldReason | None
-    ) -> HoldReason | None:
-        """The reason admission.admit gives a held session of this mind, in this pass."""
-        if self._paused(mind):
-            return HoldReason.PAUSED
-        if per_mind[mind] >= limits.for_mind(mind):
-            return HoldReason.MIND_BUSY
-        return regime
 
     def _session_changes(
         self, queue: SessionQueue, reason: HoldReason | None, taken: Container[int]
