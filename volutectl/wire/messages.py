@@ -29,28 +29,15 @@ from volutectl.wire.fields import QUEUE_LIMIT as QUEUE_LIMIT
 from volutectl.wire.fields import QUEUE_LIMIT_MAX as QUEUE_LIMIT_MAX
 from volutectl.wire.fields import REQUEST_ID_LENGTH as REQUEST_ID_LENGTH
 from volutectl.wire.fields import delivery_ids, flag, mind_names, queue_states, request_id, text
-from volutectl.wire.records import Record, WireError, kind_of, register_enum
+from volutectl.wire.records import Message, Record, WireError, kind_of, register_enum
 
 TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: no `typing` import at run time
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from typing import Any, ClassVar, Self, TypeVar
-    from typing import Generic as Replying
 
     R = TypeVar("R", bound="Reply")
     ReplyT = TypeVar("ReplyT", bound="Reply", covariant=True)
-    Q = TypeVar("Q", bound="Request[Any]")
-    S = TypeVar("S")  # what a handler acts on (the gate's state)
-    C = TypeVar("C")  # who sent the request
 else:
-
-    class Replying:
-        """`Request[SomeReply]` is `Request` itself at run time: the reply type is for
-        the type checker (`typing.Generic` would cost `volutectl deliver` its import)."""
-
-        def __class_getitem__(cls, reply: object) -> type:
-            return cls
-
     ReplyT = None
 
 
@@ -90,24 +77,12 @@ def op_of(obj: dict[str, Any]) -> Op:
 # -- requests -----------------------------------------------------------------------------
 
 
-class Request(Record, Replying[ReplyT]):
+class Request(Message[ReplyT]):
     """A request: its op is a class constant, sent as the "op" field. `Request[SomeReply]`
-    declares the reply that answers it (a refusal, ErrorReply, may answer any request)."""
+    declares the reply that answers it (a refusal, ErrorReply, may answer any request).
+    Its handler is in volutectl/gate/handlers.py's table."""
 
     OP: ClassVar[Op]
-
-    @classmethod
-    def decode(cls, obj: dict[str, Any]) -> Self:
-        return cls()
-
-    @classmethod
-    def answered_by(
-        cls: type[Q], handler: Callable[[S, Q, C], ReplyT]
-    ) -> tuple[type[Q], Callable[[S, Any, C], Reply]]:
-        """This request type and its handler, as an entry of a table keyed by request
-        type. The type checker proves that the handler takes this request and returns
-        this request's reply; the table then holds it for requests of this type alone."""
-        return cls, handler
 
 
 class DeliverRequest(Request["DeliverAck"]):
