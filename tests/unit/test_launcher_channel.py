@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,12 +22,18 @@ from volutectl import events
 from volutectl.errors import VoluteError
 from volutectl.events import Event
 from volutectl.launcher.hands import Launched, LauncherLost, RemoteHands
-from volutectl.launcher.service import ReloadingSettings, allowed_uids, bind_listener, peer_uid
+from volutectl.launcher.service import (
+    EXECUTE,
+    ReloadingSettings,
+    allowed_uids,
+    bind_listener,
+    peer_uid,
+)
 from volutectl.wire import orders
 
 # -- the channel's types ----------------------------------------------------------------
 
-EVERY_ORDER: list[orders.Order] = [
+EVERY_ORDER: list[orders.Order[Any]] = [
     orders.StartTurn(turn_id=7, mind="mimsy", session="chat", delivery_ids=(1, 2)),
     orders.Offer(turn_id=7, mind="mimsy", delivery_id=3),
     orders.Interrupt(7, "mimsy"),
@@ -39,7 +46,7 @@ EVERY_ORDER: list[orders.Order] = [
 
 
 @pytest.mark.parametrize("order", EVERY_ORDER, ids=lambda order: order.ORDER)
-def test_every_order_goes_through_the_channel_unchanged(order: orders.Order) -> None:
+def test_every_order_goes_through_the_channel_unchanged(order: orders.Order[Any]) -> None:
     line = orders.encode(order)
     assert line.endswith(b"\n") and json.loads(line)["v"] == orders.VERSION
     assert orders.decode_order(line.rstrip(b"\n")) == order
@@ -55,6 +62,46 @@ def test_every_reply_goes_through_the_channel_unchanged() -> None:
         orders.Refused("no"),
     ):
         assert orders.decode_reply(orders.encode(reply).rstrip(b"\n")) == reply
+
+
+def test_every_order_declares_its_reply_and_has_one_executor() -> None:
+    """One table carries out orders (volutectl/launcher/service.py): an order type
+    without an entry would be refused, one whose reply is not declared could not be
+    checked by the gate (RemoteHands.ask)."""
+    assert set(EXECUTE) == set(orders.ORDERS.values())
+    for order in orders.ORDERS.values():
+        assert order.answer() in orders.REPLIES.values(), order
+    assert orders.StartTurn.answer() is orders.Started
+    assert orders.Inspect.answer() is orders.Report
+
+
+def test_a_started_reply_never_carries_its_descriptor_in_the_line() -> None:
+    line = orders.encode(orders.Started(42, pidfd=9))
+    assert json.loads(line) == {"v": orders.VERSION, "reply": "started", "pid": 42}
+    # A line that names one anyway is not believed: the descriptor is the one passed.
+    assert orders.decode_reply(line.replace(b"}", b',"pidfd":3}')) == orders.Started(42)
+
+
+def test_a_reply_of_another_kind_than_the_order_declares_is_a_lost_launcher(
+    tmp_path: Path,
+) -> None:
+    """The gate checks each reply against its order's declared reply: a launcher that
+    answers an inspect with `done` is not believed, and the connection is dropped."""
+    path = tmp_path / "launcher.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen(1)
+        hands = RemoteHands(path, lambda: [])
+        connect = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connect.connect(str(path))
+        peer, _ = listener.accept()
+        hands.sock = connect
+        with peer:
+            peer.sendall(orders.encode(orders.Done()))
+            with pytest.raises(LauncherLost, match="answered a inspect with a done"):
+                hands.inspect(7, ())
+        assert hands.sock is None  # dropped: the next order connects again
+        hands.close()
 
 
 def test_a_report_across_an_upgrade_decodes_either_way() -> None:

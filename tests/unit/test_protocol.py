@@ -346,3 +346,35 @@ def test_a_delivers_message_counts_as_one_value_whatever_it_holds() -> None:
     assert (refusal_of(line[:-1] + tail) or "").startswith("x: ")  # escapes left out
     # Only from `start`: what comes before it is another, complete, line.
     assert refusal_of(b"[" + b"1," * 20_000 + b"1]\n" + line, start=40_004) is None
+
+
+def test_each_items_message_counts_as_one_value_and_what_lies_between_them_counts() -> None:
+    """A deliver with items holds a message per item: each is left out of the count as a
+    deliver's one message is, so that messages full of commas fit; the values outside
+    them, ids and names of 1,000 items included, still count."""
+    message = json.dumps(",[{" * 50)  # 150 separators in each message
+    item = b'{"mind":"m","message":' + message.encode() + b"}"
+    line = b'{"v":1,"op":"deliver","items":[' + b",".join([item] * 1000) + b"]}"
+    assert line.count(b",") > protocol.MAX_VALUES  # counted whole, it would be refused
+    assert refusal_of(line) is None
+    assert refusal_of(line[: len(line) // 2 + 7], partial=True) is None  # still arriving
+    crowded = b',"x":[' + b"1," * protocol.MAX_VALUES + b"1]"
+    assert (refusal_of(line[:-2] + crowded + b"]}") or "").startswith("x: ")
+
+
+def test_a_deliver_with_items_is_bounded_and_refuses_whole_for_an_item_that_does_not_decode() -> (
+    None
+):
+    items = [{"mind": "m", "message": "hi"}] * messages.MAX_DELIVER_ITEMS
+    read = messages.decode_request({"v": 1, "op": "deliver", "items": items})
+    assert isinstance(read, messages.DeliverManyRequest) and len(read.items) == 1000
+    with pytest.raises(DataError, match="items: at most 1000 deliveries in one request, not 1001"):
+        messages.decode_request({"v": 1, "op": "deliver", "items": [*items, items[0]]})
+    bad = [items[0], {"mind": "../etc", "message": "hi"}]
+    with pytest.raises(DataError, match=r"^items\[1\]: invalid mind name"):
+        messages.decode_request({"v": 1, "op": "deliver", "items": bad})
+    with pytest.raises(DataError, match="^wait: a deliver with items cannot wait"):
+        messages.decode_request({"v": 1, "op": "deliver", "items": items[:1], "wait": True})
+    # The one-delivery shape is read as it always was.
+    one = messages.decode_request({"v": 1, "op": "deliver", "mind": "m", "message": "hi"})
+    assert one == messages.DeliverRequest("m", "hi")

@@ -24,6 +24,7 @@ from volutectl.states import QueueState
 from volutectl.wire.messages import (
     ChangedReply,
     DeliverAck,
+    DeliverManyRequest,
     DeliverRequest,
     DropRequest,
     ErrorReply,
@@ -47,7 +48,15 @@ OTHER_CLIENT = Caller(64002, frozenset({"volute"}))
 ADMIN = Caller(64003, frozenset({"volute", "volute-admin"}))
 ROOT = Caller(0, frozenset())
 # What a client may ask; every other request changes others' work.
-CLIENT_REQUESTS = {StatusRequest, QueueRequest, RegisterRepoRequest, PingRequest, WaitRequest}
+CLIENT_REQUESTS = {
+    DeliverRequest,
+    DeliverManyRequest,
+    StatusRequest,
+    QueueRequest,
+    RegisterRepoRequest,
+    PingRequest,
+    WaitRequest,
+}
 
 
 @pytest.mark.parametrize(
@@ -83,7 +92,9 @@ def test_groups_come_from_the_user_database() -> None:
 
 def test_every_request_is_either_a_clients_or_an_admins() -> None:
     # A new request must be placed: this fails until it is in one set or the other.
-    assert set(handlers.HANDLERS) == CLIENT_REQUESTS | handlers.ADMIN_ONLY
+    answered = set(handlers.HANDLERS) | set(handlers.TOGETHER)
+    assert answered == CLIENT_REQUESTS | handlers.ADMIN_ONLY
+    assert not set(handlers.HANDLERS) & set(handlers.TOGETHER)  # one handler each
     assert not CLIENT_REQUESTS & handlers.ADMIN_ONLY
     assert handlers.ADMIN_ONLY == {PauseRequest, ResumeRequest, RetryRequest, DropRequest}
 

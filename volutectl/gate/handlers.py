@@ -8,9 +8,11 @@ volutectl/gate/serving.py sends the reply. Refusals come back as ErrorReply with
 exit code; a failure that is not a refusal (a bug) is left to the caller, which ends
 that one client.
 
-Deliveries are the exception that proves the rule: they arrive in batches, and every
-delivery of a batch shares one durable commit before any of them is acknowledged
-(`accept_deliveries`).
+A handler in `TOGETHER` answers the requests of its type that came in one pass at
+once, in one list: deliveries, one item or many each (`accept_deliveries`), so that
+every delivery of the pass shares one durable commit before any is acknowledged.
+`keeps` says which replies keep their client for the outcome (a wait, a deliver with
+wait).
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ from volutectl.store.quotas import Quota, QuotaExceeded
 from volutectl.wire.messages import (
     ChangedReply,
     DeliverAck,
+    DeliverManyRequest,
     DeliverRequest,
+    DeliverResult,
+    DeliverResults,
     DropRequest,
     ErrorReply,
     PausedMind,
@@ -279,8 +284,7 @@ def wait_handler(state: GateState, request: WaitRequest, caller: Caller) -> Wait
 
 
 # Each request type's handler. `answered_by` proves (to mypy) that a handler takes that
-# request and returns that request's reply type; deliveries come in batches instead
-# (accept_deliveries), and any client may deliver.
+# request and returns that request's reply type. Any client may deliver.
 Handler = Callable[[GateState, Any, Caller], Reply]
 HANDLERS: dict[type[Request[Reply]], Handler] = dict(
     [
@@ -297,6 +301,26 @@ HANDLERS: dict[type[Request[Reply]], Handler] = dict(
 )
 
 
+@dataclass(frozen=True)
+class Keep:
+    """A reply after which its client stays, for the events of deliveries `ids`."""
+
+    ids: tuple[int, ...]
+    look: bool  # some may have settled already: look in the store first
+    progress: bool  # tell it each failed attempt too
+
+
+def keeps(request: Request[Reply], reply: Reply) -> Keep | None:
+    """Whether the client of `request`, answered `reply`, stays for an outcome."""
+    if isinstance(request, DeliverRequest) and request.wait and isinstance(reply, DeliverAck):
+        # A retried request's delivery may have run already: look, then.
+        look = request.request_id is not None or reply.already_queued
+        return Keep((reply.id,), look, request.progress)
+    if isinstance(request, WaitRequest) and isinstance(reply, WaitReply):
+        return Keep(reply.ids, True, request.progress)
+    return None
+
+
 REFUSED_SECONDS = 60.0  # at most one AdminRequestRefused entry per uid this often
 
 # The requests that change others' work: an admin's alone (volutectl/roles.py). Every
@@ -311,14 +335,10 @@ def needed_role(request: Request[Reply]) -> roles.Role:
 
 
 def handle(state: GateState, request: Request[Reply], caller: Caller) -> Reply:
-    """The reply to one request (not a delivery: see accept_deliveries): refused with 77
+    """The reply to one request (one in TOGETHER: see handle_together): refused with 77
     if the caller's role does not allow it, else its handler's."""
     try:
-        if not roles.permits(caller.role, needed_role(request)):
-            _say_refused(state, request.OP, caller.uid, time.monotonic())
-            raise roles.admin_refusal(
-                f"{request.OP}: changes others' work, which only an admin may do"
-            )
+        _check_role(state, request, caller)
         return HANDLERS[type(request)](state, request, caller)
     except VoluteError as error:
         return ErrorReply.of(error)
@@ -326,6 +346,36 @@ def handle(state: GateState, request: Request[Reply], caller: Caller) -> Reply:
         # The disk is full, or the database locked or unwritable: try again later.
         state.journal.emit(events.QueueFailed(op=request.OP, error=str(error)))
         return ErrorReply.of(TemporaryError(f"{request.OP}: the queue failed: {error}"))
+
+
+def _check_role(state: GateState, request: Request[Reply], caller: Caller) -> None:
+    if not roles.permits(caller.role, needed_role(request)):
+        _say_refused(state, request.OP, caller.uid, time.monotonic())
+        raise roles.admin_refusal(f"{request.OP}: changes others' work, which only an admin may do")
+
+
+def handle_together(
+    state: GateState, batch: list[Request[Reply]], callers: Sequence[Caller]
+) -> list[Reply]:
+    """The replies to requests of TOGETHER's (each type's together), in order: each one
+    its role does not allow refused with 77 alone. An error that is not a refusal is
+    raised, for the caller to end those clients."""
+    replies: list[Reply | None] = []
+    allowed: dict[Together, list[int]] = {}
+    for index, (request, caller) in enumerate(zip(batch, callers, strict=True)):
+        try:
+            if needed_role(request) is not roles.Role.CLIENT:  # any caller is a client:
+                _check_role(state, request, caller)  # no group lookup for each delivery
+        except VoluteError as error:
+            replies.append(ErrorReply.of(error))
+            continue
+        replies.append(None)
+        allowed.setdefault(TOGETHER[type(request)], []).append(index)
+    for answer, indexes in allowed.items():
+        got = answer(state, [batch[i] for i in indexes], [callers[i] for i in indexes])
+        for index, reply in zip(indexes, got, strict=True):
+            replies[index] = reply
+    return [reply for reply in replies if reply is not None]
 
 
 def _say_refused(state: GateState, op: str, uid: int, now: float) -> None:
@@ -346,10 +396,41 @@ def _say_refused(state: GateState, op: str, uid: int, now: float) -> None:
 
 
 def accept_deliveries(
-    state: GateState, batch: list[DeliverRequest], callers: Sequence[Caller] | None = None
+    state: GateState,
+    batch: Sequence[DeliverRequest | DeliverManyRequest],
+    callers: Sequence[Caller] | None = None,
 ) -> list[Reply]:
-    """Queue a batch in ONE durable commit, then acknowledge: a DeliverAck or an
-    ErrorReply per request, in order. `callers`, one per request, are who sent them.
+    """Queue the deliveries of a batch of deliver requests in ONE durable commit, then
+    acknowledge: one reply per request, in order. A deliver of one gets a DeliverAck or
+    an ErrorReply; a deliver with items gets DeliverResults, that reply for each item.
+    `callers`, one per request, are who sent them (an item is its request's sender's)."""
+    senders: Sequence[Caller | None] = callers if callers is not None else [None] * len(batch)
+    flat: list[DeliverRequest] = []
+    flat_senders: list[Caller | None] = []
+    for request, caller in zip(batch, senders, strict=True):
+        ones = (
+            [item.request() for item in request.items]
+            if isinstance(request, DeliverManyRequest)
+            else [request]
+        )
+        flat += ones
+        flat_senders += [caller] * len(ones)
+    replies = iter(_accept(state, flat, flat_senders))
+    done: list[Reply] = []
+    for request in batch:
+        if isinstance(request, DeliverManyRequest):
+            results = [DeliverResult.of(next(replies)) for _ in request.items]
+            done.append(DeliverResults(tuple(results)))
+        else:
+            done.append(next(replies))
+    return done
+
+
+def _accept(
+    state: GateState, batch: list[DeliverRequest], senders: Sequence[Caller | None]
+) -> list[DeliverAck | ErrorReply]:
+    """Queue deliveries in ONE durable commit, then acknowledge each: a DeliverAck or an
+    ErrorReply, in order; `senders` are who sent each.
 
     A request id the store already holds is a client retrying after a gate died before
     its ack: it gets the original delivery id back, and nothing is queued twice. A new
@@ -358,9 +439,8 @@ def accept_deliveries(
     stored and every one is refused with 75; an error that is not the store's is
     raised, for the caller to end those clients.
     """
-    replies: list[Reply | None] = []
+    replies: list[ErrorReply | None] = []
     rows: list[NewDelivery] = []
-    senders: Sequence[Caller | None] = callers if callers is not None else [None] * len(batch)
     uids = [caller.uid if caller is not None else None for caller in senders]
     for request, caller in zip(batch, senders, strict=True):
         try:
@@ -382,7 +462,7 @@ def accept_deliveries(
         return [reply or refusal for reply in replies]
     crash_point("request_committed")
     state.over_quota -= check.accepted  # a uid served again is told of its next refusal
-    done: list[Reply] = []
+    done: list[DeliverAck | ErrorReply] = []
     for reply, request, uid in zip(replies, batch, uids, strict=True):
         if reply is not None:
             done.append(reply)
@@ -436,3 +516,13 @@ def _refusal(state: GateState, count: int, error: Exception) -> ErrorReply:
             hint=f"nothing was queued; free space in {state_dir} and deliver again",
         )
     )
+
+
+# The handlers that answer the requests of a pass together (their replies in order): a
+# request of another type after them waits until they are answered, so that it sees
+# what they did. The role each needs is checked as for any request.
+Together = Callable[[GateState, list[Any], Sequence[Caller]], list[Reply]]
+TOGETHER: dict[type[Request[Reply]], Together] = {
+    DeliverRequest: accept_deliveries,
+    DeliverManyRequest: accept_deliveries,
+}

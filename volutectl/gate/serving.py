@@ -1,11 +1,12 @@
 """Answering the requests of one pass of the loop, each client's in the order it sent them.
 
-Deliveries that came together share one durable commit (handlers.accept_deliveries);
-a request after them waits for that commit first, so that it sees what came before it.
-Every other request goes to its handler (volutectl/gate/handlers.py). A reply is then
-sent (volutectl/gate/server.py), or, for a wait or a `deliver --wait`, sent and the
-client kept for the outcome (volutectl/gate/outcomes.py). A failure that is a bug ends
-the clients it met, never the loop.
+Each request goes to its handler (volutectl/gate/handlers.py). Those whose handler
+answers a pass's requests together (handlers.TOGETHER: deliveries, which share one
+durable commit) are gathered, and answered before the next request of another kind, so
+that it sees what came before it. A reply is then sent (volutectl/gate/server.py), or,
+where handlers.keeps says so (a wait, a `deliver --wait`), sent and the client kept for
+the outcome (volutectl/gate/outcomes.py). A failure that is a bug ends the clients it
+met, never the loop.
 
 A pass has its time (volutectl/gate/loop.py): past its deadline no further request is
 begun, and those not begun wait in `left`, answered first in the next pass (each
@@ -23,15 +24,7 @@ from volutectl.gate.handlers import Caller
 from volutectl.gate.outcomes import Waiters
 from volutectl.gate.server import Client, Incoming, Server
 from volutectl.gate.state import GateState
-from volutectl.wire.messages import (
-    DeliverAck,
-    DeliverRequest,
-    ErrorReply,
-    Reply,
-    Request,
-    WaitReply,
-    WaitRequest,
-)
+from volutectl.wire.messages import ErrorReply, Reply, Request
 
 
 class Serving:
@@ -45,7 +38,7 @@ class Serving:
         """Answer the requests, each client's in its order: every one, or those begun
         before the (monotonic) deadline, the rest left in `left`. How many answered."""
         replies: list[Reply | None] = [None] * len(incoming)
-        batch: list[int] = []  # indexes of deliveries not yet committed
+        batch: list[int] = []  # indexes of requests answered together, not yet answered
         for index, (client, request) in enumerate(incoming):
             if index and deadline is not None and time.monotonic() >= deadline:
                 self.left, incoming, replies = incoming[index:], incoming[:index], replies[:index]
@@ -54,7 +47,7 @@ class Serving:
                 replies[index] = request
             elif client.closed:
                 continue
-            elif isinstance(request, DeliverRequest):
+            elif type(request) in handlers.TOGETHER:
                 batch.append(index)
             else:
                 self._commit(incoming, batch, replies)
@@ -67,12 +60,9 @@ class Serving:
 
     def _send(self, client: Client, request: Request[Reply] | ErrorReply, reply: Reply) -> None:
         """Send the reply; a client that asked to wait is kept for the outcome."""
-        if isinstance(request, DeliverRequest) and request.wait and isinstance(reply, DeliverAck):
-            # A retried request's delivery may have run already: look, then.
-            look = request.request_id is not None or reply.already_queued
-            self.waiters.wait(client, (reply.id,), reply, look=look, progress=request.progress)
-        elif isinstance(reply, WaitReply) and isinstance(request, WaitRequest):
-            self.waiters.wait(client, reply.ids, reply, look=True, progress=request.progress)
+        keep = None if isinstance(request, ErrorReply) else handlers.keeps(request, reply)
+        if keep is not None:
+            self.waiters.wait(client, keep.ids, reply, look=keep.look, progress=keep.progress)
         else:
             self.server.reply(client, reply)
 
@@ -82,16 +72,15 @@ class Serving:
         batch: list[int],
         replies: list[Reply | None],
     ) -> None:
-        """Commit the pending deliveries (one commit for all), their replies in place."""
+        """Answer the requests gathered (deliveries: one commit for all), in place."""
         if not batch:
             return
-        requests = [incoming[index][1] for index in batch]
-        acks = self._deliver(
+        answered = self._together(
             [incoming[index][0] for index in batch],
-            [request for request in requests if isinstance(request, DeliverRequest)],
+            [request for index in batch if isinstance(request := incoming[index][1], Request)],
         )
-        for index, ack in zip(batch, acks, strict=True):
-            replies[index] = ack
+        for index, reply in zip(batch, answered, strict=True):
+            replies[index] = reply
         batch.clear()
 
     def _handle(self, client: Client, request: Request[Reply]) -> Reply | None:
@@ -109,10 +98,10 @@ class Serving:
             if passed is not None:
                 os.close(passed)
 
-    def _deliver(self, clients: list[Client], batch: list[DeliverRequest]) -> list[Reply | None]:
+    def _together(self, clients: list[Client], batch: list[Request[Reply]]) -> list[Reply | None]:
         try:
             callers = [Caller(client.peer_uid()) for client in clients]
-            return list(handlers.accept_deliveries(self.state, batch, callers))
+            return list(handlers.handle_together(self.state, batch, callers))
         except Exception as error:  # noqa: BLE001 - nothing was stored: end these clients
             for client in clients:
                 self.server.client_failed(client, "storing deliveries", error)

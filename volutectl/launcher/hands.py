@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from volutectl import events, names
 from volutectl.config.settings import Settings, parse_bandwidth
@@ -42,6 +42,8 @@ from volutectl.launcher import fork, preflight, turndir
 from volutectl.systemd.journal import Journal
 from volutectl.systemd.port import ScopeProperties, SystemdManager
 from volutectl.wire import orders
+
+R = TypeVar("R", bound=orders.OrderReply)
 
 # systemd's RuntimeMaxSec= backstop fires this long after the gate's own deadline (plus
 # the kill grace; less for limits shorter than this), so that with the gate up its own
@@ -375,22 +377,24 @@ class RemoteHands:
             self.sock = None
         self.reader.close()
 
-    def _ask(
+    def ask(
         self,
-        order: orders.Order,
+        order: orders.Order[R],
         payload: bytes | None = None,
         timeout: float = ORDER_TIMEOUT_SECONDS,
-    ) -> tuple[orders.Reply, int | None]:
-        """Send one order and read its reply (and the descriptor that came with it)."""
+    ) -> R:
+        """Give one order and read its reply: the reply the order declares
+        (`Order[ThatReply]`), with the descriptor that came beside it if it has one. A
+        `Refused` is raised; any other reply is a launcher lost."""
         self.ensure()
         return self._exchange(order, payload, timeout)
 
     def _exchange(
         self,
-        order: orders.Order,
+        order: orders.Order[R],
         payload: bytes | None = None,
         timeout: float = ORDER_TIMEOUT_SECONDS,
-    ) -> tuple[orders.Reply, int | None]:
+    ) -> R:
         assert self.sock is not None
         sock, reader = self.sock, self.reader
         fd = orders.payload_fd(payload, order.ORDER) if payload is not None else None
@@ -404,7 +408,8 @@ class RemoteHands:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 reader.receive(sock)
             reply = orders.decode_reply(line)
-            received = reader.take_fd() if isinstance(reply, orders.Started) else None
+            if reply.FDS:
+                reply = reply.with_fd(reader.take_fd())
         except (OSError, orders.OrderError) as error:
             self._drop()
             text = error.message if isinstance(error, VoluteError) else str(error)
@@ -414,41 +419,34 @@ class RemoteHands:
                 os.close(fd)
         if isinstance(reply, orders.Refused):
             raise SystemdNoAnswer(reply.error) if reply.no_answer else VoluteError(reply.error)
-        return reply, received
-
-    def _expect(self, reply: orders.Reply, kind: type[orders.Reply], order: str) -> None:
-        if not isinstance(reply, kind):
+        expected = order.answer()
+        if not isinstance(reply, expected):
+            for kept in reply.descriptors():
+                os.close(kept)
             self._drop()
-            raise LauncherLost(f"the launcher answered a {order} with a {reply.REPLY}")
-
-    def start(self, order: orders.StartTurn, stdin: bytes) -> Launched:
-        reply, fd = self._ask(order, stdin, START_TIMEOUT_SECONDS)
-        self._expect(reply, orders.Started, order.ORDER)
-        assert isinstance(reply, orders.Started) and fd is not None
-        return Launched(reply.pid, fd)
-
-    def offer(self, order: orders.Offer, record: bytes) -> None:
-        reply, _ = self._ask(order, record)
-        self._expect(reply, orders.Done, order.ORDER)
-
-    def interrupt(self, turn_id: int, mind: str) -> None:
-        reply, _ = self._ask(orders.Interrupt(turn_id, mind))
-        self._expect(reply, orders.Done, "interrupt")
-
-    def stop(self, turn_id: int, mind: str) -> None:
-        reply, _ = self._ask(orders.Stop(turn_id, mind))
-        self._expect(reply, orders.Done, "stop")
-
-    def inspect(self, turn_id: int, folded: Sequence[int]) -> orders.Report:
-        reply, _ = self._ask(orders.Inspect(turn_id, tuple(folded)))
-        self._expect(reply, orders.Report, "inspect")
-        assert isinstance(reply, orders.Report)
+            raise LauncherLost(f"the launcher answered a {order.ORDER} with a {reply.REPLY}")
         return reply
 
+    def start(self, order: orders.StartTurn, stdin: bytes) -> Launched:
+        reply = self.ask(order, stdin, START_TIMEOUT_SECONDS)
+        if reply.pidfd is None:  # pragma: no cover - with_fd gave it one
+            raise LauncherLost("the launcher's start came with no descriptor")
+        return Launched(reply.pid, reply.pidfd)
+
+    def offer(self, order: orders.Offer, record: bytes) -> None:
+        self.ask(order, record)
+
+    def interrupt(self, turn_id: int, mind: str) -> None:
+        self.ask(orders.Interrupt(turn_id, mind))
+
+    def stop(self, turn_id: int, mind: str) -> None:
+        self.ask(orders.Stop(turn_id, mind))
+
+    def inspect(self, turn_id: int, folded: Sequence[int]) -> orders.Report:
+        return self.ask(orders.Inspect(turn_id, tuple(folded)))
+
     def sample(self, turn_ids: Sequence[int]) -> dict[int, Written]:
-        reply, _ = self._ask(orders.Sample(tuple(turn_ids)), timeout=SAMPLE_TIMEOUT_SECONDS)
-        self._expect(reply, orders.Written, "sample")
-        assert isinstance(reply, orders.Written)
+        reply = self.ask(orders.Sample(tuple(turn_ids)), timeout=SAMPLE_TIMEOUT_SECONDS)
         if len(reply.turn_ids) != len(reply.written):
             self._drop()
             raise LauncherLost("the launcher answered a sample with lists of two lengths")
@@ -459,12 +457,10 @@ class RemoteHands:
         }
 
     def remove(self, turn_id: int) -> None:
-        reply, _ = self._ask(orders.Remove(turn_id))
-        self._expect(reply, orders.Done, "remove")
+        self.ask(orders.Remove(turn_id))
 
     def sweep(self, open_ids: Sequence[int]) -> None:
-        reply, _ = self._ask(orders.Sweep(tuple(open_ids)))
-        self._expect(reply, orders.Done, "sweep")
+        self.ask(orders.Sweep(tuple(open_ids)))
 
     def close(self) -> None:
         self._drop()

@@ -27,6 +27,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from volutectl import events
 from volutectl.config.settings import Settings, load_settings
@@ -193,16 +194,16 @@ class Launcher:
             # A descriptor no order claimed: kept, one per line, they would fill the
             # launcher's table until it could open nothing (no turn directory, no fork).
             raise orders.OrderError("a descriptor came with an order that takes none")
-        reply: orders.Reply
-        fds: tuple[int, ...] = ()
+        reply: orders.OrderReply
         try:
-            reply, fds = self.execute(order, payload)
+            reply = EXECUTE[type(order)](self, order, payload or b"")
         except (VoluteError, OSError) as error:
             text = error.message if isinstance(error, VoluteError) else str(error)
             # Within what the gate decodes: a refusal it could not read would look like
             # a lost launcher, and a start would be tried again for ever, uncounted.
             no_answer = isinstance(error, SystemdNoAnswer)
             reply = orders.Refused(text[: orders.MAX_TEXT], no_answer=no_answer)
+        fds = reply.descriptors()
         try:
             connection.sock.setblocking(True)
             connection.sock.settimeout(5.0)
@@ -212,36 +213,72 @@ class Launcher:
             for fd in fds:
                 os.close(fd)
 
-    def execute(
-        self, order: orders.Order, payload: bytes | None
-    ) -> tuple[orders.Reply, tuple[int, ...]]:
-        hands = self.hands
-        if isinstance(order, orders.StartTurn):
-            launched = hands.start(order, payload or b"")
-            self.journal.emit(
-                events.TurnLaunched(
-                    mind=order.mind, session=order.session, turn_id=order.turn_id, pid=launched.pid
-                )
-            )
-            return orders.Started(launched.pid), (launched.pidfd,)
-        if isinstance(order, orders.Offer):
-            hands.offer(order, payload or b"")
-        elif isinstance(order, orders.Interrupt):
-            hands.interrupt(order.turn_id, order.mind)
-        elif isinstance(order, orders.Stop):
-            hands.stop(order.turn_id, order.mind)
-        elif isinstance(order, orders.Inspect):
-            return hands.inspect(order.turn_id, order.folded), ()
-        elif isinstance(order, orders.Sample):
-            written = hands.sample(order.turn_ids)
-            blocked = tuple(turn_id for turn_id, seen in written.items() if seen.blocked)
-            counts = tuple(seen.bytes for seen in written.values())
-            return orders.Written(tuple(written), counts, blocked), ()
-        elif isinstance(order, orders.Remove):
-            hands.remove(order.turn_id)
-        elif isinstance(order, orders.Sweep):
-            hands.sweep(order.open_ids)
-        return orders.Done(), ()
+
+# -- what each order does: one function per order type, in one table --------------------
+
+
+def start(launcher: Launcher, order: orders.StartTurn, stdin: bytes) -> orders.Started:
+    launched = launcher.hands.start(order, stdin)
+    launcher.journal.emit(
+        events.TurnLaunched(
+            mind=order.mind, session=order.session, turn_id=order.turn_id, pid=launched.pid
+        )
+    )
+    return orders.Started(launched.pid, launched.pidfd)
+
+
+def offer(launcher: Launcher, order: orders.Offer, record: bytes) -> orders.Done:
+    launcher.hands.offer(order, record)
+    return orders.Done()
+
+
+def interrupt(launcher: Launcher, order: orders.Interrupt, _: bytes) -> orders.Done:
+    launcher.hands.interrupt(order.turn_id, order.mind)
+    return orders.Done()
+
+
+def stop(launcher: Launcher, order: orders.Stop, _: bytes) -> orders.Done:
+    launcher.hands.stop(order.turn_id, order.mind)
+    return orders.Done()
+
+
+def inspect(launcher: Launcher, order: orders.Inspect, _: bytes) -> orders.Report:
+    return launcher.hands.inspect(order.turn_id, order.folded)
+
+
+def sample(launcher: Launcher, order: orders.Sample, _: bytes) -> orders.Written:
+    written = launcher.hands.sample(order.turn_ids)
+    blocked = tuple(turn_id for turn_id, seen in written.items() if seen.blocked)
+    counts = tuple(seen.bytes for seen in written.values())
+    return orders.Written(tuple(written), counts, blocked)
+
+
+def remove(launcher: Launcher, order: orders.Remove, _: bytes) -> orders.Done:
+    launcher.hands.remove(order.turn_id)
+    return orders.Done()
+
+
+def sweep(launcher: Launcher, order: orders.Sweep, _: bytes) -> orders.Done:
+    launcher.hands.sweep(order.open_ids)
+    return orders.Done()
+
+
+# Each order type's executor, given the launcher, the order and its payload (b"" for an
+# order that takes none). `answered_by` proves (to mypy) that each returns its order's
+# reply type; tests/unit/test_launcher_channel.py that every order has one.
+Executor = Callable[[Launcher, Any, bytes], orders.OrderReply]
+EXECUTE: dict[type[orders.Order[Any]], Executor] = dict(
+    [
+        orders.StartTurn.answered_by(start),
+        orders.Offer.answered_by(offer),
+        orders.Interrupt.answered_by(interrupt),
+        orders.Stop.answered_by(stop),
+        orders.Inspect.answered_by(inspect),
+        orders.Sample.answered_by(sample),
+        orders.Remove.answered_by(remove),
+        orders.Sweep.answered_by(sweep),
+    ]
+)
 
 
 def bind_listener(path: Path) -> socket.socket:

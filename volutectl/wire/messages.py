@@ -29,28 +29,15 @@ from volutectl.wire.fields import QUEUE_LIMIT as QUEUE_LIMIT
 from volutectl.wire.fields import QUEUE_LIMIT_MAX as QUEUE_LIMIT_MAX
 from volutectl.wire.fields import REQUEST_ID_LENGTH as REQUEST_ID_LENGTH
 from volutectl.wire.fields import delivery_ids, flag, mind_names, queue_states, request_id, text
-from volutectl.wire.records import Record, WireError, kind_of, register_enum
+from volutectl.wire.records import Message, Record, WireError, kind_of, register_enum
 
 TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: no `typing` import at run time
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from typing import Any, ClassVar, Self, TypeVar
-    from typing import Generic as Replying
 
     R = TypeVar("R", bound="Reply")
     ReplyT = TypeVar("ReplyT", bound="Reply", covariant=True)
-    Q = TypeVar("Q", bound="Request[Any]")
-    S = TypeVar("S")  # what a handler acts on (the gate's state)
-    C = TypeVar("C")  # who sent the request
 else:
-
-    class Replying:
-        """`Request[SomeReply]` is `Request` itself at run time: the reply type is for
-        the type checker (`typing.Generic` would cost `volutectl deliver` its import)."""
-
-        def __class_getitem__(cls, reply: object) -> type:
-            return cls
-
     ReplyT = None
 
 
@@ -90,24 +77,12 @@ def op_of(obj: dict[str, Any]) -> Op:
 # -- requests -----------------------------------------------------------------------------
 
 
-class Request(Record, Replying[ReplyT]):
+class Request(Message[ReplyT]):
     """A request: its op is a class constant, sent as the "op" field. `Request[SomeReply]`
-    declares the reply that answers it (a refusal, ErrorReply, may answer any request)."""
+    declares the reply that answers it (a refusal, ErrorReply, may answer any request).
+    Its handler is in volutectl/gate/handlers.py's table."""
 
     OP: ClassVar[Op]
-
-    @classmethod
-    def decode(cls, obj: dict[str, Any]) -> Self:
-        return cls()
-
-    @classmethod
-    def answered_by(
-        cls: type[Q], handler: Callable[[S, Q, C], ReplyT]
-    ) -> tuple[type[Q], Callable[[S, Any, C], Reply]]:
-        """This request type and its handler, as an entry of a table keyed by request
-        type. The type checker proves that the handler takes this request and returns
-        this request's reply; the table then holds it for requests of this type alone."""
-        return cls, handler
 
 
 class DeliverRequest(Request["DeliverAck"]):
@@ -141,6 +116,66 @@ class DeliverRequest(Request["DeliverAck"]):
         )
         fields.names(mind, session)
         return request
+
+
+# At most this many deliveries in one deliver request with items: each is a row the
+# gate validates, counts against its sender's quota and stores in one commit before it
+# answers (the line's own bounds, protocol.MAX_LINE and MAX_VALUES, apply as well).
+MAX_DELIVER_ITEMS = 1000
+
+
+class DeliverItem(Record):
+    """One delivery of a deliver request with items: a deliver's fields, less wait."""
+
+    mind: str
+    message: str
+    session: str = "main"
+    interrupt: bool = False
+    request_id: str | None = None
+    QUIET = frozenset({"session", "interrupt", "request_id"})
+
+    def request(self) -> DeliverRequest:
+        """As the one delivery a deliver request carries (how the gate checks it)."""
+        return DeliverRequest(
+            self.mind, self.message, self.session, self.interrupt, False, self.request_id
+        )
+
+
+class DeliverManyRequest(Request["DeliverResults"]):
+    """Queue each of `items` (op deliver, told apart by its items field): each gets its
+    own result, in order, once every item that is stored is durably stored. Each item is
+    checked, counted against its sender's quota and stored on its own: one refused
+    leaves the others. An item that does not decode refuses the whole request (65,
+    naming it), as it would refuse a deliver of one."""
+
+    OP = Op.DELIVER
+    WIRE = {"op": Op.DELIVER.value}
+    items: tuple[DeliverItem, ...]
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        raw = obj.get("items")
+        if not isinstance(raw, list):
+            raise DataError(f"items: must be an array of deliveries, not {kind_of(raw)}")
+        if len(raw) > MAX_DELIVER_ITEMS:
+            raise DataError(
+                f"items: at most {MAX_DELIVER_ITEMS} deliveries in one request, not {len(raw)}"
+            )
+        if flag(obj, "wait"):
+            raise DataError(
+                "wait: a deliver with items cannot wait; send a wait request with their ids"
+            )
+        return cls(tuple(_item(index, item) for index, item in enumerate(raw)))
+
+
+def _item(index: int, obj: object) -> DeliverItem:
+    if not isinstance(obj, dict):
+        raise DataError(f"items[{index}]: a delivery is an object, not {kind_of(obj)}")
+    try:
+        one = DeliverRequest.decode(obj)
+    except DataError as error:
+        raise DataError(f"items[{index}]: {error.message}", hint=error.hint) from None
+    return DeliverItem(one.mind, one.message, one.session, one.interrupt, one.request_id)
 
 
 class StatusRequest(Request["StatusReply"]):
@@ -273,11 +308,18 @@ REQUESTS: dict[Op, type[Request[Reply]]] = {
 }
 
 
+# An op whose request has a second shape, told apart by an "items" field: many of it.
+MANY: dict[Op, type[Request[Reply]]] = {Op.DELIVER: DeliverManyRequest}
+
+
 def decode_request(obj: dict[str, Any]) -> Request[Reply]:
     """A decoded line (protocol.decode) as its typed request, or a refusal naming the field.
     Fields an op does not know are ignored, so that a newer client can add an optional
     one; an incompatible change bumps the protocol version instead."""
-    return REQUESTS[op_of(obj)].decode(obj)
+    op = op_of(obj)
+    if "items" in obj and op in MANY:
+        return MANY[op].decode(obj)
+    return REQUESTS[op].decode(obj)
 
 
 # -- replies ------------------------------------------------------------------------------
@@ -324,6 +366,41 @@ class DeliverAck(Reply):
     # another user's delivery, and the sender is no admin): the message folds in as a
     # plain delivery, and the turn is not signalled (false from a gate before this field).
     interrupt_refused: bool = False
+
+
+class DeliverResult(Record):
+    """One item's result in a DeliverResults: the DeliverAck (ok true) or the ErrorReply
+    (ok false) a deliver of that item alone would have had, field for field."""
+
+    ok: bool
+    id: int | None = None
+    already_queued: bool = False
+    interrupt_refused: bool = False
+    error: str | None = None
+    code: int | None = None
+    hint: str | None = None
+    QUIET = frozenset({"id", "already_queued", "interrupt_refused", "error", "code", "hint"})
+
+    @classmethod
+    def of(cls, reply: DeliverAck | ErrorReply) -> DeliverResult:
+        if isinstance(reply, ErrorReply):
+            return cls(False, error=reply.error, code=reply.code, hint=reply.hint)
+        return cls(True, reply.id, reply.already_queued, reply.interrupt_refused)
+
+    def reply(self) -> DeliverAck | ErrorReply:
+        """As the reply to a deliver of this item alone; a result that is neither is a
+        WireError."""
+        if self.ok and self.id is not None:
+            return DeliverAck(self.id, self.already_queued, self.interrupt_refused)
+        if not self.ok and self.error is not None and self.code is not None:
+            return ErrorReply(self.error, self.code, self.hint)
+        raise WireError(f"a deliver result that is neither an ack nor a refusal: {self!r:.200}")
+
+
+class DeliverResults(Reply):
+    """The reply to a deliver with items: one result per item, in the items' order."""
+
+    results: tuple[DeliverResult, ...]
 
 
 class Unchanged(Record):

@@ -2,7 +2,7 @@
 
 The gate (unprivileged, volute-gate.service) decides; the launcher (root,
 volute-launcher.service) carries out. Both sides import this module, so an order is one
-dataclass here, never a string built on either side.
+record here (volutectl/wire/records.py), never a string built on either side.
 
 On the wire: one JSON object per line, `{"v": 1, "order": NAME, ...fields}`, the same
 framing and value checks as the gate's own socket (volutectl/wire/protocol.py), with a much
@@ -25,12 +25,12 @@ import select
 import socket
 import stat
 from collections import deque
-from dataclasses import MISSING, dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self, TypeVar
 
 from volutectl import names
 from volutectl.errors import DataError, VoluteError
 from volutectl.wire import protocol
+from volutectl.wire.records import Message, Record
 
 VERSION = protocol.VERSION
 # Orders carry ids and names only (payloads go by descriptor): 2 MiB holds MAX_IDS ids
@@ -52,113 +52,49 @@ class OrderError(DataError):
     """An order or reply that does not fit its type: the connection is closed."""
 
 
-# -- orders -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StartTurn:
-    """Start turn `turn_id` of `mind` for `session`; its stdin comes as the payload."""
-
-    ORDER: ClassVar[str] = "start"
-    PAYLOAD: ClassVar[int] = MAX_STDIN_BYTES
-    turn_id: int
-    mind: str
-    session: str
-    delivery_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Offer:
-    """Put a folded delivery (its record is the payload) into a running turn's inbox."""
-
-    ORDER: ClassVar[str] = "offer"
-    PAYLOAD: ClassVar[int] = MAX_RECORD_BYTES
-    turn_id: int
-    mind: str
-    delivery_id: int
-
-
-@dataclass(frozen=True)
-class Interrupt:
-    """SIGINT to every process of the turn's scope."""
-
-    ORDER: ClassVar[str] = "interrupt"
-    PAYLOAD: ClassVar[int] = 0
-    turn_id: int
-    mind: str
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Stop the turn's scope (SIGTERM, SIGKILL after its stop timeout); no wait."""
-
-    ORDER: ClassVar[str] = "stop"
-    PAYLOAD: ClassVar[int] = 0
-    turn_id: int
-    mind: str
-
-
-@dataclass(frozen=True)
-class Inspect:
-    """What the turn's directory says of how it ran; `folded`: ids offered to it."""
-
-    ORDER: ClassVar[str] = "inspect"
-    PAYLOAD: ClassVar[int] = 0
-    turn_id: int
-    folded: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Remove:
-    """Remove a settled turn's directory."""
-
-    ORDER: ClassVar[str] = "remove"
-    PAYLOAD: ClassVar[int] = 0
-    turn_id: int
-
-
-@dataclass(frozen=True)
-class Sweep:
-    """Remove the directory of every turn not in `open_ids` (settled ones left behind)."""
-
-    ORDER: ClassVar[str] = "sweep"
-    PAYLOAD: ClassVar[int] = 0
-    open_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Sample:
-    """What each of these running turns' processes have written so far (an `Written`)."""
-
-    ORDER: ClassVar[str] = "sample"
-    PAYLOAD: ClassVar[int] = 0
-    turn_ids: tuple[int, ...]
-
-
-Order = StartTurn | Offer | Interrupt | Stop | Inspect | Remove | Sweep | Sample
-ORDERS: dict[str, type[Order]] = {
-    kind.ORDER: kind for kind in (StartTurn, Offer, Interrupt, Stop, Inspect, Remove, Sweep, Sample)
-}
-
 # -- replies ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Done:
-    REPLY: ClassVar[str] = "done"
+class OrderReply(Record):
+    """A reply of the launcher's; `Refused` may answer any order."""
+
+    REPLY: ClassVar[str]
+    FDS: ClassVar[int] = 0  # descriptors that come beside its line
+    LOCAL: ClassVar[frozenset[str]] = frozenset()  # fields never sent: a descriptor
+
+    def descriptors(self) -> tuple[int, ...]:
+        """What to pass beside the line (SCM_RIGHTS)."""
+        return ()
+
+    def with_fd(self, fd: int) -> Self:
+        """This reply with the descriptor that came beside its line (FDS of them)."""
+        return self
 
 
-@dataclass(frozen=True)
-class Started:
+class Done(OrderReply):
+    REPLY = "done"
+
+
+class Started(OrderReply):
     """The turn runs in its scope, released; its pidfd comes beside the line."""
 
-    REPLY: ClassVar[str] = "started"
+    REPLY = "started"
+    FDS = 1
     pid: int
+    # Never on the line: the descriptor the launcher passes beside it, and the gate's
+    # copy of it once received (the caller's to watch and close).
+    pidfd: int | None = None
+    LOCAL = frozenset({"pidfd"})
+
+    def descriptors(self) -> tuple[int, ...]:
+        return () if self.pidfd is None else (self.pidfd,)
+
+    def with_fd(self, fd: int) -> Self:
+        return type(self)(self.pid, fd)
 
 
-@dataclass(frozen=True)
-class Report:
-    REPLY: ClassVar[str] = "report"
+class Report(OrderReply):
+    REPLY = "report"
     started: bool  # the wrapper got as far as running the command
     exit_status: int | None  # recorded by the wrapper, or reaped by the launcher
     ended_at: float | None
@@ -168,47 +104,132 @@ class Report:
     written_bytes: int | None = None
 
 
-@dataclass(frozen=True)
-class Written:
+class Written(OrderReply):
     """A sample's answer: `written[i]` bytes for `turn_ids[i]`, and which of them wait on
     the disk; a turn the launcher could not read (not its child, or gone) is left out."""
 
-    REPLY: ClassVar[str] = "written"
+    REPLY = "written"
     turn_ids: tuple[int, ...]
     written: tuple[int, ...]
     # The turns (of turn_ids) with a process that waits on the disk (state D) right now.
     blocked: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
-class Refused:
+class Refused(OrderReply):
     """The order was not carried out; `error` says why. For a start: the turn never
     ran (its child, if forked, exited unreleased)."""
 
-    REPLY: ClassVar[str] = "refused"
+    REPLY = "refused"
     error: str
     # systemd gave no answer: nothing of the order took effect that matters (a start's
     # child exited unreleased), and the same order may work in a moment.
     no_answer: bool = False
 
 
-Reply = Done | Started | Report | Written | Refused
-REPLIES: dict[str, type[Reply]] = {
+Reply = OrderReply  # the name the gate's hands and the launcher know it by
+REPLIES: dict[str, type[OrderReply]] = {
     kind.REPLY: kind for kind in (Done, Started, Report, Written, Refused)
 }
+R = TypeVar("R", bound=OrderReply)
 
+# -- orders -----------------------------------------------------------------------------
+
+
+class Order(Message[R]):
+    """An order: `Order[SomeReply]` declares the reply that answers it, on the same base
+    as the gate's requests (volutectl/wire/records.py's Message). Its name is sent as the
+    "order" field; `PAYLOAD` is the most bytes its descriptor may hold (0: none comes)."""
+
+    ORDER: ClassVar[str]
+    PAYLOAD: ClassVar[int] = 0
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        """Strict: the root launcher reads it, so it must hold exactly what we know."""
+        order: Self = _build(cls.ORDER, cls, obj)
+        return order
+
+
+class StartTurn(Order[Started]):
+    """Start turn `turn_id` of `mind` for `session`; its stdin comes as the payload."""
+
+    ORDER = "start"
+    PAYLOAD = MAX_STDIN_BYTES
+    turn_id: int
+    mind: str
+    session: str
+    delivery_ids: tuple[int, ...]
+
+
+class Offer(Order[Done]):
+    """Put a folded delivery (its record is the payload) into a running turn's inbox."""
+
+    ORDER = "offer"
+    PAYLOAD = MAX_RECORD_BYTES
+    turn_id: int
+    mind: str
+    delivery_id: int
+
+
+class Interrupt(Order[Done]):
+    """SIGINT to every process of the turn's scope."""
+
+    ORDER = "interrupt"
+    turn_id: int
+    mind: str
+
+
+class Stop(Order[Done]):
+    """Stop the turn's scope (SIGTERM, SIGKILL after its stop timeout); no wait."""
+
+    ORDER = "stop"
+    turn_id: int
+    mind: str
+
+
+class Inspect(Order[Report]):
+    """What the turn's directory says of how it ran; `folded`: ids offered to it."""
+
+    ORDER = "inspect"
+    turn_id: int
+    folded: tuple[int, ...]
+
+
+class Remove(Order[Done]):
+    """Remove a settled turn's directory."""
+
+    ORDER = "remove"
+    turn_id: int
+
+
+class Sweep(Order[Done]):
+    """Remove the directory of every turn not in `open_ids` (settled ones left behind)."""
+
+    ORDER = "sweep"
+    open_ids: tuple[int, ...]
+
+
+class Sample(Order[Written]):
+    """What each of these running turns' processes have written so far (an `Written`)."""
+
+    ORDER = "sample"
+    turn_ids: tuple[int, ...]
+
+
+ORDERS: dict[str, type[Order[Any]]] = {
+    kind.ORDER: kind for kind in (StartTurn, Offer, Interrupt, Stop, Inspect, Remove, Sweep, Sample)
+}
 
 # -- encoding and strict decoding -------------------------------------------------------
 
 
-def encode(message: Order | Reply) -> bytes:
+def encode(message: Order[Any] | OrderReply) -> bytes:
     if isinstance(message, Order):
         body: dict[str, Any] = {"order": message.ORDER}
     else:
         body = {"reply": message.REPLY}
-    for field in fields(message):
-        value = getattr(message, field.name)
-        body[field.name] = list(value) if isinstance(value, tuple) else value
+    local = message.LOCAL if isinstance(message, OrderReply) else frozenset()
+    body.update((name, value) for name, value in message.to_wire().items() if name not in local)
     return protocol.encode(body)
 
 
@@ -246,8 +267,9 @@ def _build(kind: str, cls: type[Any], body: dict[str, Any], *, tolerant: bool = 
     from an older peer, across an upgrade). `tolerant` also drops fields we do not
     know: for replies only, which the root launcher sends to the gate; an order, which
     the root launcher reads, must hold exactly what we know."""
-    wanted = {field.name: str(field.type) for field in fields(cls)}
-    optional = {f.name for f in fields(cls) if f.default is not MISSING}
+    local: frozenset[str] = getattr(cls, "LOCAL", frozenset())
+    wanted = {name: kind for name, kind in cls.TYPES.items() if name not in local}
+    optional = {name for name in wanted if hasattr(cls, name)}
     extra = sorted(set(body) - set(wanted))
     missing = sorted(set(wanted) - set(body) - optional)
     if (extra and not tolerant) or missing:
@@ -281,21 +303,21 @@ def _body(line: bytes, tag: str) -> tuple[str, dict[str, Any]]:
     return kind, body
 
 
-def decode_order(line: bytes) -> Order:
+def decode_order(line: bytes) -> Order[Any]:
     kind, body = _body(line, "order")
     cls = ORDERS.get(kind)
     if cls is None:
         raise OrderError(f"unknown order {kind!r:.40}")
-    order: Order = _build(kind, cls, body)
+    order: Order[Any] = cls.decode(body)
     return order
 
 
-def decode_reply(line: bytes) -> Reply:
+def decode_reply(line: bytes) -> OrderReply:
     kind, body = _body(line, "reply")
     cls = REPLIES.get(kind)
     if cls is None:
         raise OrderError(f"unknown reply {kind!r:.40}")
-    reply: Reply = _build(kind, cls, body, tolerant=True)
+    reply: OrderReply = _build(kind, cls, body, tolerant=True)
     return reply
 
 

@@ -41,13 +41,14 @@ MAX_DEPTH = 16
 # SQLite stores integers as signed 64 bits; a larger one must never reach the store.
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 # A request holds at most this many values (numbers, strings, arrays, objects, ...)
-# outside a deliver's message. Parsed, each costs the gate 30 to 100 bytes, so a line of
+# outside a deliver's messages. Parsed, each costs the gate 30 to 100 bytes, so a line of
 # a few bytes per value would cost it 20 times its length; the largest request a client
 # sends, a `wait` for 1,000 deliveries, holds 1,002.
 MAX_VALUES = 16_384
-# The one long string a request may hold: a deliver's message. Matched once escaped
-# quotes are out: then a `"` begins or ends a string, and this one is a key.
-_MESSAGE = rb'"message"\s*:\s*"'
+# The long strings a request may hold: a deliver's message, or each of its items'.
+# Matched once escaped quotes are out: then a `"` begins or ends a string, and this one
+# is a key.
+_MESSAGE_KEY = re.compile(rb'"message"\s*:\s*"')
 _KEY = rb'"([^"]*)"\s*:'  # in a line without escaped quotes
 _SEPARATORS = rb"[,\[{]"
 # Enough characters for any 64-bit integer ("-9223372036854775808"): a longer literal is
@@ -154,24 +155,34 @@ def check_cost(line: bytes | bytearray, start: int = 0, *, partial: bool = False
     """Refuse a request line (65, naming the field) that holds more than MAX_VALUES
     values, before it is parsed: a line of 8 MB could otherwise hold a million ids, and
     cost the gate seconds and hundreds of MB. Linear and in C: when the line holds more
-    separators than values allowed, a deliver's message is left out, and they are
+    separators than values allowed, a deliver's messages (each item's) are left out, and they are
     counted again. The line is `line[start:]`; `partial`: its end has not arrived yet
     (a message not yet ended is left out to the end)."""
     if _separators(line, start) <= MAX_VALUES:
         return
     # Without its escaped backslashes and quotes, a string is a `"`, no `"`, a `"`.
     flat = bytes(line[start:]).replace(b"\\\\", b"").replace(b'\\"', b"")
-    found = re.search(_MESSAGE, flat)
-    if found is not None:
-        end = flat.find(b'"', found.end())
-        if end >= 0 or partial:
-            flat = flat[: found.end()] + (flat[end:] if end >= 0 else b"")
-            if _separators(flat) <= MAX_VALUES:
-                return
+    flat = _without_messages(flat, partial)
+    if _separators(flat) <= MAX_VALUES:
+        return
     raise DataError(
         f"{_crowded(flat)}: a request holds at most {MAX_VALUES} values "
         "(numbers, strings, arrays, objects), this one more"
     )
+
+
+def _without_messages(flat: bytes, partial: bool) -> bytes:
+    """`flat` without the text of each message (a deliver's, or each of its items'); one
+    not yet ended is left out to the end if the line is `partial`."""
+    kept, at = [], 0
+    while (found := _MESSAGE_KEY.search(flat, at)) is not None:
+        end = flat.find(b'"', found.end())
+        if end < 0 and not partial:
+            break
+        kept.append(flat[at : found.end()])
+        at = end if end >= 0 else len(flat)
+    kept.append(flat[at:])
+    return b"".join(kept)
 
 
 def _crowded(line: bytes) -> str:

@@ -21,11 +21,47 @@ from volutectl.errors import EX_PROTOCOL, VoluteError
 
 TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: no `typing` import at run time
 if TYPE_CHECKING:
-    from typing import Any, ClassVar, Self, dataclass_transform
+    from collections.abc import Callable
+    from typing import Any, ClassVar, Self, TypeVar, cast, dataclass_transform
+    from typing import Generic as Replying
+
+    ReplyT = TypeVar("ReplyT", bound="Record", covariant=True)
+    A = TypeVar("A", bound="Record")
+    M = TypeVar("M", bound="Message[Any]")
+    S = TypeVar("S")  # what a handler acts on (the gate's state, the launcher)
+    C = TypeVar("C")  # what else a handler is given (who sent it, a payload)
 else:
 
     def dataclass_transform(**_options: object) -> object:
         return lambda cls: cls
+
+    class _Asking:
+        """`Message[SomeReply]` at run time: a base that is the message class itself,
+        and remembers the reply it names (for `Message.answer`)."""
+
+        def __init__(self, cls: type, reply: object) -> None:
+            self.cls, self.reply = cls, reply
+
+        def __mro_entries__(self, bases: tuple[object, ...]) -> tuple[type]:
+            return (self.cls,)
+
+        def __or__(self, other: object) -> object:  # in a type alias: `Request[R] | X`
+            return self.cls | other
+
+        def __ror__(self, other: object) -> object:
+            return other | self.cls
+
+    class Replying:
+        """`Request[SomeReply]` is `Request` itself at run time (`typing.Generic` would
+        cost `volutectl deliver` its import); the reply it names is kept as ANSWER."""
+
+        def __class_getitem__(cls, reply: object) -> object:
+            return _Asking(cls, reply)
+
+    ReplyT = None
+
+    def cast(_kind: object, value: object) -> object:
+        return value
 
 
 class WireError(VoluteError):
@@ -114,6 +150,45 @@ class Record:
             elif not hasattr(cls, name):
                 raise WireError(f"{_path(where, name)}: missing from {cls.__name__}")
         return cls(**values)
+
+
+class Message(Record, Replying[ReplyT]):
+    """A record that asks for a reply: a request on the gate's socket
+    (volutectl/wire/messages.py) or an order on the launcher's (volutectl/wire/orders.py).
+    `Message[SomeReply]` declares the reply that answers it, for the type checker and, as
+    `answer()`, at run time; a refusal (each side has its own) may answer any."""
+
+    ANSWER: ClassVar[object] = None  # set by `Message[SomeReply]`: a class or its name
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        for base in cls.__dict__.get("__orig_bases__", ()):
+            reply = getattr(base, "reply", None)
+            if reply is not None:
+                cls.ANSWER = reply  # a class, or its name (a forward reference)
+
+    @classmethod
+    def answer(cls: type[Message[A]]) -> type[A]:
+        """The reply type declared as `Message[ThatReply]`."""
+        reply = cls.ANSWER
+        found = _RECORDS.get(reply) if isinstance(reply, str) else reply
+        if not (isinstance(found, type) and issubclass(found, Record)):
+            raise TypeError(f"{cls.__name__} declares no reply")  # pragma: no cover - a bug
+        return cast("type[A]", found)
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        """The message from its JSON object (fields checked as each side requires)."""
+        return cls()
+
+    @classmethod
+    def answered_by(
+        cls: type[M], handler: Callable[[S, M, C], ReplyT]
+    ) -> tuple[type[M], Callable[[S, Any, C], ReplyT]]:
+        """This message type and its handler, as an entry of a table keyed by type. The
+        type checker proves that the handler takes this message and returns this
+        message's reply; the table then holds it for messages of this type alone."""
+        return cls, handler
 
 
 def _to_wire(value: object) -> object:
