@@ -406,7 +406,7 @@ def admit(
         starts=[Start(mind, session, tuple(ids)) for (mind, session), ids in started.items()],
         folds=[
             Fold(turn_id, tuple(d.id for d in rows), any(d.interrupt for d in rows))
-            for turn_id, rows in folds.items()
+            for turn_id, rows in sorted(folds.items())
         ],
         holds=holds,
     )
