@@ -21,11 +21,11 @@ what holds a place under the cap, re-adopting turns at start, and each turn's ti
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from volutectl import events, names
+from volutectl.clock import SYSTEM, Clock
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import VoluteError
@@ -55,8 +55,10 @@ class Liveness:
         turns: Turns,
         *,
         wake: Callable[[], None],
+        clock: Clock = SYSTEM,
     ) -> None:
         self.settings = settings
+        self.clock = clock
         self.store = store
         self.manager = manager
         self.turns = turns
@@ -143,7 +145,7 @@ class Liveness:
             try:
                 self.turns.hands.ensure()
             except VoluteError:
-                self.turns.apply(turn, lifecycle.LauncherAway(now=time.time()))
+                self.turns.apply(turn, lifecycle.LauncherAway(now=self.clock.wall()))
                 return
             self.turns.apply(turn, lifecycle.LauncherBack())
         self.turns.apply(turn, self._ask(turn.unit))
@@ -156,7 +158,7 @@ class Liveness:
                 return lifecycle.ScopeGone()
             pids = self.manager.unit_processes(unit)
         except VoluteError as error:
-            return lifecycle.QuestionFailed(error=error.message, now=time.time())
+            return lifecycle.QuestionFailed(error=error.message, now=self.clock.wall())
         if pids is None:
             return lifecycle.ScopeGone()
         return lifecycle.ScopeHolds() if pids else lifecycle.ScopeEmpty(active_state=state)
@@ -168,7 +170,7 @@ class Liveness:
             self.turns.close_pidfd(turn)
             return
         grace = self.settings.turns.leftover_grace_seconds
-        self._learn(turn, lifecycle.MainExited(now=time.time(), grace=grace))
+        self._learn(turn, lifecycle.MainExited(now=self.clock.wall(), grace=grace))
 
     def unit_ended(self, unit: str) -> None:
         """systemd says a turn scope left the live states (or was removed)."""
@@ -226,7 +228,7 @@ class Liveness:
         grace = self.settings.turns.leftover_grace_seconds
         for row in open_turns:
             pidfd, main_gone = self._adopted_main(row)
-            stop_at = time.time() + grace if main_gone else None
+            stop_at = self.clock.wall() + grace if main_gone else None
             turn = self._turn_from_row(row, lifecycle.adopted(pidfd, stop_at))
             self.turns.add(turn)
             if pidfd is not None:

@@ -41,6 +41,7 @@ from dataclasses import replace
 from typing import Any
 
 from volutectl import events
+from volutectl.clock import SYSTEM, Clock
 from volutectl.config.reload import ConfigFile, plan_reload
 from volutectl.config.settings import Settings
 from volutectl.core import admission
@@ -50,7 +51,7 @@ from volutectl.gate.adaptive import AdaptiveLimit
 from volutectl.gate.liveness import Liveness
 from volutectl.gate.outcomes import Settled, Waiters
 from volutectl.gate.pressure import open_for_turns
-from volutectl.gate.reactor import Reactor, from_wall_clock, only_wake
+from volutectl.gate.reactor import Reactor, only_wake
 from volutectl.gate.server import REQUESTS_PER_PASS, Incoming, Server
 from volutectl.gate.serving import Serving
 from volutectl.gate.state import GateState
@@ -101,13 +102,16 @@ class Gate:
         hands: TurnHands | None = None,
         config: ConfigFile | None = None,
         anchors: Sequence[tuple[str, int]] = (),
+        clock: Clock = SYSTEM,
     ) -> None:
         """Open the store, connect to systemd (subscribed before anything is listed, so no
-        turn can end unseen), take the socket, then take back the open turns."""
+        turn can end unseen), take the socket, then take back the open turns. Every part
+        reads the time from `clock` (a test's moves by hand)."""
         self.settings = settings
+        self.clock = clock
         self.config = config  # the file to read again on reload; None: no reload
         self.journal = journal or Journal("volute-gate")
-        self.reactor = Reactor()
+        self.reactor = Reactor(clock)
         self.stopping = False
         self.watchdog: float | None = None
         self.next_ping: float | None = None  # monotonic: the watchdog's next ping
@@ -121,7 +125,7 @@ class Gate:
         try:
             self.state = self._build_state(manager, hands)
             handlers.load_pauses(self.state)  # a pause outlives the gate that took it
-            self.state.config = ConfigStatus(loaded_at=time.time())
+            self.state.config = ConfigStatus(loaded_at=clock.wall())
             if config is not None:
                 self.state.minds_on_disk = config.minds_on_disk
             self._add_deadlines()
@@ -151,7 +155,7 @@ class Gate:
 
     def _build_state(self, manager: SystemdManager | None, hands: TurnHands | None) -> GateState:
         settings, journal = self.settings, self.journal
-        store = IndexedStore(settings.gate.state_dir / "queue.sqlite3")
+        store = IndexedStore(settings.gate.state_dir / "queue.sqlite3", clock=self.clock)
         self._opened.append(store)
         if manager is None:
             from volutectl.systemd.adapter import Manager
@@ -172,8 +176,9 @@ class Gate:
             unwatch_fd=self._unwatch,
             wake=self.mark_dirty,
             processes=manager.unit_processes,
+            clock=self.clock,
         )
-        liveness = Liveness(settings, store, manager, turns, wake=self.mark_dirty)
+        liveness = Liveness(settings, store, manager, turns, wake=self.mark_dirty, clock=self.clock)
         slots = SlotWatch(
             settings.tests.repositories,
             settings.gate.state_dir / "repositories.json",
@@ -194,6 +199,8 @@ class Gate:
             journal=journal,
             limits=limits_of(settings),
             notify=self._notify,
+            clock=self.clock,
+            status_asks=status.SystemdAsks(clock=self.clock.monotonic),
         )
 
     def _hands(self, store: IndexedStore, manager: SystemdManager) -> TurnHands:
@@ -278,7 +285,7 @@ class Gate:
             )
         )
         self.watchdog = watchdog_interval() if self.settings.gate.watchdog else None
-        self.next_ping = time.monotonic() + self.watchdog if self.watchdog else None
+        self.next_ping = self.clock.monotonic() + self.watchdog if self.watchdog else None
         try:
             while not self.stopping:
                 self.step(self.timeout())
@@ -296,7 +303,7 @@ class Gate:
 
     def _on_pressure(self, mask: int) -> None:
         assert self.state.pressure is not None
-        if self.state.pressure.on_ready(time.monotonic()):
+        if self.state.pressure.on_ready(self.clock.monotonic()):
             self.state.dirty = True
 
     def _on_stop(self, mask: int) -> None:
@@ -316,6 +323,7 @@ class Gate:
         """Read the config file again and apply it, or refuse it and keep the running
         one. systemd hears RELOADING=1 first, and READY=1 once it is done."""
         sd_notify(
+            # systemd compares it with its own CLOCK_MONOTONIC: the host's, not the gate's
             f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}\n"
             "STATUS=reloading the config"
         )
@@ -330,7 +338,7 @@ class Gate:
             self.state.config = ConfigStatus(
                 loaded_at=running.loaded_at,
                 refused=text,
-                refused_at=time.time(),
+                refused_at=self.clock.wall(),
                 needs_restart=running.needs_restart,
             )
             self.journal.emit(events.GateConfigRefused(error=text))
@@ -338,14 +346,14 @@ class Gate:
             plan = plan_reload(self.settings, read)
             self.apply(plan.settings)
             self.state.config = ConfigStatus(
-                loaded_at=time.time(), needs_restart=plan.needs_restart
+                loaded_at=self.clock.wall(), needs_restart=plan.needs_restart
             )
             self.journal.emit(
                 events.GateConfigReloaded(
                     changed=" ".join(plan.changed), needs_restart=" ".join(plan.needs_restart)
                 )
             )
-        line = status.gate_line(self.state, time.time(), len(self.state.slots.held()))
+        line = status.gate_line(self.state, self.clock.wall(), len(self.state.slots.held()))
         self.notifier.last = line
         sd_notify(f"READY=1\nSTATUS={line}")
 
@@ -445,10 +453,10 @@ class Gate:
 
     def _backoff_deadline(self) -> float | None:
         """The next backoff to end. One that has ended stays due until a pass took it."""
-        now = time.time()
+        now = self.clock.wall()
         if self.backoff_wake is None or self.backoff_wake > now:
             self.backoff_wake = self.state.store.next_backoff_deadline(after=now)
-        return from_wall_clock(self.backoff_wake)
+        return self.reactor.from_wall_clock(self.backoff_wake)
 
     def _on_backoff_end(self, now: float) -> None:
         self.backoff_wake = None
@@ -464,10 +472,10 @@ class Gate:
 
     def _turn_deadline(self) -> float | None:
         """A turn's time limit (stored on the wall clock), or a question to systemd due."""
-        return from_wall_clock(self.state.liveness.next_deadline())
+        return self.reactor.from_wall_clock(self.state.liveness.next_deadline())
 
     def _on_turn_deadline(self, now: float) -> None:
-        self._guarded("a turn's deadline", self.state.liveness.on_deadline, time.time())
+        self._guarded("a turn's deadline", self.state.liveness.on_deadline, self.clock.wall())
 
     # -- one pass ---------------------------------------------------------------------------
 
@@ -488,14 +496,14 @@ class Gate:
         # the next pass tries again (what was not synced is still in the WAL).
         self._guarded("syncing the queue", self.state.store.sync)
         idle = not (ready or served or events)  # woke for deadlines alone
-        mono = time.monotonic()
+        mono = self.clock.monotonic()
         self._guarded("retention", self.retention.on_pass, mono, idle, self.started)
 
     def _serve_requests(self) -> int:
         """Serve this pass's share of the requests that arrived, batch after batch, and
         feed the watchdog between batches: at most server.REQUESTS_PER_PASS of them, and
         none begun after PASS_SECONDS (volutectl/gate/serving.py). How many were served."""
-        deadline = time.monotonic() + PASS_SECONDS
+        deadline = self.clock.monotonic() + PASS_SECONDS
         served = 0
         while served < REQUESTS_PER_PASS:
             left, self.serving.left = self.serving.left, []
@@ -505,7 +513,7 @@ class Gate:
             if not incoming:
                 break
             served += self.serving.serve(incoming, deadline)
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if self.next_ping is not None and now >= self.next_ping:
                 self._ping_watchdog(now)
             if self.serving.left or now >= deadline:
@@ -540,7 +548,7 @@ class Gate:
         except (VoluteError, sqlite3.Error, OSError) as error:
             text = error.message if isinstance(error, VoluteError) else str(error)
             failing = events.AdmissionFailing(error=text, retry_seconds=ADMIT_RETRY_SECONDS)
-            self.admit_retry = self.admit_latch.failed(failing, time.monotonic())
+            self.admit_retry = self.admit_latch.failed(failing, self.clock.monotonic())
             self.notifier.update(f"admission failing, no turn starts: {text}")
             return
         self.admit_latch.works(events.AdmissionWorks())
@@ -558,11 +566,11 @@ class Gate:
         test_runs = 0
         if self.settings.limits.test_runs_count_as_turns:
             test_runs = len(state.slots.held())
-        now = time.time()
+        now, mono = self.clock.wall(), self.clock.monotonic()
         pressure = state.pressure
         adaptive = state.adaptive
         assert adaptive is not None
-        adaptive.before_pass(time.monotonic())
+        adaptive.before_pass(mono)
         decision, changes = state.store.index.admit(
             live,
             replace(
@@ -590,16 +598,16 @@ class Gate:
             state.turns.start(start, now)
         if state.turns.systemd_silent:
             state.turns.systemd_silent = False
-            self.admit_retry = time.monotonic() + ADMIT_RETRY_SECONDS
+            self.admit_retry = mono + ADMIT_RETRY_SECONDS
         if pressure is not None and decision.starts:
-            pressure.note_started(time.monotonic())
+            pressure.note_started(mono)
         state.turns.record_holds(changes, now)
         others = state.foreign_live + test_runs
         busy = len(live) + len(decision.starts) + others
-        adaptive.track(time.monotonic(), {turn.id: turn.mind for turn in state.turns.all()})
+        adaptive.track(mono, {turn.id: turn.mind for turn in state.turns.all()})
         load = adaptive.load_of([t.mind for t in live], [s.mind for s in decision.starts])
         waiting = state.store.index.counts[HoldReason.ADAPTIVE_LIMIT]
-        adaptive.after_pass(time.monotonic(), busy, waiting, load + others)
+        adaptive.after_pass(mono, busy, waiting, load + others)
         self.notifier.update(status.gate_line(state, now, test_runs))
 
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-import time
 from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 
 from volutectl import events, names
+from volutectl.clock import SYSTEM, Clock
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import SystemdNoAnswer, VoluteError
@@ -87,8 +87,10 @@ class Turns:
         unwatch_fd: Callable[[int], None],
         wake: Callable[[], None],
         processes: Callable[[str], list[int] | None],
+        clock: Clock = SYSTEM,
     ) -> None:
         self.settings = settings
+        self.clock = clock
         self.store = store
         self.hands = hands
         self.journal = journal
@@ -263,7 +265,7 @@ class Turns:
         """The launcher was lost during the start: the turn may run, or may never have.
         It keeps its place, as an adopted turn does, until systemd says which."""
         self.journal.emit(events.TurnStartUnknown(**events.turn_fields(turn), error=error.message))
-        self._after_start(turn, lifecycle.LauncherLost(now=time.time()), [], error.message)
+        self._after_start(turn, lifecycle.LauncherLost(now=self.clock.wall()), [], error.message)
 
     def _start_unanswered(self, turn: Turn, taken: list[Row], error: SystemdNoAnswer) -> None:
         """systemd gave no answer about the scope (a daemon-reexec drops every call in
@@ -294,7 +296,9 @@ class Turns:
             # its place as one whose start is unknown, until systemd's word settles it
             # (as never run: no attempt), as a gate restarted now would.
             self.journal.emit(events.TurnNotSettled(**events.turn_fields(turn), error=str(refused)))
-            turn.state, effects = lifecycle.step(starting, lifecycle.LauncherLost(now=time.time()))
+            turn.state, effects = lifecycle.step(
+                starting, lifecycle.LauncherLost(now=self.clock.wall())
+            )
             for effect in effects:
                 self._carry_out(turn, effect)
 
@@ -312,7 +316,7 @@ class Turns:
                     returned=[row.id for row in taken],
                     failed={},
                     error=error,
-                    now=time.time(),
+                    now=self.clock.wall(),
                 )
                 self.systemd_silent = True  # the gate starts nothing more for a second
             elif isinstance(effect, lifecycle.FailDeliveries):
@@ -333,7 +337,7 @@ class Turns:
             returned=[],
             failed=failed,
             error=error,
-            now=time.time(),
+            now=self.clock.wall(),
         )
         crash_point("start_failure_recorded")
         self.tell_dead(taken, failed, error)
@@ -402,7 +406,7 @@ class Turns:
             # place until it can be settled.
             text = error.message if isinstance(error, VoluteError) else str(error)
             self.journal.emit(events.TurnNotSettled(**events.turn_fields(turn), error=text))
-            self.apply(turn, lifecycle.SettleFailed(now=time.time()))
+            self.apply(turn, lifecycle.SettleFailed(now=self.clock.wall()))
 
     def _record_timeout(self, turn: Turn, now: float) -> None:
         """The turn ran past its limit: record it (its scope is stopped next)."""
@@ -461,7 +465,7 @@ class Turns:
                 self.journal.emit(
                     events.TurnStopFailed(**events.turn_fields(turn), error=error.message)
                 )
-            self.apply(turn, lifecycle.LeftoversStopFailed(now=time.time()))
+            self.apply(turn, lifecycle.LeftoversStopFailed(now=self.clock.wall()))
 
     def stop_quietly(self, unit: str) -> None:
         """Stop a turn scope, by the name the launcher derives; a failure is only logged."""
@@ -478,7 +482,7 @@ class Turns:
     def failures(self, rows: Iterable[Row]) -> dict[int, admission.AfterFailure]:
         """Count an attempt for each row: backoff, or dead after the last."""
         gate = self.settings.gate
-        now = time.time()
+        now = self.clock.wall()
         return {
             row.id: admission.after_failure(
                 row.attempts,
@@ -538,7 +542,7 @@ class Turns:
 
     def finish(self, turn: Turn) -> None:
         """Nothing of the turn runs any more: settle its deliveries and free its place."""
-        now = time.time()
+        now = self.clock.wall()
         rows = self.store.rows_of_turn(turn.id)
         report = self.hands.inspect(turn.id, [row.id for row in rows if row.folded])
         if report.written_bytes is not None and self.on_written is not None:
@@ -669,7 +673,7 @@ class Turns:
             returned=ids if outcome.kind is Outcome.NEVER_RAN else [],
             failed=failed,
             error=error,
-            now=time.time(),
+            now=self.clock.wall(),
         )
         for row in rows:
             after = failed.get(row.id)
