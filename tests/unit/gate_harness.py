@@ -238,7 +238,9 @@ class Harness:
         deadline of the gate's on the way, with a pass there, and a pass at the end."""
         clock = self.clock
         assert isinstance(clock, FakeClock), "advance() moves a FakeClock"
-        end = clock.monotonic() + seconds
+        # A hair more: a wall-clock deadline, turned into the monotonic clock, may land a
+        # rounding error (1e-7 s near 2026's epoch seconds) after the moment it names.
+        end = clock.monotonic() + seconds + 1e-6
         self.step(0)
         while (left := end - clock.monotonic()) > 0:
             timeout = self.gate.timeout()
