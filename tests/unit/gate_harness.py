@@ -25,6 +25,7 @@ from tests.unit.fake_systemd import FakeManager
 from volutectl.clock import SYSTEM, Clock
 from volutectl.config.settings import Settings
 from volutectl.events import BaseEvent
+from volutectl.gate.adaptive import Sensor
 from volutectl.gate.loop import Gate
 from volutectl.launcher.hands import LocalHands
 from volutectl.launcher.service import Launcher
@@ -199,9 +200,11 @@ class Harness:
         start: bool = True,
         remote: bool = False,
         clock: Clock = SYSTEM,
+        sensor: Sensor | None = None,
         **options: Any,
     ) -> None:
         self.clock = clock
+        self.sensor = sensor
         self.socket_dir = short_socket_dir()
         self.socket_path = self.socket_dir / "gate.sock"
         self.journal = RecordingJournal()
@@ -296,7 +299,11 @@ class Harness:
     def restart(self) -> None:
         """A (new) gate on the state directory, socket and systemd of this harness."""
         self.gate = Gate(
-            self.settings, manager=self.manager, journal=self.journal, clock=self.clock
+            self.settings,
+            manager=self.manager,
+            journal=self.journal,
+            clock=self.clock,
+            sensor=self.sensor,
         )
 
     def close(self) -> None:

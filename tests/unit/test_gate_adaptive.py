@@ -529,3 +529,64 @@ def test_a_sample_that_fails_leaves_turns_at_their_minds_cost_and_waits_to_try_a
     hands.sample = original  # type: ignore[method-assign]
     hold.unlink()
     harness.pump(lambda: running(harness) == 0 and not holds(harness), timeout=20)
+
+
+class ScriptedSensor:
+    """A sensor the test scripts (the gate's Sensor): no probe, and PSI's cumulative
+    stall as the test sets it, or why it cannot be read. Counts its reads."""
+
+    def __init__(self) -> None:
+        self.probe: gate_adaptive.Probe | None = None
+        self.psi_path: Path | None = None
+        self.total: int | str | None = 0
+        self.reads = 0
+
+    def psi_total(self) -> int | str | None:
+        self.reads += 1
+        return self.total
+
+    def use_pressure_file(self, path: Path) -> None:
+        self.psi_path = path
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_gate_reads_its_sensor_once_an_interval_and_falls_back_while_it_fails(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    sensor = ScriptedSensor()
+    config = {"start": 2, "minimum": 1, "maximum": 4, "interval_seconds": 10.0}
+    harness = Harness(
+        tmp_path, minds=MINDS, limits={"adaptive": config}, clock=FakeClock(), sensor=sensor
+    )
+    harnesses.append(harness)
+    writing(harness)
+    adaptive = limit_of(harness)
+    assert adaptive.sensor is sensor
+    for mind in MINDS:
+        deliver(harness, mind)
+    harness.pump(lambda: running(harness) == 2 and holds(harness) == {"adaptive_limit": 3})
+    assert sensor.reads == 1 and adaptive.last is None  # the interval's mark, no reading
+    sensor.total = "io.pressure cannot be read (gone)"
+    harness.advance(10.0 * 0.99)
+    assert sensor.reads == 1 and adaptive.last is None  # not before the interval ends
+    harness.advance(10.0 * 0.01)
+    assert sensor.reads == 2 and mode_of(adaptive) is AdaptiveMode.FALLBACK
+    [fallback] = harness.journal.of(events.AdaptiveFallback)
+    assert (fallback.limit, fallback.why) == (2, "io.pressure cannot be read (gone)")
+    harness.advance(10.0)  # still failing: still fallback, said once
+    assert sensor.reads == 3 and mode_of(adaptive) is AdaptiveMode.FALLBACK
+    assert len(harness.journal.of(events.AdaptiveFallback)) == 1
+    sensor.total = 1_000_000
+    harness.advance(10.0)  # reads again: measuring again, from the start value
+    assert sensor.reads == 4 and mode_of(adaptive) is AdaptiveMode.ADAPTIVE
+    [measuring] = harness.journal.of(events.AdaptiveMeasuring)
+    assert measuring.limit == 2
+    sensor.total = 1_000_000 + 6_000_000  # 6 s stalled of the 10 s interval
+    harness.advance(10.0)
+    assert sensor.reads == 5 and adaptive.last is not None
+    assert adaptive.last.stalled == pytest.approx(0.6)
+    assert running(harness) == 2 and adaptive.deadline() == pytest.approx(
+        harness.clock.monotonic() + 10.0, abs=1e-3
+    )  # the next reading, one interval on

@@ -24,7 +24,8 @@ last, and only in a pass that started no turn.
 reload volute-gate`) has it read its config file again in the loop (`reload`): what
 volutectl/config/reload.py says may change applies at once, running turns and the
 queue untouched; an invalid file is refused and the running config stays. Tests build
-it with a fake systemd (tests/unit/fake_systemd.py) and drive `step()` themselves. The
+it with a fake systemd (tests/unit/fake_systemd.py), often a clock they move by hand
+(tests/unit/fake_clock.py), and drive `step()` themselves. The
 CLI edge (signals, sd_notify) is volutectl/cli/gate.py.
 """
 
@@ -47,7 +48,7 @@ from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import VoluteError, one_line
 from volutectl.gate import handlers, status
-from volutectl.gate.adaptive import AdaptiveLimit
+from volutectl.gate.adaptive import AdaptiveLimit, Sensor
 from volutectl.gate.liveness import Liveness
 from volutectl.gate.outcomes import Settled, Waiters
 from volutectl.gate.pressure import open_for_turns
@@ -103,12 +104,12 @@ class Gate:
         config: ConfigFile | None = None,
         anchors: Sequence[tuple[str, int]] = (),
         clock: Clock = SYSTEM,
+        sensor: Sensor | None = None,
     ) -> None:
         """Open the store, connect to systemd (subscribed before anything is listed, so no
         turn can end unseen), take the socket, then take back the open turns. Every part
-        reads the time from `clock` (a test's moves by hand)."""
-        self.settings = settings
-        self.clock = clock
+        reads `clock`; the adaptive limit measures with `sensor` (gate/adaptive.py's)."""
+        self.settings, self.clock, self._sensor = settings, clock, sensor
         self.config = config  # the file to read again on reload; None: no reload
         self.journal = journal or Journal("volute-gate")
         self.reactor = Reactor(clock)
@@ -230,7 +231,7 @@ class Gate:
         self.state.pressure = pressure
 
     def _open_adaptive(self) -> None:
-        adaptive = AdaptiveLimit(self.settings, self.journal.emit)
+        adaptive = AdaptiveLimit(self.settings, self.journal.emit, sensor=self._sensor)
         self._opened.append(adaptive)
         if adaptive.probe is not None:
             self.reactor.watch(adaptive.probe.fileno(), adaptive.on_probe_done)
@@ -566,11 +567,11 @@ class Gate:
         test_runs = 0
         if self.settings.limits.test_runs_count_as_turns:
             test_runs = len(state.slots.held())
-        now, mono = self.clock.wall(), self.clock.monotonic()
+        now, clock = self.clock.wall(), self.clock
         pressure = state.pressure
         adaptive = state.adaptive
         assert adaptive is not None
-        adaptive.before_pass(mono)
+        adaptive.before_pass(clock.monotonic())
         decision, changes = state.store.index.admit(
             live,
             replace(
@@ -598,16 +599,16 @@ class Gate:
             state.turns.start(start, now)
         if state.turns.systemd_silent:
             state.turns.systemd_silent = False
-            self.admit_retry = mono + ADMIT_RETRY_SECONDS
+            self.admit_retry = clock.monotonic() + ADMIT_RETRY_SECONDS
         if pressure is not None and decision.starts:
-            pressure.note_started(mono)
+            pressure.note_started(clock.monotonic())
         state.turns.record_holds(changes, now)
         others = state.foreign_live + test_runs
         busy = len(live) + len(decision.starts) + others
-        adaptive.track(mono, {turn.id: turn.mind for turn in state.turns.all()})
+        adaptive.track(clock.monotonic(), {turn.id: turn.mind for turn in state.turns.all()})
         load = adaptive.load_of([t.mind for t in live], [s.mind for s in decision.starts])
         waiting = state.store.index.counts[HoldReason.ADAPTIVE_LIMIT]
-        adaptive.after_pass(mono, busy, waiting, load + others)
+        adaptive.after_pass(clock.monotonic(), busy, waiting, load + others)
         self.notifier.update(status.gate_line(state, now, test_runs))
 
 
