@@ -19,10 +19,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tests.unit.fake_clock import FakeClock
 from tests.unit.fake_gate import remove_tree, short_socket_dir
 from tests.unit.fake_systemd import FakeManager
+from volutectl.clock import SYSTEM, Clock
 from volutectl.config.settings import Settings
 from volutectl.events import BaseEvent
+from volutectl.gate.adaptive import Sensor
 from volutectl.gate.loop import Gate
 from volutectl.launcher.hands import LocalHands
 from volutectl.launcher.service import Launcher
@@ -186,9 +189,22 @@ class LauncherThread:
 
 
 class Harness:
+    """`clock`: the gate's clock. A FakeClock stands still but when the test moves it
+    (`advance`), so deadlines, backoffs and readings come exactly then; turns, sockets
+    and `pump`'s timeout stay on the real clock."""
+
     def __init__(
-        self, tmp_path: Path, *, start: bool = True, remote: bool = False, **options: Any
+        self,
+        tmp_path: Path,
+        *,
+        start: bool = True,
+        remote: bool = False,
+        clock: Clock = SYSTEM,
+        sensor: Sensor | None = None,
+        **options: Any,
     ) -> None:
+        self.clock = clock
+        self.sensor = sensor
         self.socket_dir = short_socket_dir()
         self.socket_path = self.socket_dir / "gate.sock"
         self.journal = RecordingJournal()
@@ -220,8 +236,25 @@ class Harness:
             wait = self.gate.timeout()
             self.step(tick if wait is None else min(wait, tick))
 
+    def advance(self, seconds: float) -> None:
+        """Move the fake clock on by `seconds`, as the real loop would live them: to each
+        deadline of the gate's on the way, with a pass there, and a pass at the end."""
+        clock = self.clock
+        assert isinstance(clock, FakeClock), "advance() moves a FakeClock"
+        # A hair more: a wall-clock deadline, turned into the monotonic clock, may land a
+        # rounding error (1e-7 s near 2026's epoch seconds) after the moment it names.
+        end = clock.monotonic() + seconds + 1e-6
+        self.step(0)
+        while (left := end - clock.monotonic()) > 0:
+            timeout = self.gate.timeout()
+            # A deadline that stays due until a pass takes it asks for no sleep: a tick.
+            clock.advance(left if timeout is None else min(max(timeout, 0.001), left))
+            self.step(0)
+
     def run_for(self, seconds: float) -> None:
-        """Step as the real loop does (sleeping until the gate's own deadline), for a while."""
+        """Step as the real loop does (sleeping until the gate's own deadline), for a
+        while of the real clock: for tests whose point is the real clock."""
+        assert not isinstance(self.clock, FakeClock), "on a FakeClock: advance()"
         end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
             timeout = self.gate.timeout()
@@ -265,7 +298,13 @@ class Harness:
 
     def restart(self) -> None:
         """A (new) gate on the state directory, socket and systemd of this harness."""
-        self.gate = Gate(self.settings, manager=self.manager, journal=self.journal)
+        self.gate = Gate(
+            self.settings,
+            manager=self.manager,
+            journal=self.journal,
+            clock=self.clock,
+            sensor=self.sensor,
+        )
 
     def close(self) -> None:
         for peer in self.peers:

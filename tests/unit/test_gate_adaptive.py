@@ -6,21 +6,22 @@ value, a restarted gate starts at the start value, and an idle gate does not wak
 
 Readings are fed with `AdaptiveLimit.apply` where a test wants the limit to move (the
 rule itself is tests/unit/test_adaptive.py's); the real probe and PSI run where a test
-is about measuring (fallback, idling).
+is about measuring (fallback, idling). The gate's clock is tests/unit/fake_clock.py's:
+its own readings come only when the test moves the clock to them (`read_until`), so a
+fed reading is never joined by one of the gate's at random.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
-import time
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.unit.fake_clock import FakeClock
 from tests.unit.gate_harness import Harness
 from tests.unit.test_gate_pause import deliver, notified, request, statuses
 from volutectl import events
@@ -46,7 +47,9 @@ PSI = (
 def adaptive_harness(tmp_path: Path, harnesses: list[Harness], **limits: Any) -> Harness:
     config = {"start": 2, "minimum": 1, "maximum": 4, "interval_seconds": 10.0}
     config |= limits.pop("adaptive", {})
-    harness = Harness(tmp_path, minds=MINDS, limits={"adaptive": config, **limits})
+    harness = Harness(
+        tmp_path, minds=MINDS, limits={"adaptive": config, **limits}, clock=FakeClock()
+    )
     harnesses.append(harness)
     writing(harness)
     return harness
@@ -90,7 +93,7 @@ def feed(harness: Harness, latency_ms: float) -> None:
     """One reading, as if the interval had ended: the probe took `latency_ms`."""
     adaptive = limit_of(harness)
     reading = Reading(
-        now=time.monotonic(),
+        now=harness.clock.monotonic(),
         latency_ms=latency_ms,
         stalled=None,
         running=running(harness),
@@ -105,16 +108,43 @@ def fan_out(harness: Harness) -> list[int]:
     in a row that move nothing (GROW_AFTER - 1), so that the next healthy one grows it."""
     ids = [deliver(harness, mind) for mind in MINDS]
     harness.pump(lambda: running(harness) == 2 and sum(holds(harness).values()) == 3)
-    # A test with a short interval has the gate's own readings (a healthy tmp disk) while
-    # it pumps: they count towards the healthy run too. Start the run here, so that what
-    # follows counts the fed readings alone (CI once grew to 3 a reading early).
+    # The clock stood still: the gate took no reading of its own, so what follows counts
+    # the fed readings alone.
     adaptive = limit_of(harness)
-    assert adaptive.limit() == 2
-    adaptive.controller = replace(adaptive.controller, healthy=0)
+    assert adaptive.limit() == 2 and adaptive.last is None
+    assert adaptive.controller.healthy == 0
     for _ in range(GROW_AFTER - 1):
         feed(harness, 1.0)
     assert limit_of(harness).limit() == 2
     return ids
+
+
+def read_until(harness: Harness, until: Callable[[], bool], most: int = 50) -> None:
+    """The gate's own readings, one interval of the clock at a time, until `until()`:
+    each waits for the real probe in flight to answer (a real disk), then the clock
+    moves to the reading's deadline."""
+    adaptive = limit_of(harness)
+    for _ in range(most):
+        if until():
+            return
+        harness.pump(lambda: adaptive.probe is None or not adaptive.probe.in_flight)
+        due = adaptive.deadline()
+        harness.advance(adaptive.interval if due is None else due - harness.clock.monotonic())
+    raise AssertionError(f"not after {most} readings: {until}")
+
+
+def readings(harness: Harness, count: int) -> None:
+    """`count` of the gate's own readings (read_until's)."""
+    taken = [0]
+    adaptive = limit_of(harness)
+    last = [adaptive.last]
+
+    def counted() -> bool:
+        if adaptive.last is not last[0]:
+            taken[0], last[0] = taken[0] + 1, adaptive.last
+        return taken[0] >= count
+
+    read_until(harness, counted)
 
 
 def test_the_limit_holds_a_fan_out_with_its_own_reason_and_moves_with_readings(
@@ -128,12 +158,12 @@ def test_the_limit_holds_a_fan_out_with_its_own_reason_and_moves_with_readings(
     harness.pump(lambda: running(harness) == 4)
     assert holds(harness) == {HoldReason.ADAPTIVE_LIMIT: 1}
     feed(harness, 1.0)  # at the maximum: no further
-    harness.run_for(0.1)
+    harness.advance(0)
     assert running(harness) == 4 and limit_of(harness).limit() == 4
     feed(harness, 500.0)  # far over healthy: down by one...
     feed(harness, 500.0)  # ...and by a third when it lasts; running turns go on
     assert limit_of(harness).limit() == 2
-    harness.run_for(0.1)
+    harness.advance(0)
     assert running(harness) == 4 and holds(harness) == {HoldReason.ADAPTIVE_LIMIT: 1}
 
 
@@ -152,7 +182,7 @@ def test_each_move_is_one_event_and_moves_within_a_few_seconds_are_said_together
     assert first.message_id() is not None
     log = limit_of(harness).log
     due = log.deadline()
-    assert due is not None and due > time.monotonic() + EVENT_SECONDS - 1
+    assert due is not None and due == pytest.approx(harness.clock.monotonic() + EVENT_SECONDS)
     log.on_deadline(due)
     second = harness.journal.of(events.AdaptiveLimitChanged)[1]
     assert (second.old_limit, second.new_limit, second.changes) == (4, 8, 1)
@@ -184,7 +214,7 @@ def test_status_and_the_status_line_show_the_mode_and_the_limit(
 ) -> None:
     harness = adaptive_harness(tmp_path, harnesses, global_concurrent_turns=8)
     fan_out(harness)
-    harness.run_for(0.05)
+    harness.advance(0)
     line = "2/2 turns (adaptive limit, ceiling 8), 3 held (adaptive_limit), "
     assert statuses(notified)[-1].startswith(line)
     feed(harness, 1.0)
@@ -224,22 +254,22 @@ def test_a_psi_file_that_turns_to_garbage_falls_back_to_the_start_value(
     adaptive = limit_of(harness)
     adaptive.use_pressure_file(psi)
     fan_out(harness)
-    harness.run_for(0.25)  # readings go on: PSI reads, the probe answers
+    readings(harness, 2)  # readings go on: PSI reads, the probe answers
     assert mode_of(adaptive) is AdaptiveMode.ADAPTIVE and adaptive.last is not None
     adaptive.controller = Controller(limit=3)  # as if it had grown
     psi.write_text("some garbage\n")
-    harness.pump(lambda: mode_of(adaptive) is AdaptiveMode.FALLBACK)
+    read_until(harness, lambda: mode_of(adaptive) is AdaptiveMode.FALLBACK)
     [fallback] = harness.journal.of(events.AdaptiveFallback)
     assert fallback.limit == 2 and str(psi) in fallback.why
     status = request(harness, op="status")["status"]["adaptive"]
     assert (status["mode"], status["limit"]) == ("fallback", 2)
     assert str(psi) in status["reason"]
     psi.unlink()  # gone altogether: still fallback, said once
-    harness.run_for(0.25)
+    readings(harness, 2)
     assert mode_of(adaptive) is AdaptiveMode.FALLBACK
     assert len(harness.journal.of(events.AdaptiveFallback)) == 1
     psi.write_text(PSI.format(2000))  # back: it measures again, from the start value
-    harness.pump(lambda: mode_of(adaptive) is AdaptiveMode.ADAPTIVE)
+    read_until(harness, lambda: mode_of(adaptive) is AdaptiveMode.ADAPTIVE)
     [again] = harness.journal.of(events.AdaptiveMeasuring)
     assert again.limit == 2
 
@@ -257,7 +287,7 @@ def test_a_restarted_gate_starts_at_the_start_value_not_where_it_was(
     writing(harness)  # the new gate's hands
     assert limit_of(harness).limit() == 2
     harness.pump(lambda: len(harness.gate.state.turns.all()) == 4)  # adopted, not stopped
-    harness.run_for(0.1)
+    harness.advance(0)
     # Four run (adopted), over the limit: none of them is stopped, and the fifth waits.
     assert holds(harness) == {HoldReason.ADAPTIVE_LIMIT: 1}
     status = request(harness, op="status")["status"]["adaptive"]
@@ -332,7 +362,7 @@ def test_a_probe_that_fails_falls_back_to_the_start_value(
     # of fallback between two of its own (a second AdaptiveFallback entry, at random).
     for mind in MINDS:
         deliver(harness, mind)
-    harness.pump(lambda: mode_of(adaptive) is AdaptiveMode.FALLBACK)
+    read_until(harness, lambda: mode_of(adaptive) is AdaptiveMode.FALLBACK)
     [fallback] = harness.journal.of(events.AdaptiveFallback)
     assert "the probe of" in fallback.why and "no such directory" in fallback.why
     assert adaptive.limit() == 2
@@ -361,13 +391,11 @@ def test_a_psi_file_lost_with_no_other_to_read_stays_in_fallback_and_doctor_says
     adaptive = limit_of(harness)
     assert adaptive.psi_path == psi
     fan_out(harness)
-    harness.run_for(0.25)
+    readings(harness, 2)
     assert mode_of(adaptive) is AdaptiveMode.ADAPTIVE
     psi.write_text("garbage\n")
-    harness.pump(lambda: mode_of(adaptive) is AdaptiveMode.FALLBACK)
-    readings = adaptive.last
-    harness.pump(lambda: adaptive.last is not readings, timeout=5)
-    harness.run_for(0.5)  # several readings with no PSI file at all: still fallback
+    read_until(harness, lambda: mode_of(adaptive) is AdaptiveMode.FALLBACK)
+    readings(harness, 5)  # several readings with no PSI file at all: still fallback
     assert mode_of(adaptive) is AdaptiveMode.FALLBACK and adaptive.limit() == 2
     assert harness.journal.of(events.AdaptiveMeasuring) == []
     assert len(harness.journal.of(events.AdaptiveFallback)) == 1
@@ -377,7 +405,7 @@ def test_a_psi_file_lost_with_no_other_to_read_stays_in_fallback_and_doctor_says
     assert str(psi) in check.found
 
     psi.write_text(PSI.format(5000))  # readable again: measuring again
-    harness.pump(lambda: mode_of(adaptive) is AdaptiveMode.ADAPTIVE)
+    read_until(harness, lambda: mode_of(adaptive) is AdaptiveMode.ADAPTIVE)
     assert len(harness.journal.of(events.AdaptiveMeasuring)) == 1
     assert doctor_check(harness).status == "ok"
 
@@ -466,13 +494,18 @@ def test_a_sample_that_fails_leaves_turns_at_their_minds_cost_and_waits_to_try_a
     hold.touch()
     stay = f"while [ -e {hold} ]; do sleep 0.05; done"
     config = {"start": 1, "minimum": 1, "maximum": 4, "interval_seconds": 10.0}
-    harness = Harness(tmp_path, minds={"a": stay, "b": stay}, limits={"adaptive": config})
+    harness = Harness(
+        tmp_path,
+        minds={"a": stay, "b": stay},
+        limits={"adaptive": config},
+        clock=FakeClock(),
+    )
     harnesses.append(harness)
     adaptive = limit_of(harness)
     asked: list[float] = []
 
     def refuse(turn_ids: Sequence[int]) -> dict[int, Written]:
-        asked.append(time.monotonic())
+        asked.append(harness.clock.monotonic())
         raise VoluteError("unknown order 'sample'")  # an older launcher
 
     hands = harness.gate.state.turns.hands
@@ -481,10 +514,14 @@ def test_a_sample_that_fails_leaves_turns_at_their_minds_cost_and_waits_to_try_a
     deliver(harness, "a")
     deliver(harness, "b")
     harness.pump(lambda: running(harness) == 1 and holds(harness) == {"adaptive_limit": 1})
-    harness.pump(lambda: bool(asked))  # at a's probation's end
+    started = harness.clock.monotonic()
+    harness.advance(PROBATION_SECONDS * 0.9)
+    assert asked == []
+    harness.advance(PROBATION_SECONDS * 0.1)
+    assert asked == [pytest.approx(started + PROBATION_SECONDS, abs=1e-3)]  # a's probation
     assert adaptive.sample_failure == "unknown order 'sample'"
     assert adaptive.running_costs() == {"a": 1.0}  # unknown, unshown: a whole place
-    harness.run_for(0.5)
+    harness.advance(gate_adaptive.SAMPLE_PAUSE - 1)
     assert len(asked) == 1  # not asked again at once...
     assert running(harness) == 1  # ...and b still waits: nothing let by on no evidence
     assert adaptive.wants_sample(asked[0] + gate_adaptive.SAMPLE_PAUSE - 1) == []
@@ -492,3 +529,64 @@ def test_a_sample_that_fails_leaves_turns_at_their_minds_cost_and_waits_to_try_a
     hands.sample = original  # type: ignore[method-assign]
     hold.unlink()
     harness.pump(lambda: running(harness) == 0 and not holds(harness), timeout=20)
+
+
+class ScriptedSensor:
+    """A sensor the test scripts (the gate's Sensor): no probe, and PSI's cumulative
+    stall as the test sets it, or why it cannot be read. Counts its reads."""
+
+    def __init__(self) -> None:
+        self.probe: gate_adaptive.Probe | None = None
+        self.psi_path: Path | None = None
+        self.total: int | str | None = 0
+        self.reads = 0
+
+    def psi_total(self) -> int | str | None:
+        self.reads += 1
+        return self.total
+
+    def use_pressure_file(self, path: Path) -> None:
+        self.psi_path = path
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_gate_reads_its_sensor_once_an_interval_and_falls_back_while_it_fails(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    sensor = ScriptedSensor()
+    config = {"start": 2, "minimum": 1, "maximum": 4, "interval_seconds": 10.0}
+    harness = Harness(
+        tmp_path, minds=MINDS, limits={"adaptive": config}, clock=FakeClock(), sensor=sensor
+    )
+    harnesses.append(harness)
+    writing(harness)
+    adaptive = limit_of(harness)
+    assert adaptive.sensor is sensor
+    for mind in MINDS:
+        deliver(harness, mind)
+    harness.pump(lambda: running(harness) == 2 and holds(harness) == {"adaptive_limit": 3})
+    assert sensor.reads == 1 and adaptive.last is None  # the interval's mark, no reading
+    sensor.total = "io.pressure cannot be read (gone)"
+    harness.advance(10.0 * 0.99)
+    assert sensor.reads == 1 and adaptive.last is None  # not before the interval ends
+    harness.advance(10.0 * 0.01)
+    assert sensor.reads == 2 and mode_of(adaptive) is AdaptiveMode.FALLBACK
+    [fallback] = harness.journal.of(events.AdaptiveFallback)
+    assert (fallback.limit, fallback.why) == (2, "io.pressure cannot be read (gone)")
+    harness.advance(10.0)  # still failing: still fallback, said once
+    assert sensor.reads == 3 and mode_of(adaptive) is AdaptiveMode.FALLBACK
+    assert len(harness.journal.of(events.AdaptiveFallback)) == 1
+    sensor.total = 1_000_000
+    harness.advance(10.0)  # reads again: measuring again, from the start value
+    assert sensor.reads == 4 and mode_of(adaptive) is AdaptiveMode.ADAPTIVE
+    [measuring] = harness.journal.of(events.AdaptiveMeasuring)
+    assert measuring.limit == 2
+    sensor.total = 1_000_000 + 6_000_000  # 6 s stalled of the 10 s interval
+    harness.advance(10.0)
+    assert sensor.reads == 5 and adaptive.last is not None
+    assert adaptive.last.stalled == pytest.approx(0.6)
+    assert running(harness) == 2 and adaptive.deadline() == pytest.approx(
+        harness.clock.monotonic() + 10.0, abs=1e-3
+    )  # the next reading, one interval on

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
+import pytest
+
+from tests.unit.fake_clock import FakeClock
 from tests.unit.gate_harness import Harness
 from volutectl.store import indexed
 
 
 def test_the_gate_checkpoints_after_a_quiet_second_not_on_each_commit(tmp_path: Path) -> None:
-    harness = Harness(tmp_path, minds={"mimsy": "sleep 30"})
+    clock = FakeClock()
+    harness = Harness(tmp_path, minds={"mimsy": "sleep 30"}, clock=clock)
     store = harness.gate.state.store
     database = store.path
     try:
-        harness.run_for(indexed.CHECKPOINT_QUIET_SECONDS + 0.5)  # start's commits
+        harness.advance(indexed.CHECKPOINT_QUIET_SECONDS)  # start's commits
         assert store.checkpoint_deadline() is None
         peer = harness.connect()
         size = database.stat().st_size
@@ -23,8 +26,11 @@ def test_the_gate_checkpoints_after_a_quiet_second_not_on_each_commit(tmp_path: 
             assert reply.get("ok") is True, reply
         assert database.stat().st_size == size  # every page still in the WAL
         deadline = store.checkpoint_deadline()
-        assert deadline is not None and deadline > time.monotonic()
-        harness.run_for(indexed.CHECKPOINT_QUIET_SECONDS + 0.5)
+        assert deadline == pytest.approx(clock.monotonic() + indexed.CHECKPOINT_QUIET_SECONDS)
+        harness.advance(indexed.CHECKPOINT_QUIET_SECONDS * 0.9)  # not quiet long enough yet
+        assert store.checkpoint_deadline() == deadline
+        assert database.stat().st_size == size
+        harness.advance(indexed.CHECKPOINT_QUIET_SECONDS * 0.1)
         assert store.checkpoint_deadline() is None
         assert database.stat().st_size > size + 40 * 2000  # the rows reached the database
     finally:

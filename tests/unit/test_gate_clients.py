@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.fake_clock import FakeClock
 from tests.unit.gate_harness import Harness
 from volutectl import events
 from volutectl.errors import EX_TEMPFAIL
@@ -33,24 +34,27 @@ def harness(tmp_path: Path) -> Iterator[Harness]:
         max_clients=3,
         clients_reserved_for_root=1,
         minds={"mimsy": "true", "slow": "sleep 1.2"},
+        clock=FakeClock(),
     )
     yield opened
     opened.close()
 
 
 def until_closed(harness: Harness, peer_closed: object) -> float:
-    """Run the loop as `run()` does, until the predicate holds; the seconds it took."""
-    started = time.monotonic()
+    """Move the gate's clock on, 50 ms at a time, until the predicate holds; the seconds
+    of the gate's clock it took."""
+    started = harness.clock.monotonic()
     while not peer_closed():  # type: ignore[operator]
-        assert time.monotonic() - started < 5, "the gate never closed the connection"
-        harness.run_for(0.05)
-    return time.monotonic() - started
+        took = harness.clock.monotonic() - started
+        assert took < 5, "the gate never closed the connection"
+        harness.advance(0.05)
+    return harness.clock.monotonic() - started
 
 
 def test_a_partial_line_that_never_ends_is_dropped_after_the_idle_time(harness: Harness) -> None:
     # No client: once its first pass is made and its start's commits checkpointed, the
     # gate sleeps until retention's deadline, days away (an empty queue).
-    harness.run_for(indexed.CHECKPOINT_QUIET_SECONDS + 0.3)
+    harness.advance(indexed.CHECKPOINT_QUIET_SECONDS + 0.3)
     assert (harness.gate.timeout() or 0) > 6 * 86400
     peer = harness.connect()
     peer.send(b'{"v":1,"op":"pi')
@@ -60,8 +64,10 @@ def test_a_partial_line_that_never_ends_is_dropped_after_the_idle_time(harness: 
     timeout = harness.gate.timeout()
     assert timeout is not None and 0 < timeout <= IDLE
     steps = harness.steps
-    took = until_closed(harness, peer.closed_by_gate)
-    assert IDLE * 0.5 <= took <= IDLE + 1.0
+    harness.advance(timeout * 0.9)
+    assert not peer.closed_by_gate()
+    harness.advance(timeout * 0.1)  # at its idle deadline, not a tick later
+    assert peer.closed_by_gate()
     assert harness.steps - steps <= 8  # a few wake-ups, never a busy loop
     reply = peer.reply()
     assert reply["code"] == EX_TEMPFAIL
@@ -74,7 +80,7 @@ def test_a_partial_line_that_never_ends_is_dropped_after_the_idle_time(harness: 
 def test_a_client_that_connects_and_sends_nothing_is_dropped_too(harness: Harness) -> None:
     peer = harness.connect()
     took = until_closed(harness, peer.closed_by_gate)
-    assert took <= IDLE + 1.0
+    assert took <= IDLE + 0.05
     # It asked nothing, so it is told nothing: the connection just ends (EOF). A line it
     # never asked for would be a reply out of nowhere to a client between requests.
     assert peer.buffer == b""
@@ -82,7 +88,7 @@ def test_a_client_that_connects_and_sends_nothing_is_dropped_too(harness: Harnes
 
 def test_a_trickle_that_never_completes_a_line_is_still_dropped(harness: Harness) -> None:
     peer = harness.connect()
-    started = time.monotonic()
+    started = harness.clock.monotonic()
     for byte in b'{"v":1,"op":"ping","padding":"' + b"x" * 100:
         if peer.closed_by_gate():
             break
@@ -90,15 +96,15 @@ def test_a_trickle_that_never_completes_a_line_is_still_dropped(harness: Harness
             peer.sock.send(bytes([byte]))
         except (BrokenPipeError, ConnectionResetError):
             break
-        harness.run_for(0.05)  # one byte every 50 ms: always active, never complete
+        harness.advance(0.05)  # one byte every 50 ms: always active, never complete
     assert peer.closed_by_gate()
-    assert time.monotonic() - started <= IDLE + 1.0
+    assert harness.clock.monotonic() - started <= IDLE + 0.1
 
 
 def test_a_client_that_sends_a_line_now_and_then_stays(harness: Harness) -> None:
     peer = harness.connect()
     for _ in range(4):
-        harness.run_for(IDLE * 0.6)
+        harness.advance(IDLE * 0.6)
         assert peer.request({"op": "ping"}) == {"v": 1, "ok": True}
     assert not peer.closed_by_gate()
 
@@ -108,9 +114,9 @@ def test_a_client_waiting_for_its_turn_is_not_idle(harness: Harness) -> None:
     ack = peer.request({"op": "deliver", "mind": "slow", "message": "m", "wait": True})
     assert ack["ok"] is True
     assert harness.gate.server.idle == {}  # no idle deadline while it waits
-    started = time.monotonic()
+    harness.advance(IDLE * 3)  # it outlives the idle time, waiting
+    assert not peer.closed_by_gate()
     harness.pump(peer.has_line, timeout=15)
-    assert time.monotonic() - started > IDLE  # it outlived the idle time, waiting
     event = peer.reply()
     assert (event["event"], event["id"], event["exit_code"]) == ("turn_ended", ack["id"], 0)
     # Its wait is over: from now on it is a client like any other.
@@ -165,7 +171,7 @@ def test_clients_beyond_max_clients_wait_unaccepted_and_are_served_when_one_leav
         assert peer.request({"op": "ping"}) == {"v": 1, "ok": True}
     late = harness.connect()  # connect() succeeds: it waits in the listen backlog
     late.send(b'{"v":1,"op":"ping"}\n')
-    harness.run_for(0.2)
+    harness.advance(0.2)
     assert not late.has_line()
     assert len(harness.gate.server.clients) == 3 and not harness.gate.server.accepting
     # At the cap the listener is out of the selector: nothing is ready, nothing spins.

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.unit.fake_clock import FakeClock
 from tests.unit.gate_harness import Harness, Turns, gate_settings, settled
 from volutectl import events
 from volutectl.core import admission
@@ -75,7 +76,9 @@ def test_a_paused_mind_holds_new_turns_folds_into_its_running_one_and_resumes_in
     command, log = probe
     minds = {"m": f"{command} 0.5", "other": f"{command} 0.05"}
     # No global limit at all: its status line says "no cap".
-    harness = Harness(tmp_path, minds=minds, limits={"adaptive": {"enabled": False}})
+    harness = Harness(
+        tmp_path, minds=minds, limits={"adaptive": {"enabled": False}}, clock=FakeClock()
+    )
     harnesses.append(harness)
     first = deliver(harness, "m", "s")
     harness.pump(lambda: log.started() == 1)
@@ -86,7 +89,7 @@ def test_a_paused_mind_holds_new_turns_folds_into_its_running_one_and_resumes_in
     other = deliver(harness, "other")  # not paused: runs
     harness.pump(lambda: held_for(harness, a1, a2, b1) and other in log.runs())
     harness.pump(lambda: first in log.runs() and not harness.gate.state.turns.all())
-    harness.run_for(0.3)  # m's turn has ended: still nothing of a or b starts
+    harness.advance(0.3)  # m's turn has ended: still nothing of a or b starts
     assert held_for(harness, a1, a2, b1)
     assert [row.attempts for row in rows(harness, a1, a2, b1)] == [0, 0, 0]
     assert log.runs() == {first: 1, folded: 1, other: 1}
@@ -108,7 +111,7 @@ def test_a_pause_of_every_mind_outlives_a_crash_and_covers_minds_configured_late
     tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness]
 ) -> None:
     command, log = probe
-    harness = Harness(tmp_path, minds={"m": command})
+    harness = Harness(tmp_path, minds={"m": command}, clock=FakeClock())
     harnesses.append(harness)
     reply = request(harness, op="pause")
     assert reply["changed"] == ["*"]
@@ -120,7 +123,7 @@ def test_a_pause_of_every_mind_outlives_a_crash_and_covers_minds_configured_late
     harness.restart()
     late = deliver(harness, "late")
     harness.pump(lambda: held_for(harness, held, late))
-    harness.run_for(0.3)
+    harness.advance(0.3)
     assert log.started() == 0
     status = request(harness, op="status")["status"]
     assert [p["mind"] for p in status["paused"]] == ["*"]
@@ -195,16 +198,17 @@ def test_the_status_line_is_sent_when_it_changes_not_on_every_pass(
         minds={"a": f"{command} 0.4", "b": f"{command} 0.4", "c": "exit 3"},
         limits={"global_concurrent_turns": 1, "adaptive": {"enabled": False}},  # held: global_cap
         max_attempts=1,
+        clock=FakeClock(),
     )
     harnesses.append(harness)
     deliver(harness, "a")
     deliver(harness, "b")
     harness.pump(lambda: log.started() == 1)
-    harness.run_for(0.1)
+    harness.advance(0.1)
     line = "1/1 turns, 1 held (global_cap), 0 backing off, 0 dead, 0 paused"
     assert statuses(notified)[-1] == line
     steps = harness.steps
-    harness.run_for(0.2)
+    harness.advance(0.2)
     assert harness.steps > steps and statuses(notified) == []  # nothing changed: nothing sent
     deliver(harness, "c")
     harness.pump(lambda: settled(harness), timeout=15)

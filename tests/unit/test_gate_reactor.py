@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
+from tests.unit.fake_clock import FakeClock
 from volutectl.gate.outcomes import Settled
-from volutectl.gate.reactor import Reactor, from_wall_clock
+from volutectl.gate.reactor import Reactor
 from volutectl.states import Outcome, QueueState
 from volutectl.wire.messages import DeliveryDead, DeliveryDropped, TurnEnded
 
@@ -33,25 +33,48 @@ def test_a_ready_descriptor_is_called_back_and_an_unwatched_one_is_not() -> None
 
 
 def test_the_timeout_is_the_nearest_deadline_and_only_due_ones_are_called() -> None:
-    reactor = Reactor()
+    clock = FakeClock()
+    reactor = Reactor(clock)
     assert reactor.timeout() is None  # nothing to wait for: sleep for ever
-    now = time.monotonic()
-    due: list[str] = []
-    reactor.at(lambda: now - 1, lambda at: due.append("past"))
-    reactor.at(lambda: now + 60, lambda at: due.append("future"))
-    reactor.at(lambda: None, lambda at: due.append("none"))
+    now = clock.monotonic()
+    due: list[tuple[str, float]] = []
+    reactor.at(lambda: now - 1, lambda at: due.append(("past", at)))
+    reactor.at(lambda: now + 60, lambda at: due.append(("future", at)))
+    reactor.at(lambda: None, lambda at: due.append(("none", at)))
     reactor.at(lambda: now + 30)  # only wakes the loop
     assert reactor.timeout() == 0.0
     reactor.run_due()
-    assert due == ["past"]
+    assert due == [("past", now)]
+    clock.advance(29)
+    reactor.run_due()
+    assert reactor.timeout() == 0.0  # the past one stays due until its deadline moves
+    due.clear()
+    clock.advance(31)  # the future one comes, exactly at its time, with that time
+    reactor.run_due()
+    assert due == [("past", now + 60), ("future", now + 60)]
+    reactor.close()
+
+
+def test_the_timeout_counts_down_on_the_clock_it_was_given() -> None:
+    clock = FakeClock()
+    reactor = Reactor(clock)
+    start = clock.monotonic()
+    reactor.at(lambda: start + 30)
+    assert reactor.timeout() == 30
+    clock.advance(12.5)
+    assert reactor.timeout() == 17.5
+    clock.advance(100)
+    assert reactor.timeout() == 0.0
     reactor.close()
 
 
 def test_a_wall_clock_time_becomes_the_same_moment_on_the_monotonic_clock() -> None:
-    assert from_wall_clock(None) is None
-    moment = from_wall_clock(time.time() + 100)
-    assert moment is not None
-    assert moment - time.monotonic() == pytest.approx(100, abs=1)
+    clock = FakeClock()
+    reactor = Reactor(clock)
+    assert reactor.from_wall_clock(None) is None
+    moment = reactor.from_wall_clock(clock.wall() + 100)
+    assert moment == pytest.approx(clock.monotonic() + 100)
+    reactor.close()
 
 
 EVENTS = [

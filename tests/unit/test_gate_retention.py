@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.unit.fake_clock import FakeClock
 from tests.unit.fake_gate import remove_tree, short_socket_dir
 from tests.unit.gate_harness import ME, Harness
 from tests.unit.retention_child import run_child
@@ -53,7 +54,7 @@ def test_retention_wakes_the_gate_on_its_own_deadline_and_never_polls(
 ) -> None:
     quick = Pacing(start_delay=0.0, busy_gap=0.05, quiet_floor=0.3, defer=0.05, max_wait=1.0)
     monkeypatch.setattr(retention, "PACING", quick)
-    harness = Harness(tmp_path, retention_days=SECOND)
+    harness = Harness(tmp_path, retention_days=SECOND, clock=FakeClock())
     harnesses.append(harness)
     store = harness.gate.state.store
     ran: list[float] = []
@@ -66,13 +67,13 @@ def test_retention_wakes_the_gate_on_its_own_deadline_and_never_polls(
     monkeypatch.setattr(harness.gate.retention, "run_batch", recorded)
     ids = [deliver(harness) for _ in range(3)]
     harness.pump(lambda: all(r.state == QueueState.DONE for r in store.rows(ids)))
-    harness.run_for(0.1)  # the first batch: nothing has expired yet
+    harness.advance(0.1)  # the first batch: nothing has expired yet
     # Asleep until the oldest row expires (one second after it finished): a real
     # deadline, not a poll, and the loop wakes about once for it.
     timeout = harness.gate.timeout()
     assert timeout is not None and 0.3 <= timeout <= 1.0, timeout
     steps, batches = harness.steps, len(ran)
-    harness.run_for(1.5)
+    harness.advance(1.5)
     assert store.rows(ids) == []
     assert harness.steps - steps <= 6, harness.steps - steps
     assert len(ran) - batches <= 2
@@ -84,28 +85,29 @@ def test_retention_wakes_the_gate_on_its_own_deadline_and_never_polls(
 def test_a_new_gate_sleeps_until_the_oldest_row_expires_or_briefly_if_one_has(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
-    harness = Harness(tmp_path)  # the defaults: seven days, a start delay of 10 s
+    clock = FakeClock()
+    harness = Harness(tmp_path, clock=clock)  # the defaults: seven days, a start delay of 10 s
     harnesses.append(harness)
-    harness.run_for(0.2)
+    harness.advance(0.2)
     # Retention's own deadline (the gate's timeout may be nearer: a checkpoint's).
     due = harness.gate.retention.deadline()
-    timeout = None if due is None else due - time.monotonic()
+    timeout = None if due is None else due - clock.monotonic()
     assert timeout is not None and 7 * DAY - 60 < timeout <= 7 * DAY  # an empty queue
     harness.crash()
     store = Store(tmp_path / "state" / "queue.sqlite3")
-    gone = seed(store, time.time() - 3 * DAY, running=False)  # done and dropped 33 days ago,
+    gone = seed(store, clock.wall() - 3 * DAY, running=False)  # done and dropped 33 days ago,
     store.close()  # ...and the last row done 4 days ago
     harness.restart()
     assert harness.gate.timeout() == 0.0  # the new gate's first pass is owed
-    harness.run_for(0.2)  # its first passes (a row of a mind no longer configured fails)
+    harness.advance(0.2)  # its first passes (a row of a mind no longer configured fails)
     due = harness.gate.retention.deadline()
-    timeout = None if due is None else due - time.monotonic()
+    timeout = None if due is None else due - clock.monotonic()
     assert timeout is not None and 9.0 < timeout <= retention.PACING.start_delay
-    harness.gate.retention.due = time.monotonic()
-    harness.run_for(0.6)  # the first passes were busy: it waits for an idle one
+    harness.gate.retention.due = clock.monotonic()
+    harness.advance(0.6)  # the first passes were busy: it waits for an idle one
     assert not harness.gate.state.store.rows(gone.gone)
     due = harness.gate.retention.deadline()
-    assert due is not None and 3 * DAY - 60 < due - time.monotonic() <= 3 * DAY + 1
+    assert due is not None and 3 * DAY - 60 < due - clock.monotonic() <= 3 * DAY + 1
 
 
 def test_a_batch_never_runs_in_a_pass_that_starts_a_turn(

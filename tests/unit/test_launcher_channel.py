@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.unit.fake_clock import FakeClock
 from tests.unit.gate_harness import Harness, settled
 from volutectl import events
 from volutectl.errors import VoluteError
@@ -251,17 +252,18 @@ def test_an_interrupt_reaches_the_turns_scope_through_the_launcher(
 def test_a_launcher_that_is_away_holds_turns_says_so_once_and_they_start_when_it_is_back(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
-    harness = Harness(tmp_path, remote=True, minds={"m": "true"})
+    harness = Harness(tmp_path, remote=True, minds={"m": "true"}, clock=FakeClock())
     harnesses.append(harness)
     assert harness.launcher is not None
     harness.launcher.stop()
     delivery = harness.deliver_ok(mind="m")
-    harness.run_for(2.5)
+    harness.advance(2.5)  # tried again each second of the gate's clock
     assert harness.manager.scopes == {} and state_of(harness, delivery) == "pending"
     failures = harness.journal.of(events.AdmissionFailing)  # said once
     assert len(failures) == 1, harness.journal.events
     assert "launcher does not answer" in failures[0].error
     harness.launcher.start()
+    harness.advance(1.0)  # the next retry finds it
     harness.pump(lambda: state_of(harness, delivery) == "done")
     row = harness.gate.state.store.row(delivery)
     assert row is not None and row.attempts == 0  # the launcher's absence was no attempt

@@ -39,6 +39,12 @@ once whatever their costs:
 Each move is one AdaptiveLimitChanged event, at most one every `EVENT_SECONDS`: the
 moves in between are said in one entry, with their count (the journal may live on the
 stalled disk).
+
+The reading is a `Sensor`'s (the probe and PSI: `StorageSensor`), given to the gate
+(volutectl/gate/loop.py's `Gate(sensor=...)`; a test's is scripted); the decisions are
+the controller's (volutectl/core/adaptive.py), and the times are those the loop passes
+in, from the gate's clock (volutectl/clock.py). Only the probe's own latency is timed
+on the host's clock: it is what is measured.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from volutectl import events
 from volutectl.core import adaptive, iocost
@@ -166,6 +172,65 @@ def pressure_file(settings: Settings) -> Path | None:
     return None
 
 
+class Sensor(Protocol):
+    """What the adaptive limit measures the storage with. The gate is given one (by
+    default a StorageSensor) and gives it to its AdaptiveLimit: the sensor reads, the
+    limit (with core/adaptive.py's controller) decides."""
+
+    probe: Probe | None  # the timed synced write; None: none (the limit is off)
+    psi_path: Path | None
+
+    def psi_total(self) -> int | str | None:
+        """PSI's `some total=` stall (µs); None: no PSI file; a text: why it fails."""
+        ...
+
+    def use_pressure_file(self, path: Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StorageSensor:
+    """The probe and PSI. `probe` is None when the limit is off. `psi_total` gives PSI's
+    cumulative stall, or None (no file: a host with no PSI), or why the file that read
+    before now fails."""
+
+    def __init__(self, settings: Settings, enabled: bool, psi: Path | None = None) -> None:
+        self._settings = settings
+        self._psi_given = psi  # a test's file: no other is looked for
+        self.psi_path = psi if psi is not None or not enabled else pressure_file(settings)
+        self.probe = Probe(settings.gate.state_dir / PROBE_FILE) if enabled else None
+        self._psi_lost: str | None = None  # why the PSI file that read failed, until one reads
+
+    def use_pressure_file(self, path: Path) -> None:
+        """Read PSI from `path` alone (a test's file)."""
+        self._psi_given = self.psi_path = path
+
+    def psi_total(self) -> int | str | None:
+        """The `some total=` stall (µs), None with no PSI file, or why it cannot be read."""
+        if self.psi_path is None and self._psi_lost is not None:
+            # PSI read once and failed: look for a file again (the slice's cgroup may
+            # have gone with the slice), and stay in fallback until one reads as PSI;
+            # no file at all is not "a host with no PSI", which measures by the probe.
+            self.psi_path = self._psi_given or pressure_file(self._settings)
+            if self.psi_path is None:
+                return self._psi_lost
+        if self.psi_path is None:
+            return None
+        try:
+            total = parse_total(self.psi_path.read_text())
+        except (OSError, ValueError) as error:
+            why = error.strerror if isinstance(error, OSError) else "not PSI text"
+            self._psi_lost = f"{self.psi_path} cannot be read ({why})"
+            self.psi_path = self._psi_given or pressure_file(self._settings)
+            return self._psi_lost
+        self._psi_lost = None
+        return total
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
+
+
 class ChangeLog:
     """AdaptiveLimitChanged entries, at most one every EVENT_SECONDS: the moves within
     are said in the next entry, from the first's old limit to the last's new one."""
@@ -203,9 +268,13 @@ class ChangeLog:
 
 class AdaptiveLimit:
     """The limit, its measurements and its mode: "adaptive", "static" (limits.adaptive
-    is off) or "fallback" (a signal failed: `start`, until it works again)."""
+    is off: no sensor reads, and `limit()` holds no adaptive cap) or "fallback" (a
+    signal failed: `start`, until it works again). What it reads comes from `sensor`
+    (the gate's; by default one of its own), and when from the times it is given."""
 
-    def __init__(self, settings: Settings, emit: Emit, psi: Path | None = None) -> None:
+    def __init__(
+        self, settings: Settings, emit: Emit, psi: Path | None = None, sensor: Sensor | None = None
+    ) -> None:
         config = settings.limits.adaptive
         # limits.io_pressure is today's binary hold: the two are not stacked (the
         # config's checks refuse both, and turn this off when only that is set).
@@ -217,10 +286,8 @@ class AdaptiveLimit:
         self.controller = adaptive.initial(self.bounds)
         self.fallback: str | None = None  # why, while in fallback
         self.reason: str | None = None  # of the last change
-        self._settings = settings
-        self._psi_given = psi  # a test's file: no other is looked for
-        self.psi_path = psi if psi is not None or not self.enabled else pressure_file(settings)
-        self.probe = Probe(settings.gate.state_dir / PROBE_FILE) if self.enabled else None
+        self.sensor: Sensor = sensor or StorageSensor(settings, self.enabled, psi)
+        self.probe = self.sensor.probe
         self.log = ChangeLog(emit)
         self._emit = emit
         self._deadline: float | None = None
@@ -239,7 +306,6 @@ class AdaptiveLimit:
         self.sample_failure: str | None = None  # why the last sample failed, if it did
         self.load = 0.0
         self._psi_mark: tuple[int, float] | None = None
-        self._psi_lost: str | None = None  # why the PSI file that read failed, until one reads
         self.running = 0
         self.waiting = 0
         self.last: Reading | None = None
@@ -253,11 +319,14 @@ class AdaptiveLimit:
         self.interval = config.interval_seconds
         self.ceiling = settings.limits.global_concurrent_turns
         self.controller = replace(self.controller, limit=self.bounds.clamp(self.controller.limit))
-        self._settings = settings
+
+    @property
+    def psi_path(self) -> Path | None:
+        return self.sensor.psi_path
 
     def use_pressure_file(self, path: Path) -> None:
         """Read PSI from `path` alone (a test's file), from the next interval on."""
-        self._psi_given = self.psi_path = path
+        self.sensor.use_pressure_file(path)
         self._psi_mark = None
 
     @property
@@ -500,25 +569,11 @@ class AdaptiveLimit:
             self._quiet_probe = False
 
     def _psi_total(self, now: float) -> tuple[int, float] | None:
-        if self.psi_path is None and self._psi_lost is not None:
-            # PSI read once and failed: look for a file again (the slice's cgroup may
-            # have gone with the slice), and stay in fallback until one reads as PSI;
-            # no file at all is not "a host with no PSI", which measures by the probe.
-            self.psi_path = self._psi_given or pressure_file(self._settings)
-            if self.psi_path is None:
-                self._failure = self._psi_lost
-                return None
-        if self.psi_path is None:
+        total = self.sensor.psi_total()
+        if isinstance(total, str):
+            self._failure = total
             return None
-        try:
-            total = parse_total(self.psi_path.read_text())
-        except (OSError, ValueError) as error:
-            why = error.strerror if isinstance(error, OSError) else "not PSI text"
-            self._failure = self._psi_lost = f"{self.psi_path} cannot be read ({why})"
-            self.psi_path = self._psi_given or pressure_file(self._settings)
-            return None
-        self._psi_lost = None
-        return total, now
+        return (total, now) if total is not None else None
 
     def _psi_stalled(self, now: float) -> float | None:
         mark, self._psi_mark = self._psi_mark, self._psi_total(now)
@@ -544,8 +599,7 @@ class AdaptiveLimit:
         )
 
     def close(self) -> None:
-        if self.probe is not None:
-            self.probe.close()
+        self.sensor.close()
 
 
 def _round(value: float | None) -> float | None:

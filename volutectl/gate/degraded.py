@@ -75,7 +75,7 @@ class Degraded:
         self.reactor.watch(stop_fd, self._on_stop)
         self.reactor.watch(reload_fd, lambda mask: self._on_reload(reload_fd, read))
         self._say_degraded()
-        self.next_ping = time.monotonic() if self.watchdog else None
+        self.next_ping = self.reactor.clock.monotonic() if self.watchdog else None
         try:
             while not self.stopping and self.reloaded is None:
                 # Lines beyond one pass's share wait in the server: no sleep then.

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sqlite3
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -102,7 +101,7 @@ def queue_handler(state: GateState, request: QueueRequest, caller: Caller) -> Qu
     states = request.states or DEFAULT_LISTED
     uid = caller.only_own()
     rows = state.store.list_rows(states, request.limit, uid=uid)
-    now = time.time()
+    now = state.clock.wall()
     return QueueReply(
         rows=tuple(
             QueueRow(
@@ -140,7 +139,7 @@ def retry_handler(state: GateState, request: RetryRequest, caller: Caller) -> Ch
 
 
 def drop_handler(state: GateState, request: DropRequest, caller: Caller) -> ChangedReply:
-    changed = state.store.drop(request.ids, time.time())
+    changed = state.store.drop(request.ids, state.clock.wall())
     for delivery_id in changed:
         state.journal.emit(events.DeliveryDropped(delivery_id=delivery_id))
         state.notify(Settled(delivery_id=delivery_id, state=QueueState.DROPPED))
@@ -217,7 +216,7 @@ def pause_handler(state: GateState, request: PauseRequest, caller: Caller) -> Pa
         ]
         if isinstance(state.paused, admission.EveryMind):
             wanted = []  # each is paused already
-    changed = state.store.minds.pause(wanted, time.time())
+    changed = state.store.minds.pause(wanted, state.clock.wall())
     for mind in changed:
         what = "every mind" if mind == EVERY_MIND else mind
         state.journal.emit(events.Paused(what=what, mind=mind))
@@ -350,7 +349,7 @@ def handle(state: GateState, request: Request[Reply], caller: Caller) -> Reply:
 
 def _check_role(state: GateState, request: Request[Reply], caller: Caller) -> None:
     if not roles.permits(caller.role, needed_role(request)):
-        _say_refused(state, request.OP, caller.uid, time.monotonic())
+        _say_refused(state, request.OP, caller.uid, state.clock.monotonic())
         raise roles.admin_refusal(f"{request.OP}: changes others' work, which only an admin may do")
 
 

@@ -23,11 +23,11 @@ of a turn or of `Turns` itself: it tells `Turns` what it learnt.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from volutectl import names
+from volutectl.clock import SYSTEM, Clock
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import VoluteError
@@ -53,9 +53,10 @@ class Evidence:
     """What systemd (and, for a turn whose start is unconfirmed, the launcher) says of a
     turn, as the next event of its lifecycle: what `Turns` carries out `Ask` with."""
 
-    def __init__(self, manager: SystemdManager, hands: TurnHands) -> None:
+    def __init__(self, manager: SystemdManager, hands: TurnHands, clock: Clock = SYSTEM) -> None:
         self.manager = manager
         self.hands = hands
+        self.clock = clock
 
     def about(self, turn: Turn) -> lifecycle.Event:
         """Whether the turn still runs, on systemd's word. The answers that settle: the
@@ -69,7 +70,7 @@ class Evidence:
             try:
                 self.hands.ensure()
             except VoluteError:
-                return lifecycle.LauncherAway(now=time.time())
+                return lifecycle.LauncherAway(now=self.clock.wall())
             return lifecycle.LauncherBack()
         return self._ask(turn.unit)
 
@@ -81,7 +82,7 @@ class Evidence:
                 return lifecycle.ScopeGone()
             pids = self.manager.unit_processes(unit)
         except VoluteError as error:
-            return lifecycle.QuestionFailed(error=error.message, now=time.time())
+            return lifecycle.QuestionFailed(error=error.message, now=self.clock.wall())
         if pids is None:
             return lifecycle.ScopeGone()
         return lifecycle.ScopeHolds() if pids else lifecycle.ScopeEmpty(active_state=state)
@@ -96,8 +97,10 @@ class Liveness:
         turns: Turns,
         *,
         wake: Callable[[], None],
+        clock: Clock = SYSTEM,
     ) -> None:
         self.settings = settings
+        self.clock = clock
         self.store = store
         self.manager = manager
         self.turns = turns
@@ -174,7 +177,7 @@ class Liveness:
             self.turns.close_pidfd(turn)
             return
         grace = self.settings.turns.leftover_grace_seconds
-        self._learn(turn, lifecycle.MainExited(now=time.time(), grace=grace))
+        self._learn(turn, lifecycle.MainExited(now=self.clock.wall(), grace=grace))
 
     def unit_ended(self, unit: str) -> None:
         """systemd says a turn scope left the live states (or was removed)."""
@@ -231,7 +234,7 @@ class Liveness:
         grace = self.settings.turns.leftover_grace_seconds
         for row in open_turns:
             pidfd, main_gone = self._adopted_main(row)
-            stop_at = time.time() + grace if main_gone else None
+            stop_at = self.clock.wall() + grace if main_gone else None
             turn = self._turn_from_row(row, lifecycle.Recorded())
             self.turns.adopt(turn, lifecycle.Adopted(pidfd=pidfd, stop_at=stop_at))
         self.wake()

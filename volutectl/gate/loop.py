@@ -24,7 +24,8 @@ last, and only in a pass that started no turn.
 reload volute-gate`) has it read its config file again in the loop (`reload`): what
 volutectl/config/reload.py says may change applies at once, running turns and the
 queue untouched; an invalid file is refused and the running config stays. Tests build
-it with a fake systemd (tests/unit/fake_systemd.py) and drive `step()` themselves. The
+it with a fake systemd (tests/unit/fake_systemd.py), often a clock they move by hand
+(tests/unit/fake_clock.py), and drive `step()` themselves. The
 CLI edge (signals, sd_notify) is volutectl/cli/gate.py.
 """
 
@@ -41,16 +42,17 @@ from dataclasses import replace
 from typing import Any
 
 from volutectl import events
+from volutectl.clock import SYSTEM, Clock
 from volutectl.config.reload import ConfigFile, plan_reload
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import VoluteError, one_line
 from volutectl.gate import handlers, status
-from volutectl.gate.adaptive import AdaptiveLimit
+from volutectl.gate.adaptive import AdaptiveLimit, Sensor
 from volutectl.gate.liveness import Evidence, Liveness
 from volutectl.gate.outcomes import Settled, Waiters
 from volutectl.gate.pressure import open_for_turns
-from volutectl.gate.reactor import Reactor, from_wall_clock, only_wake
+from volutectl.gate.reactor import Reactor, only_wake
 from volutectl.gate.server import REQUESTS_PER_PASS, Incoming, Server
 from volutectl.gate.serving import Serving
 from volutectl.gate.state import GateState
@@ -101,13 +103,16 @@ class Gate:
         hands: TurnHands | None = None,
         config: ConfigFile | None = None,
         anchors: Sequence[tuple[str, int]] = (),
+        clock: Clock = SYSTEM,
+        sensor: Sensor | None = None,
     ) -> None:
         """Open the store, connect to systemd (subscribed before anything is listed, so no
-        turn can end unseen), take the socket, then take back the open turns."""
-        self.settings = settings
+        turn can end unseen), take the socket, then take back the open turns. Every part
+        reads `clock`; the adaptive limit measures with `sensor` (gate/adaptive.py's)."""
+        self.settings, self.clock, self._sensor = settings, clock, sensor
         self.config = config  # the file to read again on reload; None: no reload
         self.journal = journal or Journal("volute-gate")
-        self.reactor = Reactor()
+        self.reactor = Reactor(clock)
         self.stopping = False
         self.watchdog: float | None = None
         self.next_ping: float | None = None  # monotonic: the watchdog's next ping
@@ -121,7 +126,7 @@ class Gate:
         try:
             self.state = self._build_state(manager, hands)
             handlers.load_pauses(self.state)  # a pause outlives the gate that took it
-            self.state.config = ConfigStatus(loaded_at=time.time())
+            self.state.config = ConfigStatus(loaded_at=clock.wall())
             if config is not None:
                 self.state.minds_on_disk = config.minds_on_disk
             self._add_deadlines()
@@ -151,7 +156,7 @@ class Gate:
 
     def _build_state(self, manager: SystemdManager | None, hands: TurnHands | None) -> GateState:
         settings, journal = self.settings, self.journal
-        store = IndexedStore(settings.gate.state_dir / "queue.sqlite3")
+        store = IndexedStore(settings.gate.state_dir / "queue.sqlite3", clock=self.clock)
         self._opened.append(store)
         if manager is None:
             from volutectl.systemd.adapter import Manager
@@ -172,9 +177,10 @@ class Gate:
             unwatch_fd=self._unwatch,
             wake=self.mark_dirty,
             processes=manager.unit_processes,
-            ask=Evidence(manager, hands).about,
+            ask=Evidence(manager, hands, self.clock).about,
+            clock=self.clock,
         )
-        liveness = Liveness(settings, store, manager, turns, wake=self.mark_dirty)
+        liveness = Liveness(settings, store, manager, turns, wake=self.mark_dirty, clock=self.clock)
         slots = SlotWatch(
             settings.tests.repositories,
             settings.gate.state_dir / "repositories.json",
@@ -195,6 +201,8 @@ class Gate:
             journal=journal,
             limits=limits_of(settings),
             notify=self._notify,
+            clock=self.clock,
+            status_asks=status.SystemdAsks(clock=self.clock.monotonic),
         )
 
     def _hands(self, store: IndexedStore, manager: SystemdManager) -> TurnHands:
@@ -224,7 +232,7 @@ class Gate:
         self.state.pressure = pressure
 
     def _open_adaptive(self) -> None:
-        adaptive = AdaptiveLimit(self.settings, self.journal.emit)
+        adaptive = AdaptiveLimit(self.settings, self.journal.emit, sensor=self._sensor)
         self._opened.append(adaptive)
         if adaptive.probe is not None:
             self.reactor.watch(adaptive.probe.fileno(), adaptive.on_probe_done)
@@ -279,7 +287,7 @@ class Gate:
             )
         )
         self.watchdog = watchdog_interval() if self.settings.gate.watchdog else None
-        self.next_ping = time.monotonic() + self.watchdog if self.watchdog else None
+        self.next_ping = self.clock.monotonic() + self.watchdog if self.watchdog else None
         try:
             while not self.stopping:
                 self.step(self.timeout())
@@ -297,7 +305,7 @@ class Gate:
 
     def _on_pressure(self, mask: int) -> None:
         assert self.state.pressure is not None
-        if self.state.pressure.on_ready(time.monotonic()):
+        if self.state.pressure.on_ready(self.clock.monotonic()):
             self.state.dirty = True
 
     def _on_stop(self, mask: int) -> None:
@@ -317,6 +325,7 @@ class Gate:
         """Read the config file again and apply it, or refuse it and keep the running
         one. systemd hears RELOADING=1 first, and READY=1 once it is done."""
         sd_notify(
+            # systemd compares it with its own CLOCK_MONOTONIC: the host's, not the gate's
             f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}\n"
             "STATUS=reloading the config"
         )
@@ -331,7 +340,7 @@ class Gate:
             self.state.config = ConfigStatus(
                 loaded_at=running.loaded_at,
                 refused=text,
-                refused_at=time.time(),
+                refused_at=self.clock.wall(),
                 needs_restart=running.needs_restart,
             )
             self.journal.emit(events.GateConfigRefused(error=text))
@@ -339,14 +348,14 @@ class Gate:
             plan = plan_reload(self.settings, read)
             self.apply(plan.settings)
             self.state.config = ConfigStatus(
-                loaded_at=time.time(), needs_restart=plan.needs_restart
+                loaded_at=self.clock.wall(), needs_restart=plan.needs_restart
             )
             self.journal.emit(
                 events.GateConfigReloaded(
                     changed=" ".join(plan.changed), needs_restart=" ".join(plan.needs_restart)
                 )
             )
-        line = status.gate_line(self.state, time.time(), len(self.state.slots.held()))
+        line = status.gate_line(self.state, self.clock.wall(), len(self.state.slots.held()))
         self.notifier.last = line
         sd_notify(f"READY=1\nSTATUS={line}")
 
@@ -446,10 +455,10 @@ class Gate:
 
     def _backoff_deadline(self) -> float | None:
         """The next backoff to end. One that has ended stays due until a pass took it."""
-        now = time.time()
+        now = self.clock.wall()
         if self.backoff_wake is None or self.backoff_wake > now:
             self.backoff_wake = self.state.store.next_backoff_deadline(after=now)
-        return from_wall_clock(self.backoff_wake)
+        return self.reactor.from_wall_clock(self.backoff_wake)
 
     def _on_backoff_end(self, now: float) -> None:
         self.backoff_wake = None
@@ -465,10 +474,10 @@ class Gate:
 
     def _turn_deadline(self) -> float | None:
         """A turn's time limit (stored on the wall clock), or a question to systemd due."""
-        return from_wall_clock(self.state.liveness.next_deadline())
+        return self.reactor.from_wall_clock(self.state.liveness.next_deadline())
 
     def _on_turn_deadline(self, now: float) -> None:
-        self._guarded("a turn's deadline", self.state.liveness.on_deadline, time.time())
+        self._guarded("a turn's deadline", self.state.liveness.on_deadline, self.clock.wall())
 
     # -- one pass ---------------------------------------------------------------------------
 
@@ -489,14 +498,14 @@ class Gate:
         # the next pass tries again (what was not synced is still in the WAL).
         self._guarded("syncing the queue", self.state.store.sync)
         idle = not (ready or served or events)  # woke for deadlines alone
-        mono = time.monotonic()
+        mono = self.clock.monotonic()
         self._guarded("retention", self.retention.on_pass, mono, idle, self.started)
 
     def _serve_requests(self) -> int:
         """Serve this pass's share of the requests that arrived, batch after batch, and
         feed the watchdog between batches: at most server.REQUESTS_PER_PASS of them, and
         none begun after PASS_SECONDS (volutectl/gate/serving.py). How many were served."""
-        deadline = time.monotonic() + PASS_SECONDS
+        deadline = self.clock.monotonic() + PASS_SECONDS
         served = 0
         while served < REQUESTS_PER_PASS:
             left, self.serving.left = self.serving.left, []
@@ -506,7 +515,7 @@ class Gate:
             if not incoming:
                 break
             served += self.serving.serve(incoming, deadline)
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if self.next_ping is not None and now >= self.next_ping:
                 self._ping_watchdog(now)
             if self.serving.left or now >= deadline:
@@ -541,7 +550,7 @@ class Gate:
         except (VoluteError, sqlite3.Error, OSError) as error:
             text = error.message if isinstance(error, VoluteError) else str(error)
             failing = events.AdmissionFailing(error=text, retry_seconds=ADMIT_RETRY_SECONDS)
-            self.admit_retry = self.admit_latch.failed(failing, time.monotonic())
+            self.admit_retry = self.admit_latch.failed(failing, self.clock.monotonic())
             self.notifier.update(f"admission failing, no turn starts: {text}")
             return
         self.admit_latch.works(events.AdmissionWorks())
@@ -559,11 +568,11 @@ class Gate:
         test_runs = 0
         if self.settings.limits.test_runs_count_as_turns:
             test_runs = len(state.slots.held())
-        now = time.time()
+        now, clock = self.clock.wall(), self.clock
         pressure = state.pressure
         adaptive = state.adaptive
         assert adaptive is not None
-        adaptive.before_pass(time.monotonic())
+        adaptive.before_pass(clock.monotonic())
         decision, changes = state.store.index.admit(
             live,
             replace(
@@ -590,16 +599,16 @@ class Gate:
             state.turns.start(start, now)
         paused = state.turns.starts_paused(now)
         if paused is not None:
-            self.admit_retry = from_wall_clock(paused)
+            self.admit_retry = self.reactor.from_wall_clock(paused)
         if pressure is not None and decision.starts:
-            pressure.note_started(time.monotonic())
+            pressure.note_started(clock.monotonic())
         state.turns.record_holds(changes, now)
         others = state.foreign_live + test_runs
         busy = len(live) + len(decision.starts) + others
-        adaptive.track(time.monotonic(), {turn.id: turn.mind for turn in state.turns.all()})
+        adaptive.track(clock.monotonic(), {turn.id: turn.mind for turn in state.turns.all()})
         load = adaptive.load_of([t.mind for t in live], [s.mind for s in decision.starts])
         waiting = state.store.index.counts[HoldReason.ADAPTIVE_LIMIT]
-        adaptive.after_pass(time.monotonic(), busy, waiting, load + others)
+        adaptive.after_pass(clock.monotonic(), busy, waiting, load + others)
         self.notifier.update(status.gate_line(state, now, test_runs))
 
 

@@ -5,7 +5,8 @@ that serves it (`watch`), and a deadline with the callback that serves it (`at`)
 deadline is a function that says, whenever asked, when (on the monotonic clock) the part
 next has work, or None; so a part keeps its own deadline, and the reactor only asks.
 A time that is stored on the wall clock (a delivery's backoff, a turn's time limit)
-is turned into the monotonic clock where it is registered (`from_wall_clock`).
+is turned into the monotonic clock where it is registered (`from_wall_clock`). Both
+clocks are the one the gate was given (volutectl/clock.py).
 
 `wait(timeout)` sleeps in select() and calls back each descriptor that is ready, in the
 order select() gives them; `run_due()` then calls back each deadline that has come, in
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import selectors
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from volutectl.clock import SYSTEM, Clock, to_monotonic
 
 if TYPE_CHECKING:
     from _typeshed import FileDescriptorLike as FileLike
@@ -29,13 +31,6 @@ if TYPE_CHECKING:
 OnReady = Callable[[int], None]  # called with the events that are ready (EVENT_READ...)
 Deadline = Callable[[], float | None]  # when (monotonic) the part next has work
 OnDue = Callable[[float], None]  # called with the monotonic time, once that has come
-
-
-def from_wall_clock(wall: float | None) -> float | None:
-    """A wall-clock time (seconds since the epoch) as a time on the monotonic clock."""
-    if wall is None:
-        return None
-    return time.monotonic() + wall - time.time()
 
 
 def only_wake(mask: int) -> None:
@@ -49,9 +44,14 @@ class Timer:
 
 
 class Reactor:
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = SYSTEM) -> None:
+        self.clock = clock
         self.selector = selectors.DefaultSelector()
         self._timers: list[Timer] = []
+
+    def from_wall_clock(self, wall: float | None) -> float | None:
+        """A wall-clock time (seconds since the epoch) as a time on the monotonic clock."""
+        return to_monotonic(self.clock, wall)
 
     # -- file descriptors -------------------------------------------------------------------
 
@@ -79,11 +79,11 @@ class Reactor:
         deadlines = [due for timer in self._timers if (due := timer.deadline()) is not None]
         if not deadlines:
             return None
-        return max(0.0, min(deadlines) - time.monotonic())
+        return max(0.0, min(deadlines) - self.clock.monotonic())
 
     def run_due(self) -> None:
         """Call back every deadline that has come."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for timer in self._timers:
             due = timer.deadline()
             if timer.on_due is not None and due is not None and now >= due:

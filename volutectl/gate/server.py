@@ -51,7 +51,6 @@ import select
 import selectors
 import socket
 import struct
-import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -324,7 +323,7 @@ class Server:
             self.reactor.unwatch(self.listener)
             self.accepting = False
         if retry:
-            self.accept_retry = time.monotonic() + ACCEPT_RETRY_SECONDS
+            self.accept_retry = self.reactor.clock.monotonic() + ACCEPT_RETRY_SECONDS
         if reason != self.accept_problem:  # once per episode, not once per retry
             self.accept_problem = reason
             self.journal.emit(events.NotAccepting(reason=reason, clients=len(self.clients)))
@@ -354,7 +353,7 @@ class Server:
         """Restart the client's idle clock; a client that waits on a turn has none."""
         self.idle.pop(client.fd, None)
         if not client.closed and not client.waiting:
-            client.idle_since = time.monotonic()
+            client.idle_since = self.reactor.clock.monotonic()
             self.idle[client.fd] = client
 
     def _drop_idle_clients(self, now: float) -> None:

@@ -17,7 +17,6 @@ client's still in its order), so that costly requests one after another (a `queu
 from __future__ import annotations
 
 import os
-import time
 
 from volutectl.gate import handlers
 from volutectl.gate.handlers import Caller
@@ -40,7 +39,7 @@ class Serving:
         replies: list[Reply | None] = [None] * len(incoming)
         batch: list[int] = []  # indexes of requests answered together, not yet answered
         for index, (client, request) in enumerate(incoming):
-            if index and deadline is not None and time.monotonic() >= deadline:
+            if index and deadline is not None and self.state.clock.monotonic() >= deadline:
                 self.left, incoming, replies = incoming[index:], incoming[:index], replies[:index]
                 break
             if isinstance(request, ErrorReply):

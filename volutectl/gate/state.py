@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from volutectl.clock import SYSTEM, Clock
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.gate.adaptive import AdaptiveLimit
@@ -39,6 +40,7 @@ class GateState:
     journal: Journal
     limits: admission.Limits
     notify: Callable[[Settled], None]  # tell a delivery's waiters how it settled
+    clock: Clock = SYSTEM  # the gate's one clock (volutectl/clock.py)
     dirty: bool = True  # admission should run
     paused: frozenset[str] | admission.EveryMind = frozenset()  # the store's pauses
     foreign_live: int = 0  # other scopes holding a place in the turns slice, last counted

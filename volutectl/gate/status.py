@@ -89,7 +89,7 @@ def build(state: GateState) -> Status:
     handler runs first)."""
     live_ids = state.liveness.census.live_ids
     foreign = state.liveness.census.foreign
-    now = time.time()
+    now = state.clock.wall()
     turns = tuple(
         TurnStatus(turn.id, turn.mind, turn.session, turn.unit, round(now - turn.started_at, 3))
         for turn in state.turns.all()

@@ -18,12 +18,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-import time
 from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import assert_never
 
 from volutectl import events, names
+from volutectl.clock import SYSTEM, Clock
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import SystemdNoAnswer, VoluteError
@@ -93,8 +93,10 @@ class Turns:
         wake: Callable[[], None],
         processes: Callable[[str], list[int] | None],
         ask: Callable[[Turn], lifecycle.Event],
+        clock: Clock = SYSTEM,
     ) -> None:
         self.settings = settings
+        self.clock = clock
         self.store = store
         self.hands = hands
         self.journal = journal
@@ -299,14 +301,14 @@ class Turns:
         """The launcher was lost during the start: the turn may run, or may never have.
         It keeps its place, as an adopted turn does, until systemd says which."""
         self.journal.emit(events.TurnStartUnknown(**events.turn_fields(turn), error=error.message))
-        self._start_went(turn, lifecycle.LauncherLost(now=time.time()))
+        self._start_went(turn, lifecycle.LauncherLost(now=self.clock.wall()))
 
     def _start_unanswered(self, turn: Turn, error: SystemdNoAnswer) -> None:
         """systemd gave no answer about the scope (a daemon-reexec drops every call in
         flight): the child exited unreleased, so the command never ran. Not the
         deliveries' failure: they go back with no attempt counted, as a hold does."""
         self.journal.emit(events.TurnNeverStarted(**events.turn_fields(turn), error=error.message))
-        self._start_went(turn, lifecycle.NoAnswer(error=error.message, now=time.time()))
+        self._start_went(turn, lifecycle.NoAnswer(error=error.message, now=self.clock.wall()))
 
     def _start_failed(self, turn: Turn, error: Exception) -> None:
         """The command never ran (its hands say so, having removed what they made): the
@@ -334,7 +336,7 @@ class Turns:
                 returned=[row.id for row in turn.taken],
                 failed={},
                 error=error,
-                now=time.time(),
+                now=self.clock.wall(),
             )
         except sqlite3.Error as refused:
             self._start_not_settled(turn, refused)
@@ -356,7 +358,7 @@ class Turns:
                 returned=[],
                 failed=failed,
                 error=error,
-                now=time.time(),
+                now=self.clock.wall(),
             )
         except sqlite3.Error as refused:
             self._start_not_settled(turn, refused)
@@ -371,7 +373,7 @@ class Turns:
         as one whose start is unknown, until systemd's word settles it (as never run: no
         attempt), as a gate restarted now would."""
         self.journal.emit(events.TurnNotSettled(**events.turn_fields(turn), error=str(refused)))
-        self.apply(turn, lifecycle.SettleFailed(now=time.time()))
+        self.apply(turn, lifecycle.SettleFailed(now=self.clock.wall()))
 
     # -- the lifecycle ---------------------------------------------------------------------
 
@@ -456,7 +458,7 @@ class Turns:
             # place until it can be settled.
             text = error.message if isinstance(error, VoluteError) else str(error)
             self.journal.emit(events.TurnNotSettled(**events.turn_fields(turn), error=text))
-            self.apply(turn, lifecycle.SettleFailed(now=time.time()))
+            self.apply(turn, lifecycle.SettleFailed(now=self.clock.wall()))
 
     def _record_timeout(self, turn: Turn, now: float) -> None:
         """The turn ran past its limit: record it (its scope is stopped next)."""
@@ -515,7 +517,7 @@ class Turns:
                 self.journal.emit(
                     events.TurnStopFailed(**events.turn_fields(turn), error=error.message)
                 )
-            self.apply(turn, lifecycle.LeftoversStopFailed(now=time.time()))
+            self.apply(turn, lifecycle.LeftoversStopFailed(now=self.clock.wall()))
 
     def sweep_directories(self, open_ids: set[int]) -> None:
         """Turn directories of turns already settled: a gate killed after settling a turn
@@ -541,7 +543,7 @@ class Turns:
     def failures(self, rows: Iterable[Row]) -> dict[int, admission.AfterFailure]:
         """Count an attempt for each row: backoff, or dead after the last."""
         gate = self.settings.gate
-        now = time.time()
+        now = self.clock.wall()
         return {
             row.id: admission.after_failure(
                 row.attempts,
@@ -601,7 +603,7 @@ class Turns:
 
     def finish(self, turn: Turn) -> None:
         """Nothing of the turn runs any more: settle its deliveries and free its place."""
-        now = time.time()
+        now = self.clock.wall()
         rows = self.store.rows_of_turn(turn.id)
         report = self.hands.inspect(turn.id, [row.id for row in rows if row.folded])
         if report.written_bytes is not None and self.on_written is not None:
@@ -729,7 +731,7 @@ class Turns:
             returned=ids if outcome.kind is Outcome.NEVER_RAN else [],
             failed=failed,
             error=error,
-            now=time.time(),
+            now=self.clock.wall(),
         )
         for row in rows:
             after = failed.get(row.id)

@@ -15,10 +15,10 @@ of a delivery reads no row.
 from __future__ import annotations
 
 import sqlite3
-import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from volutectl.clock import SYSTEM, Clock
 from volutectl.core.admission import Delivery
 from volutectl.states import HoldReason, QueueState
 from volutectl.store.index import PendingIndex
@@ -39,8 +39,8 @@ class IndexedStore(Store):
     whichever commit crosses the line, a handoff's included) are turned off; the gate
     checkpoints when it has been quiet for a second (checkpoint_deadline)."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
+    def __init__(self, path: Path, clock: Clock = SYSTEM) -> None:
+        super().__init__(path, clock)
         self.index = self.load_index()
         self.usages = self.load_usages()
         self.usages_stale = False  # a commit's sums could not be read: sum again
@@ -55,7 +55,7 @@ class IndexedStore(Store):
 
     def _committed(self) -> None:
         self._commits += 1
-        self._last_commit = time.monotonic()
+        self._last_commit = self.clock.monotonic()
         if self._commits >= CHECKPOINT_MAX_COMMITS:
             self.checkpoint()  # never quiet: bound the WAL anyway
 

@@ -17,10 +17,10 @@ import contextlib
 import dataclasses
 import os
 import sqlite3
-import time
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from pathlib import Path
 
+from volutectl.clock import SYSTEM, Clock
 from volutectl.core.admission import AfterFailure, interrupts_that_cut
 from volutectl.errors import PermissionDeniedError, UnavailableError, VoluteError
 from volutectl.states import HoldReason, Outcome, QueueState, TurnState
@@ -114,8 +114,9 @@ def _turn_of(values: sqlite3.Row) -> TurnRow:
 class Store:
     """One connection to the queue database. Every method commits before it returns."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, clock: Clock = SYSTEM) -> None:
         self.path = path
+        self.clock = clock  # what stamps rows when no time is given
         self._unsynced = False
         try:
             # The messages are private. Under systemd the unit's StateDirectory= (and the
@@ -194,7 +195,7 @@ class Store:
         asked about each item that would be inserted, in order; an error it gives is that
         item's result, and nothing of it is stored.
         """
-        now = time.time() if now is None else now
+        now = self.clock.wall() if now is None else now
         results: list[int | VoluteError] = []
         inserted: list[tuple[int, NewDelivery]] = []
         with self._tx():

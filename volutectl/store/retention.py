@@ -169,6 +169,7 @@ class Retention:
         self, store: Store, retention_days: float, sink: Sink, pacing: Pacing | None = None
     ) -> None:
         self.store = store
+        self.clock = store.clock  # the gate's, which its store was given
         self.keep_seconds = retention_days * DAY
         self.sink = sink
         self.pacing = pacing or PACING
@@ -179,7 +180,7 @@ class Retention:
     def _first_due(self) -> float:
         """A new gate's first batch: after `start_delay` if anything has expired, else
         when the oldest finished row will (an idle gate sleeps until then)."""
-        mono, now = time.monotonic(), time.time()
+        mono, now = self.clock.monotonic(), self.clock.wall()
         oldest = next_expiry(self.store.db)
         expires = (oldest if oldest is not None else now) + self.keep_seconds
         return mono + max(self.pacing.start_delay, expires - now)
@@ -207,7 +208,7 @@ class Retention:
 
     def run_batch(self, mono: float) -> Batch | None:
         """One batch and its vacuum; then the deadline of the next."""
-        now = time.time()
+        now = self.clock.wall()
         try:
             batch = delete_batch(self.store.db, now - self.keep_seconds)
             pages, left = reclaim(self.store.db)
@@ -265,7 +266,8 @@ class Retention:
         self.due = self._first_due()
 
     def _delete_expired(self, progress: Callable[[], None]) -> None:
-        cutoff, deleted, last = time.time() - self.keep_seconds, 0, time.monotonic()
+        # Progress is for systemd's start timeout: on the host's clock, not the gate's.
+        cutoff, deleted, last = self.clock.wall() - self.keep_seconds, 0, time.monotonic()
         while True:
             batch = delete_batch(self.store.db, cutoff)
             deleted += batch.deliveries
