@@ -63,6 +63,7 @@ from volutectl.states import AdaptiveMode
 from volutectl.wire.messages import AdaptiveStatus
 
 if TYPE_CHECKING:
+    from volutectl.config.reload import SettingsHolder
     from volutectl.config.settings import Settings
 
 EVENT_SECONDS = 5.0  # at most one AdaptiveLimitChanged entry this often
@@ -205,19 +206,18 @@ class AdaptiveLimit:
     """The limit, its measurements and its mode: "adaptive", "static" (limits.adaptive
     is off) or "fallback" (a signal failed: `start`, until it works again)."""
 
-    def __init__(self, settings: Settings, emit: Emit, psi: Path | None = None) -> None:
+    def __init__(self, held: SettingsHolder, emit: Emit, psi: Path | None = None) -> None:
+        self.held = held  # the bounds, interval and ceiling, as a reload leaves them
+        settings = held.current
         config = settings.limits.adaptive
         # limits.io_pressure is today's binary hold: the two are not stacked (the
-        # config's checks refuse both, and turn this off when only that is set).
+        # config's checks refuse both, and turn this off when only that is set). Both,
+        # and the rule, need a restart.
         self.enabled = config.enabled and not settings.limits.io_pressure.enabled
-        self.bounds = Bounds(config.start, config.minimum, config.maximum)
         self.rule = config.rule
-        self.interval = config.interval_seconds
-        self.ceiling = settings.limits.global_concurrent_turns
         self.controller = adaptive.initial(self.bounds)
         self.fallback: str | None = None  # why, while in fallback
         self.reason: str | None = None  # of the last change
-        self._settings = settings
         self._psi_given = psi  # a test's file: no other is looked for
         self.psi_path = psi if psi is not None or not self.enabled else pressure_file(settings)
         self.probe = Probe(settings.gate.state_dir / PROBE_FILE) if self.enabled else None
@@ -244,16 +244,25 @@ class AdaptiveLimit:
         self.waiting = 0
         self.last: Reading | None = None
 
-    def reconfigure(self, settings: Settings) -> None:
-        """A reload: new bounds, interval and ceiling from the next pass on; the limit
-        learnt so far is kept, moved into the new bounds. Whether it is on, and its
-        rule, need a restart (volutectl/config/reload.py keeps them as they were)."""
-        config = settings.limits.adaptive
-        self.bounds = Bounds(config.start, config.minimum, config.maximum)
-        self.interval = config.interval_seconds
-        self.ceiling = settings.limits.global_concurrent_turns
+    @property
+    def bounds(self) -> Bounds:
+        config = self.held.current.limits.adaptive
+        return Bounds(config.start, config.minimum, config.maximum)
+
+    @property
+    def interval(self) -> float:
+        return self.held.current.limits.adaptive.interval_seconds
+
+    @property
+    def ceiling(self) -> int | None:
+        return self.held.current.limits.global_concurrent_turns
+
+    def reconfigure(self) -> None:
+        """A reload swapped the settings held: new bounds, interval and ceiling from the
+        next pass on; the limit learnt so far is kept, moved into the new bounds.
+        Whether it is on, and its rule, need a restart (volutectl/config/reload.py keeps
+        them as they were)."""
         self.controller = replace(self.controller, limit=self.bounds.clamp(self.controller.limit))
-        self._settings = settings
 
     def use_pressure_file(self, path: Path) -> None:
         """Read PSI from `path` alone (a test's file), from the next interval on."""
@@ -504,7 +513,7 @@ class AdaptiveLimit:
             # PSI read once and failed: look for a file again (the slice's cgroup may
             # have gone with the slice), and stay in fallback until one reads as PSI;
             # no file at all is not "a host with no PSI", which measures by the probe.
-            self.psi_path = self._psi_given or pressure_file(self._settings)
+            self.psi_path = self._psi_given or pressure_file(self.held.current)
             if self.psi_path is None:
                 self._failure = self._psi_lost
                 return None
@@ -515,7 +524,7 @@ class AdaptiveLimit:
         except (OSError, ValueError) as error:
             why = error.strerror if isinstance(error, OSError) else "not PSI text"
             self._failure = self._psi_lost = f"{self.psi_path} cannot be read ({why})"
-            self.psi_path = self._psi_given or pressure_file(self._settings)
+            self.psi_path = self._psi_given or pressure_file(self.held.current)
             return None
         self._psi_lost = None
         return total, now

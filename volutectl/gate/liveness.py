@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from volutectl import events, names
+from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import VoluteError
@@ -49,19 +50,24 @@ class Census:
 class Liveness:
     def __init__(
         self,
-        settings: Settings,
+        held: SettingsHolder,
         store: Store,
         manager: SystemdManager,
         turns: Turns,
         *,
         wake: Callable[[], None],
     ) -> None:
-        self.settings = settings
+        self.held = held
         self.store = store
         self.manager = manager
         self.turns = turns
         self.wake = wake
         self.census = Census()  # for status: what the last count for it found
+
+    @property
+    def settings(self) -> Settings:
+        """The settings held now: a reload reaches this part through its holder."""
+        return self.held.current
 
     # -- what holds a place -------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 
 from volutectl import events, names
+from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import SystemdNoAnswer, VoluteError
@@ -77,7 +78,7 @@ class Turn:
 class Turns:
     def __init__(
         self,
-        settings: Settings,
+        held: SettingsHolder,
         store: IndexedStore,
         hands: TurnHands,
         journal: Journal,
@@ -88,7 +89,7 @@ class Turns:
         wake: Callable[[], None],
         processes: Callable[[str], list[int] | None],
     ) -> None:
-        self.settings = settings
+        self.held = held
         self.store = store
         self.hands = hands
         self.journal = journal
@@ -108,6 +109,11 @@ class Turns:
         # Scopes of turns we settled that systemd may still list as live for a moment
         # (settled on seeing them empty): not counted, not asked about again.
         self.settled_units: set[str] = set()
+
+    @property
+    def settings(self) -> Settings:
+        """The settings held now: a reload reaches this part through its holder."""
+        return self.held.current
 
     # -- the registry -----------------------------------------------------------------------
 
