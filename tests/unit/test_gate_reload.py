@@ -243,7 +243,7 @@ def test_every_part_reads_the_one_holder_that_a_reload_swaps(
     assert gate.retention.keep_seconds == 2.0 * 86400
     assert gate.state.limits.global_cap == 5
     assert gate.state.adaptive is not None
-    assert gate.state.adaptive.interval == 2.5 and gate.state.adaptive.ceiling == 5
+    assert gate.state.adaptive.interval == 2.5 and gate.state.adaptive.global_cap == 5
 
 
 # -- the degraded gate ---------------------------------------------------------------------------

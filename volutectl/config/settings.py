@@ -182,7 +182,8 @@ class AdaptiveSettings(Section):
 
 
 class LimitsSettings(Section):
-    # A hard ceiling: with adaptive admission on, the limit never goes above it.
+    # A hard ceiling: with adaptive admission on, the limit never goes above it. The code
+    # calls it `global_cap` (admission.Limits, the status, GateReady).
     global_concurrent_turns: Positive | None = None
     turns_per_mind: Positive = 1
     test_runs_count_as_turns: bool = False

@@ -207,7 +207,7 @@ class AdaptiveLimit:
     is off) or "fallback" (a signal failed: `start`, until it works again)."""
 
     def __init__(self, held: SettingsHolder, emit: Emit, psi: Path | None = None) -> None:
-        self.held = held  # the bounds, interval and ceiling, as a reload leaves them
+        self.held = held  # the bounds, interval and global cap, as a reload leaves them
         settings = held.current
         config = settings.limits.adaptive
         # limits.io_pressure is today's binary hold: the two are not stacked (the
@@ -254,11 +254,12 @@ class AdaptiveLimit:
         return self.held.current.limits.adaptive.interval_seconds
 
     @property
-    def ceiling(self) -> int | None:
+    def global_cap(self) -> int | None:
+        """limits.global_concurrent_turns: a hard ceiling over the limit."""
         return self.held.current.limits.global_concurrent_turns
 
     def reconfigure(self) -> None:
-        """A reload swapped the settings held: new bounds, interval and ceiling from the
+        """A reload swapped the settings held: new bounds, interval and global cap from the
         next pass on; the limit learnt so far is kept, moved into the new bounds.
         Whether it is on, and its rule, need a restart (volutectl/config/reload.py keeps
         them as they were)."""
@@ -544,7 +545,7 @@ class AdaptiveLimit:
             limit=self.limit(),
             minimum=self.bounds.minimum,
             maximum=self.bounds.maximum,
-            ceiling=self.ceiling,
+            ceiling=self.global_cap,
             reason=self.fallback or self.reason,
             rule=self.rule,
             probe_ms=_round(reading.latency_ms) if reading is not None else None,
