@@ -123,15 +123,15 @@ class SettingsHolder:
     were validated and planned (`plan_reload`)."""
 
     def __init__(self, settings: Settings) -> None:
-        self._current = settings
+        self._current = settings  # a subclass may read its file again (the launcher's)
 
     @property
     def current(self) -> Settings:
         return self._current
 
     def __call__(self) -> Settings:
-        """The current settings, for a part that takes a getter (LocalHands)."""
-        return self._current
+        """The current settings (`current`), for a part that takes a getter."""
+        return self.current
 
     def swap(self, settings: Settings) -> None:
         """Hold `settings` from now on: validated (load_settings), and with the RESTART
