@@ -23,6 +23,7 @@ from tests.unit.fake_clock import FakeClock
 from tests.unit.fake_gate import remove_tree, short_socket_dir
 from tests.unit.fake_systemd import FakeManager
 from volutectl.clock import SYSTEM, Clock
+from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings
 from volutectl.events import BaseEvent
 from volutectl.gate.adaptive import Sensor
@@ -161,7 +162,7 @@ class LauncherThread:
     def __init__(self, settings: Settings, manager: FakeManager, path: Path) -> None:
         self.path = path
         self.journal = RecordingJournal()
-        self.hands = LocalHands(lambda: settings, manager, self.journal)
+        self.hands = LocalHands(SettingsHolder(settings), manager, self.journal)
         self.thread: threading.Thread | None = None
         self.start()
 

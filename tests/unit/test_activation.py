@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from tests.unit.fake_gate import remove_tree, short_socket_dir
+from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings
 from volutectl.errors import EX_CONFIG, ConfigError
 from volutectl.gate.reactor import Reactor
@@ -209,7 +210,7 @@ def server_for(
     """The gate's socket side (volutectl/gate/server.py), as the gate builds it."""
     settings = Settings(gate={"socket": socket_path})
     journal = RecordingJournal()
-    server = Server(settings, Reactor(), journal, inherited=listener)
+    server = Server(SettingsHolder(settings), Reactor(), journal, inherited=listener)
     return server, journal
 
 

@@ -11,6 +11,7 @@ from typing import Any, cast
 
 from tests.unit.gate_harness import RecordingJournal
 from volutectl import events
+from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings
 from volutectl.gate import lifecycle
 from volutectl.gate.turns import Turn, Turns
@@ -36,7 +37,7 @@ class Hands:
 def lingering_turn(hands: Hands, listed: list[int] | None) -> tuple[Turns, Turn, RecordingJournal]:
     journal = RecordingJournal()
     turns = Turns(
-        Settings.model_validate({"turns": {"leftover_grace_seconds": GRACE}}),
+        SettingsHolder(Settings.model_validate({"turns": {"leftover_grace_seconds": GRACE}})),
         cast(Any, None),  # the store: a stop of leftovers writes nothing
         cast(Any, hands),
         journal,

@@ -9,13 +9,15 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Annotated
 
 import pytest
+from pydantic import BaseModel
 
 from tests.unit.gate_harness import ME, Harness
 from volutectl import events
-from volutectl.config.reload import ConfigFile, changed_keys, plan_reload
-from volutectl.config.settings import Settings, load_settings
+from volutectl.config.reload import ConfigFile, changed_keys, plan_reload, restart_keys
+from volutectl.config.settings import RESTART, Section, Settings, load_settings
 from volutectl.errors import EX_CONFIG, EX_NOUSER, ConfigError
 from volutectl.gate.degraded import Degraded
 from volutectl.systemd.journal import Journal
@@ -61,6 +63,36 @@ def test_keeping_a_restart_key_keeps_an_unset_key_unset() -> None:
     plan = plan_reload(running, Settings())
     assert plan.needs_restart == ("limits.adaptive.enabled", "limits.io_pressure.enabled")
     assert plan.settings.limits.adaptive_off_for_io_pressure
+
+
+def test_the_keys_that_need_a_restart_are_the_fields_marked_so() -> None:
+    """Each field says itself whether a reload may change it: no list beside them."""
+    assert set(restart_keys()) == {
+        "gate.socket",
+        "gate.socket_group",
+        "gate.state_dir",
+        "gate.runtime_dir",
+        "gate.launcher_socket",
+        "gate.manager",
+        "gate.watchdog",
+        "limits.io_pressure",  # the whole table
+        "limits.adaptive.enabled",
+        "limits.adaptive.rule",
+        "turns.slice",
+        "tests.repositories",
+        "tests.max_slot_files",
+    }
+
+    class Inner(Section):
+        kept: Annotated[int, RESTART] = 1
+        free: int = 2
+
+    class Outer(Section):
+        inner: Inner = Inner()
+        table: Annotated[Inner, RESTART] = Inner()
+        other: str = ""
+
+    assert restart_keys(Outer) == ("inner.kept", "table")
 
 
 # -- did you mean ------------------------------------------------------------------------------
@@ -187,6 +219,31 @@ def test_a_reload_that_moves_the_socket_keeps_it_and_says_so(
     status = harness.connect().request({"op": "status"})["status"]
     assert status["config"]["needs_restart"] == ["gate.socket"]
     assert status["turns_per_mind"] == 2
+
+
+def test_every_part_reads_the_one_holder_that_a_reload_swaps(
+    reloadable: tuple[Harness, Path],
+) -> None:
+    """No part keeps a copy of the settings: after a reload each reads the new values."""
+    harness, path = reloadable
+    gate = harness.gate
+    parts = [gate, gate.state, gate.state.turns, gate.state.liveness, gate.server]
+    parts += [gate.retention, gate.state.adaptive, gate.serving, gate.waiters]
+    for part in parts:
+        copies = [name for name, value in vars(part).items() if isinstance(value, BaseModel)]
+        assert copies == [], f"{type(part).__name__} keeps settings of its own: {copies}"
+    extra = "max_attempts = 3\nclient_idle_seconds = 7.0\nretention_days = 2.0\n"
+    extra += "[limits]\nglobal_concurrent_turns = 5\n[limits.adaptive]\ninterval_seconds = 2.5\n"
+    path.write_text(config_text(harness, {"mimsy": "true"}, extra))
+    harness.gate.reload()
+    assert gate.settings.gate.max_attempts == 3
+    for part in (gate.state, gate.state.turns, gate.state.liveness, gate.server):
+        assert part.settings is gate.settings, type(part).__name__
+    assert gate.server.settings.gate.client_idle_seconds == 7.0
+    assert gate.retention.keep_seconds == 2.0 * 86400
+    assert gate.state.limits.global_cap == 5
+    assert gate.state.adaptive is not None
+    assert gate.state.adaptive.interval == 2.5 and gate.state.adaptive.global_cap == 5
 
 
 # -- the degraded gate ---------------------------------------------------------------------------

@@ -184,7 +184,7 @@ QUICK = Pacing(start_delay=1.0, busy_gap=2.0, quiet_floor=60.0, defer=0.5, max_w
 def clock_retention(store: Store, monkeypatch: pytest.MonkeyPatch, now: float) -> Retention:
     monkeypatch.setattr(time, "time", lambda: now)
     monkeypatch.setattr(time, "monotonic", lambda: 100.0)
-    return Retention(store, KEEP_DAYS, RecordingJournal(), QUICK)
+    return Retention(store, lambda: KEEP_DAYS, RecordingJournal(), QUICK)
 
 
 def test_a_due_batch_waits_for_an_idle_pass_never_runs_after_a_start(
@@ -267,7 +267,7 @@ def test_a_conversion_the_disk_refuses_is_a_warning_and_the_gate_starts_all_the_
     try:
         seed(store, time.time(), running=False)  # prepare() deletes by the real clock
         journal = RecordingJournal()
-        kept = Retention(store, KEEP_DAYS, journal, QUICK)
+        kept = Retention(store, lambda: KEEP_DAYS, journal, QUICK)
 
         def full(*args: object, **kwargs: object) -> schema.Vacuum:
             raise sqlite3.OperationalError("database or disk is full")

@@ -7,7 +7,10 @@ backoffs, quotas and client limits take effect at once. What the gate opened at 
 start from a key (its socket, its state directory, the launcher's socket, its systemd
 manager, the PSI trigger, the slices it watches, the repositories' slot watch) cannot
 move under it: those keys keep their old values, and are named as needing a restart.
-`plan_reload` is pure: settings in, settings out. `ConfigFile` is the file the gate
+`plan_reload` is pure: settings in, settings out; a key says itself that it needs a
+restart (`Annotated[T, RESTART]` in volutectl/config/settings.py). `SettingsHolder` holds
+the settings every part of the gate reads, and a reload swaps them in it.
+`ConfigFile` is the file the gate
 was started with: read again at each reload, and asked, when a delivery names a mind
 the gate does not know, whether the file on disk names it (then a reload is owed).
 """
@@ -21,26 +24,33 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from volutectl.config.settings import LoadedSettings, Settings, config_path, flatten, load_settings
+from volutectl.config.settings import (
+    LoadedSettings,
+    Restart,
+    Settings,
+    config_path,
+    flatten,
+    load_settings,
+)
 from volutectl.config.sources import read_toml
 from volutectl.errors import VoluteError
 
-# Dotted keys (or whole tables) that only a restart of the gate applies.
-RESTART_KEYS: tuple[str, ...] = (
-    "gate.socket",
-    "gate.socket_group",
-    "gate.state_dir",
-    "gate.runtime_dir",
-    "gate.launcher_socket",
-    "gate.manager",
-    "gate.watchdog",
-    "limits.io_pressure",
-    "limits.adaptive.enabled",
-    "limits.adaptive.rule",
-    "turns.slice",
-    "tests.repositories",
-    "tests.max_slot_files",
-)
+
+def restart_keys(model: type[BaseModel] = Settings, prefix: str = "") -> tuple[str, ...]:
+    """The dotted keys (or whole tables) that only a restart of the gate applies: the
+    fields marked `Annotated[T, RESTART]` (volutectl/config/settings.py), in the
+    model's order."""
+    keys: list[str] = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        if any(isinstance(item, Restart) for item in field.metadata):
+            keys.append(dotted)
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            keys.extend(restart_keys(field.annotation, f"{dotted}."))
+    return tuple(keys)
+
+
+RESTART_KEYS = restart_keys()
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,30 @@ def _with_value(model: Any, path: list[str], value: Any) -> Any:
     if head not in model.model_fields_set:
         copy.model_fields_set.discard(head)
     return copy
+
+
+class SettingsHolder:
+    """The settings the gate runs with now, held in one place. Each part is given the
+    holder at construction and reads `current` when it needs a value: it keeps no copy
+    of a key a reload may change (a RESTART key it may, as that never changes under
+    it). A reload swaps what it holds at one stroke (`swap`), after the new settings
+    were validated and planned (`plan_reload`)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._current = settings  # a subclass may read its file again (the launcher's)
+
+    @property
+    def current(self) -> Settings:
+        return self._current
+
+    def __call__(self) -> Settings:
+        """The current settings (`current`), for a part that takes a getter."""
+        return self.current
+
+    def swap(self, settings: Settings) -> None:
+        """Hold `settings` from now on: validated (load_settings), and with the RESTART
+        keys as they were (`plan_reload`'s)."""
+        self._current = settings
 
 
 class ConfigFile:

@@ -55,25 +55,38 @@ NonNegative = Annotated[int, Field(ge=0)]
 Positive = Annotated[int, Field(ge=1)]
 
 
+class Restart:
+    """Field metadata: a reload of the gate keeps this key (or whole table) as it was,
+    and names it as needing a restart. The gate opened something from it at its start
+    (its socket, its state directory, a slice's watch): that cannot move under it.
+    `Annotated[T, RESTART]`; volutectl/config/reload.py's `restart_keys` lists them."""
+
+    def __repr__(self) -> str:
+        return "RESTART"
+
+
+RESTART = Restart()
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class GateSettings(Section):
-    socket: Path = Path("/run/volute/gate.sock")
-    socket_group: str = "volute"
-    state_dir: Path = Path("/var/lib/volute")
-    runtime_dir: Path = Path("/run/volute")
+    socket: Annotated[Path, RESTART] = Path("/run/volute/gate.sock")
+    socket_group: Annotated[str, RESTART] = "volute"
+    state_dir: Annotated[Path, RESTART] = Path("/var/lib/volute")
+    runtime_dir: Annotated[Path, RESTART] = Path("/run/volute")
     # Where the gate gives its orders to volute-launcher (volutectl/wire/orders.py); unset:
     # the gate forks turns itself, in-process (a root gate run by hand, the unit tests).
     # volute-gate.service sets it (VOLUTE_GATE__LAUNCHER_SOCKET).
-    launcher_socket: Path | None = None
-    manager: Literal["system", "user"] = "system"
+    launcher_socket: Annotated[Path | None, RESTART] = None
+    manager: Annotated[Literal["system", "user"], RESTART] = "system"
     max_message_bytes: Positive = 1024 * 1024
     max_attempts: Positive = 10
     backoff_initial_seconds: Annotated[float, Field(gt=0)] = 5.0
     backoff_max_seconds: Annotated[float, Field(gt=0)] = 300.0
-    watchdog: bool = True
+    watchdog: Annotated[bool, RESTART] = True
     # Connections served at once; beyond them the gate stops accepting (they wait in the
     # listen backlog) until one leaves. Each holds a file descriptor.
     max_clients: Positive = 512
@@ -144,14 +157,14 @@ class AdaptiveSettings(Section):
     limits.global_concurrent_turns is a hard ceiling over it.
     """
 
-    enabled: bool = True
+    enabled: Annotated[bool, RESTART] = True
     start: Positive = 2
     minimum: Positive = 1
     maximum: Positive = 16
     interval_seconds: Annotated[float, Field(ge=0.1, le=10)] = 0.5
     # The control rule (volutectl/core/adaptive.py's RULES): "gradient" moves on the
     # latency of the gate's own synced probe, "aimd" on PSI's stalled share.
-    rule: Literal["gradient", "aimd"] = "gradient"
+    rule: Annotated[Literal["gradient", "aimd"], RESTART] = "gradient"
 
     @model_validator(mode="after")
     def _bounds(self) -> AdaptiveSettings:
@@ -169,11 +182,12 @@ class AdaptiveSettings(Section):
 
 
 class LimitsSettings(Section):
-    # A hard ceiling: with adaptive admission on, the limit never goes above it.
+    # A hard ceiling: with adaptive admission on, the limit never goes above it. The code
+    # calls it `global_cap` (admission.Limits, the status, GateReady).
     global_concurrent_turns: Positive | None = None
     turns_per_mind: Positive = 1
     test_runs_count_as_turns: bool = False
-    io_pressure: IoPressureSettings = Field(default_factory=IoPressureSettings)
+    io_pressure: Annotated[IoPressureSettings, RESTART] = Field(default_factory=IoPressureSettings)
     adaptive: AdaptiveSettings = Field(default_factory=AdaptiveSettings)
 
     @model_validator(mode="after")
@@ -201,7 +215,7 @@ class LimitsSettings(Section):
 
 
 class TurnsSettings(Section):
-    slice: str = "volute-turns.slice"
+    slice: Annotated[str, RESTART] = "volute-turns.slice"
     cpu_weight: Weight = 100
     io_weight: Weight = 100
     # "DEVICE BYTES" pairs for IOReadBandwidthMax=/IOWriteBandwidthMax= (io.max works
@@ -239,9 +253,9 @@ class TestsSettings(Section):
     slice: str = "volute-tests.slice"
     cpu_weight: Weight = 50
     io_weight: Weight = 50
-    repositories: list[Path] = Field(default_factory=list)
+    repositories: Annotated[list[Path], RESTART] = Field(default_factory=list)
     # The gate counts slot-1 .. slot-N of each repository, and no file past them.
-    max_slot_files: Annotated[int, Field(ge=1, le=4096)] = 256
+    max_slot_files: Annotated[int, Field(ge=1, le=4096), RESTART] = 256
 
     @field_validator("slice")
     @classmethod

@@ -69,6 +69,7 @@ from volutectl.states import AdaptiveMode
 from volutectl.wire.messages import AdaptiveStatus
 
 if TYPE_CHECKING:
+    from volutectl.config.reload import SettingsHolder
     from volutectl.config.settings import Settings
 
 EVENT_SECONDS = 5.0  # at most one AdaptiveLimitChanged entry this often
@@ -273,16 +274,20 @@ class AdaptiveLimit:
     (the gate's; by default one of its own), and when from the times it is given."""
 
     def __init__(
-        self, settings: Settings, emit: Emit, psi: Path | None = None, sensor: Sensor | None = None
+        self,
+        held: SettingsHolder,
+        emit: Emit,
+        psi: Path | None = None,
+        sensor: Sensor | None = None,
     ) -> None:
+        self.held = held  # the bounds, interval and global cap, as a reload leaves them
+        settings = held.current
         config = settings.limits.adaptive
         # limits.io_pressure is today's binary hold: the two are not stacked (the
-        # config's checks refuse both, and turn this off when only that is set).
+        # config's checks refuse both, and turn this off when only that is set). Both,
+        # and the rule, need a restart.
         self.enabled = config.enabled and not settings.limits.io_pressure.enabled
-        self.bounds = Bounds(config.start, config.minimum, config.maximum)
         self.rule = config.rule
-        self.interval = config.interval_seconds
-        self.ceiling = settings.limits.global_concurrent_turns
         self.controller = adaptive.initial(self.bounds)
         self.fallback: str | None = None  # why, while in fallback
         self.reason: str | None = None  # of the last change
@@ -310,14 +315,25 @@ class AdaptiveLimit:
         self.waiting = 0
         self.last: Reading | None = None
 
-    def reconfigure(self, settings: Settings) -> None:
-        """A reload: new bounds, interval and ceiling from the next pass on; the limit
-        learnt so far is kept, moved into the new bounds. Whether it is on, and its
-        rule, need a restart (volutectl/config/reload.py keeps them as they were)."""
-        config = settings.limits.adaptive
-        self.bounds = Bounds(config.start, config.minimum, config.maximum)
-        self.interval = config.interval_seconds
-        self.ceiling = settings.limits.global_concurrent_turns
+    @property
+    def bounds(self) -> Bounds:
+        config = self.held.current.limits.adaptive
+        return Bounds(config.start, config.minimum, config.maximum)
+
+    @property
+    def interval(self) -> float:
+        return self.held.current.limits.adaptive.interval_seconds
+
+    @property
+    def global_cap(self) -> int | None:
+        """limits.global_concurrent_turns: a hard ceiling over the limit."""
+        return self.held.current.limits.global_concurrent_turns
+
+    def reconfigure(self) -> None:
+        """A reload swapped the settings held: new bounds, interval and global cap from the
+        next pass on; the limit learnt so far is kept, moved into the new bounds.
+        Whether it is on, and its rule, need a restart (volutectl/config/reload.py keeps
+        them as they were)."""
         self.controller = replace(self.controller, limit=self.bounds.clamp(self.controller.limit))
 
     @property
@@ -590,7 +606,7 @@ class AdaptiveLimit:
             limit=self.limit(),
             minimum=self.bounds.minimum,
             maximum=self.bounds.maximum,
-            ceiling=self.ceiling,
+            ceiling=self.global_cap,
             reason=self.fallback or self.reason,
             rule=self.rule,
             probe_ms=_round(reading.latency_ms) if reading is not None else None,

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 from volutectl import events
+from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings
 from volutectl.config.sources import FIX_HINT
 from volutectl.errors import ConfigError, VoluteError
@@ -62,7 +63,7 @@ class Degraded:
         # A copy of systemd's socket: closing the server leaves the original to the gate
         # that takes over. No settings were read: the defaults size the server.
         self.server = Server(
-            Settings(),
+            SettingsHolder(Settings()),
             self.reactor,
             journal,
             inherited=listener.dup() if listener is not None else None,

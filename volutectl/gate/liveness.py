@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from volutectl import names
 from volutectl.clock import SYSTEM, Clock
+from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import VoluteError
@@ -91,7 +92,7 @@ class Evidence:
 class Liveness:
     def __init__(
         self,
-        settings: Settings,
+        held: SettingsHolder,
         store: Store,
         manager: SystemdManager,
         turns: Turns,
@@ -99,13 +100,18 @@ class Liveness:
         wake: Callable[[], None],
         clock: Clock = SYSTEM,
     ) -> None:
-        self.settings = settings
+        self.held = held
         self.clock = clock
         self.store = store
         self.manager = manager
         self.turns = turns
         self.wake = wake
         self.census = Census()  # for status: what the last count for it found
+
+    @property
+    def settings(self) -> Settings:
+        """The settings held now: a reload reaches this part through its holder."""
+        return self.held.current
 
     # -- what holds a place -------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from typing import Any
 
 from volutectl import events
 from volutectl.clock import SYSTEM, Clock
-from volutectl.config.reload import ConfigFile, plan_reload
+from volutectl.config.reload import ConfigFile, SettingsHolder, plan_reload
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import VoluteError, one_line
@@ -62,7 +62,7 @@ from volutectl.launcher.hands import LocalHands, RemoteHands, TurnHands
 from volutectl.slots.watch import FdStore, SlotWatch
 from volutectl.states import HoldReason
 from volutectl.store.indexed import IndexedStore
-from volutectl.store.retention import DAY, Retention
+from volutectl.store.retention import Retention
 from volutectl.systemd import activation
 from volutectl.systemd.journal import Journal, sd_notify, watchdog_interval
 from volutectl.systemd.port import SystemdManager
@@ -76,18 +76,6 @@ ADMIT_RETRY_SECONDS = 1.0
 # (volutectl/gate/server.py's `take_requests`).
 REQUEST_BATCH = 16
 PASS_SECONDS = 0.2
-
-
-def limits_of(settings: Settings) -> admission.Limits:
-    return admission.Limits(
-        global_cap=settings.limits.global_concurrent_turns,
-        turns_per_mind=settings.limits.turns_per_mind,
-        per_mind={
-            name: mind.turns_per_mind
-            for name, mind in settings.minds.items()
-            if mind.turns_per_mind is not None
-        },
-    )
 
 
 class Gate:
@@ -109,7 +97,9 @@ class Gate:
         """Open the store, connect to systemd (subscribed before anything is listed, so no
         turn can end unseen), take the socket, then take back the open turns. Every part
         reads `clock`; the adaptive limit measures with `sensor` (gate/adaptive.py's)."""
-        self.settings, self.clock, self._sensor = settings, clock, sensor
+        self.clock, self._sensor = clock, sensor
+        # The settings every part reads, as the last reload left them (`apply`).
+        self.held = SettingsHolder(settings)
         self.config = config  # the file to read again on reload; None: no reload
         self.journal = journal or Journal("volute-gate")
         self.reactor = Reactor(clock)
@@ -130,13 +120,15 @@ class Gate:
             if config is not None:
                 self.state.minds_on_disk = config.minds_on_disk
             self._add_deadlines()
-            self.server = Server(settings, self.reactor, self.journal, inherited=listener)
+            self.server = Server(self.held, self.reactor, self.journal, inherited=listener)
             self._opened.append(self.server)
             self.waiters = Waiters(self.server, self.state.store)
             self.serving = Serving(self.state, self.server, self.waiters)
             self.state.liveness.recover()
             self.state.store.sync()
-            self.retention = Retention(self.state.store, settings.gate.retention_days, self.journal)
+            self.retention = Retention(
+                self.state.store, lambda: self.settings.gate.retention_days, self.journal
+            )
             self.retention.prepare(progress=self._starting)
             # systemd's news is read in every pass (pystemd may hold some it has read
             # already): its descriptor needs only to wake the loop.
@@ -154,6 +146,11 @@ class Gate:
                     part.close()
             raise
 
+    @property
+    def settings(self) -> Settings:
+        """The settings held now (`self.held`)."""
+        return self.held.current
+
     def _build_state(self, manager: SystemdManager | None, hands: TurnHands | None) -> GateState:
         settings, journal = self.settings, self.journal
         store = IndexedStore(settings.gate.state_dir / "queue.sqlite3", clock=self.clock)
@@ -168,7 +165,7 @@ class Gate:
             hands = self._hands(store, manager)
         self._opened.append(hands)
         turns = Turns(
-            settings,
+            self.held,
             store,
             hands,
             journal,
@@ -180,7 +177,9 @@ class Gate:
             ask=Evidence(manager, hands, self.clock).about,
             clock=self.clock,
         )
-        liveness = Liveness(settings, store, manager, turns, wake=self.mark_dirty, clock=self.clock)
+        liveness = Liveness(
+            self.held, store, manager, turns, wake=self.mark_dirty, clock=self.clock
+        )
         slots = SlotWatch(
             settings.tests.repositories,
             settings.gate.state_dir / "repositories.json",
@@ -191,7 +190,7 @@ class Gate:
         )
         self._opened.append(slots)
         return GateState(
-            settings=settings,
+            held=self.held,
             store=store,
             manager=manager,
             turns=turns,
@@ -199,7 +198,6 @@ class Gate:
             slots=slots,
             pressure=None,  # opened once the rest is up: _open_pressure
             journal=journal,
-            limits=limits_of(settings),
             notify=self._notify,
             clock=self.clock,
             status_asks=status.SystemdAsks(clock=self.clock.monotonic),
@@ -210,7 +208,7 @@ class Gate:
         else this process's own hands (a root gate run by hand)."""
         path = self.settings.gate.launcher_socket
         if path is None:
-            return LocalHands(lambda: self.settings, manager, self.journal)
+            return LocalHands(self.held, manager, self.journal)
         return RemoteHands(path, lambda: [row.id for row in store.open_turns()])
 
     # Callbacks for the parts: they run only once the constructor has finished.
@@ -232,7 +230,7 @@ class Gate:
         self.state.pressure = pressure
 
     def _open_adaptive(self) -> None:
-        adaptive = AdaptiveLimit(self.settings, self.journal.emit, sensor=self._sensor)
+        adaptive = AdaptiveLimit(self.held, self.journal.emit, sensor=self._sensor)
         self._opened.append(adaptive)
         if adaptive.probe is not None:
             self.reactor.watch(adaptive.probe.fileno(), adaptive.on_probe_done)
@@ -361,18 +359,13 @@ class Gate:
 
     def apply(self, settings: Settings) -> None:
         """Run with `settings` from now on (volutectl/config/reload.py has kept the keys
-        that only a restart applies). Running turns and the queue are not touched:
-        admission decides again, under the new limits."""
-        self.settings = settings
+        that only a restart applies): the holder every part reads swaps them at once.
+        Running turns and the queue are not touched: admission decides again, under the
+        new limits, and the adaptive limit moves what it learnt into its new bounds."""
+        self.held.swap(settings)
         state = self.state
-        state.settings = settings
-        state.limits = limits_of(settings)
-        state.turns.settings = settings
-        state.liveness.settings = settings
-        self.server.settings = settings
-        self.retention.keep_seconds = settings.gate.retention_days * DAY
         if state.adaptive is not None:
-            state.adaptive.reconfigure(settings)
+            state.adaptive.reconfigure()
         preflight.log_failing(settings, self.journal.emit)
         state.dirty = True
 

@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import TypeAlias
 
 from volutectl import events
+from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings
 from volutectl.core import shares
 from volutectl.errors import EX_SOFTWARE, DataError, TemporaryError, UnavailableError, VoluteError
@@ -150,13 +151,13 @@ def peer_uid(sock: socket.socket) -> int:
 class Server:
     def __init__(
         self,
-        settings: Settings,
+        held: SettingsHolder,
         reactor: Reactor,
         journal: Journal,
         *,
         inherited: socket.socket | None = None,
     ) -> None:
-        self.settings = settings
+        self.held = held
         self.reactor = reactor
         self.journal = journal
         self.bound_socket: Path | None = None  # a socket file we bound, to unlink on close
@@ -184,6 +185,11 @@ class Server:
         self.accepting = True  # the listener is in the reactor (see _pause_accepting)
         reactor.at(self._idle_deadline, self._drop_idle_clients)
         reactor.at(lambda: self.accept_retry, self._retry_accepting)
+
+    @property
+    def settings(self) -> Settings:
+        """The settings held now: a reload reaches this part through its holder."""
+        return self.held.current
 
     # -- the listener -----------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from volutectl.clock import SYSTEM, Clock
+from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.gate.adaptive import AdaptiveLimit
@@ -30,7 +31,7 @@ from volutectl.wire.messages import ConfigStatus
 class GateState:
     """What the handlers act on: the gate's parts, none of its sockets."""
 
-    settings: Settings
+    held: SettingsHolder  # the settings, as a reload swaps them: read `settings`
     store: IndexedStore
     manager: SystemdManager
     turns: Turns
@@ -38,7 +39,6 @@ class GateState:
     slots: SlotWatch
     pressure: PressureWatch | None
     journal: Journal
-    limits: admission.Limits
     notify: Callable[[Settled], None]  # tell a delivery's waiters how it settled
     clock: Clock = SYSTEM  # the gate's one clock (volutectl/clock.py)
     dirty: bool = True  # admission should run
@@ -54,3 +54,28 @@ class GateState:
     config: ConfigStatus | None = None  # when the config was read; a refused reload
     # What status last asked systemd: every status within its window shares it.
     status_asks: SystemdAsks = field(default_factory=SystemdAsks)
+    _limits: tuple[Settings, admission.Limits] | None = None  # limits_of, and of what
+
+    @property
+    def settings(self) -> Settings:
+        return self.held.current
+
+    @property
+    def limits(self) -> admission.Limits:
+        """Admission's caps, as the settings held now say (worked out once per settings)."""
+        settings = self.held.current
+        if self._limits is None or self._limits[0] is not settings:
+            self._limits = (settings, limits_of(settings))
+        return self._limits[1]
+
+
+def limits_of(settings: Settings) -> admission.Limits:
+    return admission.Limits(
+        global_cap=settings.limits.global_concurrent_turns,
+        turns_per_mind=settings.limits.turns_per_mind,
+        per_mind={
+            name: mind.turns_per_mind
+            for name, mind in settings.minds.items()
+            if mind.turns_per_mind is not None
+        },
+    )

@@ -224,7 +224,7 @@ def gate_line(state: GateState, now: float, tests: int) -> str:
         turns=len(state.turns.all()) + state.foreign_live,
         cap=replace(state.limits, adaptive=limit).cap,
         adaptive=adaptive.mode if adaptive is not None and limit is not None else None,
-        ceiling=state.limits.global_cap,
+        global_cap=state.limits.global_cap,
         test_runs=tests,
         holds={str(reason): count for reason, count in index.counts.items()},
         backing_off=len(index.backing_off(now)),
@@ -250,7 +250,7 @@ def status_line(
     turns: int,
     cap: int | None,
     adaptive: str | None = None,
-    ceiling: int | None = None,
+    global_cap: int | None = None,
     test_runs: int,
     holds: Mapping[str, int],
     backing_off: int,
@@ -264,7 +264,7 @@ def status_line(
     line = f"{turns}/{cap} turns" if cap is not None else f"{turns} turn{_s(turns)} (no cap)"
     if adaptive is not None:
         kind = "adaptive limit" if adaptive == AdaptiveMode.ADAPTIVE else f"adaptive {adaptive}"
-        line += f" ({kind}, ceiling {ceiling})" if ceiling is not None else f" ({kind})"
+        line += f" ({kind}, ceiling {global_cap})" if global_cap is not None else f" ({kind})"
     if test_runs:
         line += f" + {test_runs} test run{_s(test_runs)}"
     reasons = {reason: n for reason, n in holds.items() if n}

@@ -24,6 +24,7 @@ from typing import assert_never
 
 from volutectl import events, names
 from volutectl.clock import SYSTEM, Clock
+from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.errors import SystemdNoAnswer, VoluteError
@@ -82,7 +83,7 @@ class Turn:
 class Turns:
     def __init__(
         self,
-        settings: Settings,
+        held: SettingsHolder,
         store: IndexedStore,
         hands: TurnHands,
         journal: Journal,
@@ -95,7 +96,7 @@ class Turns:
         ask: Callable[[Turn], lifecycle.Event],
         clock: Clock = SYSTEM,
     ) -> None:
-        self.settings = settings
+        self.held = held
         self.clock = clock
         self.store = store
         self.hands = hands
@@ -117,6 +118,11 @@ class Turns:
         # Scopes of turns we settled that systemd may still list as live for a moment
         # (settled on seeing them empty): not counted, not asked about again.
         self._settled_units: set[str] = set()
+
+    @property
+    def settings(self) -> Settings:
+        """The settings held now: a reload reaches this part through its holder."""
+        return self.held.current
 
     # -- the registry -----------------------------------------------------------------------
 

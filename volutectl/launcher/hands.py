@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from volutectl import events, names
+from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings, parse_bandwidth
 from volutectl.errors import DataError, SystemdNoAnswer, UnavailableError, VoluteError
 from volutectl.faults import crash_point
@@ -125,11 +126,11 @@ class LocalHands:
 
     def __init__(
         self,
-        settings: Callable[[], Settings],
+        held: SettingsHolder,
         manager: SystemdManager,
         journal: Journal,
     ) -> None:
-        self.settings = settings
+        self.held = held  # the gate's holder, or the launcher's (which reads its file again)
         self.manager = manager
         self.journal = journal
         self.accounts: dict[str, fork.Account] = {}
@@ -152,7 +153,7 @@ class LocalHands:
         pass
 
     def turn_dir(self, turn_id: int) -> fork.TurnDir:
-        return fork.TurnDir(self.settings().gate.runtime_dir / "turns" / str(turn_id))
+        return fork.TurnDir(self.held.current.gate.runtime_dir / "turns" / str(turn_id))
 
     def account_of(self, settings: Settings, mind: str) -> fork.Account:
         """The mind's user, looked up once per configuration: NSS lookups would sit on
@@ -175,7 +176,7 @@ class LocalHands:
         """Make the turn's directory, fork its child, have systemd put it in its scope,
         release it. On any failure the child (if forked) exits unreleased, the
         directory is removed, and the error is raised: the command never ran."""
-        settings = self.settings()
+        settings = self.held.current
         mind = settings.minds.get(order.mind)
         if mind is None:
             raise DataError(f"mind {order.mind!r} is not configured for the launcher")
@@ -233,7 +234,7 @@ class LocalHands:
         os.close(child.pidfd)
 
     def offer(self, order: orders.Offer, record: bytes) -> None:
-        settings = self.settings()
+        settings = self.held.current
         account = self.account_of(settings, order.mind)
         try:
             fork.offer(self.turn_dir(order.turn_id), order.delivery_id, record, account)
@@ -307,7 +308,7 @@ class LocalHands:
             self.trash_waiting = True
         elif self.trash_waiting:
             budget = dirfds.Budget(turndir.REMOVE_ENTRIES, turndir.REMOVE_SECONDS)
-            swept = turndir.empty_trash(self.settings().gate.runtime_dir, budget)
+            swept = turndir.empty_trash(self.held.current.gate.runtime_dir, budget)
             self.trash_waiting = bool(swept.left or swept.errors)
 
     def sweep(self, open_ids: Sequence[int]) -> None:
@@ -317,7 +318,7 @@ class LocalHands:
         keep = set(open_ids)
         for turn_id in [t for t in self.statuses if t not in keep]:
             del self.statuses[turn_id]
-        runtime_dir = self.settings().gate.runtime_dir
+        runtime_dir = self.held.current.gate.runtime_dir
         sweep = turndir.sweep_turn_dirs(runtime_dir, keep)
         self.trash_waiting = bool(sweep.left)
         for error in sweep.errors:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from volutectl import events
+from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings, load_settings
 from volutectl.errors import SystemdNoAnswer, VoluteError
 from volutectl.launcher import turndir
@@ -41,17 +42,17 @@ from volutectl.wire import orders
 MAX_CONNECTIONS = 8
 
 
-class ReloadingSettings:
-    """The configuration, read again when its file changes (by inode, size or mtime), so
-    that a mind added for the gate is known here too without a restart. A file that no
-    longer loads keeps the last good settings, with a warning."""
+class ReloadingSettings(SettingsHolder):
+    """The launcher's holder of its configuration, read again when its file changes (by
+    inode, size or mtime), so that a mind added for the gate is known here too without a
+    restart. A file that no longer loads keeps the last good settings, with a warning."""
 
     def __init__(self, path: str | None, emit: events.Emit) -> None:
         self.path = path
         self.emit = emit
         loaded = load_settings(path)
+        super().__init__(loaded.settings)
         self.file = loaded.path
-        self.current = loaded.settings
         self.seen = self._stamp()
 
     def _stamp(self) -> tuple[int, int, int] | None:
@@ -63,16 +64,17 @@ class ReloadingSettings:
             return None
         return (st.st_ino, st.st_size, st.st_mtime_ns)
 
-    def __call__(self) -> Settings:
+    @property
+    def current(self) -> Settings:
         stamp = self._stamp()
         if stamp != self.seen:
             self.seen = stamp
             try:
-                self.current = load_settings(self.path).settings
+                self.swap(load_settings(self.path).settings)
                 self.emit(events.ConfigurationReloaded(file=str(self.file)))
             except VoluteError as error:
                 self.emit(events.ConfigurationKept(error=str(error)))
-        return self.current
+        return self._current
 
 
 def allowed_uids() -> frozenset[int]:

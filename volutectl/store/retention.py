@@ -166,16 +166,24 @@ class Retention:
     """The gate's retention: its deadline, and a batch when the loop can spare one."""
 
     def __init__(
-        self, store: Store, retention_days: float, sink: Sink, pacing: Pacing | None = None
+        self,
+        store: Store,
+        retention_days: Callable[[], float],
+        sink: Sink,
+        pacing: Pacing | None = None,
     ) -> None:
         self.store = store
         self.clock = store.clock  # the gate's, which its store was given
-        self.keep_seconds = retention_days * DAY
+        self.retention_days = retention_days  # gate.retention_days, as a reload left it
         self.sink = sink
         self.pacing = pacing or PACING
         self.due_since: float | None = None  # when the due batch first met a busy pass
         self.latch = events.Latch(sink.emit, self.pacing.error_gap)  # the queue refused one
         self.due: float | None = self._first_due()
+
+    @property
+    def keep_seconds(self) -> float:
+        return self.retention_days() * DAY
 
     def _first_due(self) -> float:
         """A new gate's first batch: after `start_delay` if anything has expired, else
