@@ -154,7 +154,11 @@ def test_the_limit_holds_a_fan_out_with_its_own_reason_and_moves_with_readings(
     fan_out(harness)
     assert holds(harness) == {HoldReason.ADAPTIVE_LIMIT: 3}
     assert limit_of(harness).waiting == 3
-    feed(harness, 1.0)  # healthy, deliveries wait: it doubles (slow start), to its maximum
+    feed(harness, 1.0)  # healthy, deliveries wait: up by one (writers: whole places)
+    harness.pump(lambda: running(harness) == 3)
+    assert holds(harness) == {HoldReason.ADAPTIVE_LIMIT: 2}
+    feed(harness, 1.0)  # its probe began as the new turn did: no growth on it...
+    feed(harness, 1.0)  # ...but on the next: to its maximum
     harness.pump(lambda: running(harness) == 4)
     assert holds(harness) == {HoldReason.ADAPTIVE_LIMIT: 1}
     feed(harness, 1.0)  # at the maximum: no further
@@ -172,12 +176,12 @@ def test_each_move_is_one_event_and_moves_within_a_few_seconds_are_said_together
 ) -> None:
     harness = adaptive_harness(tmp_path, harnesses, adaptive={"maximum": 8})
     fan_out(harness)
-    feed(harness, 1.0)  # 2 -> 4
-    harness.pump(lambda: running(harness) == 4)
-    feed(harness, 1.0)  # its probe began as the new turns did: no growth on it...
-    feed(harness, 1.0)  # ...but on the next: 4 -> 8, kept for the next entry
+    feed(harness, 1.0)  # 2 -> 3 (writers: whole places grow by one)
+    harness.pump(lambda: running(harness) == 3)
+    feed(harness, 1.0)  # its probe began as the new turn did: no growth on it...
+    feed(harness, 1.0)  # ...but on the next: 3 -> 4, kept for the next entry
     [first] = harness.journal.of(events.AdaptiveLimitChanged)
-    assert (first.old_limit, first.new_limit, first.changes) == (2, 4, 1)
+    assert (first.old_limit, first.new_limit, first.changes) == (2, 3, 1)
     assert first.probe_ms == 1.0 and first.baseline_ms == 1.0
     assert first.message_id() is not None
     log = limit_of(harness).log
@@ -185,13 +189,13 @@ def test_each_move_is_one_event_and_moves_within_a_few_seconds_are_said_together
     assert due is not None and due == pytest.approx(harness.clock.monotonic() + EVENT_SECONDS)
     log.on_deadline(due)
     second = harness.journal.of(events.AdaptiveLimitChanged)[1]
-    assert (second.old_limit, second.new_limit, second.changes) == (4, 8, 1)
+    assert (second.old_limit, second.new_limit, second.changes) == (3, 4, 1)
     feed(harness, 500.0)  # within 5 s of the last entry: kept...
     feed(harness, 500.0)
     assert len(harness.journal.of(events.AdaptiveLimitChanged)) == 2
     log.on_deadline(due + EVENT_SECONDS)  # ...and said as one
     third = harness.journal.of(events.AdaptiveLimitChanged)[2]
-    assert (third.old_limit, third.new_limit, third.changes) == (8, 4, 2)  # 7, then 7 x 0.7
+    assert (third.old_limit, third.new_limit, third.changes) == (4, 2, 2)  # 3, then 3 x 0.7
     assert third.probe_ms == 500.0
     assert log.deadline() is None
 
@@ -218,19 +222,19 @@ def test_status_and_the_status_line_show_the_mode_and_the_limit(
     line = "2/2 turns (adaptive limit, ceiling 8), 3 held (adaptive_limit), "
     assert statuses(notified)[-1].startswith(line)
     feed(harness, 1.0)
-    harness.pump(lambda: running(harness) == 4)
+    harness.pump(lambda: running(harness) == 3)
     reply = request(harness, op="status")["status"]
-    assert reply["holds"] == {"adaptive_limit": 1}
+    assert reply["holds"] == {"adaptive_limit": 2}
     adaptive = reply["adaptive"]
     assert {k: adaptive[k] for k in ("mode", "limit", "minimum", "maximum", "ceiling")} == {
         "mode": "adaptive",
-        "limit": 4,
+        "limit": 3,
         "minimum": 1,
         "maximum": 4,
         "ceiling": 8,
     }
     assert "healthy" in adaptive["reason"] and adaptive["rule"] == "gradient"
-    assert statuses(notified)[-1].startswith("4/4 turns (adaptive limit, ceiling 8)")
+    assert statuses(notified)[-1].startswith("3/3 turns (adaptive limit, ceiling 8)")
 
 
 def test_off_it_is_static_and_only_the_ceiling_holds(
@@ -279,8 +283,10 @@ def test_a_restarted_gate_starts_at_the_start_value_not_where_it_was(
 ) -> None:
     harness = adaptive_harness(tmp_path, harnesses)
     fan_out(harness)
+    feed(harness, 1.0)  # 2 -> 3
+    harness.pump(lambda: running(harness) == 3)
     feed(harness, 1.0)
-    feed(harness, 1.0)
+    feed(harness, 1.0)  # 3 -> 4
     harness.pump(lambda: running(harness) == 4)
     harness.crash()
     harness.restart()

@@ -9,18 +9,23 @@ wait at the limit. `step` says whether the limit moves, and why.
 - **It grows only while deliveries wait at it**, the running turns fill it (`tested`:
   a limit not in use has not been shown healthy) and the storage is healthy: after
   `GROW_AFTER` healthy readings in a row (one probe is one 4 KiB write, and behind a
-  disk kept busy by synced 64 KiB writes it is quick or slow by luck), and after a
-  growth, two more (the next reading's probe starts as the turns the growth let in
-  do, and says nothing of them). It doubles while nothing has gone wrong yet (slow
-  start, as TCP's); after the first distress it grows by one (congestion avoidance).
+  disk kept busy by synced 64 KiB writes it is quick or slow by luck), not counting a
+  fan-out's first (a cold gate's, or one's that `resume`d: its probe starts as the
+  turns do, on the quiet disk, and says nothing of them); and after a growth, two
+  more (the next reading's probe starts as the turns the growth let in do, and says
+  nothing of them). It doubles while nothing has gone wrong yet (slow start, as
+  TCP's) and some of the turns the reading saw cost less than a whole place; a
+  reading of whole places only, or any after the first distress, grows it by one
+  (congestion avoidance).
   A limit that met distress is tried again only after `RETRY_AFTER` healthy readings
   in a row (CUBIC's plateau at the window that last lost, W_max): a few lucky probes
   in a row are no evidence. Below that limit it grows as before.
-  Doubling is safe only because the limit is a budget of IO costs (core/iocost.py): a
+  Doubling is safe only for turns that cost less than a place (core/iocost.py): a
   turn whose writes are not known costs a whole place until a sample of what it has
-  written shows otherwise, so a reading lets in at most as many turns of unknown writes
-  as the limit, and a cold gate's heavy writers are counted whole, and meet the probe's
-  distress, before the next doubling.
+  written shows otherwise, and so does a known heavy writer. Doubling a limit of whole
+  places lets in as many more of them at once as run already, on probes that judged
+  one more (`judge_latency`), and a lowered limit stops no running turn; so whole
+  places grow by one.
 - **It shrinks on distress**: by one when the storage is slower than healthy; by a
   third (multiplicative decrease) when it is far slower twice in a row, so a sudden
   slowdown is answered within a few intervals and one stray slow sample is not.
@@ -68,6 +73,7 @@ TOLERANCE_MS = 20.0  # ...or within this much of it, whichever is larger
 BASELINE_RISE = 0.05  # how far an idle disk's reading lets the baseline up
 BACK_OFF = 0.7  # the multiplicative decrease
 GROW_AFTER = 3  # healthy readings in a row before the limit grows
+UNSEEN = -1  # `healthy` at a fan-out's start: its first reading counts for nothing
 RETRY_AFTER = 12  # ...before it grows back to a limit that met distress
 STALL_HEALTHY = 0.10  # aimd: PSI some share of the interval
 STALL_DISTRESS = 0.30
@@ -129,7 +135,7 @@ Rule = Callable[[Controller, Reading], Judgement]
 
 def initial(bounds: Bounds) -> Controller:
     """A gate that starts, or starts again: the start value, nothing learnt."""
-    return Controller(limit=bounds.clamp(bounds.start))
+    return Controller(limit=bounds.clamp(bounds.start), healthy=UNSEEN)
 
 
 def healthy_below_ms(baseline_ms: float) -> float:
@@ -228,10 +234,18 @@ def grow_after(state: Controller) -> int:
     return GROW_AFTER
 
 
-def grown(state: Controller) -> int:
-    """The next limit up: doubled in slow start, else one more; but never past the limit
-    below the last distress in one step from under it, and by one from there on."""
-    new = state.limit * 2 if state.slow_start else state.limit + 1
+def whole_places(reading: Reading) -> bool:
+    """Whether every turn running while the probe ran cost a whole place: writers known
+    to be heavy, or turns whose writes are not known yet (core/iocost.py)."""
+    return reading.load is None or reading.load >= reading.running
+
+
+def grown(state: Controller, reading: Reading) -> int:
+    """The next limit up: doubled in slow start while some running turns cost less than
+    a place, else one more; but never past the limit below the last distress in one
+    step from under it, and by one from there on."""
+    double = state.slow_start and not whole_places(reading)
+    new = state.limit * 2 if double else state.limit + 1
     below = below_distress(state)
     if below is None:
         return new
@@ -255,7 +269,7 @@ def step(
         state = replace(state, strained=0, healthy=state.healthy + 1)
         new = limit
         if reading.waiting > 0 and state.healthy >= grow_after(state) and tested(state, reading):
-            new = grown(state)
+            new = grown(state, reading)
             why += f" {state.healthy} times in a row, {reading.waiting} waiting"
             # The next reading's probe starts as the turns this growth lets in do: it
             # says nothing of them yet. The one after it does.
@@ -285,7 +299,7 @@ def resume(state: Controller, now: float, bounds: Bounds) -> tuple[Controller, C
         start = min(start, below)
     start = bounds.clamp(start)
     quiet = f"idle for {now - state.last_reading:.0f} s: starting again from {start}"
-    state = replace(state, slow_start=True, strained=0, healthy=0, last_reading=now)
+    state = replace(state, slow_start=True, strained=0, healthy=UNSEEN, last_reading=now)
     if state.limit == start:
         return state, None
     return replace(state, limit=start), Change(state.limit, start, quiet)

@@ -39,11 +39,11 @@ that keeps every turn from starving).
   writers beside it would otherwise look lighter the more of them run, and let more
   in). So the limit bounds
   the writers, and turns that wait on the network pass it at the floor's cost: the
-  limit can double in slow start (volutectl/core/adaptive.py) without letting a cold
-  gate's unknown heavy writers in together, since each costs a whole place until it
-  has shown it does not write. What the samples cannot see: a quiet turn that starts
-  writing later is charged from the next sample, and a lowered limit stops no running
-  turn; its mind's learnt cost charges it from its next turn on.
+  limit doubles in slow start only while some of the turns cost less than a place
+  (volutectl/core/adaptive.py); a cold gate's unknown heavy writers, each a whole place
+  until it has shown it does not write, grow it by one. What the samples cannot see: a
+  quiet turn that starts writing later is charged from the next sample, and a lowered
+  limit stops no running turn; its mind's learnt cost charges it from its next turn on.
 - Costs live in the gate's memory: a gate that starts again starts cold.
 
 No I/O here: the bytes come in from the gate.
