@@ -119,24 +119,7 @@ class Gate:
             self.state.config = ConfigStatus(loaded_at=clock.wall())
             if config is not None:
                 self.state.minds_on_disk = config.minds_on_disk
-            self._add_deadlines()
-            self.server = Server(self.held, self.reactor, self.journal, inherited=listener)
-            self._opened.append(self.server)
-            self.waiters = Waiters(self.server, self.state.store)
-            self.serving = Serving(self.state, self.server, self.waiters)
-            self.state.liveness.recover()
-            self.state.store.sync()
-            self.retention = Retention(
-                self.state.store, lambda: self.settings.gate.retention_days, self.journal
-            )
-            self.retention.prepare(progress=self._starting)
-            # systemd's news is read in every pass (pystemd may hold some it has read
-            # already): its descriptor needs only to wake the loop.
-            self.reactor.watch(self.state.manager.fileno(), only_wake)
-            self.reactor.watch(self.state.slots.fileno(), self._on_slots)
-            self._open_pressure()
-            self._open_adaptive()
-            preflight.log_failing(settings, self.journal.emit)  # status shows it too
+            self._open_parts(listener)
             # What start loaded (a deep queue's index, the imports) lives as long as the
             # gate: keep the cyclic collector from scanning it again and again.
             gc.freeze()
@@ -145,6 +128,28 @@ class Gate:
                 with contextlib.suppress(Exception):
                     part.close()
             raise
+
+    def _open_parts(self, listener: socket.socket | None) -> None:
+        """Around the state: the deadlines, the socket, the turns taken back, retention,
+        and what wakes the loop (systemd, the slots, pressure, the adaptive limit)."""
+        self._add_deadlines()
+        self.server = Server(self.held, self.reactor, self.journal, inherited=listener)
+        self._opened.append(self.server)
+        self.waiters = Waiters(self.server, self.state.store)
+        self.serving = Serving(self.state, self.server, self.waiters)
+        self.state.liveness.recover()
+        self.state.store.sync()
+        self.retention = Retention(
+            self.state.store, lambda: self.settings.gate.retention_days, self.journal
+        )
+        self.retention.prepare(progress=self._starting)
+        # systemd's news is read in every pass (pystemd may hold some it has read
+        # already): its descriptor needs only to wake the loop.
+        self.reactor.watch(self.state.manager.fileno(), only_wake)
+        self.reactor.watch(self.state.slots.fileno(), self._on_slots)
+        self._open_pressure()
+        self._open_adaptive()
+        preflight.log_failing(self.settings, self.journal.emit)  # status shows it too
 
     @property
     def settings(self) -> Settings:
