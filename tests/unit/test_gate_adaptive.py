@@ -25,7 +25,7 @@ from tests.unit.fake_clock import FakeClock
 from tests.unit.gate_harness import Harness
 from tests.unit.test_gate_pause import deliver, notified, request, statuses
 from volutectl import events
-from volutectl.core.adaptive import GROW_AFTER, Controller, Reading
+from volutectl.core.adaptive import GROW_AFTER, UNSEEN, Controller, Reading
 from volutectl.core.iocost import FLOOR, PROBATION_SECONDS
 from volutectl.core.psi import parse_total
 from volutectl.errors import VoluteError
@@ -105,15 +105,16 @@ def feed(harness: Harness, latency_ms: float) -> None:
 
 def fan_out(harness: Harness) -> list[int]:
     """Five deliveries, two started, three held at the limit; and the healthy readings
-    in a row that move nothing (GROW_AFTER - 1), so that the next healthy one grows it."""
+    in a row that move nothing (the fan-out's first, which counts for nothing, and
+    GROW_AFTER - 1), so that the next healthy one grows it."""
     ids = [deliver(harness, mind) for mind in MINDS]
     harness.pump(lambda: running(harness) == 2 and sum(holds(harness).values()) == 3)
     # The clock stood still: the gate took no reading of its own, so what follows counts
     # the fed readings alone.
     adaptive = limit_of(harness)
     assert adaptive.limit() == 2 and adaptive.last is None
-    assert adaptive.controller.healthy == 0
-    for _ in range(GROW_AFTER - 1):
+    assert adaptive.controller.healthy == UNSEEN
+    for _ in range(GROW_AFTER):
         feed(harness, 1.0)
     assert limit_of(harness).limit() == 2
     return ids
