@@ -308,6 +308,7 @@ HOG = (
 )
 
 
+@pytest.mark.serial  # its two CPU hogs would starve the tests beside it
 def test_logs_follow_on_a_loaded_machine_shows_every_line_of_the_mind_once(
     machine: Machine,
 ) -> None:

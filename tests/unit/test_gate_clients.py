@@ -47,6 +47,7 @@ def until_closed(harness: Harness, peer_closed: object) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.serial
 def test_a_partial_line_that_never_ends_is_dropped_after_the_idle_time(harness: Harness) -> None:
     # No client: once its first pass is made and its start's commits checkpointed, the
     # gate sleeps until retention's deadline, days away (an empty queue).
@@ -71,6 +72,7 @@ def test_a_partial_line_that_never_ends_is_dropped_after_the_idle_time(harness: 
     harness.deliver_ok()
 
 
+@pytest.mark.serial
 def test_a_client_that_connects_and_sends_nothing_is_dropped_too(harness: Harness) -> None:
     peer = harness.connect()
     took = until_closed(harness, peer.closed_by_gate)
