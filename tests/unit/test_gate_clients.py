@@ -129,6 +129,7 @@ def patient_harness(tmp_path: Path) -> Iterator[Harness]:
     opened.close()
 
 
+@pytest.mark.serial
 def test_a_client_that_never_reads_is_dropped_without_blocking_the_gate(
     patient_harness: Harness,
 ) -> None:
