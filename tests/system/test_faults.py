@@ -314,6 +314,7 @@ def test_an_interrupted_turn_still_counts_as_interrupted_after_a_gate_restart(
     assert [end["VOLUTE_EXIT_STATUS"] for end in ends] == ["130"]
 
 
+@pytest.mark.serial
 def test_systemd_reexecuting_and_reloading_under_running_turns(machine: Machine) -> None:
     install_probe(machine)
     minds = {f"m{i}": "turn-probe 0.8" for i in range(6)}

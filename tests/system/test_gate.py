@@ -218,6 +218,7 @@ def test_sigkill_of_the_gate_loses_nothing_and_runs_nothing_twice(machine: Machi
     assert all(r["attempts"] == 0 for r in done)
 
 
+@pytest.mark.serial
 def test_restarting_the_service_does_not_kill_running_turns(machine: Machine) -> None:
     install_probe(machine)
     start_gate(machine, gate_config({"long": "turn-probe 2"}))

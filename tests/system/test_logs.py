@@ -174,6 +174,7 @@ Journal("volute-probe").log(
 """
 
 
+@pytest.mark.serial
 def test_the_gates_entries_carry_message_ids_and_a_multi_line_message_is_one_entry(
     machine: Machine,
 ) -> None:
