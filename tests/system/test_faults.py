@@ -64,6 +64,7 @@ TURN_POINTS = [
 LAUNCHER_POINTS = ("forked", "scope_started", "released")
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("point", TURN_POINTS)
 def test_a_sigkill_of_the_gates_cgroup_at_each_step_loses_nothing(
     machine: Machine, point: str

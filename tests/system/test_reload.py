@@ -159,6 +159,7 @@ done
 """
 
 
+@pytest.mark.serial
 def test_a_sigkill_in_a_storm_of_reloads_loses_no_acknowledged_delivery(
     machine: Machine,
 ) -> None:
