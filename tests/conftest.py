@@ -26,6 +26,28 @@ from volute_testbed.machine import Machine, dev_machine
 settings.register_profile("volute", deadline=None)
 settings.load_profile("volute")
 
+# The modules that take a minute or more, longest first. ./run-tests' parallel phase hands
+# whole modules to its workers in collection order, so these go first: one started last
+# would run on alone while the other workers sit idle. Only the order changes.
+LONGEST_FIRST = (
+    "tests/install/test_package.py",
+    "tests/system/test_faults.py",
+    "tests/unit/test_queueindex.py",
+    "tests/system/test_gate.py",
+    "tests/system/test_gate_split.py",
+    "tests/system/test_logs.py",
+    "tests/system/test_turn_dir_attacks.py",
+    "tests/system/test_restarts.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        module = item.nodeid.split("::", 1)[0]
+        return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each module's tests keep their order
+
 
 @pytest.fixture
 def machine(request: pytest.FixtureRequest) -> Iterator[Machine]:

@@ -6,7 +6,9 @@ Two halves that share the tier names:
   `install` or `install_arm64` gets a junit property `tier=<marker>`, so the report
   alone says how many tests of each tier ran and how many were skipped;
 - the verdict (`python -m volute_testbed.junit REPORT...`), used by ./run-tests on its
-  report and by .ci/run on the reports of both its steps. It prints one line per tier,
+  reports (a full run has two: its serial phase's and its parallel phase's, which
+  `--merge-into` also writes as one report) and by .ci/run on the reports of both its
+  steps. It prints one line per tier,
   "<label>: <tier> tier: N executed, N skipped", then the count "N passed, N failed,
   N errors, N skipped", and exits 1 when the run must fail:
   - pytest exited non-zero (`--status`; 5 means it collected no tests);
@@ -91,6 +93,18 @@ class Tally:
         return counts["passed"] + counts["failed"] + counts["errors"]
 
 
+def merge(reports: list[str], into: str) -> None:
+    """Write every test suite of `reports` (those that can be read) into one report."""
+    merged = ET.Element("testsuites")
+    for path in reports:
+        try:
+            root = ET.parse(path).getroot()
+        except (OSError, ET.ParseError):
+            continue  # the verdict over `reports` says so
+        merged.extend([root] if root.tag == "testsuite" else list(root.iter("testsuite")))
+    ET.ElementTree(merged).write(into, encoding="utf-8", xml_declaration=True)
+
+
 def verdict(
     reports: list[str],
     *,
@@ -155,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--label", default="run-tests", help="prefix of the tier lines")
     parser.add_argument("--count-prefix", default="", help="prefix of the count line")
+    parser.add_argument("--merge-into", metavar="REPORT", help="also write the reports as one")
     args = parser.parse_args(argv)
+    if args.merge_into:
+        merge(args.reports, args.merge_into)
     return verdict(
         args.reports,
         status=args.status,

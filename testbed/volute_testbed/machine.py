@@ -251,8 +251,10 @@ def boot(
         _prepare_root(root, mask, prepare or {})
         # Without systemd on the host, nspawn puts the container's cgroup tree under the
         # caller's cgroup: "/" here. Two containers would then share one tree, and one
-        # container's systemd would reap the other's scopes. Each gets its own.
-        cgroups = _private_cgroups(name)
+        # container's systemd would reap the other's scopes. Each gets its own, named
+        # after its directory too: two machines of one name (the same test in two
+        # checkouts, or two modules' tests of one name side by side) never share one.
+        cgroups = _private_cgroups(f"{name}-{suffix}")
         nspawn = _start_nspawn(_nspawn_argv(root, name, binds, extra_args), base, cgroups)
         machine = Machine(
             name=name,

@@ -37,7 +37,7 @@ from volute_testbed.gate import (
 )
 from volute_testbed.machine import Machine, dev_machine
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.serial]
 
 START = 2  # limits.adaptive.start's default
 # STATUS= with the adaptive limit as the cap: "3/4 turns (adaptive limit), 9 held ..."

@@ -46,7 +46,7 @@ from volute_testbed.machine import Machine, dev_machine
 from volute_testbed.slowdisk import SlowDisk, slow_disk
 from volute_testbed.turn_probe import TURNS_LOG
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.serial]
 
 STATE_DIR = "/var/lib/volute"  # the gate's StateDirectory=, bound onto the slow disk
 MINDS = 12

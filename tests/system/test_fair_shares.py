@@ -328,6 +328,7 @@ def gate_peak_rss_kib(machine: Machine) -> int:
     return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1])
 
 
+@pytest.mark.serial
 def test_a_members_status_flood_keeps_the_watchdog_fed_and_root_served_within_2s(
     machine: Machine,
 ) -> None:
@@ -350,6 +351,7 @@ def test_a_members_status_flood_keeps_the_watchdog_fed_and_root_served_within_2s
     assert status.returncode == 0, status.stderr
 
 
+@pytest.mark.serial
 def test_a_members_huge_wait_requests_are_refused_at_once_naming_ids_in_bounded_memory(
     machine: Machine,
 ) -> None:
@@ -415,6 +417,7 @@ print(json.dumps(sent), flush=True)
 GATE_MEMORY_MAX = 256 << 20  # units/volute-gate.service's MemoryMax=
 
 
+@pytest.mark.serial
 def test_a_members_worst_load_keeps_the_gate_well_within_its_memory_max(machine: Machine) -> None:
     start_gate(machine, gate_config({"nap": "true", "mimsy": "true"}))
     add_attacker(machine)

@@ -64,6 +64,7 @@ TURN_POINTS = [
 LAUNCHER_POINTS = ("forked", "scope_started", "released")
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("point", TURN_POINTS)
 def test_a_sigkill_of_the_gates_cgroup_at_each_step_loses_nothing(
     machine: Machine, point: str
@@ -314,6 +315,7 @@ def test_an_interrupted_turn_still_counts_as_interrupted_after_a_gate_restart(
     assert [end["VOLUTE_EXIT_STATUS"] for end in ends] == ["130"]
 
 
+@pytest.mark.serial
 def test_systemd_reexecuting_and_reloading_under_running_turns(machine: Machine) -> None:
     install_probe(machine)
     # 12 turns of 2 s, 2 at a time: about 12 s of turns, so that each of the three

@@ -181,6 +181,7 @@ def test_held_delivery_keeps_attempts_at_zero_and_reports_hold(machine: Machine)
     assert "VOLUTE_REASON=mind_busy" in entries and "VOLUTE_HELD_MS=" in entries
 
 
+@pytest.mark.serial
 def test_sigkill_of_the_gate_loses_nothing_and_runs_nothing_twice(machine: Machine) -> None:
     install_probe(machine)
     # Turns outlive the gate's RestartSec=2s, so the restarted gate must adopt them.
@@ -218,6 +219,7 @@ def test_sigkill_of_the_gate_loses_nothing_and_runs_nothing_twice(machine: Machi
     assert all(r["attempts"] == 0 for r in done)
 
 
+@pytest.mark.serial
 def test_restarting_the_service_does_not_kill_running_turns(machine: Machine) -> None:
     install_probe(machine)
     start_gate(machine, gate_config({"long": "turn-probe 2"}))

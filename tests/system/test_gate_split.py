@@ -184,6 +184,7 @@ def test_the_launcher_dying_during_a_fan_out_loses_and_repeats_nothing(
     assert storm.record is not None and storm.record["pids"] == 11  # each kill really took it down
 
 
+@pytest.mark.serial
 def test_a_gate_restart_adopts_the_turns_the_launcher_started(machine: Machine) -> None:
     install_probe(machine)
     fast_restarts(machine)

@@ -35,7 +35,7 @@ from volute_testbed.machine import Machine
 from volute_testbed.paths import CHECKOUT, PYTHON
 from volute_testbed.scope_sampler import Samples
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.serial]
 
 REPO = "/srv/repo"
 COMMON_DIR = "/srv/repo/.git"

@@ -174,6 +174,7 @@ Journal("volute-probe").log(
 """
 
 
+@pytest.mark.serial
 def test_the_gates_entries_carry_message_ids_and_a_multi_line_message_is_one_entry(
     machine: Machine,
 ) -> None:
@@ -308,6 +309,7 @@ HOG = (
 )
 
 
+@pytest.mark.serial  # its two CPU hogs would starve the tests beside it
 def test_logs_follow_on_a_loaded_machine_shows_every_line_of_the_mind_once(
     machine: Machine,
 ) -> None:

@@ -32,7 +32,7 @@ from volute_testbed.gate import (
 from volute_testbed.machine import Machine, dev_machine
 from volute_testbed.slowdisk import SlowDisk, slow_disk
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.serial]
 
 
 @pytest.fixture

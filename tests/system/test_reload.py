@@ -53,6 +53,7 @@ def reload(machine: Machine, *, check: bool = True) -> int:
     return machine.run(["systemctl", "reload", GATE], check=check, timeout=60).returncode
 
 
+@pytest.mark.serial
 def test_a_misspelt_key_gets_78_at_once_and_a_fix_plus_reload_brings_the_gate_up(
     machine: Machine,
 ) -> None:
@@ -158,6 +159,7 @@ done
 """
 
 
+@pytest.mark.serial
 def test_a_sigkill_in_a_storm_of_reloads_loses_no_acknowledged_delivery(
     machine: Machine,
 ) -> None:

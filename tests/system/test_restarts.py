@@ -82,6 +82,7 @@ done
 """
 
 
+@pytest.mark.serial
 def test_restarts_while_three_clients_deliver_refuse_nothing_and_run_each_delivery_once(
     machine: Machine,
 ) -> None:

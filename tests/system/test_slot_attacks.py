@@ -165,6 +165,7 @@ def inotify_watches(machine: Machine, pid: int) -> int:
 SLOT_FILES = 20_000
 
 
+@pytest.mark.serial
 def test_a_repository_full_of_slot_files_costs_one_watch_and_a_fast_restart(
     machine: Machine,
 ) -> None:

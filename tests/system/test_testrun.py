@@ -151,6 +151,7 @@ def test_cap_two_from_git_config_runs_two_never_three(machine: Machine) -> None:
     assert most_at_once(intervals(machine, names)) == 2
 
 
+@pytest.mark.serial
 def test_sigkill_of_the_holder_frees_the_slot_promptly(machine: Machine) -> None:
     make_repository(machine)
     holder = start_run(machine, "/srv/wt1", ["sleep", "60"], options=["--slots", "1"])

@@ -20,6 +20,7 @@ def manager() -> Iterator[FakeManager]:
     fake.close()
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("check", contract.CHECKS, ids=lambda check: check.__name__)
 def test_the_fake_keeps_the_contract(
     manager: FakeManager, check: Callable[[SystemdManager, str], None]

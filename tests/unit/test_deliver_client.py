@@ -152,6 +152,7 @@ def timed(*args: str | bytes) -> tuple[subprocess.CompletedProcess[bytes], float
     return result, time.monotonic() - start
 
 
+@pytest.mark.serial
 def test_missing_socket_is_69_with_the_hint_and_fails_fast(socket_dir: Path) -> None:
     path = socket_dir / "gate.sock"
     result, elapsed = timed("ada", "--message", "hi", "--socket", str(path), "--timeout", "30")
@@ -164,6 +165,7 @@ def test_missing_socket_is_69_with_the_hint_and_fails_fast(socket_dir: Path) -> 
     assert elapsed < 5, elapsed
 
 
+@pytest.mark.serial
 def test_a_socket_nobody_listens_on_is_69_and_fails_fast(socket_dir: Path) -> None:
     path = socket_dir / "gate.sock"
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -239,6 +241,7 @@ def test_a_connection_lost_before_the_ack_is_retried_with_the_same_request_id(
     assert REQUEST_ID.fullmatch(gate.requests[0]["request_id"])
 
 
+@pytest.mark.serial
 def test_a_gate_that_never_acknowledges_is_75_after_the_timeout(socket_dir: Path) -> None:
     with FakeGate(socket_dir / "gate.sock", [], scripts=["eof"] * 1000) as gate:
         result, elapsed = timed(
@@ -382,6 +385,7 @@ def test_a_gate_lost_during_the_wait_is_asked_again_with_wait(socket_dir: Path) 
     assert gate.requests[1] == {"v": 1, "op": "wait", "ids": [7], "progress": True}
 
 
+@pytest.mark.serial
 def test_a_gate_that_does_not_come_back_during_the_wait_is_75(socket_dir: Path) -> None:
     scripts: list[Any] = [[ACK], *["eof"] * 1000]
     with FakeGate(socket_dir / "gate.sock", [], scripts=scripts) as gate:

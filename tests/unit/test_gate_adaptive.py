@@ -37,6 +37,9 @@ from volutectl.states import AdaptiveMode, HoldReason
 
 __all__ = ["notified"]  # the fixture, used by name
 
+# The real probe times this host's disk and reads its PSI: alone, as ./run-tests runs it.
+pytestmark = pytest.mark.serial
+
 MINDS = {f"m{i}": "exec sleep 30" for i in range(5)}
 PSI = (
     "some avg10=0.00 avg60=0.00 avg300=0.00 total={}\n"

@@ -51,6 +51,7 @@ def until_closed(harness: Harness, peer_closed: object) -> float:
     return harness.clock.monotonic() - started
 
 
+@pytest.mark.serial
 def test_a_partial_line_that_never_ends_is_dropped_after_the_idle_time(harness: Harness) -> None:
     # No client: once its first pass is made and its start's commits checkpointed, the
     # gate sleeps until retention's deadline, days away (an empty queue).
@@ -77,6 +78,7 @@ def test_a_partial_line_that_never_ends_is_dropped_after_the_idle_time(harness: 
     harness.deliver_ok()
 
 
+@pytest.mark.serial
 def test_a_client_that_connects_and_sends_nothing_is_dropped_too(harness: Harness) -> None:
     peer = harness.connect()
     took = until_closed(harness, peer.closed_by_gate)
@@ -133,6 +135,7 @@ def patient_harness(tmp_path: Path) -> Iterator[Harness]:
     opened.close()
 
 
+@pytest.mark.serial
 def test_a_client_that_never_reads_is_dropped_without_blocking_the_gate(
     patient_harness: Harness,
 ) -> None:

@@ -350,6 +350,7 @@ def test_statuses_within_the_window_share_one_question_to_systemd(
     assert asks.asked == 3
 
 
+@pytest.mark.serial
 def test_a_pass_ends_after_its_time_and_feeds_the_watchdog_between_batches(
     harnesses: list[Harness], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

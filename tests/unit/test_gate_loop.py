@@ -268,6 +268,7 @@ def zombie() -> int:
     return pid
 
 
+@pytest.mark.serial
 def test_scopes_around_dead_processes_are_stopped_and_settled_at_start(
     tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness]
 ) -> None:

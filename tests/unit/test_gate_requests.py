@@ -228,6 +228,7 @@ def test_an_oversized_line_is_refused_and_its_connection_closed(harness: Harness
     harness.deliver_ok()
 
 
+@pytest.mark.serial
 def test_a_million_newlines_are_answered_without_stalling_the_gate(harness: Harness) -> None:
     flood = harness.connect()
     started = time.monotonic()

@@ -49,6 +49,7 @@ def unheld(tables: dict[str, dict[int, tuple[object, ...]]]) -> dict[int, tuple[
     return {key: row[:9] + row[12:] for key, row in tables["deliveries"].items()}
 
 
+@pytest.mark.serial
 def test_retention_wakes_the_gate_on_its_own_deadline_and_never_polls(
     tmp_path: Path, harnesses: list[Harness], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from volute_testbed.junit import verdict
+from volute_testbed.junit import main, merge, verdict
 
 
 def case(name: str, *children: str, tier: str | None = None) -> str:
@@ -79,3 +79,21 @@ def test_several_reports_add_up_and_a_missing_one_fails(
     assert "run-tests: FAIL: no junit report at" in capsys.readouterr().err
     assert verdict([first], status=5) == 1
     assert "pytest collected no tests (exit 5)" in capsys.readouterr().err
+
+
+def test_a_full_runs_two_phases_merge_into_one_report_with_every_case(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    serial = report(tmp_path, case("timed", tier="system"), name="serial.xml")
+    parallel = report(tmp_path, case("s", tier="system"), case("f", "failure"), name="par.xml")
+    merged = str(tmp_path / "junit.xml")
+    assert main(["--status", "0", "--merge-into", merged, serial, parallel]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "2 passed, 1 failed, 0 errors, 0 skipped"
+    assert verdict([merged], required=("system",)) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "run-tests: system tier: 2 executed, 0 skipped",
+        "run-tests: install tier: 0 executed, 0 skipped",
+        "2 passed, 1 failed, 0 errors, 0 skipped",
+    ]
+    merge([serial, str(tmp_path / "absent.xml")], merged)
+    assert verdict([merged], required=("system",)) == 0

@@ -106,6 +106,7 @@ def test_waiting_does_not_spin(tmp_path: Path) -> None:
         proc.wait()
 
 
+@pytest.mark.serial
 def test_fallback_reprobe_covers_a_missed_event(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
