@@ -34,7 +34,7 @@ LEVELS: Mapping[str, Level] = {
 }
 
 
-class Event(StrEnum):
+class EventName(StrEnum):
     """VOLUTE_EVENT: the kind of an entry, for entries about a delivery or a turn, and
     for the launcher's, the slot watch's and the io pressure gate's."""
 
@@ -87,48 +87,48 @@ class Event(StrEnum):
 # MESSAGE_ID of each event an operator queries for (`journalctl MESSAGE_ID=...`); made
 # once at random (uuid4), and never changed: scripts match on them. hold_end, adopt and
 # empty_scope have none (they had none before the catalog grew ids for new events).
-MESSAGE_IDS: Mapping[Event, str] = {
-    Event.HOLD: "f026259c51dd4587b509f49f1bf70ad4",
-    Event.START: "7d39eb6579df482f9c349ceadc5a7dab",
-    Event.END: "3fa69a5f83114162ae608c873d89156c",
-    Event.TIMEOUT: "98f69cfd2dde4ff081cf73a80c7cbaa7",
-    Event.DEAD: "69b9ac8362694fa49b471479c58a75bf",
-    Event.STRANDED: "b3f463b249d9486aa4da49845f154797",
-    Event.LEFTOVERS_STOPPED: "2d205a995f8641a19a2a39c0bfb48530",
-    Event.NOT_OFFERED: "2d4a2e048a0a49818ddec92b327e95c8",
-    Event.NOT_STORED: "82e7dbea24134bdbaa0565787567d3d5",
-    Event.IO_PRESSURE_ON: "9d11c5f578ba49e9a4cc7dee44bbd236",
-    Event.IO_PRESSURE_OFF: "4733b775a00d4429b48276a3f6f919c1",
-    Event.IO_PRESSURE_HIGH: "cca007b348a740a4998de8123dddc886",
-    Event.IO_PRESSURE_FELL: "dd495b5dcc9c4e0f8407b2c907b9d50b",
-    Event.ADAPTIVE_LIMIT_CHANGED: "78ac394cee0541889f41bad11b6f8d7c",
-    Event.ADAPTIVE_FALLBACK: "1016b81a25c94289a853e7e24964d033",
-    Event.ADAPTIVE_MEASURING: "d43b51852fe145e8ab3603e2679b8b46",
-    Event.ADMIN_REFUSED: "52e355d593474b93bd5cca066eca1f3f",
-    Event.REPOSITORY_FORGOTTEN: "193bf4dcbaaa417086d5751012703481",
-    Event.REPOSITORY_REFUSED: "c8807590b9ac43b5a39236ae3cb279e2",
-    Event.REPOSITORY_UNWATCHABLE: "03c602b4041d41cf971b151baebdcea0",
-    Event.REPOSITORY_WATCHED_AGAIN: "e3687302b99944ecb9a74cdf518c5a97",
-    Event.SLOTS_PAST_CAP: "3245cc8da1614f73922011a96c58a7ea",
-    Event.SLOT_EVENTS_UNREADABLE: "6609a7b53f9e43318960139c14b772a6",
-    Event.SLOT_LOCKS_UNREADABLE: "46c607692e0144c390df9db591ea9947",
-    Event.REGISTRATIONS_FULL: "838a035430a34d3aa93ae1821c565ffc",
-    Event.REGISTRY_UNREADABLE: "4965cd3beed347b7b97a6f974dab2a0e",
-    Event.REGISTRY_NOT_SAVED: "e9a7a5427e3d4cff9df4949d62962c51",
-    Event.CONFIG_RELOADED: "fad10e9531a04bdbb93289b96994fef4",
-    Event.CONFIG_KEPT: "e34843f8c6b54889817d0f716eb42ff6",
-    Event.ORDER_ACCEPT_FAILED: "66f3de75e5c143eaac897d2c565ea20b",
-    Event.ORDER_CONNECTION_REFUSED: "4543a30cc952487195c23035a42c7415",
-    Event.BAD_ORDER: "ae00572062c74aa19845a0474abc8b92",
-    Event.LAUNCHED: "85a4b4a3bc8942208296e62b27c13135",
-    Event.TURN_DIR_NOT_REMOVED: "a8b1d81057914f77a02f7d4c1377f400",
-    Event.TURN_DIR_SET_ASIDE: "8029684c93684483872e02ff2cb90db5",
-    Event.SWEEP_FAILED: "4e6e0f1703074ffabe2af3b7a2f156cc",
-    Event.TRASH_LEFT: "241a94c0e4094dd1827bf6881e4d84fe",
-    Event.GATE_CONFIG_INVALID: "677af27734f7478d8a64e701be14cc76",
-    Event.GATE_CONFIG_RELOADED: "7a53a0c8111c46e1a178729271413029",
-    Event.GATE_CONFIG_REFUSED: "78306785c64d4ed6ae6b1470f5d3779c",
-    Event.INTERRUPT_REFUSED: "6a72d6ba8e124c758585b89bb4872da1",
+MESSAGE_IDS: Mapping[EventName, str] = {
+    EventName.HOLD: "f026259c51dd4587b509f49f1bf70ad4",
+    EventName.START: "7d39eb6579df482f9c349ceadc5a7dab",
+    EventName.END: "3fa69a5f83114162ae608c873d89156c",
+    EventName.TIMEOUT: "98f69cfd2dde4ff081cf73a80c7cbaa7",
+    EventName.DEAD: "69b9ac8362694fa49b471479c58a75bf",
+    EventName.STRANDED: "b3f463b249d9486aa4da49845f154797",
+    EventName.LEFTOVERS_STOPPED: "2d205a995f8641a19a2a39c0bfb48530",
+    EventName.NOT_OFFERED: "2d4a2e048a0a49818ddec92b327e95c8",
+    EventName.NOT_STORED: "82e7dbea24134bdbaa0565787567d3d5",
+    EventName.IO_PRESSURE_ON: "9d11c5f578ba49e9a4cc7dee44bbd236",
+    EventName.IO_PRESSURE_OFF: "4733b775a00d4429b48276a3f6f919c1",
+    EventName.IO_PRESSURE_HIGH: "cca007b348a740a4998de8123dddc886",
+    EventName.IO_PRESSURE_FELL: "dd495b5dcc9c4e0f8407b2c907b9d50b",
+    EventName.ADAPTIVE_LIMIT_CHANGED: "78ac394cee0541889f41bad11b6f8d7c",
+    EventName.ADAPTIVE_FALLBACK: "1016b81a25c94289a853e7e24964d033",
+    EventName.ADAPTIVE_MEASURING: "d43b51852fe145e8ab3603e2679b8b46",
+    EventName.ADMIN_REFUSED: "52e355d593474b93bd5cca066eca1f3f",
+    EventName.REPOSITORY_FORGOTTEN: "193bf4dcbaaa417086d5751012703481",
+    EventName.REPOSITORY_REFUSED: "c8807590b9ac43b5a39236ae3cb279e2",
+    EventName.REPOSITORY_UNWATCHABLE: "03c602b4041d41cf971b151baebdcea0",
+    EventName.REPOSITORY_WATCHED_AGAIN: "e3687302b99944ecb9a74cdf518c5a97",
+    EventName.SLOTS_PAST_CAP: "3245cc8da1614f73922011a96c58a7ea",
+    EventName.SLOT_EVENTS_UNREADABLE: "6609a7b53f9e43318960139c14b772a6",
+    EventName.SLOT_LOCKS_UNREADABLE: "46c607692e0144c390df9db591ea9947",
+    EventName.REGISTRATIONS_FULL: "838a035430a34d3aa93ae1821c565ffc",
+    EventName.REGISTRY_UNREADABLE: "4965cd3beed347b7b97a6f974dab2a0e",
+    EventName.REGISTRY_NOT_SAVED: "e9a7a5427e3d4cff9df4949d62962c51",
+    EventName.CONFIG_RELOADED: "fad10e9531a04bdbb93289b96994fef4",
+    EventName.CONFIG_KEPT: "e34843f8c6b54889817d0f716eb42ff6",
+    EventName.ORDER_ACCEPT_FAILED: "66f3de75e5c143eaac897d2c565ea20b",
+    EventName.ORDER_CONNECTION_REFUSED: "4543a30cc952487195c23035a42c7415",
+    EventName.BAD_ORDER: "ae00572062c74aa19845a0474abc8b92",
+    EventName.LAUNCHED: "85a4b4a3bc8942208296e62b27c13135",
+    EventName.TURN_DIR_NOT_REMOVED: "a8b1d81057914f77a02f7d4c1377f400",
+    EventName.TURN_DIR_SET_ASIDE: "8029684c93684483872e02ff2cb90db5",
+    EventName.SWEEP_FAILED: "4e6e0f1703074ffabe2af3b7a2f156cc",
+    EventName.TRASH_LEFT: "241a94c0e4094dd1827bf6881e4d84fe",
+    EventName.GATE_CONFIG_INVALID: "677af27734f7478d8a64e701be14cc76",
+    EventName.GATE_CONFIG_RELOADED: "7a53a0c8111c46e1a178729271413029",
+    EventName.GATE_CONFIG_REFUSED: "78306785c64d4ed6ae6b1470f5d3779c",
+    EventName.INTERRUPT_REFUSED: "6a72d6ba8e124c758585b89bb4872da1",
 }
 
 # The metadata of a field that is in the message only, not sent as a journal field.
@@ -141,7 +141,7 @@ class BaseEvent:
     carries a VOLUTE_EVENT, and `message()`."""
 
     LEVEL: ClassVar[Level] = "info"
-    EVENT: ClassVar[Event | None] = None
+    EVENT: ClassVar[EventName | None] = None
 
     @property
     def level(self) -> Level:
@@ -246,7 +246,7 @@ class DeliveryEvent(BaseEvent):
 class DeliveryHeld(DeliveryEvent):
     """A delivery starts waiting, or its hold reason changes."""
 
-    EVENT = Event.HOLD
+    EVENT = EventName.HOLD
     reason: HoldReason | None
 
     def text(self) -> str:
@@ -257,7 +257,7 @@ class DeliveryHeld(DeliveryEvent):
 class HoldEnded(DeliveryEvent):
     """A held delivery goes into a turn (`how`: starting one, or folded into one)."""
 
-    EVENT = Event.HOLD_END
+    EVENT = EventName.HOLD_END
     reason: HoldReason | None
     held_ms: int
     how: str = field(metadata=NOT_SENT)
@@ -271,7 +271,7 @@ class DeliveryNotOffered(DeliveryEvent):
     """A delivery could not be put in a live turn's inbox: the session's next turn gets it."""
 
     LEVEL = "warning"
-    EVENT = Event.NOT_OFFERED
+    EVENT = EventName.NOT_OFFERED
     turn_id: int = field(metadata=NOT_SENT)
     error: str = field(metadata=NOT_SENT)
 
@@ -287,7 +287,7 @@ class DeliveryDied(DeliveryEvent):
     """A delivery used its last attempt."""
 
     LEVEL = "warning"
-    EVENT = Event.DEAD
+    EVENT = EventName.DEAD
     attempts: int = field(metadata=NOT_SENT)
     error: str = field(metadata=NOT_SENT)
 
@@ -302,7 +302,7 @@ class StrandedDeliverySettled(DeliveryEvent):
     settled now by that turn's recorded outcome."""
 
     LEVEL = "warning"
-    EVENT = Event.STRANDED
+    EVENT = EventName.STRANDED
     turn_id: int | None
     outcome: Outcome
     state: QueueState = field(metadata=NOT_SENT)
@@ -366,7 +366,7 @@ class DeliveriesNotStored(BaseEvent):
     """The queue could not store a batch of deliveries: none was acknowledged."""
 
     LEVEL = "error"
-    EVENT = Event.NOT_STORED
+    EVENT = EventName.NOT_STORED
     count: int = field(metadata=NOT_SENT)
     error: str = field(metadata=NOT_SENT)
     exception: str
@@ -385,7 +385,7 @@ class AdminRequestRefused(BaseEvent):
     once a minute per uid, with how many more that uid was refused unsaid before it."""
 
     LEVEL = "warning"
-    EVENT = Event.ADMIN_REFUSED
+    EVENT = EventName.ADMIN_REFUSED
     op: str
     uid: int
     unsaid: int = 0
@@ -453,7 +453,7 @@ class TurnEvent(BaseEvent):
 class TurnStarted(TurnEvent):
     """A turn's scope runs its command, with these deliveries."""
 
-    EVENT = Event.START
+    EVENT = EventName.START
     delivery_ids: str
 
     def text(self) -> str:
@@ -484,7 +484,7 @@ class InterruptRefused(TurnEvent):
     from a sender who was no admin: it folded in as a plain delivery, and no SIGINT."""
 
     LEVEL = "notice"
-    EVENT = Event.INTERRUPT_REFUSED
+    EVENT = EventName.INTERRUPT_REFUSED
     delivery_id: int
     uid: int | None
 
@@ -512,7 +512,7 @@ class TurnNeverStarted(TurnEvent):
     wait for the next pass with no attempt counted."""
 
     LEVEL = "warning"
-    EVENT = Event.END
+    EVENT = EventName.END
     error: str = field(metadata=NOT_SENT)
     outcome: Outcome = Outcome.NEVER_RAN
 
@@ -528,7 +528,7 @@ class TurnStartFailed(TurnEvent):
     """A turn could not be started (user, fork, scope): its deliveries count an attempt."""
 
     LEVEL = "error"
-    EVENT = Event.END
+    EVENT = EventName.END
     error: str = field(metadata=NOT_SENT)
     outcome: Outcome = Outcome.START_FAILED
 
@@ -540,7 +540,7 @@ class TurnStartFailed(TurnEvent):
 class TurnEnded(TurnEvent):
     """A turn settled: `outcome`, the command's exit status if it had one."""
 
-    EVENT = Event.END
+    EVENT = EventName.END
     outcome: Outcome
     exit_status: int | None
     detail: str = field(metadata=NOT_SENT)
@@ -569,7 +569,7 @@ class TurnTimedOut(TurnEvent):
     """A turn ran past its limit and is being stopped."""
 
     LEVEL = "warning"
-    EVENT = Event.TIMEOUT
+    EVENT = EventName.TIMEOUT
     limit_seconds: float = field(metadata=NOT_SENT)
     grace_seconds: float = field(metadata=NOT_SENT)
 
@@ -587,7 +587,7 @@ class TurnLeftoversStopped(TurnEvent):
     is stopped, and the place freed once it ends."""
 
     LEVEL = "notice"
-    EVENT = Event.LEFTOVERS_STOPPED
+    EVENT = EventName.LEFTOVERS_STOPPED
     processes: int | None
     pids: str | None
     grace_seconds: float = field(metadata=NOT_SENT)
@@ -618,7 +618,7 @@ class TurnStopFailed(TurnEvent):
 class TurnAdopted(TurnEvent):
     """A new gate found a turn of the store still running, and took it back."""
 
-    EVENT = Event.ADOPT
+    EVENT = EventName.ADOPT
 
     def text(self) -> str:
         return "is still running: adopted"
@@ -644,7 +644,7 @@ class TurnScopeEmpty(TurnEvent):
     """A turn's scope is still there but holds no process: it is stopped."""
 
     LEVEL = "warning"
-    EVENT = Event.EMPTY_SCOPE
+    EVENT = EventName.EMPTY_SCOPE
     state: str = field(metadata=NOT_SENT)
 
     def text(self) -> str:
@@ -667,7 +667,7 @@ class EmptyScopeFound(BaseEvent):
     """At start, an active scope of no known turn holds no process: it is stopped."""
 
     LEVEL = "warning"
-    EVENT = Event.EMPTY_SCOPE
+    EVENT = EventName.EMPTY_SCOPE
     unit: str
 
     def message(self) -> str:
@@ -886,7 +886,7 @@ class PressureGateOn(BaseEvent):
     (target "slice": a gate that may not register a trigger there falls back to the
     system's file, and its description says why)."""
 
-    EVENT = Event.IO_PRESSURE_ON
+    EVENT = EventName.IO_PRESSURE_ON
     description: str = field(metadata=NOT_SENT)
     pressure_file: str
     slice_file: str | None = None
@@ -900,7 +900,7 @@ class PressureGateOff(BaseEvent):
     """No PSI trigger could be registered: the gate does not hold for io pressure."""
 
     LEVEL = "warning"
-    EVENT = Event.IO_PRESSURE_OFF
+    EVENT = EventName.IO_PRESSURE_OFF
     errors: str = field(metadata=NOT_SENT)
 
     def message(self) -> str:
@@ -911,7 +911,7 @@ class PressureGateOff(BaseEvent):
 class PressureHigh(BaseEvent):
     """The storage stalls: new turns are held."""
 
-    EVENT = Event.IO_PRESSURE_HIGH
+    EVENT = EventName.IO_PRESSURE_HIGH
     why: str = field(metadata=NOT_SENT)
 
     def message(self) -> str:
@@ -922,7 +922,7 @@ class PressureHigh(BaseEvent):
 class PressureFell(BaseEvent):
     """The stall fell below the resume threshold: turns are admitted again."""
 
-    EVENT = Event.IO_PRESSURE_FELL
+    EVENT = EventName.IO_PRESSURE_FELL
     stalled_percent: float = field(metadata=NOT_SENT)
     resume_below_percent: float = field(metadata=NOT_SENT)
 
@@ -942,7 +942,7 @@ class AdaptiveLimitChanged(BaseEvent):
     may live on the stalled disk): `changes` moves since the last entry are said in one,
     with the measurement of the latest."""
 
-    EVENT = Event.ADAPTIVE_LIMIT_CHANGED
+    EVENT = EventName.ADAPTIVE_LIMIT_CHANGED
     old_limit: int
     new_limit: int
     changes: int = 1
@@ -962,7 +962,7 @@ class AdaptiveFallback(BaseEvent):
     reads as garbage): the gate holds to the static `limit` (limits.adaptive.start)."""
 
     LEVEL = "warning"
-    EVENT = Event.ADAPTIVE_FALLBACK
+    EVENT = EventName.ADAPTIVE_FALLBACK
     limit: int
     why: str = field(metadata=NOT_SENT)
 
@@ -974,7 +974,7 @@ class AdaptiveFallback(BaseEvent):
 class AdaptiveMeasuring(BaseEvent):
     """The adaptive limit's signals work again: it moves from `limit` again."""
 
-    EVENT = Event.ADAPTIVE_MEASURING
+    EVENT = EventName.ADAPTIVE_MEASURING
     limit: int
 
     def message(self) -> str:
@@ -1072,7 +1072,7 @@ class VacuumConversion(BaseEvent):
 class RepositoryForgotten(BaseEvent):
     """A registered repository that is gone, or no longer its user's, leaves the registry."""
 
-    EVENT = Event.REPOSITORY_FORGOTTEN
+    EVENT = EventName.REPOSITORY_FORGOTTEN
     repository: str
     reason: str = field(metadata=NOT_SENT)
 
@@ -1086,7 +1086,7 @@ class RepositoryRefused(BaseEvent):
     repository, or not one its user may have watched."""
 
     LEVEL = "warning"
-    EVENT = Event.REPOSITORY_REFUSED
+    EVENT = EventName.REPOSITORY_REFUSED
     repository: str
     reason: str = field(metadata=NOT_SENT)
 
@@ -1100,7 +1100,7 @@ class RepositoryUnwatchable(BaseEvent):
     `user`, the one the gate runs as, when it may not look."""
 
     LEVEL = "warning"
-    EVENT = Event.REPOSITORY_UNWATCHABLE
+    EVENT = EventName.REPOSITORY_UNWATCHABLE
     repository: str
     problem: str
     user: str | None = None
@@ -1120,7 +1120,7 @@ class RepositoryUnwatchable(BaseEvent):
 class RepositoryWatchedAgain(BaseEvent):
     """A repository whose slots could not be watched is watched again."""
 
-    EVENT = Event.REPOSITORY_WATCHED_AGAIN
+    EVENT = EventName.REPOSITORY_WATCHED_AGAIN
     repository: str
 
     def message(self) -> str:
@@ -1132,7 +1132,7 @@ class SlotsPastCap(BaseEvent):
     """A repository has slot files past tests.max_slot_files: those are not counted."""
 
     LEVEL = "warning"
-    EVENT = Event.SLOTS_PAST_CAP
+    EVENT = EventName.SLOTS_PAST_CAP
     repository: str
     max_slot_files: int
 
@@ -1148,7 +1148,7 @@ class SlotEventsUnreadable(BaseEvent):
     """The slot watch's inotify descriptor could not be read."""
 
     LEVEL = "warning"
-    EVENT = Event.SLOT_EVENTS_UNREADABLE
+    EVENT = EventName.SLOT_EVENTS_UNREADABLE
     error: str = field(metadata=NOT_SENT)
 
     def message(self) -> str:
@@ -1160,7 +1160,7 @@ class SlotLocksUnreadable(BaseEvent):
     """The file of locks could not be read: every slot looks free."""
 
     LEVEL = "warning"
-    EVENT = Event.SLOT_LOCKS_UNREADABLE
+    EVENT = EventName.SLOT_LOCKS_UNREADABLE
     path: str = field(metadata=NOT_SENT)
     error: str = field(metadata=NOT_SENT)
 
@@ -1173,7 +1173,7 @@ class RegistrationsFull(BaseEvent):
     """A registration past the bound of all (`uid` None) or of one user's: refused."""
 
     LEVEL = "warning"
-    EVENT = Event.REGISTRATIONS_FULL
+    EVENT = EventName.REGISTRATIONS_FULL
     repository: str
     uid: int | None
     registered: int = field(metadata=NOT_SENT)
@@ -1192,7 +1192,7 @@ class RegistryUnreadable(BaseEvent):
     """The registry of watched repositories could not be read: the gate starts without it."""
 
     LEVEL = "warning"
-    EVENT = Event.REGISTRY_UNREADABLE
+    EVENT = EventName.REGISTRY_UNREADABLE
     path: str = field(metadata=NOT_SENT)
     error: str = field(metadata=NOT_SENT)
 
@@ -1205,7 +1205,7 @@ class RegistryNotSaved(BaseEvent):
     """The registry of watched repositories could not be written: it is kept in memory."""
 
     LEVEL = "warning"
-    EVENT = Event.REGISTRY_NOT_SAVED
+    EVENT = EventName.REGISTRY_NOT_SAVED
     path: str = field(metadata=NOT_SENT)
     error: str = field(metadata=NOT_SENT)
 
@@ -1222,7 +1222,7 @@ class GateConfigInvalid(BaseEvent):
     it serves its socket, refusing every request with 78, and stores nothing."""
 
     LEVEL = "error"
-    EVENT = Event.GATE_CONFIG_INVALID
+    EVENT = EventName.GATE_CONFIG_INVALID
     error: str
 
     def message(self) -> str:
@@ -1235,7 +1235,7 @@ class GateConfigReloaded(BaseEvent):
     restart can change keep their old values, and are named."""
 
     LEVEL = "notice"
-    EVENT = Event.GATE_CONFIG_RELOADED
+    EVENT = EventName.GATE_CONFIG_RELOADED
     changed: str  # the dotted keys that changed, space-separated ("" for none)
     needs_restart: str  # of those, the ones kept at their old values until a restart
 
@@ -1251,7 +1251,7 @@ class GateConfigRefused(BaseEvent):
     """A reload found the file invalid: the gate keeps the configuration it runs."""
 
     LEVEL = "error"
-    EVENT = Event.GATE_CONFIG_REFUSED
+    EVENT = EventName.GATE_CONFIG_REFUSED
     error: str
 
     def message(self) -> str:
@@ -1265,7 +1265,7 @@ class GateConfigRefused(BaseEvent):
 class ConfigurationReloaded(BaseEvent):
     """The launcher read its configuration file again: it changed."""
 
-    EVENT = Event.CONFIG_RELOADED
+    EVENT = EventName.CONFIG_RELOADED
     file: str = field(metadata=NOT_SENT)
 
     def message(self) -> str:
@@ -1277,7 +1277,7 @@ class ConfigurationKept(BaseEvent):
     """The changed configuration does not load: the launcher keeps the last good one."""
 
     LEVEL = "warning"
-    EVENT = Event.CONFIG_KEPT
+    EVENT = EventName.CONFIG_KEPT
     error: str = field(metadata=NOT_SENT)
 
     def message(self) -> str:
@@ -1289,7 +1289,7 @@ class OrderAcceptFailed(BaseEvent):
     """The launcher could not accept a connection on its order socket."""
 
     LEVEL = "warning"
-    EVENT = Event.ORDER_ACCEPT_FAILED
+    EVENT = EventName.ORDER_ACCEPT_FAILED
     error: str = field(metadata=NOT_SENT)
 
     def message(self) -> str:
@@ -1302,7 +1302,7 @@ class OrderConnectionRefused(BaseEvent):
     or past the bound on connections: refused and hung up."""
 
     LEVEL = "warning"
-    EVENT = Event.ORDER_CONNECTION_REFUSED
+    EVENT = EventName.ORDER_CONNECTION_REFUSED
     uid: int
     why: str = field(metadata=NOT_SENT)
 
@@ -1315,7 +1315,7 @@ class BadOrder(BaseEvent):
     """An order the launcher cannot take: refused, and its connection hung up."""
 
     LEVEL = "warning"
-    EVENT = Event.BAD_ORDER
+    EVENT = EventName.BAD_ORDER
     uid: int
     error: str = field(metadata=NOT_SENT)
 
@@ -1328,7 +1328,7 @@ class TurnLaunched(BaseEvent):
     """The launcher forked a turn's process (`pid`). Its mind and session are in the
     message only: `volutectl logs` shows the launcher's entries that name a mind."""
 
-    EVENT = Event.LAUNCHED
+    EVENT = EventName.LAUNCHED
     mind: str = field(metadata=NOT_SENT)
     session: str = field(metadata=NOT_SENT)
     turn_id: int
@@ -1343,7 +1343,7 @@ class TurnDirectoryNotRemoved(BaseEvent):
     """A turn's directory could not be removed; the next sweep tries it again."""
 
     LEVEL = "warning"
-    EVENT = Event.TURN_DIR_NOT_REMOVED
+    EVENT = EventName.TURN_DIR_NOT_REMOVED
     path: str = field(metadata=NOT_SENT)
     error: str = field(metadata=NOT_SENT)
 
@@ -1356,7 +1356,7 @@ class TurnDirectorySetAside(BaseEvent):
     """A turn's directory too large to remove within one budget: moved to the trash."""
 
     LEVEL = "warning"
-    EVENT = Event.TURN_DIR_SET_ASIDE
+    EVENT = EventName.TURN_DIR_SET_ASIDE
     path: str = field(metadata=NOT_SENT)
     left: str = field(metadata=NOT_SENT)
 
@@ -1372,7 +1372,7 @@ class SweepFailed(BaseEvent):
     """A sweep of settled turns' directories could not open or move one (`error` says)."""
 
     LEVEL = "warning"
-    EVENT = Event.SWEEP_FAILED
+    EVENT = EventName.SWEEP_FAILED
     error: str = field(metadata=NOT_SENT)
 
     def message(self) -> str:
@@ -1384,7 +1384,7 @@ class TrashLeft(BaseEvent):
     """Directories set aside were too large to remove in this sweep: the next tries again."""
 
     LEVEL = "warning"
-    EVENT = Event.TRASH_LEFT
+    EVENT = EventName.TRASH_LEFT
     trash: str = field(metadata=NOT_SENT)
     left: tuple[str, ...] = field(metadata=NOT_SENT)
 

@@ -16,7 +16,7 @@ import pytest
 from volute_testbed.gate import VOLUTECTL, all_settled, deliver, start_gate, wait_for
 from volute_testbed.machine import Machine
 from volute_testbed.paths import PYTHON
-from volutectl.events import MESSAGE_IDS, Event
+from volutectl.events import MESSAGE_IDS, EventName
 
 pytestmark = pytest.mark.system
 
@@ -145,7 +145,7 @@ def test_a_turns_stream_outlives_a_restart_of_journald(machine: Machine) -> None
     wait_for(lambda: all_settled(machine), timeout=30)
     wait_for(lambda: len(messages(machine, "-u", scope, "_TRANSPORT=stdout")) == 2, timeout=10)
     assert messages(machine, "-u", scope, "_TRANSPORT=stdout") == ["before", "after"]
-    [ended] = entries(machine, f"MESSAGE_ID={MESSAGE_IDS[Event.END]}", "VOLUTE_MIND=m")
+    [ended] = entries(machine, f"MESSAGE_ID={MESSAGE_IDS[EventName.END]}", "VOLUTE_MIND=m")
     assert (ended["VOLUTE_OUTCOME"], ended["VOLUTE_EXIT_STATUS"]) == ("ok", "0")
 
 
@@ -166,10 +166,10 @@ command = "true"
 """
 
 PROBE = """
-from volutectl.systemd.journal import Event, Journal
+from volutectl.systemd.journal import EventName, Journal
 Journal("volute-probe").log(
     "warning", "first line\\nMESSAGE_ID=00000000000000000000000000000000\\nVOLUTE_MIND=forged",
-    event=Event.DEAD, mind="real",
+    event=EventName.DEAD, mind="real",
 )
 """
 
@@ -180,16 +180,17 @@ def test_the_gates_entries_carry_message_ids_and_a_multi_line_message_is_one_ent
 ) -> None:
     start_gate(machine, TIMEOUT_CONFIG)
     deliver(machine, "slow", "x")
-    wait_for(lambda: bool(entries(machine, f"MESSAGE_ID={MESSAGE_IDS[Event.START]}")))
+    wait_for(lambda: bool(entries(machine, f"MESSAGE_ID={MESSAGE_IDS[EventName.START]}")))
     deliver(machine, "quick", "held behind the cap of 1")
     wait_for(lambda: all_settled(machine), timeout=30)
-    for event, mind in [(Event.HOLD, "quick"), (Event.START, "slow"), (Event.END, "quick"),
-                        (Event.TIMEOUT, "slow"), (Event.DEAD, "slow")]:  # fmt: skip
+    for event, mind in [(EventName.HOLD, "quick"), (EventName.START, "slow"),
+                        (EventName.END, "quick"), (EventName.TIMEOUT, "slow"),
+                        (EventName.DEAD, "slow")]:  # fmt: skip
         found = entries(machine, f"MESSAGE_ID={MESSAGE_IDS[event]}", f"VOLUTE_MIND={mind}")
         assert found, event
         assert {e["VOLUTE_EVENT"] for e in found} == {event.value}
         assert {e["SYSLOG_IDENTIFIER"] for e in found} == {"volute-gate"}
-    [ended] = entries(machine, f"MESSAGE_ID={MESSAGE_IDS[Event.END]}", "VOLUTE_MIND=slow")
+    [ended] = entries(machine, f"MESSAGE_ID={MESSAGE_IDS[EventName.END]}", "VOLUTE_MIND=slow")
     assert (ended["VOLUTE_OUTCOME"], ended["VOLUTE_SESSION"]) == ("timeout", "main")
 
     # The journal module itself, in a service (stderr is the journal): a message with
@@ -200,7 +201,7 @@ def test_the_gates_entries_carry_message_ids_and_a_multi_line_message_is_one_ent
     assert entry["MESSAGE"] == (
         "first line\nMESSAGE_ID=00000000000000000000000000000000\nVOLUTE_MIND=forged"
     )
-    assert (entry["MESSAGE_ID"], entry["VOLUTE_MIND"]) == (MESSAGE_IDS[Event.DEAD], "real")
+    assert (entry["MESSAGE_ID"], entry["VOLUTE_MIND"]) == (MESSAGE_IDS[EventName.DEAD], "real")
     assert entry["PRIORITY"] == "4" and entry["_SYSTEMD_UNIT"] == "volute-probe.service"
 
 
@@ -334,7 +335,9 @@ def test_logs_follow_on_a_loaded_machine_shows_every_line_of_the_mind_once(
         wait_for(lambda: all_settled(machine), timeout=120)
         ends = {
             int(e["VOLUTE_TURN_ID"]): int(e["__REALTIME_TIMESTAMP"]) / 1e6
-            for e in entries(machine, f"MESSAGE_ID={MESSAGE_IDS[Event.END]}", "VOLUTE_MIND=mimsy")
+            for e in entries(
+                machine, f"MESSAGE_ID={MESSAGE_IDS[EventName.END]}", "VOLUTE_MIND=mimsy"
+            )
         }
         assert len(ends) >= 4, ends  # batching may merge some, never all
         time.sleep(max(0.0, max(ends.values()) + 5 - time.time()))
@@ -366,11 +369,11 @@ def test_logs_follow_on_a_loaded_machine_shows_every_line_of_the_mind_once(
 # turn's scope (journald takes a header's unit from root only).
 FORGE = r"""
 import socket, sys
-from volutectl.events import MESSAGE_IDS, Event
+from volutectl.events import MESSAGE_IDS, EventName
 turn, session = sys.argv[1], sys.argv[2]
 fields = {
     "MESSAGE": f"turn {turn} of mimsy/{session} started with deliveries 9",
-    "MESSAGE_ID": MESSAGE_IDS[Event.START], "SYSLOG_IDENTIFIER": "volute-gate",
+    "MESSAGE_ID": MESSAGE_IDS[EventName.START], "SYSLOG_IDENTIFIER": "volute-gate",
     "VOLUTE_EVENT": "start", "VOLUTE_MIND": "mimsy", "VOLUTE_TURN_ID": turn,
     "VOLUTE_SESSION": session, "_SYSTEMD_UNIT": "volute-gate.service", "_UID": "0",
 }
@@ -441,8 +444,8 @@ def test_a_local_users_forged_gate_entries_and_turn_lines_are_not_shown(
 
 GATE_SAYS = """
 import sys
-from volutectl.systemd.journal import Event, Journal
-Journal("volute-gate").log("info", sys.argv[1], event=Event.START, mind="mimsy",
+from volutectl.systemd.journal import EventName, Journal
+Journal("volute-gate").log("info", sys.argv[1], event=EventName.START, mind="mimsy",
                            session=sys.argv[2], turn_id=sys.argv[3])
 """
 

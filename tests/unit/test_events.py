@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tests.unit.test_journal import as_dict
 from volutectl import events
-from volutectl.events import MESSAGE_IDS, Event, Latch
+from volutectl.events import MESSAGE_IDS, EventName, Latch
 from volutectl.states import Outcome
 from volutectl.systemd.journal import Journal, entry_fields
 
@@ -39,7 +39,7 @@ def test_an_event_is_one_entry_its_fields_in_order_then_its_event_and_message_id
     fields = as_dict(list(items))
     assert fields["MESSAGE"] == "turn 4 of m/s ended: timed out"
     assert fields["PRIORITY"] == "4"  # a failed outcome is a warning
-    assert fields["MESSAGE_ID"] == MESSAGE_IDS[Event.END]
+    assert fields["MESSAGE_ID"] == MESSAGE_IDS[EventName.END]
     assert (fields["VOLUTE_OUTCOME"], fields["VOLUTE_EVENT"]) == ("timeout", "end")
 
 

@@ -49,7 +49,7 @@ def lingering_turn(hands: Hands, listed: list[int] | None) -> tuple[Turns, Turn,
         ask=lambda turn: lifecycle.ScopeHolds(),  # systemd: its scope still holds a process
     )
     turn = Turn(7, "m", "main", "volute-turn-m-7.scope", 90.0, lifecycle.Starting())
-    turns.apply(turn, lifecycle.Started(pidfd=-1))
+    turns.apply(turn, lifecycle.StartReported(pidfd=-1))
     turns.apply(turn, lifecycle.MainExited(now=EXITED_AT, grace=GRACE))
     return turns, turn, journal
 

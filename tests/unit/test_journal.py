@@ -23,7 +23,7 @@ import pytest
 from tests.unit.fake_gate import remove_tree, short_socket_dir
 from tests.unit.gate_harness import Harness, settled
 from volutectl import events
-from volutectl.events import MESSAGE_IDS, Event
+from volutectl.events import MESSAGE_IDS, EventName
 from volutectl.states import QueueState
 from volutectl.systemd import journal
 from volutectl.systemd.journal import Journal, TurnStream, entry_fields
@@ -64,27 +64,27 @@ def test_journal_log_sends_one_entry_per_call_multi_line_or_not() -> None:
     sent: list[tuple[bytes, ...]] = []
     log = Journal("volute-gate")
     log.sender = lambda *items: sent.append(items)
-    log.log("info", "one\ntwo\nthree", event=Event.START, turn_id=7)
+    log.log("info", "one\ntwo\nthree", event=EventName.START, turn_id=7)
     assert len(sent) == 1
     assert as_dict(list(sent[0]))["MESSAGE"] == "one\ntwo\nthree"
-    assert as_dict(list(sent[0]))["MESSAGE_ID"] == MESSAGE_IDS[Event.START]
+    assert as_dict(list(sent[0]))["MESSAGE_ID"] == MESSAGE_IDS[EventName.START]
 
 
 # The ids of the first five: fixed, as scripts match on them.
 FIRST_MESSAGE_IDS = {
-    Event.HOLD: "f026259c51dd4587b509f49f1bf70ad4",
-    Event.START: "7d39eb6579df482f9c349ceadc5a7dab",
-    Event.END: "3fa69a5f83114162ae608c873d89156c",
-    Event.TIMEOUT: "98f69cfd2dde4ff081cf73a80c7cbaa7",
-    Event.DEAD: "69b9ac8362694fa49b471479c58a75bf",
+    EventName.HOLD: "f026259c51dd4587b509f49f1bf70ad4",
+    EventName.START: "7d39eb6579df482f9c349ceadc5a7dab",
+    EventName.END: "3fa69a5f83114162ae608c873d89156c",
+    EventName.TIMEOUT: "98f69cfd2dde4ff081cf73a80c7cbaa7",
+    EventName.DEAD: "69b9ac8362694fa49b471479c58a75bf",
 }
 
 
-@pytest.mark.parametrize("event", list(Event))
-def test_the_events_an_operator_queries_carry_their_message_id(event: Event) -> None:
+@pytest.mark.parametrize("event", list(EventName))
+def test_the_events_an_operator_queries_carry_their_message_id(event: EventName) -> None:
     fields = as_dict(entry_fields("volute-gate", "info", "x", {"event": event}))
     assert fields["VOLUTE_EVENT"] == event.value
-    wanted = set(Event) - {Event.HOLD_END, Event.ADOPT, Event.EMPTY_SCOPE}
+    wanted = set(EventName) - {EventName.HOLD_END, EventName.ADOPT, EventName.EMPTY_SCOPE}
     assert ("MESSAGE_ID" in fields) == (event in wanted)
     if event in wanted:
         assert fields["MESSAGE_ID"] == MESSAGE_IDS[event]
@@ -96,7 +96,7 @@ def test_the_events_an_operator_queries_carry_their_message_id(event: Event) -> 
 
 def test_message_ids_are_distinct_128_bit_ids() -> None:
     ids = list(MESSAGE_IDS.values())
-    assert len(set(ids)) == len(ids) == len(Event) - 3
+    assert len(set(ids)) == len(ids) == len(EventName) - 3
     assert {event: MESSAGE_IDS[event] for event in FIRST_MESSAGE_IDS} == FIRST_MESSAGE_IDS
     assert all(re.fullmatch(r"[0-9a-f]{32}", value) for value in ids)
 
@@ -305,7 +305,7 @@ def test_the_gates_hold_start_end_timeout_and_dead_entries_carry_message_ids(
         if "MESSAGE_ID" in sent:
             ids.setdefault(sent["VOLUTE_EVENT"], set()).add(sent["MESSAGE_ID"])
     assert ids == {event.value: {MESSAGE_IDS[event]} for event in FIRST_MESSAGE_IDS}
-    ends = [f for _, _, f in harness.journal.entries if f.get("event") == Event.END]
+    ends = [f for _, _, f in harness.journal.entries if f.get("event") == EventName.END]
     assert {(f["mind"], f["session"], f["outcome"]) for f in ends} == {
         ("slow", "main", "timeout"),
         ("quick", "main", "ok"),
@@ -319,7 +319,7 @@ def test_a_turn_that_fails_to_start_has_an_end_entry_with_its_turn_id(
     harness.manager.failing.add("start_scope")
     harness.deliver_ok(mind="m")
     harness.pump(lambda: settled(harness))
-    [end] = [f for _, _, f in harness.journal.entries if f.get("event") == Event.END]
+    [end] = [f for _, _, f in harness.journal.entries if f.get("event") == EventName.END]
     assert (end["turn_id"], end["outcome"], end["mind"]) == (1, "start_failed", "m")
 
 
@@ -350,7 +350,7 @@ def test_docs_journal_lists_every_field_event_and_message_id() -> None:
     fields = logged_fields()
     assert {"VOLUTE_EVENT", "VOLUTE_TURN_ID", "VOLUTE_OUTCOME"} <= fields  # the scan works
     assert [f for f in sorted(fields) if f"`{f}`" not in doc] == []
-    assert [e.value for e in Event if f"`{e.value}`" not in doc] == []
+    assert [e.value for e in EventName if f"`{e.value}`" not in doc] == []
     for event, message_id in MESSAGE_IDS.items():
         [row] = [line for line in doc.splitlines() if f"`{message_id}`" in line]
         assert row.startswith(f"| {event.value} "), (event, row)

@@ -21,7 +21,7 @@ from tests.unit.fake_clock import FakeClock
 from tests.unit.gate_harness import Harness, settled
 from volutectl import events
 from volutectl.errors import VoluteError
-from volutectl.events import Event
+from volutectl.events import EventName
 from volutectl.launcher.hands import Launched, LauncherLost, RemoteHands
 from volutectl.launcher.service import (
     EXECUTE,
@@ -377,7 +377,7 @@ def test_the_launcher_reads_the_config_again_when_it_changes_and_keeps_the_last_
     assert list(settings().minds) == ["a", "b"]  # a mind added for the gate is known here
     config.write_text("[minds.a]\ncommand = 3\n")
     assert list(settings().minds) == ["a", "b"]  # a broken file keeps the last good one
-    assert [event.EVENT for event in logged] == [Event.CONFIG_RELOADED, Event.CONFIG_KEPT]
+    assert [event.EVENT for event in logged] == [EventName.CONFIG_RELOADED, EventName.CONFIG_KEPT]
     assert [event.level for event in logged] == ["info", "warning"]
 
 

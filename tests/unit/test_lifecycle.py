@@ -3,7 +3,7 @@
 Each row: a state, an event, the next state, and the effects, in order. A row whose
 next state is its state and whose effects are none is an event that is ignored in that
 state. The pairs that cannot happen (a bug in the caller) are named below them: `step`
-raises IllegalEvent. Every sample state meets every sample event in exactly one of the
+raises IllegalStep. Every sample state meets every sample event in exactly one of the
 two tables.
 """
 
@@ -16,23 +16,23 @@ from volutectl.gate.lifecycle import (
     Ask,
     Asking,
     CloseMainFd,
+    CutShort,
     Due,
     Effect,
     Ended,
-    Event,
     FailDeliveries,
+    Finished,
     ForgetUnit,
     Free,
-    Hold,
-    IllegalEvent,
-    Interrupt,
+    Happened,
+    IllegalStep,
     LauncherAway,
     LauncherBack,
-    LauncherLost,
     LeftoversStopFailed,
     Lingering,
     Listed,
     LogCannotTell,
+    LostMidStart,
     MainExited,
     NoAnswer,
     PauseStarts,
@@ -47,16 +47,16 @@ from volutectl.gate.lifecycle import (
     ScopeGone,
     ScopeHolds,
     Settle,
-    Settled,
     SettleFailed,
-    Started,
     StartFailed,
     Starting,
+    StartReported,
     State,
     StopEmptyScope,
     StopFailed,
     StopLeftovers,
     StopOverrun,
+    TakePlace,
     TimeLimit,
     Unconfirmed,
     Unseen,
@@ -89,11 +89,11 @@ ASKING_UNSEEN = Asking(verified=False, ask_at=DUE)
 LINGERING_LEFT = Lingering(stop_at=DUE)
 UNSEEN_LEFT = Unseen(stop_at=DUE)  # adopted, its main process gone
 ASKING_LEFT = Asking(verified=True, ask_at=DUE, stop_at=DUE)
-SETTLED = Settled(outcome=Outcome.OK)
+SETTLED = Finished(outcome=Outcome.OK)
 
 # -- sample events --------------------------------------------------------------------------
-STARTED = Started(pidfd=9)
-LAUNCHER_LOST = LauncherLost(now=NOW)
+STARTED = StartReported(pidfd=9)
+LAUNCHER_LOST = LostMidStart(now=NOW)
 LISTED = Listed(listed=True)
 UNLISTED = Listed(listed=False)
 NOT_DUE = Due(now=DUE - 1)
@@ -122,23 +122,23 @@ TELL_ONCE = (LogCannotTell(error="timeout"),)
 END = (Free(), Wake())
 END_WATCHED = (Free(), CloseMainFd(pidfd=7), Wake())
 
-Row = tuple[State, Event, State, tuple[Effect, ...]]
+Row = tuple[State, Happened, State, tuple[Effect, ...]]
 
 ROWS: list[Row] = [
     # Starting: how its start went.
-    (STARTING, STARTED, Running(pidfd=9, verified=True), (Hold(), WatchMainFd(pidfd=9))),
-    (STARTING, LAUNCHER_LOST, Unconfirmed(ask_at=NOW), (Hold(), Wake())),
+    (STARTING, STARTED, Running(pidfd=9, verified=True), (TakePlace(), WatchMainFd(pidfd=9))),
+    (STARTING, LAUNCHER_LOST, Unconfirmed(ask_at=NOW), (TakePlace(), Wake())),
     # It never ran: its deliveries are settled first; systemd silent, no turn starts
     # for a second.
     (STARTING, NO_ANSWER, STARTING, (ReturnDeliveries("no answer"), PauseStarts(until=NOW + 1))),
     (STARTING, START_FAILED, STARTING, (FailDeliveries("no such user"), Wake())),
     (STARTING, ENDED, SETTLED, ()),  # settled: it held no place to free
     # Their settlement's commit refused: kept as a turn whose start is unknown.
-    (STARTING, SETTLE_FAILED, Unconfirmed(ask_at=NOW), (Hold(), Wake())),
+    (STARTING, SETTLE_FAILED, Unconfirmed(ask_at=NOW), (TakePlace(), Wake())),
     # Recorded: taken back at a restart, it holds its place and systemd is asked at once.
-    (RECORDED, ADOPTED, RUNNING_UNSEEN, (Hold(), WatchMainFd(pidfd=7), Ask())),
-    (RECORDED, ADOPTED_UNWATCHED, UNSEEN, (Hold(), Ask())),
-    (RECORDED, ADOPTED_MAIN_GONE, UNSEEN_LEFT, (Hold(), Ask())),
+    (RECORDED, ADOPTED, RUNNING_UNSEEN, (TakePlace(), WatchMainFd(pidfd=7), Ask())),
+    (RECORDED, ADOPTED_UNWATCHED, UNSEEN, (TakePlace(), Ask())),
+    (RECORDED, ADOPTED_MAIN_GONE, UNSEEN_LEFT, (TakePlace(), Ask())),
     # Unconfirmed: nothing is asked of systemd before the launcher is back.
     (UNCONFIRMED, EXITED, UNCONFIRMED, (Ask(),)),
     (UNCONFIRMED, ScopeEnded(), UNCONFIRMED, (Ask(),)),
@@ -150,7 +150,7 @@ ROWS: list[Row] = [
     (UNCONFIRMED, LAUNCHER_AWAY, Unconfirmed(ask_at=AGAIN), ()),
     (UNCONFIRMED, TIME_LIMIT, UNCONFIRMED, TIME_OUT),
     (UNCONFIRMED, STOP_FAILED, Unconfirmed(ask_at=AGAIN), ()),
-    (UNCONFIRMED, Interrupt(), UNCONFIRMED, (RecordInterrupt(),)),
+    (UNCONFIRMED, CutShort(), UNCONFIRMED, (RecordInterrupt(),)),
     # Running, seen holding a process (a turn this gate started).
     # Its main process exited: what it left behind is stopped a grace later.
     (RUNNING, EXITED, Lingering(stop_at=LEFT_AT), (CloseMainFd(pidfd=7), Ask())),
@@ -166,7 +166,7 @@ ROWS: list[Row] = [
     (RUNNING, SETTLE_FAILED, Running(pidfd=7, verified=True, ask_at=AGAIN), ()),
     (RUNNING, TIME_LIMIT, RUNNING, TIME_OUT),
     (RUNNING, STOP_FAILED, Running(pidfd=7, verified=True, ask_at=AGAIN), ()),
-    (RUNNING, Interrupt(), RUNNING, (RecordInterrupt(),)),
+    (RUNNING, CutShort(), RUNNING, (RecordInterrupt(),)),
     (RUNNING, ENDED, SETTLED, END_WATCHED),
     # Running, adopted and not yet seen holding a process.
     (RUNNING_UNSEEN, EXITED, Unseen(stop_at=LEFT_AT), (CloseMainFd(pidfd=7), Ask())),
@@ -182,7 +182,7 @@ ROWS: list[Row] = [
     (RUNNING_UNSEEN, SETTLE_FAILED, Running(pidfd=7, verified=False, ask_at=AGAIN), ()),
     (RUNNING_UNSEEN, TIME_LIMIT, RUNNING_UNSEEN, TIME_OUT),
     (RUNNING_UNSEEN, STOP_FAILED, Running(pidfd=7, verified=False, ask_at=AGAIN), ()),
-    (RUNNING_UNSEEN, Interrupt(), RUNNING_UNSEEN, (RecordInterrupt(),)),
+    (RUNNING_UNSEEN, CutShort(), RUNNING_UNSEEN, (RecordInterrupt(),)),
     (RUNNING_UNSEEN, ENDED, SETTLED, END_WATCHED),
     # Running, a question about it owed (a stop after its time limit failed).
     (
@@ -203,7 +203,7 @@ ROWS: list[Row] = [
     (RUNNING_ASKING, SETTLE_FAILED, Running(pidfd=7, verified=True, ask_at=AGAIN), ()),
     (RUNNING_ASKING, TIME_LIMIT, RUNNING_ASKING, TIME_OUT),
     (RUNNING_ASKING, STOP_FAILED, Running(pidfd=7, verified=True, ask_at=AGAIN), ()),
-    (RUNNING_ASKING, Interrupt(), RUNNING_ASKING, (RecordInterrupt(),)),
+    (RUNNING_ASKING, CutShort(), RUNNING_ASKING, (RecordInterrupt(),)),
     (RUNNING_ASKING, ENDED, SETTLED, END_WATCHED),
     # Lingering: systemd reports when its scope empties.
     (LINGERING, EXITED, LINGERING, (Ask(),)),
@@ -219,7 +219,7 @@ ROWS: list[Row] = [
     (LINGERING, SETTLE_FAILED, Asking(verified=True, ask_at=AGAIN), ()),
     (LINGERING, TIME_LIMIT, LINGERING, TIME_OUT),
     (LINGERING, STOP_FAILED, Asking(verified=True, ask_at=AGAIN), ()),
-    (LINGERING, Interrupt(), LINGERING, (RecordInterrupt(),)),
+    (LINGERING, CutShort(), LINGERING, (RecordInterrupt(),)),
     (LINGERING, LEFTOVERS_FAILED, Lingering(stop_at=AGAIN), ()),
     (LINGERING, ENDED, SETTLED, END),
     # Unseen: adopted, not watched; a listing that shows it has it asked about.
@@ -236,7 +236,7 @@ ROWS: list[Row] = [
     (UNSEEN, SETTLE_FAILED, Asking(verified=False, ask_at=AGAIN), ()),
     (UNSEEN, TIME_LIMIT, UNSEEN, TIME_OUT),
     (UNSEEN, STOP_FAILED, Asking(verified=False, ask_at=AGAIN), ()),
-    (UNSEEN, Interrupt(), UNSEEN, (RecordInterrupt(),)),
+    (UNSEEN, CutShort(), UNSEEN, (RecordInterrupt(),)),
     (UNSEEN, LEFTOVERS_FAILED, Unseen(stop_at=AGAIN), ()),
     (UNSEEN, ENDED, SETTLED, END),
     # Asking, seen holding a process before: a failed question is told of only once.
@@ -253,7 +253,7 @@ ROWS: list[Row] = [
     (ASKING, SETTLE_FAILED, Asking(verified=True, ask_at=AGAIN), ()),
     (ASKING, TIME_LIMIT, ASKING, TIME_OUT),
     (ASKING, STOP_FAILED, Asking(verified=True, ask_at=AGAIN), ()),
-    (ASKING, Interrupt(), ASKING, (RecordInterrupt(),)),
+    (ASKING, CutShort(), ASKING, (RecordInterrupt(),)),
     (ASKING, LEFTOVERS_FAILED, Asking(verified=True, ask_at=DUE, stop_at=AGAIN), ()),
     (ASKING, ENDED, SETTLED, END),
     # Asking, never seen holding a process.
@@ -270,7 +270,7 @@ ROWS: list[Row] = [
     (ASKING_UNSEEN, SETTLE_FAILED, Asking(verified=False, ask_at=AGAIN), ()),
     (ASKING_UNSEEN, TIME_LIMIT, ASKING_UNSEEN, TIME_OUT),
     (ASKING_UNSEEN, STOP_FAILED, Asking(verified=False, ask_at=AGAIN), ()),
-    (ASKING_UNSEEN, Interrupt(), ASKING_UNSEEN, (RecordInterrupt(),)),
+    (ASKING_UNSEEN, CutShort(), ASKING_UNSEEN, (RecordInterrupt(),)),
     (
         ASKING_UNSEEN,
         LEFTOVERS_FAILED,
@@ -293,7 +293,7 @@ ROWS: list[Row] = [
     (LINGERING_LEFT, TIME_LIMIT, LINGERING_LEFT, TIME_OUT),
     (LINGERING_LEFT, STOP_FAILED, Asking(verified=True, ask_at=AGAIN, stop_at=DUE), ()),
     (LINGERING_LEFT, LEFTOVERS_FAILED, Lingering(stop_at=AGAIN), ()),  # stop again then
-    (LINGERING_LEFT, Interrupt(), LINGERING_LEFT, (RecordInterrupt(),)),
+    (LINGERING_LEFT, CutShort(), LINGERING_LEFT, (RecordInterrupt(),)),
     (LINGERING_LEFT, ENDED, SETTLED, END),
     # Unseen, adopted with its main process gone: the grace runs from its adoption.
     (UNSEEN_LEFT, EXITED, UNSEEN_LEFT, (Ask(),)),
@@ -310,7 +310,7 @@ ROWS: list[Row] = [
     (UNSEEN_LEFT, TIME_LIMIT, UNSEEN_LEFT, TIME_OUT),
     (UNSEEN_LEFT, STOP_FAILED, Asking(verified=False, ask_at=AGAIN, stop_at=DUE), ()),
     (UNSEEN_LEFT, LEFTOVERS_FAILED, Unseen(stop_at=AGAIN), ()),
-    (UNSEEN_LEFT, Interrupt(), UNSEEN_LEFT, (RecordInterrupt(),)),
+    (UNSEEN_LEFT, CutShort(), UNSEEN_LEFT, (RecordInterrupt(),)),
     (UNSEEN_LEFT, ENDED, SETTLED, END),
     # Asking, with the stop of its leftovers owed too: both, at their times.
     (ASKING_LEFT, EXITED, ASKING_LEFT, (Ask(),)),
@@ -327,22 +327,22 @@ ROWS: list[Row] = [
     (ASKING_LEFT, TIME_LIMIT, ASKING_LEFT, TIME_OUT),
     (ASKING_LEFT, STOP_FAILED, Asking(verified=True, ask_at=AGAIN, stop_at=DUE), ()),
     (ASKING_LEFT, LEFTOVERS_FAILED, Asking(verified=True, ask_at=DUE, stop_at=AGAIN), ()),
-    (ASKING_LEFT, Interrupt(), ASKING_LEFT, (RecordInterrupt(),)),
+    (ASKING_LEFT, CutShort(), ASKING_LEFT, (RecordInterrupt(),)),
     (ASKING_LEFT, ENDED, SETTLED, END),
 ]
 
 HELD: list[State] = [UNCONFIRMED, RUNNING, RUNNING_UNSEEN, RUNNING_ASKING, LINGERING, UNSEEN]
 HELD += [ASKING, ASKING_UNSEEN, LINGERING_LEFT, UNSEEN_LEFT, ASKING_LEFT]
-START_RESULTS: list[Event] = [STARTED, LAUNCHER_LOST, NO_ANSWER, START_FAILED]
-ADOPTIONS: list[Event] = [ADOPTED, ADOPTED_UNWATCHED, ADOPTED_MAIN_GONE]
-LAUNCHER: list[Event] = [LauncherBack(), LAUNCHER_AWAY]
-ANSWERS: list[Event] = [ScopeHolds(), EMPTY, ScopeGone(), QUESTION_FAILED, SETTLE_FAILED]
-LATER: list[Event] = [EXITED, ScopeEnded(), LISTED, UNLISTED, NOT_DUE, DUE_NOW]
-LATER += [*LAUNCHER, *ANSWERS, TIME_LIMIT, STOP_FAILED, LEFTOVERS_FAILED, Interrupt(), ENDED]
+START_RESULTS: list[Happened] = [STARTED, LAUNCHER_LOST, NO_ANSWER, START_FAILED]
+ADOPTIONS: list[Happened] = [ADOPTED, ADOPTED_UNWATCHED, ADOPTED_MAIN_GONE]
+LAUNCHER: list[Happened] = [LauncherBack(), LAUNCHER_AWAY]
+ANSWERS: list[Happened] = [ScopeHolds(), EMPTY, ScopeGone(), QUESTION_FAILED, SETTLE_FAILED]
+LATER: list[Happened] = [EXITED, ScopeEnded(), LISTED, UNLISTED, NOT_DUE, DUE_NOW]
+LATER += [*LAUNCHER, *ANSWERS, TIME_LIMIT, STOP_FAILED, LEFTOVERS_FAILED, CutShort(), ENDED]
 EVENTS = START_RESULTS + ADOPTIONS + LATER
 
 RUNNING_STATES: list[State] = [UNCONFIRMED, RUNNING, RUNNING_UNSEEN, RUNNING_ASKING]
-ILLEGAL: list[tuple[State, Event]] = [
+ILLEGAL: list[tuple[State, Happened]] = [
     # A starting turn is with its hands: the gate holds no place for it, and only how
     # its start went can come (and then whether what it carried is settled).
     *((STARTING, event) for event in LATER if event not in (SETTLE_FAILED, ENDED)),
@@ -365,14 +365,14 @@ ILLEGAL: list[tuple[State, Event]] = [
 
 @pytest.mark.parametrize(("state", "event", "after", "effects"), ROWS)
 def test_each_state_and_event_gives_the_next_state_and_effects(
-    state: State, event: Event, after: State, effects: tuple[Effect, ...]
+    state: State, event: Happened, after: State, effects: tuple[Effect, ...]
 ) -> None:
     assert step(state, event) == (after, effects)
 
 
 @pytest.mark.parametrize(("state", "event"), ILLEGAL)
-def test_an_event_that_cannot_come_in_a_state_raises(state: State, event: Event) -> None:
-    with pytest.raises(IllegalEvent):
+def test_an_event_that_cannot_come_in_a_state_raises(state: State, event: Happened) -> None:
+    with pytest.raises(IllegalStep):
         step(state, event)
 
 

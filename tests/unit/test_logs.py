@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from volutectl.cli import logs
-from volutectl.events import MESSAGE_IDS, Event
+from volutectl.events import MESSAGE_IDS, EventName
 from volutectl.names import turn_scope_name
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"
@@ -95,7 +95,7 @@ def output(t: int, mind: str, turn: int, text: str, **extra: str) -> dict[str, A
 
 
 def entry(
-    t: int, mind: str, text: str, event: Event | None = None, **fields: str
+    t: int, mind: str, text: str, event: EventName | None = None, **fields: str
 ) -> dict[str, Any]:
     """One of the gate's entries."""
     made = {
@@ -116,7 +116,7 @@ def entry(
 
 
 def start(t: int, mind: str, turn: int, session: str) -> dict[str, Any]:
-    return entry(t, mind, f"turn {turn} of {mind}/{session} started", Event.START,
+    return entry(t, mind, f"turn {turn} of {mind}/{session} started", EventName.START,
                  VOLUTE_TURN_ID=str(turn), VOLUTE_SESSION=session)  # fmt: skip
 
 
@@ -126,12 +126,12 @@ JOURNAL = [
     output(3, "m-1", 2, "another mind, a longer name"),
     output(4, "mimsy", 3, "before its start entry"),
     start(5, "mimsy", 3, "dm"),
-    entry(6, "mimsy", "turn 1 of mimsy/chat ended: exit 0", Event.END,
+    entry(6, "mimsy", "turn 1 of mimsy/chat ended: exit 0", EventName.END,
           VOLUTE_TURN_ID="1", VOLUTE_SESSION="chat", VOLUTE_OUTCOME="ok"),
     output(7, "mimsy", 1, "an impostor", _SYSTEMD_UNIT="cron.service"),
-    entry(8, "mimsy", "delivery 9 for mimsy/chat held: global_cap", Event.HOLD,
+    entry(8, "mimsy", "delivery 9 for mimsy/chat held: global_cap", EventName.HOLD,
           VOLUTE_DELIVERY_ID="9"),
-    entry(9, "mimsy", "turn 3 of mimsy/dm failed to start: first\nsecond", Event.END,
+    entry(9, "mimsy", "turn 3 of mimsy/dm failed to start: first\nsecond", EventName.END,
           VOLUTE_TURN_ID="3", VOLUTE_SESSION="dm"),
     start(10, "whorl", 5, "main"),
     output(11, "whorl", 5, "whorl's own"),
@@ -194,7 +194,8 @@ def test_the_matches_name_the_identifier_the_scope_and_the_gates_fields() -> Non
         r"_SYSTEMD_UNIT=volute-turn-m\x2d1.x-5.scope", "+", "VOLUTE_MIND=m-1.x",
         "VOLUTE_TURN_ID=5", "+", "SYSLOG_IDENTIFIER=volute-m-1.x",
     ]  # fmt: skip
-    assert logs.start_matches("m") == [f"MESSAGE_ID={MESSAGE_IDS[Event.START]}", "VOLUTE_MIND=m"]
+    start = f"MESSAGE_ID={MESSAGE_IDS[EventName.START]}"
+    assert logs.start_matches("m") == [start, "VOLUTE_MIND=m"]
     assert logs.unit_field("system") == "_SYSTEMD_UNIT"
     assert logs.unit_field("user") == "_SYSTEMD_USER_UNIT"
     argv = logs.journalctl_argv("jc", ["A=1"], since="-1h", follow=True, lines=0)

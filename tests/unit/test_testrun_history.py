@@ -10,7 +10,7 @@ import pytest
 
 from volutectl.core import slotmath
 from volutectl.slots import testrun
-from volutectl.slots.testrun import Outcome, read_history, record_history
+from volutectl.slots.testrun import RunReport, read_history, record_history
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def common_dir(tmp_path: Path) -> Path:
 
 def finish(common_dir: Path, execution_ms: int, exit_status: int = 0) -> None:
     record_history(
-        common_dir, "/srv/wt1", ["pytest", "-x"], Outcome(exit_status, execution_ms=execution_ms)
+        common_dir, "/srv/wt1", ["pytest", "-x"], RunReport(exit_status, execution_ms=execution_ms)
     )
 
 

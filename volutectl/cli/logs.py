@@ -50,7 +50,7 @@ from volutectl.errors import (
     UsageError,
     VoluteError,
 )
-from volutectl.events import MESSAGE_IDS, Event
+from volutectl.events import MESSAGE_IDS, EventName
 from volutectl.visible import visible
 
 # pydantic only when the command runs, not for a TAB (volutectl.cli.completion).
@@ -94,7 +94,7 @@ def turn_matches(mind: str, turn_id: int, unit_key: str) -> list[str]:
 
 
 def start_matches(mind: str) -> list[str]:
-    return [f"MESSAGE_ID={MESSAGE_IDS[Event.START]}", f"VOLUTE_MIND={mind}"]
+    return [f"MESSAGE_ID={MESSAGE_IDS[EventName.START]}", f"VOLUTE_MIND={mind}"]
 
 
 def journalctl_argv(

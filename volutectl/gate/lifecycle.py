@@ -17,7 +17,7 @@ gate knows of whether the turn still runs, for only systemd's word settles a tur
   a process (it is asked about at once).
 - `Asking`: not watched, and a question to systemd failed (or a stop, or the commit of
   its settlement): ask again at `ask_at`.
-- `Settled`: ended, with its outcome; the gate holds no place for it any more.
+- `Finished`: ended, with its outcome; the gate holds no place for it any more.
 
 A turn ends with its main process. What that process left behind in the scope (a
 `setsid sleep 600`, a daemon it forked) is given a grace: `MainExited` brings the
@@ -37,7 +37,7 @@ as any other, in whichever state it is.
 times come in the events) and returns the next state and the effects that
 volutectl/gate/turns.py's `Turns.apply` carries out, in order, every one of them: for
 `Ask` it takes systemd's answer, which volutectl/gate/liveness.py turns into the next
-event. An event that cannot come in a state raises `IllegalEvent` (a bug in the caller);
+event. An event that cannot come in a state raises `IllegalStep` (a bug in the caller);
 one that can but changes nothing returns the same state and no effects.
 """
 
@@ -113,13 +113,13 @@ class Asking:
 
 
 @dataclass(frozen=True)
-class Settled:
+class Finished:
     """Ended: its deliveries are settled, its place is free."""
 
     outcome: Outcome
 
 
-State = Starting | Recorded | Unconfirmed | Running | Lingering | Unseen | Asking | Settled
+State = Starting | Recorded | Unconfirmed | Running | Lingering | Unseen | Asking | Finished
 Held = Unconfirmed | Running | Lingering | Unseen | Asking  # the gate holds a place
 
 
@@ -127,14 +127,14 @@ Held = Unconfirmed | Running | Lingering | Unseen | Asking  # the gate holds a p
 
 
 @dataclass(frozen=True)
-class Started:
+class StartReported:
     """Its hands released it into its scope; the gate holds its main process's pidfd."""
 
     pidfd: int
 
 
 @dataclass(frozen=True)
-class LauncherLost:
+class LostMidStart:
     """The launcher was lost during the start: it may or may not run."""
 
     now: float
@@ -259,7 +259,7 @@ class LeftoversStopFailed:
 
 
 @dataclass(frozen=True)
-class Interrupt:
+class CutShort:
     """The gate decided: an --interrupt delivery was folded into the turn."""
 
 
@@ -270,9 +270,9 @@ class Ended:
     outcome: Outcome
 
 
-Event = (
-    Started
-    | LauncherLost
+Happened = (
+    StartReported
+    | LostMidStart
     | NoAnswer
     | StartFailed
     | Adopted
@@ -290,7 +290,7 @@ Event = (
     | TimeLimit
     | StopFailed
     | LeftoversStopFailed
-    | Interrupt
+    | CutShort
     | Ended
 )
 
@@ -299,8 +299,8 @@ Event = (
 
 
 @dataclass(frozen=True)
-class Hold:
-    """Hold a place for the turn (admission counts it)."""
+class TakePlace:
+    """TakePlace a place for the turn (admission counts it)."""
 
 
 @dataclass(frozen=True)
@@ -403,7 +403,7 @@ class Wake:
 
 
 Effect = (
-    Hold
+    TakePlace
     | Free
     | WatchMainFd
     | CloseMainFd
@@ -425,10 +425,10 @@ Effect = (
 Step = tuple[State, tuple[Effect, ...]]
 
 
-class IllegalEvent(Exception):
+class IllegalStep(Exception):
     """An event that cannot come in the turn's state: the caller has a bug."""
 
-    def __init__(self, state: State, event: Event) -> None:
+    def __init__(self, state: State, event: Happened) -> None:
         super().__init__(f"{type(event).__name__} cannot happen to a turn in {state}")
         self.state = state
         self.event = event
@@ -498,48 +498,48 @@ def _stopping_at(state: Held, at: float | None) -> Held:
 # -- the transitions --------------------------------------------------------------------------
 
 
-def step(state: State, event: Event) -> Step:
+def step(state: State, event: Happened) -> Step:
     """The next state of a turn in `state` after `event`, and the effects to carry out."""
     if isinstance(state, Starting):
         return _from_starting(state, event)
     if isinstance(state, Recorded) and isinstance(event, Adopted):
         return _adopt(event)
-    if isinstance(state, Settled | Recorded) or isinstance(
-        event, Started | LauncherLost | NoAnswer | StartFailed | Adopted
+    if isinstance(state, Finished | Recorded) or isinstance(
+        event, StartReported | LostMidStart | NoAnswer | StartFailed | Adopted
     ):
-        raise IllegalEvent(state, event)
+        raise IllegalStep(state, event)
     if isinstance(state, Unconfirmed):
         return _from_unconfirmed(state, event)
     return _from_known(state, event)
 
 
-def _from_starting(state: Starting, event: Event) -> Step:
+def _from_starting(state: Starting, event: Happened) -> Step:
     """How its start went. A start that never ran the command is settled in the store
     first: `Ended` once that is committed; if the commit is refused, the turn keeps a
     place as one whose start is unknown (as a gate restarted then would find it), until
     systemd's word settles it."""
-    if isinstance(event, Started):
-        return Running(pidfd=event.pidfd, verified=True), (Hold(), WatchMainFd(event.pidfd))
-    if isinstance(event, LauncherLost | SettleFailed):
-        return Unconfirmed(ask_at=event.now), (Hold(), Wake())
+    if isinstance(event, StartReported):
+        return Running(pidfd=event.pidfd, verified=True), (TakePlace(), WatchMainFd(event.pidfd))
+    if isinstance(event, LostMidStart | SettleFailed):
+        return Unconfirmed(ask_at=event.now), (TakePlace(), Wake())
     if isinstance(event, NoAnswer):
         pause = PauseStarts(until=event.now + PAUSE_STARTS_SECONDS)
         return state, (ReturnDeliveries(event.error), pause)
     if isinstance(event, StartFailed):
         return state, (FailDeliveries(event.error), Wake())
     if isinstance(event, Ended):
-        return Settled(event.outcome), ()
-    raise IllegalEvent(state, event)
+        return Finished(event.outcome), ()
+    raise IllegalStep(state, event)
 
 
 def _adopt(event: Adopted) -> Step:
     """Taken back at a restart: it holds its place, its main process is watched if it
     lives, and systemd is asked about it at once."""
     watch: tuple[Effect, ...] = () if event.pidfd is None else (WatchMainFd(event.pidfd),)
-    return adopted(event.pidfd, event.stop_at), (Hold(), *watch, Ask())
+    return adopted(event.pidfd, event.stop_at), (TakePlace(), *watch, Ask())
 
 
-def _from_unconfirmed(state: Unconfirmed, event: Event) -> Step:
+def _from_unconfirmed(state: Unconfirmed, event: Happened) -> Step:
     """Nothing is asked of systemd before the launcher is back: its answer could come
     before the scope does."""
     if isinstance(event, LauncherBack):
@@ -548,11 +548,11 @@ def _from_unconfirmed(state: Unconfirmed, event: Event) -> Step:
         return Unconfirmed(ask_at=event.now + ASK_AGAIN_SECONDS), ()
     answers = ScopeHolds | ScopeEmpty | ScopeGone | QuestionFailed | SettleFailed | Ended
     if isinstance(event, answers):
-        raise IllegalEvent(state, event)
+        raise IllegalStep(state, event)
     return _from_held(state, event)
 
 
-def _from_known(state: Running | Lingering | Unseen | Asking, event: Event) -> Step:
+def _from_known(state: Running | Lingering | Unseen | Asking, event: Happened) -> Step:
     """systemd's answers, to a turn it may be asked about."""
     if isinstance(event, ScopeHolds):
         return _answered(state, holds=True), ()
@@ -572,11 +572,11 @@ def _from_known(state: Running | Lingering | Unseen | Asking, event: Event) -> S
     if isinstance(event, SettleFailed):
         return _asking_again(state, event.now + ASK_AGAIN_SECONDS), ()
     if isinstance(event, LauncherBack | LauncherAway):
-        raise IllegalEvent(state, event)
+        raise IllegalStep(state, event)
     return _from_held(state, event)
 
 
-def _from_held(state: Held, event: Event) -> Step:
+def _from_held(state: Held, event: Happened) -> Step:
     """The events that can come to any turn the gate holds a place for."""
     if isinstance(event, MainExited):
         if not isinstance(state, Running):
@@ -601,16 +601,16 @@ def _from_held(state: Held, event: Event) -> Step:
         return _asking_again(state, event.now + ASK_AGAIN_SECONDS), ()
     if isinstance(event, LeftoversStopFailed):
         if isinstance(state, Running | Unconfirmed):
-            raise IllegalEvent(state, event)  # no stop of leftovers comes before its exit
+            raise IllegalStep(state, event)  # no stop of leftovers comes before its exit
         return _stopping_at(state, event.now + ASK_AGAIN_SECONDS), ()
-    if isinstance(event, Interrupt):
+    if isinstance(event, CutShort):
         return state, (RecordInterrupt(),)
     if isinstance(event, Ended):
         close: tuple[Effect, ...] = (
             (CloseMainFd(state.pidfd),) if isinstance(state, Running) else ()
         )
-        return Settled(event.outcome), (Free(), *close, Wake())
-    raise IllegalEvent(state, event)
+        return Finished(event.outcome), (Free(), *close, Wake())
+    raise IllegalStep(state, event)
 
 
 def _on_due(state: Held, now: float) -> Step:

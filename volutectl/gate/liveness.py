@@ -59,7 +59,7 @@ class Evidence:
         self.hands = hands
         self.clock = clock
 
-    def about(self, turn: Turn) -> lifecycle.Event:
+    def about(self, turn: Turn) -> lifecycle.Happened:
         """Whether the turn still runs, on systemd's word. The answers that settle: the
         unit is not loaded, is inactive or failed, or holds no process. A question that
         failed proves nothing: it is asked again in lifecycle.ASK_AGAIN_SECONDS.
@@ -75,7 +75,7 @@ class Evidence:
             return lifecycle.LauncherBack()
         return self._ask(turn.unit)
 
-    def _ask(self, unit: str) -> lifecycle.Event:
+    def _ask(self, unit: str) -> lifecycle.Happened:
         """systemd's answer about a turn's scope, as an event."""
         try:
             state = self.manager.active_state(unit)
@@ -169,7 +169,7 @@ class Liveness:
 
     # -- the evidence ------------------------------------------------------------------------
 
-    def _learn(self, turn: Turn, event: lifecycle.Event) -> None:
+    def _learn(self, turn: Turn, event: lifecycle.Happened) -> None:
         """Tell `Turns` what was learnt of a turn the gate holds. Asked (when its main
         process exited, when systemd reported its scope inactive, at adoption, when a
         question failed before), `Turns` takes systemd's word from `Evidence`."""

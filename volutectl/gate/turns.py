@@ -93,7 +93,7 @@ class Turns:
         unwatch_fd: Callable[[int], None],
         wake: Callable[[], None],
         processes: Callable[[str], list[int] | None],
-        ask: Callable[[Turn], lifecycle.Event],
+        ask: Callable[[Turn], lifecycle.Happened],
         clock: Clock = SYSTEM,
     ) -> None:
         self.held = held
@@ -229,7 +229,7 @@ class Turns:
             ids = " ".join(str(r.id) for r in rows)
             self.journal.emit(events.TurnFolded(**events.turn_fields(turn), delivery_ids=ids))
         if any(row.cut for row in rows):
-            self.apply(turn, lifecycle.Interrupt())
+            self.apply(turn, lifecycle.CutShort())
 
     def interrupt_refused(self, row: Row) -> bool:
         """Whether the interrupt of `row`, just acknowledged, will not cut short the turn
@@ -299,7 +299,7 @@ class Turns:
         self.store.mark_released(turn_id, launched.pid)
         crash_point("release_recorded")
         turn.released, turn.pid = True, launched.pid
-        self._start_went(turn, lifecycle.Started(pidfd=launched.pidfd))
+        self._start_went(turn, lifecycle.StartReported(pidfd=launched.pidfd))
         ids = " ".join(str(row.id) for row in taken)
         self.journal.emit(events.TurnStarted(**events.turn_fields(turn), delivery_ids=ids))
 
@@ -307,7 +307,7 @@ class Turns:
         """The launcher was lost during the start: the turn may run, or may never have.
         It keeps its place, as an adopted turn does, until systemd says which."""
         self.journal.emit(events.TurnStartUnknown(**events.turn_fields(turn), error=error.message))
-        self._start_went(turn, lifecycle.LauncherLost(now=self.clock.wall()))
+        self._start_went(turn, lifecycle.LostMidStart(now=self.clock.wall()))
 
     def _start_unanswered(self, turn: Turn, error: SystemdNoAnswer) -> None:
         """systemd gave no answer about the scope (a daemon-reexec drops every call in
@@ -323,7 +323,7 @@ class Turns:
         self.journal.emit(events.TurnStartFailed(**events.turn_fields(turn), error=message))
         self._start_went(turn, lifecycle.StartFailed(error=message))
 
-    def _start_went(self, turn: Turn, event: lifecycle.Event) -> None:
+    def _start_went(self, turn: Turn, event: lifecycle.Happened) -> None:
         """Step a starting turn by how its start went; then the rows it carried are the
         store's to know (a turn that never ran has settled them)."""
         self.apply(turn, event)
@@ -383,7 +383,7 @@ class Turns:
 
     # -- the lifecycle ---------------------------------------------------------------------
 
-    def apply(self, turn: Turn, event: lifecycle.Event) -> None:
+    def apply(self, turn: Turn, event: lifecycle.Happened) -> None:
         """Step the turn by `event` (volutectl/gate/lifecycle.py) and carry out the effects
         in order: the one place they are carried out."""
         turn.state, effects = lifecycle.step(turn.state, event)
@@ -399,7 +399,7 @@ class Turns:
 
     def _carry_out(self, turn: Turn, effect: lifecycle.Effect) -> None:
         match effect:
-            case lifecycle.Hold():
+            case lifecycle.TakePlace():
                 self._turns[turn.id] = turn
             case lifecycle.Free():
                 self._turns.pop(turn.id, None)

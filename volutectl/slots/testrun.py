@@ -49,7 +49,7 @@ def notice(text: str) -> None:
 
 
 @dataclass
-class Outcome:
+class RunReport:
     """What `--json` prints; the same facts the wait line and exit status carry."""
 
     exit_status: int = 0
@@ -82,10 +82,10 @@ def run_test(
     as_json: bool,
     config_path: str | None,
     environ: Mapping[str, str],
-) -> Outcome:
-    """The order of events is in the module docstring; the Outcome says what happened."""
+) -> RunReport:
+    """The order of events is in the module docstring; the RunReport says what happened."""
     started = time.monotonic()
-    outcome = Outcome()
+    outcome = RunReport()
     # A client may not read the main config (it may name minds' secrets): its cap comes
     # from the flag, the repository or the default then.
     loaded = load_settings(config_path, environ, defaults_if_unreadable=True)
@@ -129,7 +129,7 @@ def run_capped(
     repository: slotfiles.Repository | None,
     cap: slotmath.Cap,
     as_json: bool,
-    outcome: Outcome,
+    outcome: RunReport,
 ) -> None:
     """Take a slot (waiting if all are held), then run the command in a scope."""
     worktree = str(repository.worktree if repository else Path.cwd())
@@ -171,7 +171,7 @@ def take_slot(
     repository: slotfiles.Repository | None,
     cap: slotmath.Cap,
     manager: Manager | None,
-    outcome: Outcome,
+    outcome: RunReport,
 ) -> slotfiles.Slot | None:
     """One of the repository's slots, saying once why we wait; None to run uncapped."""
     if cap.slots <= 0:
@@ -377,7 +377,7 @@ def read_history(common_dir: Path) -> list[slotmath.RunRecord]:
     return slotmath.parse_history(data.decode(errors="replace").splitlines())
 
 
-def record_history(common_dir: Path, worktree: str, command: Sequence[str], run: Outcome) -> None:
+def record_history(common_dir: Path, worktree: str, command: Sequence[str], run: RunReport) -> None:
     """Append the execution time (not the queue time) for future estimates; best effort."""
     record = slotmath.RunRecord(
         worktree, slotmath.join_command(command), run.execution_ms, run.exit_status

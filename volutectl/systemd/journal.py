@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from volutectl.events import MESSAGE_IDS, BaseEvent, Event
+from volutectl.events import MESSAGE_IDS, BaseEvent, EventName
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 STDOUT_SOCKET = "/run/systemd/journal/stdout"
@@ -53,7 +53,7 @@ def entry_fields(
     ]
     event = fields.get("event")
     if event is not None and event in MESSAGE_IDS:
-        items.append(("MESSAGE_ID", MESSAGE_IDS[Event(event)]))
+        items.append(("MESSAGE_ID", MESSAGE_IDS[EventName(event)]))
     for key, value in fields.items():
         if value is None:
             continue
