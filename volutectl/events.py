@@ -82,6 +82,9 @@ class EventName(StrEnum):
     GATE_CONFIG_RELOADED = "gate_config_reloaded"
     GATE_CONFIG_REFUSED = "gate_config_refused"
     INTERRUPT_REFUSED = "interrupt_refused"
+    PID_MOVED_IN = "pid_moved_in"
+    PID_MOVED_BACK = "pid_moved_back"
+    PID_NOT_MOVED_BACK = "pid_not_moved_back"
 
 
 # MESSAGE_ID of each event an operator queries for (`journalctl MESSAGE_ID=...`); made
@@ -129,6 +132,9 @@ MESSAGE_IDS: Mapping[EventName, str] = {
     EventName.GATE_CONFIG_RELOADED: "7a53a0c8111c46e1a178729271413029",
     EventName.GATE_CONFIG_REFUSED: "78306785c64d4ed6ae6b1470f5d3779c",
     EventName.INTERRUPT_REFUSED: "6a72d6ba8e124c758585b89bb4872da1",
+    EventName.PID_MOVED_IN: "725caf475f8245a6879e5c9778b7d5d5",
+    EventName.PID_MOVED_BACK: "a3971642a7224353a4809ece7a5cd3e2",
+    EventName.PID_NOT_MOVED_BACK: "2d2cf538c9fd40719a6a48b627802978",
 }
 
 # The metadata of a field that is in the message only, not sent as a journal field.
@@ -1393,6 +1399,51 @@ class TrashLeft(BaseEvent):
             f"{len(self.left)} turn directories set aside in {self.trash} were too large to "
             f"remove now ({', '.join(self.left[:5])}); the next sweep tries again"
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PidMovedIn(BaseEvent):
+    """The launcher moved a lease's process (`pid`) from `unit` into the lease's scope."""
+
+    EVENT = EventName.PID_MOVED_IN
+    mind: str = field(metadata=NOT_SENT)
+    turn_id: int
+    pid: int
+    unit: str
+
+    def message(self) -> str:
+        return f"moved pid {self.pid} of {self.mind} from {self.unit} into lease {self.turn_id}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PidMovedBack(BaseEvent):
+    """A lease's process went back: to the unit it came from, or the fallback scope."""
+
+    EVENT = EventName.PID_MOVED_BACK
+    mind: str = field(metadata=NOT_SENT)
+    turn_id: int
+    pid: int
+    unit: str
+
+    def message(self) -> str:
+        return f"moved pid {self.pid} of {self.mind} back from lease {self.turn_id} to {self.unit}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PidNotMovedBack(BaseEvent):
+    """A lease's process could go neither to its unit nor to the fallback: it is still
+    in the lease's scope, and its record is kept for the next MoveBack."""
+
+    LEVEL = "error"
+    EVENT = EventName.PID_NOT_MOVED_BACK
+    mind: str = field(metadata=NOT_SENT)
+    turn_id: int
+    pid: int
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        where = f"lease {self.turn_id} of {self.mind}"
+        return f"could not move pid {self.pid} out of {where}: {self.error}"
 
 
 def catalog() -> list[type[BaseEvent]]:
