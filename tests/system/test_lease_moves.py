@@ -192,7 +192,7 @@ def test_a_compromised_gates_move_orders_move_nothing_but_the_minds_own(
         if f"volute-turn-o-{other_turn}" in systemd_cgroup(machine, int(pid))
     )
     pid = launcher_pid(machine)
-    refusals = {
+    refusals: dict[str, tuple[int | str, str]] = {
         "another user's": (roots, "runs as uid 0/0"),
         "pid 1": (1, "pid 1"),
         "the gate's": (gate_pid(machine), "pids[1]"),

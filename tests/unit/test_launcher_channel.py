@@ -43,6 +43,8 @@ EVERY_ORDER: list[orders.Order[Any]] = [
     orders.Remove(7),
     orders.Sweep((1, 7)),
     orders.Sample((1, 7)),
+    orders.MoveIn(turn_id=7, mind="mimsy", pids=2),
+    orders.MoveBack(turn_id=7, mind="mimsy"),
 ]
 
 
@@ -61,6 +63,7 @@ def test_every_reply_goes_through_the_channel_unchanged() -> None:
         orders.Report(True, 0, 1.5, (), written_bytes=3 << 20),
         orders.Written((7, 9), (0, 3 << 20)),
         orders.Refused("no"),
+        orders.Moved((41, 42), ("a.service", "session-3.scope")),
     ):
         assert orders.decode_reply(orders.encode(reply).rstrip(b"\n")) == reply
 

@@ -160,8 +160,8 @@ class Mover:
         try:
             target = self._cgroup_of(scope)
             for entry in entries:
-                self._attach(scope, target, "", entry.pid)
-        except (VoluteError, OSError, cgroupmove.ProcessGone) as error:
+                self._move_one(scope, target, entry)
+        except (VoluteError, OSError) as error:
             self._undo(record, entries)
             raise VoluteError(f"pids: the move into {scope} failed, none moved: {error}") from None
         for entry in entries:
@@ -219,6 +219,18 @@ class Mover:
             self.manager.attach_processes(unit, [pid], subcgroup)
         else:
             cgroupmove.attach(cgroup, pid)
+
+    def _move_one(self, scope: str, target: str, entry: MovedProcess) -> None:
+        """One process into the scope; one that exited meanwhile needs no move (its
+        record stays until MoveBack, which skips it: its pid and start time name no
+        process any more)."""
+        try:
+            self._attach(scope, target, "", entry.pid)
+        except cgroupmove.ProcessGone:
+            return
+        except (VoluteError, OSError):
+            if _alive(entry):
+                raise
 
     def _undo(self, record: Record, entries: Sequence[MovedProcess]) -> None:
         """A failed move: whatever moved goes back, and the record forgets them."""
