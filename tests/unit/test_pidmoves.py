@@ -296,3 +296,16 @@ def test_the_records_directory_must_be_the_launchers_own(tmp_path: Path) -> None
     path.chmod(0o700)
     with pytest.raises(OSError):
         moves.Records(tmp_path / "link").load(1)  # never through a link
+
+
+def test_a_sweep_returns_the_processes_of_leases_the_gate_no_longer_holds(
+    mover: moves.Mover,
+) -> None:
+    mover.move_in(orders.MoveIn(7, "m", 1), (11,))
+    where: dict[int, str] = mover.where  # type: ignore[attr-defined]
+    assert where[11] == f"/system.slice/{SCOPE}"
+    mover.sweep([7])  # still open: left alone
+    assert where[11] == f"/system.slice/{SCOPE}" and mover.records.turn_ids() == [7]
+    mover.sweep([])  # its lease ended while the gate was away: back home
+    assert where[11] == "/system.slice/runner.service"
+    assert mover.records.turn_ids() == []

@@ -73,10 +73,17 @@ class Records:
     def __init__(self, path: Path = RECORDS_DIR) -> None:
         self.path = path
 
-    def _open(self) -> int:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(self.path, 0o700)
-        fd = dirfds.open_directory(str(self.path))
+    def _open(self, create: bool = False) -> int | None:
+        """The directory's fd; None if it does not exist and `create` is false."""
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.path, 0o700)
+        try:
+            fd = dirfds.open_directory(str(self.path))
+        except FileNotFoundError:
+            if create:
+                raise
+            return None
         found = os.fstat(fd)
         if found.st_uid != os.geteuid() or stat.S_IMODE(found.st_mode) & 0o077:
             os.close(fd)
@@ -85,6 +92,8 @@ class Records:
 
     def load(self, turn_id: int) -> Record | None:
         fd = self._open()
+        if fd is None:
+            return None
         try:
             small = dirfds.read_small_file(fd, f"{turn_id}.json", MAX_RECORD)
         finally:
@@ -99,7 +108,8 @@ class Records:
         """Whole or not at all: a new file, renamed over the old."""
         data = json.dumps(asdict(record), separators=(",", ":")).encode()
         name, temporary = f"{record.turn_id}.json", f".{record.turn_id}.tmp"
-        fd = self._open()
+        fd = self._open(create=True)
+        assert fd is not None
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary, dir_fd=fd)
@@ -114,6 +124,8 @@ class Records:
 
     def drop(self, turn_id: int) -> None:
         fd = self._open()
+        if fd is None:
+            return
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"{turn_id}.json", dir_fd=fd)
@@ -122,6 +134,8 @@ class Records:
 
     def turn_ids(self) -> list[int]:
         fd = self._open()
+        if fd is None:
+            return []
         try:
             listed = os.listdir(fd)
         finally:
@@ -256,6 +270,24 @@ class Mover:
             self.records.save(Record(record.mind, turn_id, record.scope, tuple(failed)))
             raise VoluteError(f"pids {[p.pid for p in failed]} could not be moved back")
         self.records.drop(turn_id)
+
+    def sweep(self, open_ids: Sequence[int]) -> None:
+        """The records of leases the gate no longer holds open (it was killed between a
+        lease's end and its MoveBack): their processes go back now, never left in a
+        scope whose lease has ended. Never fails the sweep it serves."""
+        keep = set(open_ids)
+        try:
+            found = self.records.turn_ids()
+        except (VoluteError, OSError):
+            return
+        for turn_id in found:
+            if turn_id in keep:
+                continue
+            record = self.records.load(turn_id)
+            if record is None:
+                continue
+            with contextlib.suppress(VoluteError, OSError):
+                self.move_back(turn_id, record.mind)
 
     def _return(self, record: Record, entries: Sequence[MovedProcess]) -> list[MovedProcess]:
         """Each of `entries` still alive and in the scope goes back; the ones that could

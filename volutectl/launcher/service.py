@@ -293,6 +293,7 @@ def remove(launcher: Launcher, order: orders.Remove, _: bytes) -> orders.Done:
 
 def sweep(launcher: Launcher, order: orders.Sweep, _: bytes) -> orders.Done:
     launcher.hands.sweep(order.open_ids)
+    launcher.mover.sweep(order.open_ids)
     return orders.Done()
 
 
