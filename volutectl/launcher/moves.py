@@ -32,15 +32,17 @@ import stat
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from volutectl import events, names
 from volutectl.core import pidmoves
 from volutectl.errors import DataError, VoluteError
 from volutectl.kernel import cgroupmove, dirfds, pidfds
-from volutectl.launcher.hands import LocalHands
 from volutectl.systemd.port import ScopeProperties
 from volutectl.wire import orders
+
+if TYPE_CHECKING:
+    from volutectl.launcher.hands import LocalHands
 
 RECORDS_DIR = Path(orders.DEFAULT_SOCKET).parent / "moved"
 MAX_RECORD = 64 * 1024  # 64 processes of about 300 bytes each, with room

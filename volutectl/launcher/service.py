@@ -35,7 +35,6 @@ from volutectl.config.settings import Settings, load_settings
 from volutectl.errors import SystemdNoAnswer, VoluteError
 from volutectl.launcher import turndir
 from volutectl.launcher.hands import LocalHands
-from volutectl.launcher.moves import Mover
 from volutectl.systemd.journal import Journal
 from volutectl.systemd.port import SystemdManager
 from volutectl.wire import orders
@@ -113,7 +112,6 @@ class Launcher:
         allowed: frozenset[int],
     ) -> None:
         self.hands = hands
-        self.mover = Mover(hands)
         # The pidfds that came with the order being carried out (a MoveIn's), closed
         # once it is answered.
         self.passed: tuple[int, ...] = ()
@@ -278,11 +276,11 @@ def sample(launcher: Launcher, order: orders.Sample, _: bytes) -> orders.Written
 
 
 def move_in(launcher: Launcher, order: orders.MoveIn, _: bytes) -> orders.Moved:
-    return launcher.mover.move_in(order, launcher.passed)
+    return launcher.hands.move_in(order, launcher.passed)
 
 
 def move_back(launcher: Launcher, order: orders.MoveBack, _: bytes) -> orders.Done:
-    launcher.mover.move_back(order.turn_id, order.mind)
+    launcher.hands.move_back(order.turn_id, order.mind)
     return orders.Done()
 
 
@@ -293,7 +291,6 @@ def remove(launcher: Launcher, order: orders.Remove, _: bytes) -> orders.Done:
 
 def sweep(launcher: Launcher, order: orders.Sweep, _: bytes) -> orders.Done:
     launcher.hands.sweep(order.open_ids)
-    launcher.mover.sweep(order.open_ids)
     return orders.Done()
 
 
