@@ -89,6 +89,7 @@ class EventName(StrEnum):
     PID_MOVED_IN = "pid_moved_in"
     PID_MOVED_BACK = "pid_moved_back"
     PID_NOT_MOVED_BACK = "pid_not_moved_back"
+    LEASE_PIDS_NOT_MOVED = "lease_pids_not_moved"
 
 
 # MESSAGE_ID of each event an operator queries for (`journalctl MESSAGE_ID=...`); made
@@ -143,6 +144,7 @@ MESSAGE_IDS: Mapping[EventName, str] = {
     EventName.PID_MOVED_IN: "725caf475f8245a6879e5c9778b7d5d5",
     EventName.PID_MOVED_BACK: "a3971642a7224353a4809ece7a5cd3e2",
     EventName.PID_NOT_MOVED_BACK: "2d2cf538c9fd40719a6a48b627802978",
+    EventName.LEASE_PIDS_NOT_MOVED: "6fc253e4e325426c9b972044aaa5710f",
 }
 
 # The metadata of a field that is in the message only, not sent as a journal field.
@@ -1452,6 +1454,23 @@ class PidNotMovedBack(BaseEvent):
     def message(self) -> str:
         where = f"lease {self.turn_id} of {self.mind}"
         return f"could not move pid {self.pid} out of {where}: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeasePidsNotMoved(BaseEvent):
+    """The gate's MoveIn or MoveBack of a lease's processes failed (`error` says why,
+    `direction` which): in, the lease holds its place without them; back, its scope is
+    stopped all the same (the launcher's record keeps them for the next try)."""
+
+    LEVEL = "warning"
+    EVENT = EventName.LEASE_PIDS_NOT_MOVED
+    unit: str
+    direction: str = field(metadata=NOT_SENT)
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        moved = f"moved {self.direction}"
+        return f"the processes of lease scope {self.unit} were not {moved}: {self.error}"
 
 
 def catalog() -> list[type[BaseEvent]]:

@@ -288,6 +288,9 @@ class LocalHands:
             self._abandon(child)
             raise
         self.children[order.turn_id] = child.pid  # reaped as a turn's child is
+        # A scope this launcher started: the one scope a MoveIn of this lease may target
+        # (volutectl/launcher/moves.py); and sampled for what its processes write.
+        self.units[order.turn_id] = unit
         return Launched(child.pid, child.pidfd)
 
     @staticmethod
