@@ -12,6 +12,8 @@ a delivery (StartTurn), its command sleeping: a lease's scope is one of the same
 from __future__ import annotations
 
 import json
+import select
+import subprocess
 
 import pytest
 
@@ -229,3 +231,133 @@ def test_a_compromised_gates_move_orders_move_nothing_but_the_minds_own(
     opened = int(machine.sh(f"ls /proc/{pid}/fd | wc -l").stdout)
     assert opened < 32, opened
     assert move_in(machine, turn, mine)["moved"] == [mine]
+
+
+# -- through the gate: an acquire with pids (phase 2) ------------------------------------
+
+# A lease holder, as the user it runs as: connects to the gate, acquires a lease of
+# argv[1] with a pidfd of each pid in argv[2:] (SCM_RIGHTS with the line), then prints
+# each line the gate sends, and does what stdin says: "release" releases the lease.
+HOLDER = """
+import array, json, os, select, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect("/run/volute/gate.sock")
+fds = [os.pidfd_open(int(pid)) for pid in sys.argv[2:]]
+line = json.dumps({"v": 1, "op": "acquire", "mind": sys.argv[1], "pids": len(fds)})
+rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+s.sendmsg([line.encode() + b"\\n"], rights)
+for fd in fds:
+    os.close(fd)
+lines, buffer, token, lease = s.makefile("rb"), b"", None, None
+while True:
+    ready, _, _ = select.select([s, sys.stdin], [], [])
+    if s in ready:
+        got = lines.readline()
+        if not got:
+            break
+        reply = json.loads(got)
+        token, lease = reply.get("token", token), reply.get("lease", lease)
+        print(got.decode().strip(), flush=True)
+    if sys.stdin in ready:
+        if sys.stdin.readline().strip() == "release":
+            request = {"v": 1, "op": "release", "lease": lease, "token": token}
+            s.sendall(json.dumps(request).encode() + b"\\n")
+"""
+
+
+class Holder:
+    """A lease holder run in the machine as `user`: what the gate sent it, line by line."""
+
+    def __init__(self, machine: Machine, mind: str, *pids: int, user: str = MIND_USER) -> None:
+        argv = [PYTHON, "/var/tmp/holder.py", mind, *map(str, pids)]
+        self.proc = machine.popen(
+            ["runuser", "-u", user, "--", *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+
+    def next(self, timeout: float = 30.0) -> dict[str, object]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, "the gate sent nothing in time"
+        line = self.proc.stdout.readline()
+        assert line, "the holder's connection ended"
+        reply: dict[str, object] = json.loads(line)
+        return reply
+
+    def until(self, key: str, value: object) -> dict[str, object]:
+        while (reply := self.next()).get(key) != value:
+            pass
+        return reply
+
+    def say(self, what: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(what + "\n")
+        self.proc.stdin.flush()
+
+
+def lease_setup(machine: Machine, limits: str = "") -> None:
+    machine.run(["useradd", "-r", "-M", "-d", "/nonexistent", "-s", "/bin/sh", MIND_USER])
+    start_gate(machine, limits + CONFIG)
+    machine.run(["usermod", "-a", "-G", "volute", MIND_USER])  # the group the gate made
+    machine.write("/var/tmp/holder.py", HOLDER)
+
+
+def test_a_leases_pids_move_into_its_scope_and_back_alive_after_release(
+    machine: Machine,
+) -> None:
+    lease_setup(machine)
+    pid = runner(machine, "runner-a")
+    holder = Holder(machine, "m", pid)
+    granted = holder.until("event", "lease_granted")
+    assert granted["created"] is True and granted["pids_moved"] == 1, granted
+    scope = str(granted["unit"])
+    assert systemd_cgroup(machine, pid).endswith(f"/volute-turns.slice/{scope}")
+    holder.say("release")
+    assert holder.until("released", True)["lease"] == granted["lease"]
+    assert systemd_cgroup(machine, pid) == "/system.slice/runner-a.service"
+    assert alive(machine, pid)
+    wait_for(lambda: scope not in live_turn_scopes(machine))
+    assert alive(machine, pid)
+
+
+def test_a_holder_killed_while_holding_returns_its_pids_and_the_next_waiter_gets_the_place(
+    machine: Machine,
+) -> None:
+    lease_setup(machine, "[limits]\nglobal_concurrent_turns = 1\n")
+    pid = runner(machine, "runner-a")
+    first = Holder(machine, "m", pid)
+    granted = first.until("event", "lease_granted")
+    assert granted["pids_moved"] == 1
+    second = Holder(machine, "o")
+    assert second.next()["state"] == "waiting"
+    first.proc.kill()  # SIGKILL of runuser: the holder's connection closes with it
+    machine.run(["pkill", "-KILL", "-f", "holder.py m"], check=False)
+    next_grant = second.until("event", "lease_granted")
+    assert next_grant["created"] is True
+    assert systemd_cgroup(machine, pid) == "/system.slice/runner-a.service"
+    assert alive(machine, pid)
+
+
+def test_a_lease_whose_pids_all_exit_ends_and_foreign_pids_are_refused(
+    machine: Machine,
+) -> None:
+    lease_setup(machine)
+    machine.run(["useradd", "-r", "-M", "-G", "volute", "-s", "/bin/sh", "member"])
+    mine = runner(machine, "runner-a")
+    roots = runner(machine, "roots-own", user="root")
+    # Another member may not move the mind's processes; the mind's user may not move
+    # root's: each refused at once, naming the field.
+    other = Holder(machine, "m", mine, user="member")
+    refused = other.next()
+    assert (refused["ok"], refused["code"]) == (False, 77) and "pids" in str(refused["error"])
+    foreign = Holder(machine, "m", mine, roots)
+    refused = foreign.next()
+    assert (refused["ok"], refused["code"]) == (False, 65), refused
+    assert str(refused["error"]).startswith("pids[1]: "), refused
+    assert systemd_cgroup(machine, roots) == "/system.slice/roots-own.service"
+    holder = Holder(machine, "m", mine)
+    assert holder.until("event", "lease_granted")["pids_moved"] == 1
+    machine.run(["kill", "-KILL", str(mine)])
+    ended = holder.until("event", "lease_ended")
+    assert ended["reason"] == "pids_exited", ended
