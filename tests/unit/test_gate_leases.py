@@ -9,7 +9,7 @@ gate counts, what the fake systemd holds, and what the holder is told.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -305,7 +305,7 @@ def test_every_end_of_a_leases_scope_moves_its_processes_back_before_the_stop(
 
     hands.move_back, hands.stop = spied_move_back, spied_stop  # type: ignore[method-assign]
     try:
-        ends = {
+        ends: dict[str, Callable[[Peer, dict[str, Any]], object]] = {
             "release": lambda peer, grant: peer.request(
                 {"op": "release", "lease": grant["lease"], "token": grant["token"]}
             ),
@@ -321,8 +321,8 @@ def test_every_end_of_a_leases_scope_moves_its_processes_back_before_the_stop(
             acquire(holder, session=how)
             grant = granted(holder)
             end(holder, grant)
-            turn = grant["turn_id"]
-            harness.pump(lambda turn=turn: ("stop", turn) in asked)
+            turn: int = grant["turn_id"]
+            harness.pump(lambda: ("stop", turn) in asked)  # noqa: B023 - pumped at once
             assert asked[:2] == [("move_back", turn), ("stop", turn)], (how, asked)
             harness.pump(lambda: not harness.gate.state.turns.all())
     finally:
