@@ -17,6 +17,7 @@ import pytest
 
 from tests.unit.fake_clock import FakeClock
 from tests.unit.gate_harness import Harness, Peer
+from volutectl import faults
 from volutectl.errors import EX_DATAERR, EX_NOPERM, EX_TEMPFAIL
 from volutectl.states import HoldReason, LeaseState, QueueState, TurnKind
 
@@ -273,7 +274,27 @@ def test_a_lease_survives_a_gate_restart_and_is_claimed_or_ends_unclaimed(
         harness.close()
 
 
-def test_a_repeated_acquire_with_its_request_id_gets_the_same_lease(harness: Harness) -> None:
+def test_a_repeated_acquire_after_a_gate_restart_gets_the_same_lease_by_its_request_id(
+    harness: Harness,
+) -> None:
+    """The connection was lost with the gate (before or after the grant came): the same
+    uid's acquire with the same request_id answers the same lease, its grant again."""
+    first = harness.connect()
+    acquire(first, request_id="r1")
+    grant = granted(first)
+    harness.crash()
+    harness.restart()
+    again = harness.connect()
+    reply = acquire(again, request_id="r1")
+    assert reply == {"v": 1, "ok": True, "lease": grant["lease"], "state": "granted",
+                     "already": True}  # fmt: skip
+    assert granted(again) == grant
+    assert len(harness.gate.state.turns.all()) == 1  # one place, as before
+    other = acquire(harness.connect(), request_id="r2")
+    assert other["lease"] != grant["lease"]
+
+
+def test_a_closed_connection_s_request_id_starts_over(harness: Harness) -> None:
     first = harness.connect()
     acquire(first, request_id="r1")
     grant = granted(first)
@@ -282,3 +303,36 @@ def test_a_repeated_acquire_with_its_request_id_gets_the_same_lease(harness: Har
     again = harness.connect()
     reply = acquire(again, request_id="r1")
     assert reply["lease"] != grant["lease"]  # the first one ended with its connection
+
+
+@pytest.mark.parametrize("point", faults.LEASE_POINTS)
+def test_a_crash_at_each_step_of_a_grant_leaves_one_lease_at_most_and_no_unheld_scope(
+    tmp_path: Path, point: str
+) -> None:
+    """In-process (tests/system/test_leases.py does it with a SIGKILL): the gate dies at
+    `point`; the next one counts the lease once at most, and a scope nobody claims ends
+    after gate.lease_reclaim_seconds, freeing the place for the next acquire."""
+    clock = FakeClock()
+    harness = Harness(tmp_path, clock=clock, lease_reclaim_seconds=30)
+    try:
+        holder = harness.connect()
+        faults.arm(point)
+        with pytest.raises(faults.SimulatedCrash):
+            acquire(holder)
+            holder.reply()
+        faults.arm(None)
+        harness.crash()
+        harness.restart()
+        harness.step(0)
+        leases = harness.gate.state.leases
+        assert leases is not None
+        assert len(leases.leases) <= 1 and len(harness.gate.state.turns.all()) <= 1
+        harness.advance(31.0)
+        harness.pump(lambda: not harness.gate.state.turns.all())
+        assert not leases.leases and harness.gate.state.store.leases.open() == []
+        after = harness.connect()
+        acquire(after)
+        assert granted(after)["created"] is True
+    finally:
+        faults.arm(None)
+        harness.close()

@@ -129,6 +129,8 @@ class Leases:
         for client, event in out:
             if not client.closed:
                 self._send(client, event)
+                if isinstance(event, LeaseGranted):
+                    crash_point("lease_replied")
 
     # -- what admission sees -------------------------------------------------------------
 
@@ -146,9 +148,14 @@ class Leases:
             if lease is not None and lease.state is LeaseState.WAITING:
                 if lease.reason is None or lease.reason != reason:
                     self.journal.emit(
-                        events.LeaseHeld(lease=lease.id, mind=lease.mind, session=lease.session,
-                                         uid=lease.uid, reason=reason)
-                    )  # fmt: skip
+                        events.LeaseHeld(
+                            lease=lease.id,
+                            mind=lease.mind,
+                            session=lease.session,
+                            uid=lease.uid,
+                            reason=reason,
+                        )
+                    )
                 lease.reason = reason
 
     def status(self) -> tuple[LeaseStatus, ...]:
@@ -252,8 +259,7 @@ class Leases:
         turn = self.turns.start_lease(turn_id, lease.mind, lease.session, now)
         if not self.turns.holds(turn):
             return  # its start failed: turn_freed has ended it and told its holder
-        self._tell_granted(lease)
-        crash_point("lease_replied")
+        self._tell_granted(lease)  # sent by `flush`, after the pass's replies
 
     @staticmethod
     def turns_unit(mind: str, turn_id: int) -> str:
@@ -371,10 +377,14 @@ class Leases:
                 self.send(lease.client, LeaseEnded(lease.id, reason))
         self.journal.emit(
             events.LeaseEnded(
-                lease=lease.id, mind=lease.mind, session=lease.session, uid=lease.uid,
-                turn_id=lease.turn_id, reason=reason,
+                lease=lease.id,
+                mind=lease.mind,
+                session=lease.session,
+                uid=lease.uid,
+                turn_id=lease.turn_id,
+                reason=reason,
             )
-        )  # fmt: skip
+        )
         if lease.state is LeaseState.WAITING or lease.turn_id is None:
             self.wake()
             return
@@ -432,10 +442,14 @@ class Leases:
             self.send(lease.client, LeaseEnded(lease.id, reason))
         self.journal.emit(
             events.LeaseEnded(
-                lease=lease.id, mind=lease.mind, session=lease.session, uid=lease.uid,
-                turn_id=lease.turn_id, reason=reason,
+                lease=lease.id,
+                mind=lease.mind,
+                session=lease.session,
+                uid=lease.uid,
+                turn_id=lease.turn_id,
+                reason=reason,
             )
-        )  # fmt: skip
+        )
 
     # -- across a restart -----------------------------------------------------------------
 
