@@ -8,7 +8,6 @@ gate counts, what the fake systemd holds, and what the holder is told.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.unit.fake_clock import FakeClock
-from tests.unit.gate_harness import Harness, Peer
+from tests.unit.gate_harness import Harness, Peer, connect_as
 from volutectl import faults
 from volutectl.errors import EX_DATAERR, EX_NOPERM, EX_TEMPFAIL
 from volutectl.states import HoldReason, LeaseState, QueueState, TurnKind
@@ -189,19 +188,30 @@ def test_an_acquire_with_pids_is_refused_naming_the_field(harness: Harness) -> N
     assert reply["error"].startswith("pids:")
 
 
-def test_the_per_uid_bound_refuses_past_it(tmp_path: Path) -> None:
+MEMBER = 65534  # a uid other than root (nobody)
+
+
+def test_the_per_uid_bound_refuses_past_it_and_another_uids_lease_is_refused(
+    tmp_path: Path,
+) -> None:
     harness = Harness(tmp_path, max_leases_per_uid=2)
     try:
-        peer = harness.connect()
-        uid = os.getuid()
-        for session in ("a", "b"):
-            acquire(peer, session=session)
-        reply = peer.request({"op": "acquire", "mind": "mimsy", "session": "c"})
-        if uid == 0:  # root is unbounded
-            assert reply["ok"] is True
-        else:
-            assert reply["ok"] is False and reply["code"] == EX_TEMPFAIL
-            assert "gate.max_leases_per_uid" in reply["error"]
+        member = connect_as(harness, MEMBER)
+        acquire(member, session="a")
+        grant = granted(member)
+        acquire(member, session="b")  # waits (mimsy's limit): held and awaited both count
+        reply = member.request({"op": "acquire", "mind": "mimsy", "session": "c"})
+        assert reply["ok"] is False and reply["code"] == EX_TEMPFAIL
+        assert "gate.max_leases_per_uid" in reply["error"]
+        root = harness.connect()  # root has no bound
+        for session in ("d", "e", "f"):
+            acquire(root, session=session)
+        other = connect_as(harness, MEMBER - 1)
+        taken = other.request({"op": "release", "lease": grant["lease"], "token": grant["token"]})
+        assert taken["ok"] is False and taken["code"] == EX_NOPERM
+        assert taken["error"].startswith("lease:")
+        ended = root.request({"op": "release", "lease": grant["lease"], "token": grant["token"]})
+        assert ended["ok"] is True  # root may
     finally:
         harness.close()
 
@@ -210,6 +220,8 @@ def test_an_admin_ends_a_lease_and_its_holder_is_told(harness: Harness) -> None:
     holder = harness.connect()
     acquire(holder)
     grant = granted(holder)
+    member = connect_as(harness, MEMBER).request({"op": "end_lease", "lease": grant["lease"]})
+    assert member["ok"] is False and member["code"] == EX_NOPERM
     reply = harness.connect().request({"op": "end_lease", "lease": grant["lease"]})
     assert reply == {"v": 1, "ok": True, "lease": grant["lease"], "ended": True}
     assert holder.reply() == {
