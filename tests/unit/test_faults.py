@@ -52,8 +52,8 @@ def test_unarmed_points_do_nothing(tmp_path: Path) -> None:
         text=True,
         timeout=60,
     )
-    points = faults.POINTS + faults.FAILED_START_POINTS + faults.LEASE_POINTS
-    points += faults.STORAGE_POINTS
+    turns = faults.POINTS + faults.FAILED_START_POINTS
+    points = turns + faults.LEASE_POINTS + faults.STORAGE_POINTS
     assert (result.returncode, result.stdout) == (0, f"passed {len(points)}\n"), result.stderr
     assert not once.exists()
     faults.arm("forked")
