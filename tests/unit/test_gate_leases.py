@@ -94,7 +94,7 @@ def test_a_waiting_acquire_keeps_its_place_among_deliveries_and_the_cap_is_share
     tmp_path: Path,
 ) -> None:
     harness = Harness(
-        tmp_path, limits={"global_concurrent_turns": 1}, minds={"a": "sleep 0.3", "b": "true"}
+        tmp_path, limits={"global_concurrent_turns": 1}, minds={"a": "sleep 3", "b": "true"}
     )
     try:
         first = harness.deliver_ok(mind="a")  # runs, holds the one place
@@ -108,7 +108,7 @@ def test_a_waiting_acquire_keeps_its_place_among_deliveries_and_the_cap_is_share
         status = harness.connect().request({"op": "status"})
         [shown] = status["status"]["leases"]
         assert shown["state"] == "waiting" and shown["reason"] == "global_cap"
-        grant = granted(holder)  # once the turn of `a` ended: before `after`
+        grant = granted(holder)  # once the turn of `a` ended (3 s): before `after`
         assert harness.gate.state.store.row(first).state is QueueState.DONE  # type: ignore[union-attr]
         row = harness.gate.state.store.row(after)
         assert row is not None and row.state is QueueState.PENDING
