@@ -348,3 +348,16 @@ def test_a_crash_at_each_step_of_a_grant_leaves_one_lease_at_most_and_no_unheld_
     finally:
         faults.arm(None)
         harness.close()
+
+
+def test_an_acquire_after_a_release_waits_for_the_scope_to_go_rather_than_join_it(
+    harness: Harness,
+) -> None:
+    first = harness.connect()
+    acquire(first)
+    grant = granted(first)
+    first.request({"op": "release", "lease": grant["lease"], "token": grant["token"]})
+    second = harness.connect()
+    acquire(second)
+    again = granted(second)
+    assert again["created"] is True and again["turn_id"] != grant["turn_id"]

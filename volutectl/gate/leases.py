@@ -227,9 +227,12 @@ class Leases:
         client.leases.add(lease.id)
 
     def _running(self, mind: str, session: str) -> Turn | None:
-        """The oldest turn or lease's scope the gate holds for (mind, session), if any."""
+        """The oldest turn or lease's scope the gate holds for (mind, session) that is not
+        being stopped, if any: one whose lease ended waits to be freed, and an acquire
+        then waits for it (`mind_busy`) rather than join what is going."""
         for turn in self.turns.all():
-            if (turn.mind, turn.session) == (mind, session):
+            going = turn.lease_end is not None or turn.timed_out_at is not None
+            if (turn.mind, turn.session) == (mind, session) and not going:
                 return turn
         return None
 
