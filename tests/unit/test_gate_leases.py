@@ -8,6 +8,7 @@ gate counts, what the fake systemd holds, and what the holder is told.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -353,11 +354,14 @@ def test_a_crash_at_each_step_of_a_grant_leaves_one_lease_at_most_and_no_unheld_
 def test_an_acquire_after_a_release_waits_for_the_scope_to_go_rather_than_join_it(
     harness: Harness,
 ) -> None:
-    first = harness.connect()
+    first, second = harness.connect(), harness.connect()
     acquire(first)
     grant = granted(first)
-    first.request({"op": "release", "lease": grant["lease"], "token": grant["token"]})
-    second = harness.connect()
-    acquire(second)
+    # Both in one pass: the release stops the scope, which is not gone yet.
+    release = {"v": 1, "op": "release", "lease": grant["lease"], "token": grant["token"]}
+    first.send(json.dumps(release).encode() + b"\n")
+    second.send(json.dumps({"v": 1, "op": "acquire", "mind": "mimsy"}).encode() + b"\n")
+    assert first.reply()["released"] is True
+    assert second.reply()["state"] == "waiting"
     again = granted(second)
     assert again["created"] is True and again["turn_id"] != grant["turn_id"]
