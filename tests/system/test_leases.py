@@ -195,6 +195,7 @@ def test_leases_and_command_turns_share_the_cap(machine: Machine) -> None:
     seen = sampler.stop()
     for holder in holders:
         holder.end()
+    print("sampled:", json.dumps({k: seen[k] for k in ("samples", "gaps", "max_turns")}))
     assert seen["samples"] > 100
     assert seen["max_turns"] <= 2, seen["worst"]
     assert {row["state"] for row in queue_rows(machine, "done")} == {"done"}
