@@ -9,7 +9,7 @@ gate counts, what the fake systemd holds, and what the holder is told.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,9 @@ import pytest
 from tests.unit.fake_clock import FakeClock
 from tests.unit.gate_harness import Harness, Peer, connect_as
 from volutectl import faults
+from volutectl.core.iocost import PROBATION_SECONDS
 from volutectl.errors import EX_DATAERR, EX_NOPERM, EX_TEMPFAIL
+from volutectl.kernel.written import Written
 from volutectl.states import HoldReason, LeaseState, QueueState, TurnKind
 
 
@@ -365,3 +367,34 @@ def test_an_acquire_after_a_release_waits_for_the_scope_to_go_rather_than_join_i
     assert second.reply()["state"] == "waiting"
     again = granted(second)
     assert again["created"] is True and again["turn_id"] != grant["turn_id"]
+
+
+def test_a_leases_io_cost_is_learnt_for_its_mind_from_what_its_scope_wrote(
+    tmp_path: Path,
+) -> None:
+    """As a turn's: its scope is sampled while it runs (the daemon's processes write
+    there), and what it had written at its last sample is its mind's cost once it ends."""
+    config = {"start": 2, "minimum": 1, "maximum": 4, "interval_seconds": 10.0}
+    harness = Harness(tmp_path, limits={"adaptive": config}, clock=FakeClock())
+    try:
+        adaptive = harness.gate.state.adaptive
+        assert adaptive is not None
+        hands = harness.gate.state.turns.hands
+        asked: list[list[int]] = []
+
+        def sample(turn_ids: Sequence[int]) -> dict[int, Written]:
+            asked.append(list(turn_ids))
+            return {turn_id: Written(64 << 20, False) for turn_id in turn_ids}
+
+        hands.sample = sample  # type: ignore[method-assign]
+        holder = harness.connect()
+        acquire(holder)
+        grant = granted(holder)
+        before = dict(adaptive.costs())
+        harness.advance(PROBATION_SECONDS + 0.1)
+        assert [grant["turn_id"]] in asked  # the lease's scope is sampled
+        holder.request({"op": "release", "lease": grant["lease"], "token": grant["token"]})
+        harness.pump(lambda: not harness.gate.state.turns.all())
+        assert "mimsy" not in before and "mimsy" in adaptive.costs()  # learnt
+    finally:
+        harness.close()

@@ -254,6 +254,7 @@ class Gate:
             self.reactor.watch(adaptive.probe.fileno(), adaptive.on_probe_done)
         self.state.adaptive = adaptive
         self.state.turns.on_written = adaptive.learn_cost
+        self.state.turns.sampled_written = adaptive.sampled_written
 
     def _starting(self) -> None:
         """Still busy starting (retention's first pass over an old database)."""

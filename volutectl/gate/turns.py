@@ -114,6 +114,8 @@ class Turns:
         self.ask = ask
         # Told what each ended turn wrote, by mind (the adaptive limit's IO costs).
         self.on_written: Callable[[str, int], None] | None = None
+        # What a running turn's scope had written at its last sample (a lease's cost).
+        self.sampled_written: Callable[[int], int | None] = lambda turn_id: None
         # Told when a turn frees its place, however it ended: the leases on it end
         # (volutectl/gate/leases.py).
         self.on_freed: Callable[[Turn], None] = lambda turn: None
@@ -647,6 +649,9 @@ class Turns:
     def finish(self, turn: Turn) -> None:
         """Nothing of the turn runs any more: settle its deliveries and free its place."""
         if turn.lease:  # no deliveries, no directory: its leases end as it frees
+            written = self.sampled_written(turn.id)  # what its scope wrote: its mind's cost
+            if written is not None and self.on_written is not None:
+                self.on_written(turn.mind, written)
             self.apply(turn, lifecycle.Ended(Outcome.OK))
             return
         now = self.clock.wall()

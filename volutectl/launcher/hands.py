@@ -260,6 +260,7 @@ class LocalHands:
             self._abandon(child)
             raise
         self.children[order.turn_id] = child.pid  # reaped as a turn's child is
+        self.units[order.turn_id] = unit  # sampled: what its scope writes is its cost
         return Launched(child.pid, child.pidfd)
 
     @staticmethod
