@@ -17,9 +17,9 @@ import pytest
 
 from tests.unit.fake_clock import FakeClock
 from tests.unit.gate_harness import Harness, Peer, connect_as
-from volutectl import faults
+from volutectl import events, faults
 from volutectl.core.iocost import PROBATION_SECONDS
-from volutectl.errors import EX_DATAERR, EX_NOPERM, EX_TEMPFAIL
+from volutectl.errors import EX_DATAERR, EX_NOPERM, EX_TEMPFAIL, VoluteError
 from volutectl.kernel.written import Written
 from volutectl.states import HoldReason, LeaseState, QueueState, TurnKind
 
@@ -396,5 +396,35 @@ def test_a_leases_io_cost_is_learnt_for_its_mind_from_what_its_scope_wrote(
         holder.request({"op": "release", "lease": grant["lease"], "token": grant["token"]})
         harness.pump(lambda: not harness.gate.state.turns.all())
         assert "mimsy" not in before and "mimsy" in adaptive.costs()  # learnt
+    finally:
+        harness.close()
+
+
+def test_a_stop_the_launcher_refuses_is_tried_again_until_the_scope_goes(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    harness = Harness(tmp_path, clock=clock)
+    try:
+        holder = harness.connect()
+        acquire(holder)
+        grant = granted(holder)
+        hands = harness.gate.state.turns.hands
+        stop = hands.stop
+        refusals: list[int] = []
+
+        def refuse(turn_id: int, mind: str) -> None:
+            refusals.append(turn_id)
+            raise VoluteError("the launcher does not answer")
+
+        hands.stop = refuse  # type: ignore[method-assign]
+        holder.request({"op": "release", "lease": grant["lease"], "token": grant["token"]})
+        assert refusals == [grant["turn_id"]]
+        harness.advance(1.5)
+        assert len(refusals) == 2  # tried again a second later
+        assert len(harness.journal.of(events.ScopeStopFailed)) == 1  # said once
+        hands.stop = stop  # type: ignore[method-assign]
+        harness.advance(1.5)
+        harness.pump(lambda: not harness.gate.state.turns.all())
     finally:
         harness.close()

@@ -27,7 +27,7 @@ import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from volutectl import events
+from volutectl import events, names
 from volutectl.clock import SYSTEM, Clock
 from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings
@@ -51,6 +51,8 @@ from volutectl.wire.messages import (
     ReleaseReply,
     Reply,
 )
+
+STOP_RETRY_SECONDS = 1.0  # an ended lease's scope the launcher could not stop: again then
 
 
 @dataclass(eq=False)
@@ -113,6 +115,8 @@ class Leases:
         self.clock = clock
         self.leases: dict[int, Lease] = {}
         self.stopping = False  # the gate is going: its clients close, its leases stay
+        self.unstopped: set[int] = set()  # scopes of ended leases whose stop failed
+        self.stop_retry: float | None = None  # monotonic: when to try those again
         self.next_id = store.leases.last_id() + 1
         turns.on_freed = self.turn_freed
 
@@ -252,23 +256,17 @@ class Leases:
         max_runtime = self.settings.max_runtime(lease.mind)
         turn_id = self.store.leases.grant(
             self._row(lease, turn_id=0, created=True, now=now),
-            unit_for=lambda tid: self.turns_unit(lease.mind, tid),
+            unit_for=lambda tid: names.turn_scope_name(lease.mind, tid),
             deadline=now + max_runtime if max_runtime else None,
         )
         crash_point("lease_committed")
         lease.turn_id, lease.created, lease.since = turn_id, True, now
-        lease.unit = self.turns_unit(lease.mind, turn_id)
+        lease.unit = names.turn_scope_name(lease.mind, turn_id)
         lease.state, lease.reason = LeaseState.HELD, None
         turn = self.turns.start_lease(turn_id, lease.mind, lease.session, now)
         if not self.turns.holds(turn):
             return  # its start failed: turn_freed has ended it and told its holder
         self._tell_granted(lease)  # sent by `flush`, after the pass's replies
-
-    @staticmethod
-    def turns_unit(mind: str, turn_id: int) -> str:
-        from volutectl import names
-
-        return names.turn_scope_name(mind, turn_id)
 
     def _row(self, lease: Lease, *, turn_id: int, created: bool, now: float) -> LeaseRow:
         assert lease.token is not None
@@ -403,10 +401,27 @@ class Leases:
             self._stop(turn)
 
     def _stop(self, turn: Turn) -> None:
+        """Stop an ended lease's scope; one the launcher could not stop now is tried
+        again at each admission pass (`stop_owed`) until it stops or is gone."""
         try:
             self.turns.hands.stop(turn.id, turn.mind)
         except VoluteError as error:
-            self.journal.emit(events.ScopeStopFailed(unit=turn.unit, error=error.message))
+            if turn.id not in self.unstopped:
+                self.journal.emit(events.ScopeStopFailed(unit=turn.unit, error=error.message))
+            self.unstopped.add(turn.id)
+            self.stop_retry = self.clock.monotonic() + STOP_RETRY_SECONDS
+        else:
+            self.unstopped.discard(turn.id)
+
+    def stop_owed(self) -> None:
+        """Try again the stops that failed (the launcher was away)."""
+        self.stop_retry = None
+        for turn_id in sorted(self.unstopped):
+            turn = self.turns.get(turn_id)
+            if turn is None:
+                self.unstopped.discard(turn_id)
+            else:
+                self._stop(turn)
 
     def turn_freed(self, turn: Turn) -> None:
         """A turn's scope freed its place (`Turns.on_freed`): every lease still open on it
@@ -487,10 +502,15 @@ class Leases:
                 self._stop(turn)
 
     def deadline(self) -> float | None:
+        """The next reclaim window's end, or a failed stop's retry (monotonic)."""
         times = [x.reclaim_until for x in self.leases.values() if x.reclaim_until is not None]
+        if self.stop_retry is not None:
+            times.append(self.stop_retry)
         return min(times, default=None)
 
     def on_deadline(self, now: float) -> None:
+        if self.stop_retry is not None and now >= self.stop_retry:
+            self.stop_owed()
         for lease in list(self.leases.values()):
             if lease.reclaim_until is not None and now >= lease.reclaim_until:
                 self._end(lease, LeaseEnd.RECLAIM_EXPIRED, tell=False)

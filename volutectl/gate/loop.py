@@ -495,7 +495,7 @@ class Gate:
 
     def _on_reclaim_deadline(self, now: float) -> None:
         assert self.state.leases is not None
-        self._guarded("a lease's reclaim window", self.state.leases.on_deadline, now)
+        self._guarded("a lease's reclaim window or stop", self.state.leases.on_deadline, now)
 
     def _turn_deadline(self) -> float | None:
         """A turn's time limit (stored on the wall clock), or a question to systemd due."""
