@@ -8,7 +8,13 @@ gate counts, what the fake systemd holds, and what the holder is told.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import pwd
+import select
+import signal
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +27,7 @@ from volutectl import events, faults
 from volutectl.core.iocost import PROBATION_SECONDS
 from volutectl.errors import EX_DATAERR, EX_NOPERM, EX_TEMPFAIL, VoluteError
 from volutectl.kernel.written import Written
+from volutectl.launcher import fork
 from volutectl.states import HoldReason, LeaseState, QueueState, TurnKind
 
 
@@ -474,3 +481,23 @@ def test_every_end_of_a_leases_scope_moves_its_processes_back_before_the_stop(
             harness.pump(lambda: not harness.gate.state.turns.all(), timeout=60)
     finally:
         harness.close()
+
+
+def test_a_stop_that_comes_before_the_placeholder_execs_ends_it() -> None:
+    """A holder that releases at once: its scope's SIGTERM may reach the placeholder
+    between its release and its exec. It is kept (blocked, not ignored) and ends it."""
+    account = fork.resolve_account(pwd.getpwuid(os.getuid()).pw_name)
+    child = fork.fork_placeholder(account)
+    try:
+        time.sleep(0.5)  # it waits for its release now, its stop signals held
+        os.kill(child.pid, signal.SIGTERM)
+        child.release()
+        ready, _, _ = select.select([child.pidfd], [], [], 10.0)
+        assert ready, "the placeholder outlived the stop"
+        _, status = os.waitpid(child.pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(child.pid, signal.SIGKILL)
+            os.waitpid(child.pid, 0)
+        os.close(child.pidfd)

@@ -416,7 +416,13 @@ def fork_placeholder(account: Account) -> Child:
 
 
 def _placeholder(release_fd: int, account: Account) -> None:  # pragma: no cover - the child
+    """The placeholder's side. Unlike a turn's child, its stop signals are held, not
+    ignored, from here on: a stop of its scope that comes between the release and the
+    exec (the holder released at once) is kept, and ends it as it unblocks them, rather
+    than lost with the scope left holding it until systemd's SIGKILL."""
     _reset_inherited_state()
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    _ready_to_exec()  # default dispositions, still blocked: a stop waits, pending
     release = fcntl.fcntl(release_fd, fcntl.F_DUPFD_CLOEXEC, STATUS_FD + 1)
     null = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
@@ -428,5 +434,5 @@ def _placeholder(release_fd: int, account: Account) -> None:  # pragma: no cover
     if os.read(release, 1) != RELEASE:
         os._exit(0)
     _become(account)
-    _ready_to_exec()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a stop pending ends it here
     os.execve(SLEEP, PLACEHOLDER, {"PATH": TURN_PATH})
