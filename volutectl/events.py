@@ -82,6 +82,14 @@ class EventName(StrEnum):
     GATE_CONFIG_RELOADED = "gate_config_reloaded"
     GATE_CONFIG_REFUSED = "gate_config_refused"
     INTERRUPT_REFUSED = "interrupt_refused"
+    LEASE_HELD = "lease_held"
+    LEASE_GRANTED = "lease_granted"
+    LEASE_ENDED = "lease_ended"
+    LEASE_CLAIMED = "lease_claimed"
+    PID_MOVED_IN = "pid_moved_in"
+    PID_MOVED_BACK = "pid_moved_back"
+    PID_NOT_MOVED_BACK = "pid_not_moved_back"
+    LEASE_PIDS_NOT_MOVED = "lease_pids_not_moved"
 
 
 # MESSAGE_ID of each event an operator queries for (`journalctl MESSAGE_ID=...`); made
@@ -129,6 +137,14 @@ MESSAGE_IDS: Mapping[EventName, str] = {
     EventName.GATE_CONFIG_RELOADED: "7a53a0c8111c46e1a178729271413029",
     EventName.GATE_CONFIG_REFUSED: "78306785c64d4ed6ae6b1470f5d3779c",
     EventName.INTERRUPT_REFUSED: "6a72d6ba8e124c758585b89bb4872da1",
+    EventName.LEASE_HELD: "379d0888d34446198d0447637d6625b6",
+    EventName.LEASE_GRANTED: "856014ff32a74d7793a995d1c02368f2",
+    EventName.LEASE_ENDED: "a143fea4f53a42869b51e853f959f011",
+    EventName.LEASE_CLAIMED: "d72358b4d703489d91761465088c5681",
+    EventName.PID_MOVED_IN: "725caf475f8245a6879e5c9778b7d5d5",
+    EventName.PID_MOVED_BACK: "a3971642a7224353a4809ece7a5cd3e2",
+    EventName.PID_NOT_MOVED_BACK: "2d2cf538c9fd40719a6a48b627802978",
+    EventName.LEASE_PIDS_NOT_MOVED: "6fc253e4e325426c9b972044aaa5710f",
 }
 
 # The metadata of a field that is in the message only, not sent as a journal field.
@@ -1395,6 +1411,68 @@ class TrashLeft(BaseEvent):
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class PidMovedIn(BaseEvent):
+    """The launcher moved a lease's process (`pid`) from `unit` into the lease's scope."""
+
+    EVENT = EventName.PID_MOVED_IN
+    mind: str = field(metadata=NOT_SENT)
+    turn_id: int
+    pid: int
+    unit: str
+
+    def message(self) -> str:
+        return f"moved pid {self.pid} of {self.mind} from {self.unit} into lease {self.turn_id}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PidMovedBack(BaseEvent):
+    """A lease's process went back: to the unit it came from, or the fallback scope."""
+
+    EVENT = EventName.PID_MOVED_BACK
+    mind: str = field(metadata=NOT_SENT)
+    turn_id: int
+    pid: int
+    unit: str
+
+    def message(self) -> str:
+        return f"moved pid {self.pid} of {self.mind} back from lease {self.turn_id} to {self.unit}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PidNotMovedBack(BaseEvent):
+    """A lease's process could go neither to its unit nor to the fallback: it is still
+    in the lease's scope, and its record is kept for the next MoveBack."""
+
+    LEVEL = "error"
+    EVENT = EventName.PID_NOT_MOVED_BACK
+    mind: str = field(metadata=NOT_SENT)
+    turn_id: int
+    pid: int
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        where = f"lease {self.turn_id} of {self.mind}"
+        return f"could not move pid {self.pid} out of {where}: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeasePidsNotMoved(BaseEvent):
+    """The gate's MoveIn or MoveBack of a lease's processes failed (`error` says why,
+    `direction` which): in, the lease holds its place without them; back, its scope is
+    stopped all the same (the launcher's record keeps them for the next try)."""
+
+    LEVEL = "warning"
+    EVENT = EventName.LEASE_PIDS_NOT_MOVED
+    unit: str
+    direction: str = field(metadata=NOT_SENT)
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        moved = f"moved {self.direction}"
+        return f"the processes of lease scope {self.unit} were not {moved}: {self.error}"
+
+
 def catalog() -> list[type[BaseEvent]]:
     """Every concrete event type (the ones with a message of their own)."""
     found: list[type[BaseEvent]] = []
@@ -1405,3 +1483,69 @@ def catalog() -> list[type[BaseEvent]]:
         if cls not in (BaseEvent, DeliveryEvent, TurnEvent):
             found.append(cls)
     return found
+
+
+# -- leases (issue 31) -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseEvent(BaseEvent):
+    """About one lease: "lease <id> of <mind>/<session> (uid <uid>) <text>"."""
+
+    lease: int
+    mind: str
+    session: str
+    uid: int
+
+    def text(self) -> str:
+        raise NotImplementedError
+
+    def message(self) -> str:
+        return f"lease {self.lease} of {self.mind}/{self.session} (uid {self.uid}) {self.text()}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseHeld(LeaseEvent):
+    """An acquire waits for a place, or its hold reason changes."""
+
+    EVENT = EventName.LEASE_HELD
+    reason: HoldReason
+
+    def text(self) -> str:
+        return f"waits: {self.reason}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseGranted(LeaseEvent):
+    """A lease is granted: it created its turn's scope, or joined a running turn."""
+
+    EVENT = EventName.LEASE_GRANTED
+    turn_id: int
+    unit: str
+    created: bool
+
+    def text(self) -> str:
+        how = "in a new scope" if self.created else "joining a running turn"
+        return f"granted {how}: {self.unit}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseEnded(LeaseEvent):
+    """A lease ended (or a waiting acquire went), and why (`states.LeaseEnd`)."""
+
+    EVENT = EventName.LEASE_ENDED
+    turn_id: int | None
+    reason: str
+
+    def text(self) -> str:
+        return f"ended: {self.reason}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseClaimed(LeaseEvent):
+    """A lease granted before the gate restarted was claimed again by its holder."""
+
+    EVENT = EventName.LEASE_CLAIMED
+
+    def text(self) -> str:
+        return "claimed again after the gate restarted"

@@ -44,6 +44,13 @@ FAILED_START_POINTS = (
 TIMEOUT_POINTS = (
     "timeout_recorded",  # the timeout noted in the store; the scope not yet stopped
 )
+# A lease's grant (issue 31), in the gate: each step of it, in order.
+LEASE_POINTS = (
+    "lease_committed",  # the grant committed (its turn row and lease row); no scope yet
+    "lease_scope_started",  # the launcher started its scope; the release not yet recorded
+    "lease_pids_moved",  # its processes moved into its scope; the holder not yet told
+    "lease_replied",  # the holder was sent its grant
+)
 # The queue's upkeep, outside any turn (volutectl/store/retention.py,
 # volutectl/store/schema.py).
 STORAGE_POINTS = (
@@ -51,7 +58,7 @@ STORAGE_POINTS = (
     "vacuuming",  # inside the VACUUM that makes the database incremental
 )
 
-EVERY_POINT = POINTS + FAILED_START_POINTS + TIMEOUT_POINTS + STORAGE_POINTS
+EVERY_POINT = POINTS + FAILED_START_POINTS + TIMEOUT_POINTS + LEASE_POINTS + STORAGE_POINTS
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 

@@ -17,9 +17,10 @@ import pytest
 from tests.unit.retention_child import run_child
 from volutectl.core import admission
 from volutectl.errors import UnavailableError
-from volutectl.states import Outcome
+from volutectl.states import Outcome, TurnKind
 from volutectl.store import schema as queue_schema
 from volutectl.store.indexed import IndexedStore
+from volutectl.store.leases import LeaseRow
 from volutectl.store.queue import AlreadyQueued, NewDelivery, RequestIdReused, Store
 from volutectl.store.quotas import Usage
 from volutectl.store.schema import (
@@ -212,7 +213,7 @@ def test_a_schema_3_database_is_upgraded_with_every_row_kept_and_then_made_incre
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 9
+        assert store.schema_version() == SCHEMA_VERSION == 10
         assert not is_incremental(store.db)  # the migration itself never VACUUMs
         assert same_rows(table_rows(path), before)
         outcome = enable_incremental_vacuum(store.db, path)
@@ -331,7 +332,7 @@ def test_a_schema_4_database_gets_the_last_turn_index_and_status_uses_it(
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 9
+        assert store.schema_version() == SCHEMA_VERSION == 10
         assert "index turns_mind_ended" in schema(path)
         assert "index turns_ended" in schema(path)  # retention's, kept
         plan = " ".join(
@@ -377,7 +378,7 @@ def test_a_schema_5_database_keeps_its_rows_and_indexes_only_rows_with_a_turn(
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 9
+        assert store.schema_version() == SCHEMA_VERSION == 10
         assert "WHERE turn_id IS NOT NULL" in index_sql(path, "deliveries_turn")
         for query in (
             "SELECT id FROM deliveries WHERE turn_id = ? AND state = 'running'",
@@ -429,7 +430,7 @@ def test_a_schema_6_database_gets_a_uid_column_and_its_rows_count_against_nobody
     assert ("uid", "INTEGER", 0, None, 0) not in schema(path)["table deliveries"]
     store = IndexedStore(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 9
+        assert store.schema_version() == SCHEMA_VERSION == 10
         assert ("uid", "INTEGER", 0, None, 0) in schema(path)["table deliveries"]
         counted = "SELECT COUNT(*) FROM deliveries WHERE uid IS NOT NULL"
         assert store.db.execute(counted).fetchone() == (0,)
@@ -463,7 +464,7 @@ def test_a_schema_7_database_keeps_request_ids_unique_per_sender_uid(tmp_path: P
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 9
+        assert store.schema_version() == SCHEMA_VERSION == 10
         nightly = [
             NewDelivery("mimsy", "main", b"backup", request_id="nightly-1", uid=uid)
             for uid in (1000, 1001, 1000)
@@ -503,7 +504,7 @@ def test_a_schema_8_database_gets_who_may_interrupt_and_an_interrupted_turn_sett
     assert not any(column[0] in ("admin", "cut") for column in columns)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 9
+        assert store.schema_version() == SCHEMA_VERSION == 10
         columns = schema(path)["table deliveries"]
         assert ("admin", "INTEGER", 1, "0", 0) in columns
         assert ("cut", "INTEGER", 1, "0", 0) in columns
@@ -523,4 +524,42 @@ def test_a_schema_8_database_gets_who_may_interrupt_and_an_interrupted_turn_sett
         store.close()
     after = table_rows(path)
     after["deliveries"] = [row for row in after["deliveries"] if row[0] != new]
+    assert same_rows(after, before)
+
+
+def test_a_schema_9_database_gets_lease_turns_and_a_leases_table_and_keeps_its_turns(
+    tmp_path: Path,
+) -> None:
+    """The leases step (10, issue 31): each turn row gets a kind, 'turn' for every turn
+    from before; a `leases` table holds grants. An open turn of before is still a command
+    turn after it, and a lease granted on the upgraded database is a turn of kind 'lease'."""
+    path = v3_database(tmp_path / "queue.sqlite3")
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("BEGIN")
+    for version in (3, 4, 5, 6, 7, 8):
+        for statement in statements(MIGRATIONS[version]):
+            db.execute(statement)
+    db.execute("PRAGMA user_version = 9")
+    db.execute("COMMIT")
+    db.close()
+    before = table_rows(path)
+    assert not any(column[0] == "kind" for column in schema(path)["table turns"])
+    assert "table leases" not in schema(path)
+    store = Store(path)
+    try:
+        assert store.schema_version() == SCHEMA_VERSION == 10
+        assert ("kind", "TEXT", 1, "'turn'", 0) in schema(path)["table turns"]
+        assert "table leases" in schema(path)
+        assert store.open_turns() and all(t.kind is TurnKind.TURN for t in store.open_turns())
+        assert store.leases.open() == [] and store.leases.last_id() == 0
+        lease = LeaseRow(1, 0, "mimsy", "main", 1001, "ab" * 16, None, True, 5.0)
+        turn_id = store.leases.grant(lease, unit_for=lambda tid: f"volute-turn-mimsy-{tid}.scope")
+        turn = store.turn(turn_id)
+        assert turn is not None and turn.kind is TurnKind.LEASE
+        assert [row.turn_id for row in store.leases.open()] == [turn_id]
+    finally:
+        store.close()
+    after = table_rows(path)
+    after["turns"] = [row for row in after["turns"] if row[0] != turn_id]
+    after.pop("leases", None)
     assert same_rows(after, before)

@@ -4,10 +4,11 @@ idle ones counted rather than listed, then the totals, in the one duration forma
 from __future__ import annotations
 
 from volutectl.cli.statusview import format_status, table
-from volutectl.states import AdaptiveMode, Outcome
+from volutectl.states import AdaptiveMode, HoldReason, LeaseState, Outcome
 from volutectl.wire.messages import (
     AdaptiveStatus,
     ConfigStatus,
+    LeaseStatus,
     MindStatus,
     PausedMind,
     PressureStatus,
@@ -218,3 +219,24 @@ def test_others_control_characters_reach_no_line_of_the_status() -> None:
     )
     # The newline in the path made no line of its own: every line is one the view wrote.
     assert not [line for line in lines if line.startswith("queue: 0 pending")]
+
+
+def test_leases_are_listed_with_their_state_and_reason() -> None:
+    """Issue 31: each lease, waiting with its reason, held, joined, or to be claimed."""
+    leases = (
+        LeaseStatus(7, "pip", "main", 1001, LeaseState.HELD, None, 12, "volute-turn-pip-12.scope",
+                    True, 0, NOW - 12.0),
+        LeaseStatus(8, "pip", "main", 1002, LeaseState.HELD, None, 12, "volute-turn-pip-12.scope",
+                    False, 0, NOW - 2.0),
+        LeaseStatus(9, "whorl", "main", 1001, LeaseState.WAITING, HoldReason.GLOBAL_CAP,
+                    since=NOW - 3.0),
+        LeaseStatus(10, "pip", "s2", 0, LeaseState.RECLAIM, None, 13, "volute-turn-pip-13.scope",
+                    True, 0, NOW - 60.0),
+    )  # fmt: skip
+    lines = format_status(status(leases=leases), now=NOW).splitlines()
+    assert "lease 7: pip/main held by uid 1001 for 12.0s in volute-turn-pip-12.scope" in lines
+    assert (
+        "lease 8: pip/main held by uid 1002 for 2.0s in volute-turn-pip-12.scope, joined" in lines
+    )
+    assert "lease 9: whorl/main waiting (global_cap) for 3.0s, uid 1001" in lines
+    assert any(line.startswith("lease 10: pip/s2 waiting for its claim") for line in lines)

@@ -23,6 +23,7 @@ from volutectl.visible import visible
 from volutectl.wire.messages import (
     AdaptiveStatus,
     ConfigStatus,
+    LeaseStatus,
     MindStatus,
     PausedMind,
     RepositoryStatus,
@@ -164,6 +165,7 @@ def _totals(status: Status, now: float) -> list[str]:
         f"({status.turns_per_mind} per mind, in {status.slice})"
     ]
     lines.append(_queue_line(status))
+    lines += [_lease_line(lease, now) for lease in status.leases]
     if status.paused:
         lines.append(_pauses(status.paused, now))
     for mind, problems in sorted(status.preflight.items()):
@@ -184,6 +186,19 @@ def _totals(status: Status, now: float) -> list[str]:
                 f"running {_age(run.running_s)}  ({run.unit})"
             )
     return lines
+
+
+def _lease_line(lease: LeaseStatus, now: float) -> str:
+    """`lease 7: pip/main held by uid 1001 for 12.0s in volute-turn-pip-12.scope`, or
+    `lease 8: whorl/main waiting (global_cap) for 3.0s, uid 1001`."""
+    age = _age(now - lease.since) if lease.since else "-"
+    who = f"lease {lease.lease}: {lease.mind}/{lease.session}"
+    if lease.state == "waiting":
+        reason = f" ({lease.reason})" if lease.reason is not None else ""
+        return f"{who} waiting{reason} for {age}, uid {lease.uid}"
+    joined = "" if lease.created else ", joined"
+    how = "held" if lease.state == "held" else "waiting for its claim after a restart,"
+    return f"{who} {how} by uid {lease.uid} for {age} in {lease.unit}{joined}"
 
 
 def _queue_line(status: Status) -> str:

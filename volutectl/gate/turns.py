@@ -33,7 +33,7 @@ from volutectl.gate import lifecycle
 from volutectl.gate.outcomes import Settled
 from volutectl.launcher import fork
 from volutectl.launcher.hands import LauncherLost, LauncherUnavailable, TurnHands
-from volutectl.states import HoldReason, Outcome, QueueState
+from volutectl.states import HoldReason, LeaseEnd, Outcome, QueueState
 from volutectl.store.indexed import IndexedStore
 from volutectl.store.queue import Row, TurnRow
 from volutectl.systemd.journal import Journal
@@ -61,6 +61,8 @@ class Turn:
     timed_out_at: float | None = None  # when the gate stopped it for running past that
     leftovers_told: bool = False  # the journal said what its main process left behind
     taken: tuple[Row, ...] = ()  # while it starts: the deliveries its start carries
+    lease: bool = False  # a lease's scope (volutectl/gate/leases.py), not a command's run
+    lease_end: LeaseEnd | None = None  # why the gate stopped a lease's scope, if it did
 
     def main_alive(self) -> bool:
         return isinstance(self.state, lifecycle.Running)
@@ -112,6 +114,11 @@ class Turns:
         self.ask = ask
         # Told what each ended turn wrote, by mind (the adaptive limit's IO costs).
         self.on_written: Callable[[str, int], None] | None = None
+        # What a running turn's scope had written at its last sample (a lease's cost).
+        self.sampled_written: Callable[[int], int | None] = lambda turn_id: None
+        # Told when a turn frees its place, however it ended: the leases on it end
+        # (volutectl/gate/leases.py).
+        self.on_freed: Callable[[Turn], None] = lambda turn: None
         self._turns: dict[int, Turn] = {}
         # A start found systemd silent (a daemon-reexec): no turn starts before then.
         self._starts_paused_until: float | None = None
@@ -303,6 +310,37 @@ class Turns:
         ids = " ".join(str(row.id) for row in taken)
         self.journal.emit(events.TurnStarted(**events.turn_fields(turn), delivery_ids=ids))
 
+    def start_lease(self, turn_id: int, mind: str, session: str, now: float) -> Turn:
+        """Have its hands start a lease's scope, committed as turn `turn_id` already;
+        it then holds its place as a turn does. How the start went is the turn's state
+        (a failure frees it at once: `on_freed`)."""
+        max_runtime = self.settings.max_runtime(mind)
+        turn = Turn(
+            id=turn_id,
+            mind=mind,
+            session=session,
+            unit=names.turn_scope_name(mind, turn_id),
+            started_at=now,
+            state=lifecycle.Starting(),
+            deadline=now + max_runtime if max_runtime else None,
+            lease=True,
+        )
+        order = orders.StartLease(turn_id=turn_id, mind=mind, session=session)
+        try:
+            launched = self.hands.start_lease(order)
+        except (LauncherLost, LauncherUnavailable) as error:
+            self._start_unknown(turn, error)
+            return turn
+        except (VoluteError, OSError) as error:
+            turn.lease_end = LeaseEnd.START_FAILED
+            self._start_failed(turn, error)
+            return turn
+        crash_point("lease_scope_started")
+        self.store.mark_released(turn_id, launched.pid)
+        turn.released, turn.pid = True, launched.pid
+        self._start_went(turn, lifecycle.StartReported(pidfd=launched.pidfd))
+        return turn
+
     def _start_unknown(self, turn: Turn, error: VoluteError) -> None:
         """The launcher was lost during the start: the turn may run, or may never have.
         It keeps its place, as an adopted turn does, until systemd says which."""
@@ -403,6 +441,7 @@ class Turns:
                 self._turns[turn.id] = turn
             case lifecycle.Free():
                 self._turns.pop(turn.id, None)
+                self.on_freed(turn)
             case lifecycle.WatchMainFd(pidfd):
                 self.watch_fd(pidfd, turn)
             case lifecycle.CloseMainFd(pidfd):
@@ -481,7 +520,10 @@ class Turns:
 
     def _stop_overrun(self, turn: Turn, now: float) -> None:
         """Have systemd stop the scope (SIGTERM to every process, SIGKILL after
-        turns.timeout_grace_seconds)."""
+        turns.timeout_grace_seconds). A lease's processes go back first: the time limit
+        ends the lease, not the daemon's processes."""
+        if turn.lease:
+            self.move_back(turn.id, turn.mind)
         try:
             self.hands.stop(turn.id, turn.mind)
         except VoluteError as error:
@@ -517,6 +559,8 @@ class Turns:
                     stop_seconds=self.settings.turns.timeout_grace_seconds,
                 )
             )
+        if turn.lease:  # its placeholder is gone: what it moved in is not leftovers
+            self.move_back(turn.id, turn.mind)
         try:
             self.hands.stop(turn.id, turn.mind)
         except VoluteError as error:
@@ -535,11 +579,25 @@ class Turns:
         except VoluteError as error:
             self.journal.emit(events.TurnDirectoriesNotSwept(error=error.message))
 
+    def move_back(self, turn_id: int, mind: str) -> None:
+        """A lease's processes back where they came from, before its scope is stopped
+        (docs/protocol.md, "A lease's processes"); idempotent, and nothing to do for a
+        scope into which nothing was moved. A failure is logged; the stop goes on."""
+        try:
+            self.hands.move_back(turn_id, mind)
+        except VoluteError as error:
+            unit = names.turn_scope_name(mind, turn_id)
+            self.journal.emit(
+                events.LeasePidsNotMoved(unit=unit, direction="back", error=error.message)
+            )
+
     def stop_quietly(self, unit: str) -> None:
-        """Stop a turn scope, by the name the launcher derives; a failure is only logged."""
+        """Stop a turn scope, by the name the launcher derives; a failure is only logged.
+        Whatever a lease moved into it goes back first."""
         parsed = names.parse_turn_scope_name(unit)
         if parsed is None:
             return  # not a name the launcher would derive: not ours to stop
+        self.move_back(parsed[1], parsed[0])
         try:
             self.hands.stop(parsed[1], parsed[0])
         except VoluteError as error:
@@ -610,6 +668,9 @@ class Turns:
 
     def finish(self, turn: Turn) -> None:
         """Nothing of the turn runs any more: settle its deliveries and free its place."""
+        if turn.lease:
+            self._finish_lease(turn)
+            return
         now = self.clock.wall()
         rows = self.store.rows_of_turn(turn.id)
         report = self.hands.inspect(turn.id, [row.id for row in rows if row.folded])
@@ -665,6 +726,14 @@ class Turns:
             )
         )
         self._tell_settled(turn, outcome, carried, settlement.done, failed, error)
+
+    def _finish_lease(self, turn: Turn) -> None:
+        """A lease's scope ended: no deliveries, no directory; its leases end as it frees
+        its place (`on_freed`), and what its scope wrote is its mind's cost."""
+        written = self.sampled_written(turn.id)
+        if written is not None and self.on_written is not None:
+            self.on_written(turn.mind, written)
+        self.apply(turn, lifecycle.Ended(Outcome.OK))
 
     def _tell_settled(
         self,
