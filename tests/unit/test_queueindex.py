@@ -105,7 +105,7 @@ ops = st.lists(
         st.sampled_from(
             ["deliver", "deliver", "deliver", "fail", "return", "end", "tick", "pause",
              "resume", "pause_all", "pressure", "other", "drop", "limits", "acquire",
-             "acquire", "give_up"]
+             "acquire", "acquire", "acquire", "give_up"]
         ),
         st.integers(0, 10_000),
     ),
@@ -234,3 +234,19 @@ def test_the_heap_of_startable_heads_stays_bounded_while_the_cap_holds() -> None
         world.add(Delivery(i, f"m{i % 10}", "s"))
         world.step()
     assert len(world.index.startable) <= 2 * len(world.index.minds) + 64
+
+
+def test_a_waiting_acquire_takes_the_place_before_a_later_delivery_in_both() -> None:
+    """The FIFO between acquires and deliveries, in the index as in admission.admit: a
+    place that frees goes to the acquire that came first, not to a delivery after it."""
+    world = World(limits=Limits(global_cap=1))
+    world.add(Delivery(1, "a", "x"))
+    world.step()  # a's turn takes the one place
+    world.acquires[1] = Acquire(1, "b", "x", after=world.next_id)  # behind delivery 1
+    world.add(Delivery(2, "c", "x"))  # behind the acquire
+    world.next_id = 3
+    world.step()
+    assert world.acquires  # it waits for the place
+    world.live.clear()  # a's turn ended
+    world.step()  # both admissions must agree: the acquire is granted, c's row waits
+    assert not world.acquires and 2 in world.pending

@@ -246,10 +246,14 @@ class PendingIndex:
         tally = Tally.of([*live, *others], limits)
         leases = LeaseQueue.of(acquires)
         starts = self._starts(rules, tally, leases)
+        # A grant takes a place of its mind, as a start does: its held rows' reason may
+        # change (mind_busy) though nothing of theirs did.
+        self.dirty_minds |= {mind for mind, _ in leases.granted}
         changes = self._reasons(rules, tally, starts, folds)
         # What was decided is carried out by the store, whose commits come back here; a
         # start that fails before its commit must be offered again, so look again.
-        for mind, session in [(s.mind, s.session) for s in starts] + self._fold_keys(folds):
+        again = [(s.mind, s.session) for s in starts] + self._fold_keys(folds)
+        for mind, session in again + sorted(leases.granted):
             self.dirty_minds.add(mind)
             self.dirty_sessions.add((mind, session))
         holds = [Hold(i, reason) for i, reason in changes if reason is not None]
