@@ -225,10 +225,10 @@ def say(text: str) -> None:
 def _hold(holder: Holder, child: Held | None) -> int:
     """Hold the lease until CMD exits (its status) or stdin closes (0), or a signal
     (without CMD: 128+N); if the gate ends the lease first, stop CMD: 75."""
-    if child is not None:
-        child.start(holder.grant)
-    relay = Relay()
+    relay = Relay()  # before CMD starts: a signal for it from then on is passed on
     try:
+        if child is not None:
+            child.start(holder.grant)
         while True:
             if holder.pending():
                 holder.hear()
