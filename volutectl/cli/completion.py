@@ -6,6 +6,7 @@ tree, so every command's options complete with no list kept here. What this modu
 - mind names, read from the config file with tomllib alone (a TAB must not pay for
   pydantic); a config the user may not read completes no mind;
 - queue states, from volutectl.states;
+- `lease --pid`'s processes, from /proc: this user's (root's: all), each with its name;
 - `deliver`, which volutectl.cli.deliver parses with argparse, not click: its options, their
   values, and its MIND, from that parser.
 """
