@@ -82,6 +82,10 @@ class EventName(StrEnum):
     GATE_CONFIG_RELOADED = "gate_config_reloaded"
     GATE_CONFIG_REFUSED = "gate_config_refused"
     INTERRUPT_REFUSED = "interrupt_refused"
+    LEASE_HELD = "lease_held"
+    LEASE_GRANTED = "lease_granted"
+    LEASE_ENDED = "lease_ended"
+    LEASE_CLAIMED = "lease_claimed"
 
 
 # MESSAGE_ID of each event an operator queries for (`journalctl MESSAGE_ID=...`); made
@@ -129,6 +133,10 @@ MESSAGE_IDS: Mapping[EventName, str] = {
     EventName.GATE_CONFIG_RELOADED: "7a53a0c8111c46e1a178729271413029",
     EventName.GATE_CONFIG_REFUSED: "78306785c64d4ed6ae6b1470f5d3779c",
     EventName.INTERRUPT_REFUSED: "6a72d6ba8e124c758585b89bb4872da1",
+    EventName.LEASE_HELD: "379d0888d34446198d0447637d6625b6",
+    EventName.LEASE_GRANTED: "856014ff32a74d7793a995d1c02368f2",
+    EventName.LEASE_ENDED: "a143fea4f53a42869b51e853f959f011",
+    EventName.LEASE_CLAIMED: "d72358b4d703489d91761465088c5681",
 }
 
 # The metadata of a field that is in the message only, not sent as a journal field.
@@ -1405,3 +1413,69 @@ def catalog() -> list[type[BaseEvent]]:
         if cls not in (BaseEvent, DeliveryEvent, TurnEvent):
             found.append(cls)
     return found
+
+
+# -- leases (issue 31) -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseEvent(BaseEvent):
+    """About one lease: "lease <id> of <mind>/<session> (uid <uid>) <text>"."""
+
+    lease: int
+    mind: str
+    session: str
+    uid: int
+
+    def text(self) -> str:
+        raise NotImplementedError
+
+    def message(self) -> str:
+        return f"lease {self.lease} of {self.mind}/{self.session} (uid {self.uid}) {self.text()}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseHeld(LeaseEvent):
+    """An acquire waits for a place, or its hold reason changes."""
+
+    EVENT = EventName.LEASE_HELD
+    reason: HoldReason
+
+    def text(self) -> str:
+        return f"waits: {self.reason}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseGranted(LeaseEvent):
+    """A lease is granted: it created its turn's scope, or joined a running turn."""
+
+    EVENT = EventName.LEASE_GRANTED
+    turn_id: int
+    unit: str
+    created: bool
+
+    def text(self) -> str:
+        how = "in a new scope" if self.created else "joining a running turn"
+        return f"granted {how}: {self.unit}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseEnded(LeaseEvent):
+    """A lease ended (or a waiting acquire went), and why (`states.LeaseEnd`)."""
+
+    EVENT = EventName.LEASE_ENDED
+    turn_id: int | None
+    reason: str
+
+    def text(self) -> str:
+        return f"ended: {self.reason}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseClaimed(LeaseEvent):
+    """A lease granted before the gate restarted was claimed again by its holder."""
+
+    EVENT = EventName.LEASE_CLAIMED
+
+    def text(self) -> str:
+        return "claimed again after the gate restarted"

@@ -38,6 +38,12 @@ POINTS = (
 FAILED_START_POINTS = (
     "start_failure_recorded",  # the failed start recorded in the store; no waiter told yet
 )
+# A lease's grant (issue 31), in the gate: each step of it, in order.
+LEASE_POINTS = (
+    "lease_committed",  # the grant committed (its turn row and lease row); no scope yet
+    "lease_scope_started",  # the launcher started its scope; the release not yet recorded
+    "lease_replied",  # the holder was sent its grant
+)
 # The queue's upkeep, outside any turn (volutectl/store/retention.py,
 # volutectl/store/schema.py).
 STORAGE_POINTS = (
@@ -61,7 +67,7 @@ _in_process = False
 def arm(point: str | None) -> None:
     """Arm one point in-process (None disarms): reaching it raises SimulatedCrash."""
     global _armed, _in_process
-    known = POINTS + FAILED_START_POINTS + STORAGE_POINTS
+    known = POINTS + FAILED_START_POINTS + LEASE_POINTS + STORAGE_POINTS
     if point is not None and point not in known:
         raise ValueError(f"unknown crash point {point!r}; known: {', '.join(known)}")
     _armed, _in_process = point, point is not None

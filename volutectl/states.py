@@ -21,6 +21,36 @@ class QueueState(StrEnum):
     DROPPED = "dropped"
 
 
+class TurnKind(StrEnum):
+    """What a row of the turns table is: a run of a mind's command, or a lease's scope
+    (a place held by a client's connection for a turn a daemon runs itself)."""
+
+    TURN = "turn"
+    LEASE = "lease"
+
+
+class LeaseState(StrEnum):
+    """Where a lease is, as `status` shows it."""
+
+    WAITING = "waiting"  # its acquire waits for a place, with a hold reason
+    HELD = "held"  # granted, its connection open
+    RECLAIM = "reclaim"  # granted before the gate restarted: waits for its claim
+
+
+class LeaseEnd(StrEnum):
+    """Why a lease ended."""
+
+    RELEASED = "released"  # its holder's own release
+    CLOSED = "closed"  # its connection closed
+    TIMEOUT = "timeout"  # it ran past max_runtime_seconds
+    ENDED_BY_ADMIN = "ended_by_admin"  # `volutectl lease --end`: a release by root
+    PIDS_EXITED = "pids_exited"  # every process it moved in exited
+    SCOPE_GONE = "scope_gone"  # its scope ended (stopped from outside, or its turn ended)
+    CREATOR_RELEASED = "creator_released"  # a joined lease whose creator released
+    RECLAIM_EXPIRED = "reclaim_expired"  # not claimed within gate.lease_reclaim_seconds
+    START_FAILED = "start_failed"  # its scope could not be started
+
+
 class TurnState(StrEnum):
     STARTING = "starting"  # committed; its command not yet released
     RUNNING = "running"  # its command was released

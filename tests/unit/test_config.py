@@ -189,7 +189,6 @@ BAD_FILES = {
         "minds",
         "invalid mind name 'bad name'",
     ),
-    "mind without command": ('[minds.a]\nuser = "a"\n', "minds.a.command", "required"),
     "empty command": ("[minds.a]\ncommand = []\n", "minds.a.command", "must not be empty"),
     "relative environment file": (
         '[minds.a]\ncommand = "x"\nenvironment_file = "a.env"\n',
@@ -336,7 +335,6 @@ def test_directory_as_config_is_an_error(tmp_path: Path) -> None:
         ("VOLUTE_TESTS__CONCURRENT_RUNS", "-1", "tests.concurrent_runs"),
         ("VOLUTE_LIMITS__GLOBAL_CONCURRENT_TURNS", "-1", "limits.global_concurrent_turns"),
         ("VOLUTE_GATE__MANAGER", "session", "gate.manager"),
-        ("VOLUTE_MINDS__BOB__USER", "bob", "minds.bob.command"),  # a mind needs a command
     ],
 )
 def test_bad_env_names_key_and_variable(
@@ -680,3 +678,9 @@ def test_check_debug_shows_the_traceback(tmp_path: Path) -> None:
     assert result.returncode == 78
     assert "Traceback" in result.stderr
     assert "limits.bogus: unknown key" in result.stderr
+
+
+def test_a_mind_without_a_command_is_valid_and_takes_leases_only(tmp_path: Path) -> None:
+    """Issue 31: a mind a daemon runs through leases needs no command."""
+    settings = load_settings(write(tmp_path, '[minds.a]\nuser = "a"\n'), environ={}).settings
+    assert settings.minds["a"].command is None

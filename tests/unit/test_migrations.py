@@ -212,7 +212,7 @@ def test_a_schema_3_database_is_upgraded_with_every_row_kept_and_then_made_incre
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 9
+        assert store.schema_version() == SCHEMA_VERSION == 10
         assert not is_incremental(store.db)  # the migration itself never VACUUMs
         assert same_rows(table_rows(path), before)
         outcome = enable_incremental_vacuum(store.db, path)
@@ -331,7 +331,7 @@ def test_a_schema_4_database_gets_the_last_turn_index_and_status_uses_it(
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 9
+        assert store.schema_version() == SCHEMA_VERSION == 10
         assert "index turns_mind_ended" in schema(path)
         assert "index turns_ended" in schema(path)  # retention's, kept
         plan = " ".join(
@@ -377,7 +377,7 @@ def test_a_schema_5_database_keeps_its_rows_and_indexes_only_rows_with_a_turn(
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 9
+        assert store.schema_version() == SCHEMA_VERSION == 10
         assert "WHERE turn_id IS NOT NULL" in index_sql(path, "deliveries_turn")
         for query in (
             "SELECT id FROM deliveries WHERE turn_id = ? AND state = 'running'",
@@ -429,7 +429,7 @@ def test_a_schema_6_database_gets_a_uid_column_and_its_rows_count_against_nobody
     assert ("uid", "INTEGER", 0, None, 0) not in schema(path)["table deliveries"]
     store = IndexedStore(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 9
+        assert store.schema_version() == SCHEMA_VERSION == 10
         assert ("uid", "INTEGER", 0, None, 0) in schema(path)["table deliveries"]
         counted = "SELECT COUNT(*) FROM deliveries WHERE uid IS NOT NULL"
         assert store.db.execute(counted).fetchone() == (0,)
@@ -463,7 +463,7 @@ def test_a_schema_7_database_keeps_request_ids_unique_per_sender_uid(tmp_path: P
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 9
+        assert store.schema_version() == SCHEMA_VERSION == 10
         nightly = [
             NewDelivery("mimsy", "main", b"backup", request_id="nightly-1", uid=uid)
             for uid in (1000, 1001, 1000)
@@ -503,7 +503,7 @@ def test_a_schema_8_database_gets_who_may_interrupt_and_an_interrupted_turn_sett
     assert not any(column[0] in ("admin", "cut") for column in columns)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 9
+        assert store.schema_version() == SCHEMA_VERSION == 10
         columns = schema(path)["table deliveries"]
         assert ("admin", "INTEGER", 1, "0", 0) in columns
         assert ("cut", "INTEGER", 1, "0", 0) in columns

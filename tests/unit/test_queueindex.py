@@ -3,9 +3,10 @@
 Random histories: deliveries arrive (some backing off after a failure, some returned to
 the queue with their old ids), turns start and fold as decided, turns end, time passes,
 minds are paused and resumed, pressure and other work come and go, limits and the
-minds' IO costs (of new turns and of running ones) change. After every step
-both admissions run over the same state, and must agree on the starts, the folds, and
-the hold reason of every pending row (what the store records for it).
+minds' IO costs (of new turns and of running ones) change, acquires wait among the
+deliveries and leases hold places. After every step both admissions run over the same
+state, and must agree on the starts, the folds, the hold reason of every pending row
+(what the store records for it), the acquires granted, and every waiting one's reason.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from volutectl.core import admission
-from volutectl.core.admission import Delivery, Limits, LiveTurn, PlaceKind, Taken
+from volutectl.core.admission import Acquire, Delivery, Limits, LiveTurn, PlaceKind, Taken
 from volutectl.states import HoldReason
 from volutectl.store.index import PendingIndex
 
@@ -42,6 +43,8 @@ class World:
     max_starts: int | None = None
     limits: Limits = field(default_factory=lambda: Limits(global_cap=2))
     taken: list[Delivery] = field(default_factory=list)  # rows that left for a turn
+    acquires: dict[int, Acquire] = field(default_factory=dict)  # waiting, by lease id
+    next_lease: int = 1
 
     def add(self, row: Delivery) -> None:
         self.pending[row.id] = row
@@ -57,7 +60,7 @@ class World:
         paused = admission.EVERY_MIND if self.all_paused else frozenset(self.paused)
         arguments = dict(
             now=self.now, others=self.others, pressure=self.pressure,
-            max_starts=self.max_starts,
+            max_starts=self.max_starts, acquires=list(self.acquires.values()),
         )  # fmt: skip
         live = list(self.live.values())
         full = admission.admit(self.pending.values(), live, self.limits, paused=paused, **arguments)  # type: ignore[arg-type]
@@ -70,6 +73,9 @@ class World:
         )
         assert fast.starts == full.starts
         assert fast.folds == full.folds
+        assert fast.grants == full.grants
+        assert sorted(fast.lease_holds) == sorted(full.lease_holds)
+        assert len(full.grants) + len(full.lease_holds) == len(self.acquires)
         taken = {i for s in full.starts for i in s.delivery_ids}
         taken |= {i for f in full.folds for i in f.delivery_ids}
         reasons = {hold.delivery_id: hold.reason for hold in full.holds}
@@ -87,13 +93,19 @@ class World:
             self.remove(list(start.delivery_ids))
         for fold in full.folds:
             self.remove(list(fold.delivery_ids))
+        for lease_id in full.grants:
+            acquire = self.acquires.pop(lease_id)
+            lease = LiveTurn(self.next_turn, acquire.mind, acquire.session, lease=True)
+            self.live[lease.turn_id] = lease
+            self.next_turn += 1
 
 
 ops = st.lists(
     st.tuples(
         st.sampled_from(
             ["deliver", "deliver", "deliver", "fail", "return", "end", "tick", "pause",
-             "resume", "pause_all", "pressure", "other", "drop", "limits"]
+             "resume", "pause_all", "pressure", "other", "drop", "limits", "acquire",
+             "acquire", "give_up"]
         ),
         st.integers(0, 10_000),
     ),
@@ -113,6 +125,15 @@ def apply(world: World, op: str, seed: int) -> None:
         row = world.taken.pop(rng.randrange(len(world.taken)))
         backoff = world.now + rng.choice([1.0, 5.0, 30.0]) if op == "fail" else None
         world.add(Delivery(row.id, row.mind, row.session, row.interrupt, backoff))
+    elif op == "acquire":
+        # A waiting acquire: behind every delivery stored before it.
+        mind, session = rng.choice(MINDS), rng.choice(SESSIONS)
+        world.acquires[world.next_lease] = Acquire(
+            world.next_lease, mind, session, world.next_id - 1
+        )
+        world.next_lease += 1
+    elif op == "give_up" and world.acquires:
+        del world.acquires[rng.choice(sorted(world.acquires))]  # its connection closed
     elif op == "end" and world.live:
         del world.live[rng.choice(sorted(world.live))]
     elif op == "tick":

@@ -108,6 +108,11 @@ class GateSettings(Section):
     # Done and dropped deliveries (message included) and ended turns are deleted this
     # long after they finished; dead deliveries stay until retried or dropped.
     retention_days: Annotated[float, Field(gt=0)] = 7.0
+    # Leases (issue 31): each uid other than root holds and awaits at most this many at
+    # once (past it, acquire is refused with 75); a lease granted before the gate
+    # restarted waits this long for its holder to claim it again, then ends.
+    max_leases_per_uid: Positive = 64
+    lease_reclaim_seconds: Annotated[float, Field(gt=0)] = 30.0
 
     @model_validator(mode="after")
     def _root_reserve(self) -> GateSettings:
@@ -264,8 +269,9 @@ class TestsSettings(Section):
 
 
 class MindSettings(Section):
-    # A list is exec'd as is; a string runs under /bin/sh -c.
-    command: list[str] | str
+    # A list is exec'd as is; a string runs under /bin/sh -c. None: the mind takes
+    # leases only (a daemon runs its turns), and a delivery to it is refused.
+    command: list[str] | str | None = None
     user: str | None = None
     turns_per_mind: Positive | None = None
     working_directory: Path | None = None
@@ -278,8 +284,8 @@ class MindSettings(Section):
 
     @field_validator("command")
     @classmethod
-    def _command(cls, value: list[str] | str) -> list[str] | str:
-        if not value:
+    def _command(cls, value: list[str] | str | None) -> list[str] | str | None:
+        if value is not None and not value:
             raise ValueError("the turn command must not be empty")
         return value
 

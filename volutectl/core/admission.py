@@ -20,7 +20,7 @@ interrupted turn is done only for whoever cut it (`settle`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -56,6 +56,9 @@ class PlaceKind(Enum):
     TURN = "turn"  # one of the gate's own turns: counts against its mind's limit too
     SCOPE = "scope"  # another scope in the turns slice that holds a process
     TEST_RUN = "test_run"  # a held test slot, with limits.test_runs_count_as_turns
+    # A lease's scope (a turn a daemon runs itself): counts as a TURN does, against its
+    # mind's limit too, at its mind's cost; deliveries to its session never fold into it.
+    LEASE = "lease"
 
 
 # Why a turn waits when places of other kinds fill the cap: the first kind present in
@@ -82,16 +85,38 @@ class Place(Protocol):
 @dataclass(frozen=True)
 class LiveTurn:
     """A turn whose scope systemd lists as live: a place of kind TURN, which deliveries
-    to its session fold into."""
+    to its session fold into; or, with `lease`, a lease's scope (kind LEASE), which
+    holds its session's deliveries `mind_busy` instead."""
 
     turn_id: int
     mind: str
     session: str
     cost: float | None = None  # None: what its mind's running turns cost (Limits)
+    lease: bool = False
 
     @property
     def kind(self) -> PlaceKind:
-        return PlaceKind.TURN
+        return PlaceKind.LEASE if self.lease else PlaceKind.TURN
+
+
+@dataclass(frozen=True)
+class Acquire:
+    """A waiting acquire, as admission sees it. Its place in the FIFO is the moment it
+    arrived among the pending deliveries: those with ids up to `after` are ahead of it,
+    later ones behind it; acquires with the same `after` go by `lease_id` (arrival)."""
+
+    lease_id: int
+    mind: str
+    session: str
+    after: int
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.after, self.lease_id)
+
+
+# The turn kinds of place: each counts against its mind's limit, at its mind's cost.
+MIND_KINDS = (PlaceKind.TURN, PlaceKind.LEASE)
 
 
 @dataclass(frozen=True)
@@ -141,7 +166,7 @@ class Limits:
         cost; other work, one place."""
         if place.cost is not None:
             return place.cost
-        if place.kind is PlaceKind.TURN and place.mind is not None:
+        if place.kind in MIND_KINDS and place.mind is not None:
             return self.running_cost_of(place.mind)
         return 1.0
 
@@ -220,6 +245,67 @@ class Admission:
     starts: list[Start]
     folds: list[Fold]
     holds: list[Hold]
+    grants: list[int] = field(default_factory=list)  # the acquires granted: lease ids
+    # Every acquire still waiting, with its reason (lease id, reason).
+    lease_holds: list[tuple[int, HoldReason]] = field(default_factory=list)
+
+
+Key = tuple[str, str]  # (mind, session)
+
+
+def lease_hold(
+    acquire: Acquire, tally: Tally, rules: Rules, taken: Container[Key]
+) -> HoldReason | None:
+    """Admission's rule for a waiting acquire: a session that a turn or a lease holds, or
+    that a turn starts in this pass, is `mind_busy` (the acquire joins it in the next
+    pass); else `decide`, as for a delivery's head of its mind."""
+    if (acquire.mind, acquire.session) in taken:
+        return HoldReason.MIND_BUSY
+    return decide(acquire.mind, tally, rules)
+
+
+@dataclass
+class LeaseQueue:
+    """The waiting acquires of one pass, in FIFO order, and what was decided of them:
+    offered to admission before each delivery's head they are ahead of."""
+
+    waiting: list[Acquire]
+    at: int = 0
+    grants: list[int] = field(default_factory=list)
+    holds: list[tuple[int, HoldReason]] = field(default_factory=list)
+    granted: set[Key] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, acquires: Iterable[Acquire]) -> LeaseQueue:
+        return cls(sorted(acquires, key=lambda a: a.order))
+
+    def until(
+        self, head: int | None, tally: Tally, rules: Rules, taken: Callable[[Key], bool]
+    ) -> None:
+        """Decide the acquires ahead of delivery `head` (None: all that are left)."""
+        while self.at < len(self.waiting):
+            acquire = self.waiting[self.at]
+            if head is not None and acquire.after >= head:
+                return
+            self.at += 1
+            key = (acquire.mind, acquire.session)
+            busy = _Taken(taken, self.granted)
+            reason = lease_hold(acquire, tally, rules, busy)
+            tally.note(acquire.mind, reason, rules.limits)
+            if reason is None:
+                self.grants.append(acquire.lease_id)
+                self.granted.add(key)
+            else:
+                self.holds.append((acquire.lease_id, reason))
+
+
+@dataclass(frozen=True)
+class _Taken:
+    taken: Callable[[Key], bool]
+    granted: set[Key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.granted or (isinstance(key, tuple) and self.taken(key))
 
 
 # A head held for one of these holds only its mind's sessions; any other reason is the
@@ -269,7 +355,7 @@ class Tally:
         for place in places:
             cost = limits.place_cost(place)
             tally.busy += 1
-            if place.kind is PlaceKind.TURN and place.mind is not None:
+            if place.kind in MIND_KINDS and place.mind is not None:
                 tally._turn(place.mind, cost)
             else:
                 tally.other_load += cost
@@ -360,6 +446,7 @@ def admit(
     pressure: bool = False,
     paused: Container[str] = frozenset(),
     max_starts: int | None = None,
+    acquires: Iterable[Acquire] = (),
 ) -> Admission:
     """Decide, in id order, what starts, what folds into a live turn, and what waits: the
     reference the gate's incremental index (volutectl/store/index.py) is held to.
@@ -370,37 +457,18 @@ def admit(
       the places live turns, `others` (other scopes, test runs) and the pass's starts hold.
     - A started turn takes every eligible pending row of its session (batch flush).
     - A row behind a backing-off row of its session waits: a session's rows reach turns
-      in id order."""
-    ordered = sorted(pending, key=lambda d: d.id)
+      in id order.
+    - A waiting acquire is decided where it stands in the FIFO (`Acquire.after`), as a
+      head is (`lease_hold`); a row of a session a live lease holds waits, `mind_busy`."""
     rules = Rules(limits, paused, pressure, max_starts)
     tally = Tally.of([*live, *others], limits)
-    live_session: dict[tuple[str, str], int] = {}
-    # In turn-id order, so that when two live turns share a session (adopted after a
-    # restart), deliveries fold into the oldest whatever order systemd listed them in.
-    for turn in sorted(live, key=lambda t: t.turn_id):
-        live_session.setdefault((turn.mind, turn.session), turn.turn_id)
-    backing_off: set[tuple[str, str]] = set()
-    started: dict[tuple[str, str], list[int]] = {}
-    folds: dict[int, list[Delivery]] = {}
-    holds: list[Hold] = []
-
-    for delivery in ordered:
-        key = (delivery.mind, delivery.session)
-        if delivery.not_before is not None and delivery.not_before > now:
-            backing_off.add(key)
-        elif key in backing_off:
-            holds.append(Hold(delivery.id, HoldReason.BEHIND_BACKOFF))
-        elif key in started:
-            started[key].append(delivery.id)
-        elif key in live_session:
-            folds.setdefault(live_session[key], []).append(delivery)
-        else:
-            reason = decide(delivery.mind, tally, rules)
-            tally.note(delivery.mind, reason, limits)
-            if reason is None:
-                started[key] = [delivery.id]
-            else:
-                holds.append(Hold(delivery.id, reason))
+    scan = _Scan(*live_sessions(live))
+    leases = LeaseQueue.of(acquires)
+    for delivery in sorted(pending, key=lambda d: d.id):
+        leases.until(delivery.id, tally, rules, scan.taken)
+        scan.take(delivery, tally, rules, now)
+    leases.until(None, tally, rules, scan.taken)
+    started, folds, holds = scan.started, scan.folds, scan.holds
 
     return Admission(
         starts=[Start(mind, session, tuple(ids)) for (mind, session), ids in started.items()],
@@ -409,7 +477,54 @@ def admit(
             for turn_id, rows in sorted(folds.items())
         ],
         holds=holds,
+        grants=leases.grants,
+        lease_holds=leases.holds,
     )
+
+
+@dataclass
+class _Scan:
+    """admit()'s walk over the pending rows, in id order."""
+
+    live_session: dict[Key, int]
+    leased: set[Key]
+    backing_off: set[Key] = field(default_factory=set)
+    started: dict[Key, list[int]] = field(default_factory=dict)
+    folds: dict[int, list[Delivery]] = field(default_factory=dict)
+    holds: list[Hold] = field(default_factory=list)
+
+    def taken(self, key: Key) -> bool:
+        return key in self.started or key in self.live_session or key in self.leased
+
+    def take(self, delivery: Delivery, tally: Tally, rules: Rules, now: float) -> None:
+        key = (delivery.mind, delivery.session)
+        if delivery.not_before is not None and delivery.not_before > now:
+            self.backing_off.add(key)
+        elif key in self.backing_off:
+            self.holds.append(Hold(delivery.id, HoldReason.BEHIND_BACKOFF))
+        elif key in self.started:
+            self.started[key].append(delivery.id)
+        elif key in self.live_session:
+            self.folds.setdefault(self.live_session[key], []).append(delivery)
+        elif key in self.leased:
+            self.holds.append(Hold(delivery.id, HoldReason.MIND_BUSY))
+        else:
+            reason = decide(delivery.mind, tally, rules)
+            tally.note(delivery.mind, reason, rules.limits)
+            if reason is None:
+                self.started[key] = [delivery.id]
+            else:
+                self.holds.append(Hold(delivery.id, reason))
+
+
+def live_sessions(live: Sequence[LiveTurn]) -> tuple[dict[Key, int], set[Key]]:
+    """The sessions live turns hold (each to its oldest turn, which deliveries fold into,
+    whatever order systemd listed two adopted ones in), and those live leases hold."""
+    sessions: dict[Key, int] = {}
+    for turn in sorted(live, key=lambda t: t.turn_id):
+        if not turn.lease:
+            sessions.setdefault((turn.mind, turn.session), turn.turn_id)
+    return sessions, {(turn.mind, turn.session) for turn in live if turn.lease}
 
 
 def may_pass(regime: HoldReason, held: HoldReason | None, light_load: float, cost: float) -> bool:

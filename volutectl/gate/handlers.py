@@ -31,7 +31,9 @@ from volutectl.core import admission
 from volutectl.errors import DataError, PermissionDeniedError, TemporaryError, VoluteError
 from volutectl.faults import crash_point
 from volutectl.gate import status, validate
+from volutectl.gate.leases import Leases
 from volutectl.gate.outcomes import Settled
+from volutectl.gate.server import Client
 from volutectl.gate.state import GateState
 from volutectl.slots.watch import RepositoryLimit
 from volutectl.states import DEFAULT_LISTED, QueueState
@@ -39,13 +41,19 @@ from volutectl.store.minds import EVERY_MIND
 from volutectl.store.queue import AlreadyQueued, NewDelivery
 from volutectl.store.quotas import Quota, QuotaExceeded
 from volutectl.wire.messages import (
+    AcquireReply,
+    AcquireRequest,
     ChangedReply,
+    ClaimReply,
+    ClaimRequest,
     DeliverAck,
     DeliverManyRequest,
     DeliverRequest,
     DeliverResult,
     DeliverResults,
     DropRequest,
+    EndLeaseReply,
+    EndLeaseRequest,
     ErrorReply,
     PausedMind,
     PauseReply,
@@ -57,6 +65,8 @@ from volutectl.wire.messages import (
     QueueRow,
     RegisterReply,
     RegisterRepoRequest,
+    ReleaseReply,
+    ReleaseRequest,
     Reply,
     Request,
     ResumeRequest,
@@ -78,6 +88,7 @@ class Caller:
     # A descriptor that came with the request (SCM_RIGHTS; register_repo's directory),
     # open until the handler returns: what is kept of it is a dup.
     descriptor: int | None = None
+    client: Client | None = None  # the connection it came on (a lease binds to it)
 
     @cached_property
     def role(self) -> roles.Role:
@@ -282,6 +293,39 @@ def wait_handler(state: GateState, request: WaitRequest, caller: Caller) -> Wait
     return WaitReply(ids)
 
 
+def _leases(state: GateState, caller: Caller) -> tuple[Leases, Client]:
+    if state.leases is None or caller.client is None:  # pragma: no cover - always set
+        raise VoluteError("leases: this gate serves none")
+    return state.leases, caller.client
+
+
+def acquire_handler(state: GateState, request: AcquireRequest, caller: Caller) -> AcquireReply:
+    """Wait for a place for (mind, session), then hold it as a lease bound to this
+    connection (volutectl/gate/leases.py)."""
+    leases, client = _leases(state, caller)
+    validate.configured_mind(state.settings, request.mind, state.minds_on_disk)
+    if request.pids:
+        raise DataError(
+            "pids: this gate moves no processes into a lease's scope yet; acquire with pids 0"
+        )
+    return leases.acquire(request.mind, request.session, request.request_id, caller.uid, client)
+
+
+def release_handler(state: GateState, request: ReleaseRequest, caller: Caller) -> ReleaseReply:
+    leases, _ = _leases(state, caller)
+    return leases.release(request.lease, request.token, caller.uid)
+
+
+def claim_handler(state: GateState, request: ClaimRequest, caller: Caller) -> ClaimReply:
+    leases, client = _leases(state, caller)
+    return leases.claim(request.lease, request.token, caller.uid, client)
+
+
+def end_lease_handler(state: GateState, request: EndLeaseRequest, caller: Caller) -> EndLeaseReply:
+    leases, _ = _leases(state, caller)
+    return leases.end_by_admin(request.lease)
+
+
 # Each request type's handler. `answered_by` proves (to mypy) that a handler takes that
 # request and returns that request's reply type. Any client may deliver.
 Handler = Callable[[GateState, Any, Caller], Reply]
@@ -296,6 +340,10 @@ HANDLERS: dict[type[Request[Reply]], Handler] = dict(
         PauseRequest.answered_by(pause_handler),
         ResumeRequest.answered_by(resume_handler),
         WaitRequest.answered_by(wait_handler),
+        AcquireRequest.answered_by(acquire_handler),
+        ReleaseRequest.answered_by(release_handler),
+        ClaimRequest.answered_by(claim_handler),
+        EndLeaseRequest.answered_by(end_lease_handler),
     ]
 )
 
@@ -325,7 +373,7 @@ REFUSED_SECONDS = 60.0  # at most one AdminRequestRefused entry per uid this oft
 # The requests that change others' work: an admin's alone (volutectl/roles.py). Every
 # other request is a client's; those that show deliveries show a client its own.
 ADMIN_ONLY: frozenset[type[Request[Reply]]] = frozenset(
-    {PauseRequest, ResumeRequest, RetryRequest, DropRequest}
+    {PauseRequest, ResumeRequest, RetryRequest, DropRequest, EndLeaseRequest}
 )
 
 

@@ -35,6 +35,7 @@ from volutectl.errors import VoluteError
 from volutectl.gate import lifecycle
 from volutectl.gate.turns import Turn, Turns
 from volutectl.launcher.hands import TurnHands
+from volutectl.states import TurnKind
 from volutectl.store.queue import Store, TurnRow
 from volutectl.systemd.port import ENDED_STATES, SystemdManager
 
@@ -135,7 +136,7 @@ class Liveness:
             elif not self.turns.forgotten(name) and self._foreign_holds_process(name):
                 foreign += 1
         live = [
-            admission.LiveTurn(turn.id, turn.mind, turn.session)
+            admission.LiveTurn(turn.id, turn.mind, turn.session, lease=turn.lease)
             for turn in self.turns.all()
             if lifecycle.holds_place(turn.state, turn.unit in names_listed)
         ]
@@ -258,6 +259,7 @@ class Liveness:
             interrupted=row.interrupted,
             deadline=row.deadline,
             timed_out_at=row.timed_out_at,
+            lease=row.kind is TurnKind.LEASE,
         )
 
     def _adopted_main(self, row: TurnRow) -> tuple[int | None, bool]:

@@ -49,11 +49,12 @@ from volutectl.core import admission
 from volutectl.errors import VoluteError, one_line
 from volutectl.gate import handlers, status
 from volutectl.gate.adaptive import AdaptiveLimit, Sensor
+from volutectl.gate.leases import Leases
 from volutectl.gate.liveness import Evidence, Liveness
 from volutectl.gate.outcomes import Settled, Waiters
 from volutectl.gate.pressure import open_for_turns
 from volutectl.gate.reactor import Reactor, only_wake
-from volutectl.gate.server import REQUESTS_PER_PASS, Incoming, Server
+from volutectl.gate.server import REQUESTS_PER_PASS, Client, Incoming, Server
 from volutectl.gate.serving import Serving
 from volutectl.gate.state import GateState
 from volutectl.gate.turns import Turn, Turns
@@ -137,7 +138,19 @@ class Gate:
         self._opened.append(self.server)
         self.waiters = Waiters(self.server, self.state.store)
         self.serving = Serving(self.state, self.server, self.waiters)
+        self.state.leases = leases = Leases(
+            self.held,
+            self.state.store,
+            self.state.turns,
+            self.journal,
+            send=self.server.reply,
+            wake=self.mark_dirty,
+            clock=self.clock,
+        )
+        self.server.on_drop = self._on_drop
+        self.reactor.at(leases.deadline, self._on_reclaim_deadline)
         self.state.liveness.recover()
+        leases.recover()
         self.state.store.sync()
         self.retention = Retention(
             self.state.store, lambda: self.settings.gate.retention_days, self.journal
@@ -253,7 +266,10 @@ class Gate:
         self.state.dirty = True
 
     def close(self) -> None:
-        """Stop serving. Turns keep running in their scopes; a restarted gate adopts them."""
+        """Stop serving. Turns keep running in their scopes, and leases with them; a
+        restarted gate adopts them, and the holders claim their leases again."""
+        if self.state.leases is not None:
+            self.state.leases.stopping = True  # closing its clients ends no lease
         self.server.close()
         for turn in self.state.turns.all():
             self.state.turns.close_pidfd(turn)
@@ -470,6 +486,16 @@ class Gate:
         # Off the handoff path: the gate has been quiet for a second.
         self._guarded("a checkpoint of the queue", self.state.store.checkpoint)
 
+    def _on_drop(self, client: Client) -> None:
+        """A client was dropped: its waiters are forgotten, its leases end."""
+        self.waiters.forget(client)
+        if self.state.leases is not None:
+            self.state.leases.client_closed(client)
+
+    def _on_reclaim_deadline(self, now: float) -> None:
+        assert self.state.leases is not None
+        self._guarded("a lease's reclaim window", self.state.leases.on_deadline, now)
+
     def _turn_deadline(self) -> float | None:
         """A turn's time limit (stored on the wall clock), or a question to systemd due."""
         return self.reactor.from_wall_clock(self.state.liveness.next_deadline())
@@ -495,6 +521,8 @@ class Gate:
         # A turn's settlement is durable before the gate sleeps; if the disk refuses,
         # the next pass tries again (what was not synced is still in the WAL).
         self._guarded("syncing the queue", self.state.store.sync)
+        if self.state.leases is not None:
+            self.state.leases.flush()  # after the pass's replies: a grant after its acquire's
         idle = not (ready or served or events)  # woke for deadlines alone
         mono = self.clock.monotonic()
         self._guarded("retention", self.retention.on_pass, mono, idle, self.started)
@@ -557,7 +585,7 @@ class Gate:
         """One admission pass over the store's index of pending rows (O(what changed):
         volutectl/store/index.py), then carry out what it decided."""
         state = self.state
-        if state.store.index.rows:
+        if state.store.index.rows or (state.leases is not None and state.leases.waiting()):
             # Starts and folds need the launcher: without it, decide nothing (and say so).
             state.turns.hands.ensure()
         live, state.foreign_live = state.liveness.count_live()
@@ -568,8 +596,8 @@ class Gate:
             test_runs = len(state.slots.held())
         now, clock = self.clock.wall(), self.clock
         pressure = state.pressure
-        adaptive = state.adaptive
-        assert adaptive is not None
+        adaptive, leases = state.adaptive, state.leases
+        assert adaptive is not None and leases is not None  # both set once the rest is up
         adaptive.before_pass(clock.monotonic())
         decision, changes = state.store.index.admit(
             live,
@@ -587,6 +615,7 @@ class Gate:
             all_paused=isinstance(state.paused, admission.EveryMind),
             # PSI is reactive: start at most one turn per pass, and let it settle.
             max_starts=pressure.may_start() if pressure is not None else None,
+            acquires=leases.waiting(),
         )
         for fold in decision.folds:
             state.turns.fold(fold, now)
@@ -595,6 +624,7 @@ class Gate:
                 break  # the rest stay pending, decided again in the next pass
             self.started = True
             state.turns.start(start, now)
+        self._grant(decision, now)
         paused = state.turns.starts_paused(now)
         if paused is not None:
             self.admit_retry = self.reactor.from_wall_clock(paused)
@@ -602,12 +632,23 @@ class Gate:
             pressure.note_started(clock.monotonic())
         state.turns.record_holds(changes, now)
         others = state.foreign_live + test_runs
-        busy = len(live) + len(decision.starts) + others
+        busy = len(live) + len(decision.starts) + len(decision.grants) + others
         adaptive.track(clock.monotonic(), {turn.id: turn.mind for turn in state.turns.all()})
         load = adaptive.load_of([t.mind for t in live], [s.mind for s in decision.starts])
         waiting = state.store.index.counts[HoldReason.ADAPTIVE_LIMIT]
         adaptive.after_pass(clock.monotonic(), busy, waiting, load + others)
         self.notifier.update(status.gate_line(state, now, test_runs))
+
+    def _grant(self, decision: admission.Admission, now: float) -> None:
+        """The acquires admission granted, after its starts (a grant may join one of
+        them); the reasons of those still waiting."""
+        leases = self.state.leases
+        assert leases is not None
+        leases.held_by(decision.lease_holds)
+        for lease_id in decision.grants:
+            if self.state.turns.starts_paused(now) is not None:
+                break  # they wait, decided again in the next pass
+            leases.grant(lease_id, now)
 
 
 def _not_roots(incoming: Incoming) -> bool:

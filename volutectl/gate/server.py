@@ -117,6 +117,13 @@ class Client:
     # request is handled or the client dropped: (fd, lines still to go until that one).
     incoming_fd: tuple[int, int] | None = None
     passed: tuple[Request[Reply], int] | None = None  # that request, decoded, and the fd
+    # Leases it holds or awaits (volutectl/gate/leases.py): while it has one it is never
+    # idle, and closing it ends them.
+    leases: set[int] = field(default_factory=set)
+
+    def kept(self) -> bool:
+        """It waits for an outcome or holds a lease: no idle clock runs for it."""
+        return bool(self.waiting or self.leases)
 
     def peer_uid(self) -> int:
         """The uid of the process that connected."""
@@ -358,7 +365,7 @@ class Server:
     def _mark_active(self, client: Client) -> None:
         """Restart the client's idle clock; a client that waits on a turn has none."""
         self.idle.pop(client.fd, None)
-        if not client.closed and not client.waiting:
+        if not client.closed and not client.kept():
             client.idle_since = self.reactor.clock.monotonic()
             self.idle[client.fd] = client
 
@@ -573,7 +580,7 @@ class Server:
         if client.closed:
             return
         client.outbox += protocol.encode(reply.to_wire())
-        if client.waiting:
+        if client.kept():
             self.idle.pop(client.fd, None)  # it waits on a turn: not idle
         elif client.fd not in self.idle:
             self._mark_active(client)  # its wait just ended

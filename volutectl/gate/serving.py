@@ -88,7 +88,7 @@ class Serving:
         passed = self.server.take_passed(client, request)
         try:
             return handlers.handle(
-                self.state, request, Caller(client.peer_uid(), descriptor=passed)
+                self.state, request, Caller(client.peer_uid(), descriptor=passed, client=client)
             )
         except Exception as error:  # noqa: BLE001 - a bug: it ends this client only
             self.server.client_failed(client, f"handling a {request.OP} request", error)

@@ -15,6 +15,7 @@ from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings
 from volutectl.core import admission
 from volutectl.gate.adaptive import AdaptiveLimit
+from volutectl.gate.leases import Leases
 from volutectl.gate.liveness import Liveness
 from volutectl.gate.outcomes import Settled
 from volutectl.gate.pressure import PressureWatch
@@ -48,6 +49,7 @@ class GateState:
     # uids refused an admin's request: when that was last said, and how many since unsaid
     admin_refused: dict[int, tuple[float, int]] = field(default_factory=dict)
     adaptive: AdaptiveLimit | None = None  # the adaptive limit; set once the rest is up
+    leases: Leases | None = None  # the leases (gate/leases.py); set once the socket is up
     # The minds the config file on disk names (read again when it changes): an unknown
     # mind's refusal says to reload when the file has it. None: not asked.
     minds_on_disk: Callable[[], Collection[str]] | None = None

@@ -119,6 +119,7 @@ def build(state: GateState) -> Status:
         adaptive=state.adaptive.status() if state.adaptive is not None else None,
         backing_off=len(state.store.index.backing_off(now)),
         config=state.config,
+        leases=state.leases.status() if state.leases is not None else (),
     )
 
 

@@ -33,7 +33,7 @@ from volutectl.gate import lifecycle
 from volutectl.gate.outcomes import Settled
 from volutectl.launcher import fork
 from volutectl.launcher.hands import LauncherLost, LauncherUnavailable, TurnHands
-from volutectl.states import HoldReason, Outcome, QueueState
+from volutectl.states import HoldReason, LeaseEnd, Outcome, QueueState
 from volutectl.store.indexed import IndexedStore
 from volutectl.store.queue import Row, TurnRow
 from volutectl.systemd.journal import Journal
@@ -61,6 +61,8 @@ class Turn:
     timed_out_at: float | None = None  # when the gate stopped it for running past that
     leftovers_told: bool = False  # the journal said what its main process left behind
     taken: tuple[Row, ...] = ()  # while it starts: the deliveries its start carries
+    lease: bool = False  # a lease's scope (volutectl/gate/leases.py), not a command's run
+    lease_end: LeaseEnd | None = None  # why the gate stopped a lease's scope, if it did
 
     def main_alive(self) -> bool:
         return isinstance(self.state, lifecycle.Running)
@@ -112,6 +114,9 @@ class Turns:
         self.ask = ask
         # Told what each ended turn wrote, by mind (the adaptive limit's IO costs).
         self.on_written: Callable[[str, int], None] | None = None
+        # Told when a turn frees its place, however it ended: the leases on it end
+        # (volutectl/gate/leases.py).
+        self.on_freed: Callable[[Turn], None] = lambda turn: None
         self._turns: dict[int, Turn] = {}
         # A start found systemd silent (a daemon-reexec): no turn starts before then.
         self._starts_paused_until: float | None = None
@@ -303,6 +308,37 @@ class Turns:
         ids = " ".join(str(row.id) for row in taken)
         self.journal.emit(events.TurnStarted(**events.turn_fields(turn), delivery_ids=ids))
 
+    def start_lease(self, turn_id: int, mind: str, session: str, now: float) -> Turn:
+        """Have its hands start a lease's scope, committed as turn `turn_id` already;
+        it then holds its place as a turn does. How the start went is the turn's state
+        (a failure frees it at once: `on_freed`)."""
+        max_runtime = self.settings.max_runtime(mind)
+        turn = Turn(
+            id=turn_id,
+            mind=mind,
+            session=session,
+            unit=names.turn_scope_name(mind, turn_id),
+            started_at=now,
+            state=lifecycle.Starting(),
+            deadline=now + max_runtime if max_runtime else None,
+            lease=True,
+        )
+        order = orders.StartLease(turn_id=turn_id, mind=mind, session=session)
+        try:
+            launched = self.hands.start_lease(order)
+        except (LauncherLost, LauncherUnavailable) as error:
+            self._start_unknown(turn, error)
+            return turn
+        except (VoluteError, OSError) as error:
+            turn.lease_end = LeaseEnd.START_FAILED
+            self._start_failed(turn, error)
+            return turn
+        crash_point("lease_scope_started")
+        self.store.mark_released(turn_id, launched.pid)
+        turn.released, turn.pid = True, launched.pid
+        self._start_went(turn, lifecycle.StartReported(pidfd=launched.pidfd))
+        return turn
+
     def _start_unknown(self, turn: Turn, error: VoluteError) -> None:
         """The launcher was lost during the start: the turn may run, or may never have.
         It keeps its place, as an adopted turn does, until systemd says which."""
@@ -403,6 +439,7 @@ class Turns:
                 self._turns[turn.id] = turn
             case lifecycle.Free():
                 self._turns.pop(turn.id, None)
+                self.on_freed(turn)
             case lifecycle.WatchMainFd(pidfd):
                 self.watch_fd(pidfd, turn)
             case lifecycle.CloseMainFd(pidfd):
@@ -609,6 +646,9 @@ class Turns:
 
     def finish(self, turn: Turn) -> None:
         """Nothing of the turn runs any more: settle its deliveries and free its place."""
+        if turn.lease:  # no deliveries, no directory: its leases end as it frees
+            self.apply(turn, lifecycle.Ended(Outcome.OK))
+            return
         now = self.clock.wall()
         rows = self.store.rows_of_turn(turn.id)
         report = self.hands.inspect(turn.id, [row.id for row in rows if row.folded])

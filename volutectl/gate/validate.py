@@ -50,6 +50,11 @@ def delivery(
 ) -> NewDelivery:
     """The row to add for a deliver request: its mind is configured, its message fits."""
     mind = configured_mind(settings, request.mind, on_disk)
+    if settings.minds[mind].command is None:
+        raise DataError(
+            f"mind {mind} has no command: it takes leases only",
+            hint="give it a command in the config, or acquire a lease for it",
+        )
     try:
         data = request.message.encode()
     except UnicodeEncodeError:

@@ -383,3 +383,50 @@ def _wait_then_exec(
     _become(account)
     _ready_to_exec()
     os.execve("/bin/sh", wrapper, environment)
+
+
+# A lease's placeholder: the scope's main process while a daemon runs the turn itself
+# (issue 31). It sleeps, as the mind's user, until the scope is stopped; its name in
+# `ps` and `systemctl status` says what it is.
+PLACEHOLDER = ["volute-lease-placeholder", "infinity"]
+SLEEP = "/bin/sleep"
+
+
+def fork_placeholder(account: Account) -> Child:
+    """Fork a lease scope's placeholder, blocked until released (as a turn's child is):
+    then it becomes `account` and sleeps until its scope is stopped. It inherits
+    nothing of the gate's but its release pipe, and runs in / with no environment."""
+    read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        pid = os.fork()
+    except OSError as error:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.close(read_fd)
+        os.close(write_fd)
+        raise VoluteError(f"cannot fork a lease's placeholder: {error}") from None
+    if pid == 0:  # pragma: no cover - the child; its effects are tested end to end
+        try:
+            _placeholder(read_fd, account)
+        finally:
+            os._exit(127)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    os.close(read_fd)
+    return Child(pid=pid, pidfd=os.pidfd_open(pid), release_fd=write_fd)
+
+
+def _placeholder(release_fd: int, account: Account) -> None:  # pragma: no cover - the child
+    _reset_inherited_state()
+    release = fcntl.fcntl(release_fd, fcntl.F_DUPFD_CLOEXEC, STATUS_FD + 1)
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.closerange(3, release)
+    os.closerange(release + 1, _MAX_FD)
+    os.setsid()
+    os.chdir("/")
+    if os.read(release, 1) != RELEASE:
+        os._exit(0)
+    _become(account)
+    _ready_to_exec()
+    os.execve(SLEEP, PLACEHOLDER, {"PATH": TURN_PATH})

@@ -22,6 +22,7 @@ Failures, as the gate must read them:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -80,6 +81,10 @@ class TurnHands(Protocol):
         """Raise LauncherUnavailable unless orders can be given now."""
 
     def start(self, order: orders.StartTurn, stdin: bytes) -> Launched: ...
+
+    def start_lease(self, order: orders.StartLease) -> Launched:
+        """Start a lease's scope, held by a placeholder process as the mind's user."""
+        ...
 
     def offer(self, order: orders.Offer, record: bytes) -> None: ...
 
@@ -180,6 +185,9 @@ class LocalHands:
         mind = settings.minds.get(order.mind)
         if mind is None:
             raise DataError(f"mind {order.mind!r} is not configured for the launcher")
+        if mind.command is None:
+            raise DataError(f"mind {order.mind} has no command: it takes leases only")
+        command = mind.command
         unit = names.turn_scope_name(order.mind, order.turn_id)
         child = None
         try:
@@ -201,7 +209,7 @@ class LocalHands:
                 extra=extra,
             )
             stream = self.journal.turn_stream(order.mind, unit)
-            argv = fork.command_argv(mind.command)
+            argv = fork.command_argv(command)
             child = fork.fork_turn(argv, env, account, turn_dir, cwd, stream, stdin=stdin)
             crash_point("forked")
             props = scope_properties(settings, order.mind, order.session, order.turn_id)
@@ -222,6 +230,36 @@ class LocalHands:
             raise
         self.children[order.turn_id] = child.pid
         self.units[order.turn_id] = names.turn_scope_name(order.mind, order.turn_id)
+        return Launched(child.pid, child.pidfd)
+
+    def start_lease(self, order: orders.StartLease) -> Launched:
+        """A lease's scope: its placeholder forked, put in the scope (the turns' weights,
+        no RuntimeMaxSec=: systemd would kill the daemon's processes moved into it; the
+        gate stops it at the time limit), then released to become the mind's user."""
+        settings = self.held.current
+        if order.mind not in settings.minds:
+            raise DataError(f"mind {order.mind!r} is not configured for the launcher")
+        unit = names.turn_scope_name(order.mind, order.turn_id)
+        child = None
+        try:
+            account = self.account_of(settings, order.mind)
+            child = fork.fork_placeholder(account)
+            props = dataclasses.replace(
+                scope_properties(settings, order.mind, order.session, order.turn_id),
+                description=f"volute lease {order.turn_id} of {order.mind}/{order.session}",
+                runtime_max_seconds=None,
+            )
+            self.manager.start_scope(unit, [child.pid], props)
+            child.release()
+        except (VoluteError, OSError, KeyError, ValueError) as error:
+            self._abandon(child)
+            if isinstance(error, VoluteError):
+                raise
+            raise VoluteError(str(error)) from None
+        except BaseException:
+            self._abandon(child)
+            raise
+        self.children[order.turn_id] = child.pid  # reaped as a turn's child is
         return Launched(child.pid, child.pidfd)
 
     @staticmethod
@@ -430,6 +468,12 @@ class RemoteHands:
 
     def start(self, order: orders.StartTurn, stdin: bytes) -> Launched:
         reply = self.ask(order, stdin, START_TIMEOUT_SECONDS)
+        if reply.pidfd is None:  # pragma: no cover - with_fd gave it one
+            raise LauncherLost("the launcher's start came with no descriptor")
+        return Launched(reply.pid, reply.pidfd)
+
+    def start_lease(self, order: orders.StartLease) -> Launched:
+        reply = self.ask(order, None, START_TIMEOUT_SECONDS)
         if reply.pidfd is None:  # pragma: no cover - with_fd gave it one
             raise LauncherLost("the launcher's start came with no descriptor")
         return Launched(reply.pid, reply.pidfd)

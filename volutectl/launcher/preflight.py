@@ -357,6 +357,8 @@ def check_mind(
     account = lookup(user)
     if account is None:
         return MindReport(name, user, (f"user {user!r} does not exist",), ())
+    if mind.command is None:  # a daemon runs its turns: nothing of a command to check
+        return MindReport(name, user, (), ("no command: it takes leases only",))
     who = who_of(account)
     problems: list[str] = []
     notes: list[str] = []

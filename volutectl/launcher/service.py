@@ -229,6 +229,16 @@ def start(launcher: Launcher, order: orders.StartTurn, stdin: bytes) -> orders.S
     return orders.Started(launched.pid, launched.pidfd)
 
 
+def start_lease(launcher: Launcher, order: orders.StartLease, _: bytes) -> orders.Started:
+    launched = launcher.hands.start_lease(order)
+    launcher.journal.emit(
+        events.TurnLaunched(
+            mind=order.mind, session=order.session, turn_id=order.turn_id, pid=launched.pid
+        )
+    )
+    return orders.Started(launched.pid, launched.pidfd)
+
+
 def offer(launcher: Launcher, order: orders.Offer, record: bytes) -> orders.Done:
     launcher.hands.offer(order, record)
     return orders.Done()
@@ -272,6 +282,7 @@ Executor = Callable[[Launcher, Any, bytes], orders.OrderReply]
 EXECUTE: dict[type[orders.Order[Any]], Executor] = dict(
     [
         orders.StartTurn.answered_by(start),
+        orders.StartLease.answered_by(start_lease),
         orders.Offer.answered_by(offer),
         orders.Interrupt.answered_by(interrupt),
         orders.Stop.answered_by(stop),

@@ -39,10 +39,12 @@ from dataclasses import dataclass, field
 from volutectl.core.admission import (
     EVERY_MIND,
     MIND_REASONS,
+    Acquire,
     Admission,
     Delivery,
     Fold,
     Hold,
+    LeaseQueue,
     Limits,
     LiveTurn,
     Place,
@@ -90,6 +92,7 @@ class PendingIndex:
         self.regime: HoldReason | None = None
         self.live: Counter[str] = Counter()  # live turns per mind, as of the last pass
         self.live_sessions: dict[Key, int] = {}
+        self.leased: set[Key] = set()  # sessions a live lease holds: `mind_busy`
         self.paused_minds: frozenset[str] = frozenset()
         self.all_paused = False
         self.limits: Limits | None = None
@@ -216,6 +219,7 @@ class PendingIndex:
         paused: Iterable[str] = (),
         all_paused: bool = False,
         max_starts: int | None = None,
+        acquires: Iterable[Acquire] = (),
     ) -> tuple[Admission, list[Change]]:
         """What admission.admit() would decide over the pending rows, and the hold reasons the
         store must write so that every row's recorded reason is the one it would give.
@@ -240,7 +244,8 @@ class PendingIndex:
         every = EVERY_MIND if self.all_paused else self.paused_minds
         rules = Rules(limits, every, pressure, max_starts)
         tally = Tally.of([*live, *others], limits)
-        starts = self._starts(rules, tally)
+        leases = LeaseQueue.of(acquires)
+        starts = self._starts(rules, tally, leases)
         changes = self._reasons(rules, tally, starts, folds)
         # What was decided is carried out by the store, whose commits come back here; a
         # start that fails before its commit must be offered again, so look again.
@@ -248,7 +253,7 @@ class PendingIndex:
             self.dirty_minds.add(mind)
             self.dirty_sessions.add((mind, session))
         holds = [Hold(i, reason) for i, reason in changes if reason is not None]
-        return Admission(starts, folds, holds), changes
+        return Admission(starts, folds, holds, leases.grants, leases.holds), changes
 
     def _fold_keys(self, folds: list[Fold]) -> list[Key]:
         by_turn = {turn_id: key for key, turn_id in self.live_sessions.items()}
@@ -269,11 +274,16 @@ class PendingIndex:
                 self.dirty_minds.add(mind)
         sessions: dict[Key, int] = {}
         for turn in sorted(live, key=lambda t: t.turn_id):
-            sessions.setdefault((turn.mind, turn.session), turn.turn_id)
+            if not turn.lease:
+                sessions.setdefault((turn.mind, turn.session), turn.turn_id)
         for key in set(sessions.items()) ^ set(self.live_sessions.items()):
             self.dirty_sessions.add(key[0])
             self.dirty_minds.add(key[0][0])
-        self.live, self.live_sessions = counts, sessions
+        leased = {(turn.mind, turn.session) for turn in live if turn.lease}
+        for changed in leased ^ self.leased:
+            self.dirty_sessions.add(changed)
+            self.dirty_minds.add(changed[0])
+        self.live, self.live_sessions, self.leased = counts, sessions, leased
 
     def _notice_paused(self, paused: frozenset[str], every: bool) -> None:
         if every != self.all_paused:
@@ -291,7 +301,8 @@ class PendingIndex:
         for session, queue in queues.sessions.items():
             if (mind, session) in self.dirty_sessions:
                 queue.eligible = _eligible(queue.rows, now)
-            if queue.eligible and (mind, session) not in self.live_sessions:
+            key = (mind, session)
+            if queue.eligible and key not in self.live_sessions and key not in self.leased:
                 queues.heads.append((queue.ids[0], session))
         heapq.heapify(queues.heads)
         if queues.heads:
@@ -314,13 +325,19 @@ class PendingIndex:
             )
         return folds
 
-    def _starts(self, rules: Rules, tally: Tally) -> list[Start]:
+    def _starts(self, rules: Rules, tally: Tally, leases: LeaseQueue) -> list[Start]:
         """Offer admission.decide the sessions' heads in order, and start those it lets,
         until its regime holds every head that could be left (the light heads
-        admission.may_pass lets by a held one are still asked). `tally` ends with the
-        pass's starts, and its regime: the one that stopped them, or, if none did, the
-        one the next head would meet."""
+        admission.may_pass lets by a held one are still asked); the waiting acquires
+        (`leases`) are decided where they stand among the heads, as admission.admit
+        decides them. `tally` ends with the pass's starts, and its regime: the one that
+        stopped them, or, if none did, the one the next head would meet."""
         starts: list[Start] = []
+        started: set[Key] = set()
+
+        def taken(key: Key) -> bool:
+            return key in started or key in self.live_sessions or key in self.leased
+
         least = min(rules.limits.costs.values(), default=1.0)
         passed: list[tuple[int, str]] = []  # held heads light ones went past
         while self.startable:
@@ -329,6 +346,7 @@ class PendingIndex:
             if queues is None or not queues.heads or queues.heads[0][0] != head:
                 heapq.heappop(self.startable)  # stale: the mind changed since
                 continue
+            leases.until(head, tally, rules, taken)
             reason = decide(mind, tally, rules)
             tally.note(mind, reason, rules.limits)
             if reason in MIND_REASONS:
@@ -345,8 +363,10 @@ class PendingIndex:
             starts.append(
                 Start(mind=mind, session=session, delivery_ids=tuple(queue.ids[: queue.eligible]))
             )
+            started.add((mind, session))
             if queues.heads:
                 heapq.heappush(self.startable, (queues.heads[0][0], mind))
+        leases.until(None, tally, rules, taken)
         for entry in passed:
             heapq.heappush(self.startable, entry)
         if tally.regime is None:  # no head held: what the next one would meet
@@ -388,7 +408,10 @@ class PendingIndex:
             queue = queues.sessions.get(session) if queues else None
             if queue is not None and queues is not None:
                 held = (mind, session) not in started and (mind, session) not in self.live_sessions
-                changes += self._session_changes(queue, queues.reason if held else None, taken)
+                reason = queues.reason if held else None
+                if (mind, session) in self.leased:
+                    reason = HoldReason.MIND_BUSY  # a lease holds its session
+                changes += self._session_changes(queue, reason, taken)
         for delivery_id in self.fresh - taken:
             row = self.rows[delivery_id]
             if (row.mind, row.session) in self.dirty_sessions:
@@ -398,7 +421,10 @@ class PendingIndex:
             at = bisect.bisect_left(queue.ids, delivery_id)
             held = (row.mind, row.session) not in started
             held = held and (row.mind, row.session) not in self.live_sessions
-            want = _reason_at(at, queue.eligible, queues.reason if held else None, row, self.now)
+            reason = queues.reason if held else None
+            if (row.mind, row.session) in self.leased:
+                reason = HoldReason.MIND_BUSY
+            want = _reason_at(at, queue.eligible, reason, row, self.now)
             changes += self._change(delivery_id, want)
         self.dirty_minds.clear()
         self.dirty_sessions.clear()

@@ -23,7 +23,8 @@ from pathlib import Path
 from volutectl.clock import SYSTEM, Clock
 from volutectl.core.admission import AfterFailure, interrupts_that_cut
 from volutectl.errors import PermissionDeniedError, UnavailableError, VoluteError
-from volutectl.states import HoldReason, Outcome, QueueState, TurnState
+from volutectl.states import HoldReason, Outcome, QueueState, TurnKind, TurnState
+from volutectl.store.leases import LeaseStore
 from volutectl.store.minds import MindStore
 from volutectl.store.rows import AlreadyQueued, NewDelivery, RequestIdReused, Row, TurnRow
 from volutectl.store.schema import Transaction, migrate, schema_version
@@ -54,7 +55,7 @@ ROW_COLUMNS = (
 ROW_COLUMNS_NO_MESSAGE = ROW_COLUMNS.replace("message", "x'' AS message", 1)
 TURN_COLUMNS = (
     "id, mind, session, unit, state, released, started_at, ended_at, outcome, exit_status, "
-    "detail, pid, interrupted, deadline, timed_out_at"
+    "detail, pid, interrupted, deadline, timed_out_at, kind"
 )
 
 
@@ -108,6 +109,7 @@ def _turn_of(values: sqlite3.Row) -> TurnRow:
         interrupted=bool(values["interrupted"]),
         deadline=values["deadline"],
         timed_out_at=values["timed_out_at"],
+        kind=TurnKind(values["kind"]),
     )
 
 
@@ -141,6 +143,7 @@ class Store:
         except sqlite3.OperationalError as error:
             raise UnavailableError(f"{path}: cannot use the queue database: {error}") from None
         self.minds = MindStore(self.db, self._tx)  # pauses, and each mind's last turn
+        self.leases = LeaseStore(self.db, self._tx)  # leases: their grants and ends
 
     def schema_version(self) -> int:
         return schema_version(self.db)

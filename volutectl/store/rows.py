@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from volutectl.core.admission import Delivery, Sent
 from volutectl.errors import DataError
-from volutectl.states import HoldReason, Outcome, QueueState, TurnState
+from volutectl.states import HoldReason, Outcome, QueueState, TurnKind, TurnState
 
 
 class RequestIdReused(DataError):
@@ -103,3 +103,4 @@ class TurnRow:
     interrupted: bool = False  # the gate sent it SIGINT for an --interrupt delivery
     deadline: float | None = None  # when its max runtime runs out (None: no limit)
     timed_out_at: float | None = None  # when the gate stopped it for running past that
+    kind: TurnKind = TurnKind.TURN  # a lease's scope, or a run of the mind's command

@@ -140,6 +140,30 @@ CREATE UNIQUE INDEX deliveries_request ON deliveries(uid, request_id)
 ALTER TABLE deliveries ADD COLUMN admin INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE deliveries ADD COLUMN cut INTEGER NOT NULL DEFAULT 0;
 """,
+    # 9 -> 10 (leases, issue 31): a lease's scope is a row of the turns table of kind
+    # 'lease' (counted, adopted and stopped as a turn's scope is); each grant is a row of
+    # `leases`: who holds it (uid), its token (the state directory is the gate's
+    # alone, as the messages are), the request id that makes a
+    # repeated acquire safe, whether it created its turn or joined a running one, and how
+    # it ended. A waiting acquire has no row: it lives as long as its connection. Turns
+    # from before are all of kind 'turn'.
+    9: """
+ALTER TABLE turns ADD COLUMN kind TEXT NOT NULL DEFAULT 'turn';
+CREATE TABLE leases (
+    id INTEGER PRIMARY KEY,
+    turn_id INTEGER NOT NULL,
+    mind TEXT NOT NULL,
+    session TEXT NOT NULL,
+    uid INTEGER NOT NULL,
+    token TEXT NOT NULL,
+    request_id TEXT,
+    created INTEGER NOT NULL,
+    granted_at REAL NOT NULL,
+    ended_at REAL,
+    reason TEXT
+);
+CREATE INDEX leases_open ON leases(turn_id) WHERE ended_at IS NULL;
+""",
 }
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
 

@@ -122,3 +122,32 @@ def mind_names(obj: dict[str, Any]) -> tuple[str, ...] | None:
 def _shorter(text: str) -> str:
     # A refusal quotes the name: keep a hostile one from making the reply as long as itself.
     return text if len(text) <= 300 else f"{text[:300]}..."
+
+
+MAX_LEASE_PIDS = 64  # pidfds one acquire may pass (SCM_RIGHTS)
+TOKEN_LENGTH = 32  # a lease's token: 128 bits, lowercase hex
+
+
+def lease_id(obj: dict[str, Any]) -> int:
+    value = obj.get("lease")
+    if type(value) is not int:
+        raise DataError(f"lease: must be a lease id (an integer), not {kind_of(value)}")
+    if value < 1:
+        raise DataError(f"lease: lease ids start at 1, not {value}")
+    return value
+
+
+def token(obj: dict[str, Any]) -> str:
+    value = text(obj, "token")
+    if len(value) != TOKEN_LENGTH or any(c not in "0123456789abcdef" for c in value):
+        raise DataError(f"token: must be {TOKEN_LENGTH} lowercase hex digits")
+    return value
+
+
+def pid_count(obj: dict[str, Any]) -> int:
+    value = obj.get("pids", 0)
+    if type(value) is not int:
+        raise DataError(f"pids: must be a count of pidfds (an integer), not {kind_of(value)}")
+    if not 0 <= value <= MAX_LEASE_PIDS:
+        raise DataError(f"pids: {value} is not between 0 and {MAX_LEASE_PIDS} (MAX_LEASE_PIDS)")
+    return value

@@ -23,7 +23,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from volutectl.errors import EX_PROTOCOL, EX_USAGE, DataError, VoluteError
-from volutectl.states import AdaptiveMode, HoldReason, Outcome, QueueState
+from volutectl.states import AdaptiveMode, HoldReason, LeaseEnd, LeaseState, Outcome, QueueState
 from volutectl.wire import fields
 from volutectl.wire.fields import QUEUE_LIMIT as QUEUE_LIMIT
 from volutectl.wire.fields import QUEUE_LIMIT_MAX as QUEUE_LIMIT_MAX
@@ -52,9 +52,13 @@ class Op(StrEnum):
     PAUSE = "pause"
     RESUME = "resume"
     WAIT = "wait"
+    ACQUIRE = "acquire"
+    RELEASE = "release"
+    CLAIM = "claim"
+    END_LEASE = "end_lease"
 
 
-for _enum in (QueueState, HoldReason, Outcome, AdaptiveMode, Op):
+for _enum in (QueueState, HoldReason, Outcome, AdaptiveMode, Op, LeaseState, LeaseEnd):
     register_enum(_enum)
 
 
@@ -291,6 +295,64 @@ class WaitRequest(Request["WaitReply"]):
         return cls(ids, flag(obj, "progress"))
 
 
+class AcquireRequest(Request["AcquireReply"]):
+    """Wait for a place for `mind`'s `session` in the gate's admission, then hold it as a
+    lease bound to this connection: AcquireReply at once, then LeaseGranted (or
+    LeaseEnded, if it ends first). `pids`: how many pidfds came with the line."""
+
+    OP = Op.ACQUIRE
+    WIRE = {"op": Op.ACQUIRE.value}
+    mind: str
+    session: str = "main"
+    request_id: str | None = None
+    pids: int = 0
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        mind, session = text(obj, "mind"), text(obj, "session", "main")
+        request = cls(mind, session, request_id(obj), fields.pid_count(obj))
+        fields.names(mind, session)
+        return request
+
+
+class ReleaseRequest(Request["ReleaseReply"]):
+    """End lease `lease`, held with `token`."""
+
+    OP = Op.RELEASE
+    WIRE = {"op": Op.RELEASE.value}
+    lease: int
+    token: str
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls(fields.lease_id(obj), fields.token(obj))
+
+
+class ClaimRequest(Request["ClaimReply"]):
+    """Bind lease `lease` (granted before the gate restarted) to this connection."""
+
+    OP = Op.CLAIM
+    WIRE = {"op": Op.CLAIM.value}
+    lease: int
+    token: str
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls(fields.lease_id(obj), fields.token(obj))
+
+
+class EndLeaseRequest(Request["EndLeaseReply"]):
+    """An admin ends lease `lease`: a release by root; its holder is told."""
+
+    OP = Op.END_LEASE
+    WIRE = {"op": Op.END_LEASE.value}
+    lease: int
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Self:
+        return cls(fields.lease_id(obj))
+
+
 REQUESTS: dict[Op, type[Request[Reply]]] = {
     cls.OP: cls
     for cls in (
@@ -304,6 +366,10 @@ REQUESTS: dict[Op, type[Request[Reply]]] = {
         PauseRequest,
         ResumeRequest,
         WaitRequest,
+        AcquireRequest,
+        ReleaseRequest,
+        ClaimRequest,
+        EndLeaseRequest,
     )
 }
 
@@ -469,6 +535,49 @@ class WaitReply(Reply):
     ids: tuple[int, ...]
 
 
+class AcquireReply(Reply):
+    """The acquire is taken: `state` waiting (with its `reason`) or granted (the grant
+    follows at once). `already`: a request id seen before answered its lease again."""
+
+    lease: int
+    state: str  # "waiting" or "granted"
+    reason: HoldReason | None = None
+    already: bool = False
+    QUIET = frozenset({"reason", "already"})
+
+
+class ReleaseReply(Reply):
+    lease: int
+    released: bool = True
+
+
+class ClaimReply(Reply):
+    lease: int
+    unit: str
+    turn_id: int
+
+
+class EndLeaseReply(Reply):
+    lease: int
+    ended: bool = True
+
+
+class LeaseStatus(Record):
+    """A lease, as status shows it (never its token)."""
+
+    lease: int
+    mind: str
+    session: str
+    uid: int
+    state: LeaseState
+    reason: HoldReason | None = None
+    turn_id: int | None = None
+    unit: str | None = None
+    created: bool = True
+    pids: int = 0
+    since: float = 0.0
+
+
 class TurnStatus(Record):
     turn_id: int
     mind: str
@@ -566,6 +675,7 @@ class Status(Record):
     # queue_depth, counted as the STATUS= line counts them (0 from a gate before it).
     backing_off: int = 0
     config: ConfigStatus | None = None  # None from a gate before it
+    leases: tuple[LeaseStatus, ...] = ()  # waiting, held and to reclaim (none before it)
 
 
 class StatusReply(Reply):
@@ -620,7 +730,34 @@ class AttemptFailed(Reply):
     exit_status: int | None = None  # 128+N after signal N
 
 
+class LeaseGranted(Reply):
+    """Lease `lease` is granted: its `token` (for release and claim), its turn's scope.
+    `created`: false when it joined a running turn of the same (mind, session), which
+    takes no new place and moves no processes."""
+
+    WIRE = {"ok": True, "event": "lease_granted"}
+    lease: int
+    token: str
+    unit: str
+    turn_id: int
+    created: bool
+    pids_moved: int = 0
+
+
+class LeaseEnded(Reply):
+    """Lease `lease` ended other than by its holder's own release: `reason` says why."""
+
+    WIRE = {"ok": True, "event": "lease_ended"}
+    lease: int
+    reason: LeaseEnd
+
+
 Event = TurnEnded | DeliveryDead | DeliveryDropped
+LeaseEvent = LeaseGranted | LeaseEnded
+LEASE_EVENTS: dict[object, type[LeaseEvent]] = {
+    "lease_granted": LeaseGranted,
+    "lease_ended": LeaseEnded,
+}
 EVENTS: dict[object, type[Event | AttemptFailed]] = {
     "turn_ended": TurnEnded,
     "dead": DeliveryDead,
@@ -642,6 +779,16 @@ def decode_event(obj: dict[str, Any]) -> Event | AttemptFailed:
     if obj.get("ok") is False:
         ErrorReply.from_wire(obj).raise_it()
     cls = EVENTS.get(obj.get("event"))
+    if cls is None:
+        raise WireError(f"unexpected reply from the gate: {str(obj)[:200]}")
+    return cls.from_wire(obj)
+
+
+def decode_lease_event(obj: dict[str, Any]) -> LeaseEvent:
+    """A lease's event as the client reads it after its AcquireReply."""
+    if obj.get("ok") is False:
+        ErrorReply.from_wire(obj).raise_it()
+    cls = LEASE_EVENTS.get(obj.get("event"))
     if cls is None:
         raise WireError(f"unexpected reply from the gate: {str(obj)[:200]}")
     return cls.from_wire(obj)

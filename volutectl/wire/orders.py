@@ -161,6 +161,16 @@ class StartTurn(Order[Started]):
     delivery_ids: tuple[int, ...]
 
 
+class StartLease(Order[Started]):
+    """Start lease `turn_id`'s scope for `mind`/`session`: a placeholder process as the
+    mind's user holds it (no RuntimeMaxSec=); no command runs."""
+
+    ORDER = "start_lease"
+    turn_id: int
+    mind: str
+    session: str
+
+
 class Offer(Order[Done]):
     """Put a folded delivery (its record is the payload) into a running turn's inbox."""
 
@@ -217,7 +227,8 @@ class Sample(Order[Written]):
 
 
 ORDERS: dict[str, type[Order[Any]]] = {
-    kind.ORDER: kind for kind in (StartTurn, Offer, Interrupt, Stop, Inspect, Remove, Sweep, Sample)
+    kind.ORDER: kind
+    for kind in (StartTurn, StartLease, Offer, Interrupt, Stop, Inspect, Remove, Sweep, Sample)
 }
 
 # -- encoding and strict decoding -------------------------------------------------------
