@@ -76,7 +76,7 @@ Script = Callable[[Peer], None]
 
 
 class LeaseGate:
-    """A listening socket whose n-th connection is played by scripts[n]."""
+    """A listening socket whose n-th connection is played by scripts[n], in a thread."""
 
     def __init__(self, path: Path, scripts: list[Script]) -> None:
         self.path = path
@@ -92,6 +92,7 @@ class LeaseGate:
         self.thread.start()
 
     def _serve(self) -> None:
+        threads = []
         while not self.stopped.is_set() and len(self.peers) < len(self.scripts):
             try:
                 conn, _ = self.listener.accept()
@@ -100,11 +101,20 @@ class LeaseGate:
             peer = Peer(conn)
             script = self.scripts[len(self.peers)]
             self.peers.append(peer)
-            try:
-                with conn:
-                    script(peer)
-            except BaseException as error:  # noqa: BLE001 - shown by the test
-                self.errors.append(error)
+            # Each connection in a thread of its own: a lease's stays open while another
+            # (a status, a claim) is served.
+            thread = threading.Thread(target=self._play, args=(script, peer), daemon=True)
+            thread.start()
+            threads.append(thread)
+        for thread in threads:
+            thread.join(timeout=60)
+
+    def _play(self, script: Script, peer: Peer) -> None:
+        try:
+            with peer.conn:
+                script(peer)
+        except BaseException as error:  # noqa: BLE001 - shown by the test
+            self.errors.append(error)
 
     def all_lines(self) -> list[dict[str, Any]]:
         return [line for peer in self.peers for line in peer.lines]

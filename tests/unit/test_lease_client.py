@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +21,8 @@ import pytest
 
 from tests.unit.fake_gate import remove_tree, short_socket_dir
 from tests.unit.fake_lease_gate import GRANT, TOKEN, UNIT, LeaseGate, Peer, granted_then, released
+from volutectl.states import HoldReason, LeaseState
+from volutectl.wire.messages import LeaseStatus, PressureStatus, Status, StatusReply
 
 VOLUTECTL = Path(sys.executable).parent / "volutectl"
 
@@ -84,6 +87,55 @@ def test_without_a_command_it_prints_the_lease_and_holds_it_until_stdin_closes(
     assert gate.peers[0].pids[0] == []  # no descriptor came with it
     assert release == {"v": 1, "op": "release", "lease": 7, "token": TOKEN}
     assert "lease 7 waits for its place: mind_busy" in err
+
+
+def test_a_wait_without_a_reason_is_explained_from_status(socket_dir: Path) -> None:
+    """A new acquire is answered before admission looks; its reason is in status."""
+    looked = threading.Event()
+
+    def holder(peer: Peer) -> None:
+        assert peer.line() is not None
+        peer.send({"ok": True, "lease": 7, "state": "waiting"})
+        assert looked.wait(timeout=30)
+        peer.send(GRANT)
+        released(peer)
+
+    def status(peer: Peer) -> None:
+        line = peer.line()
+        assert line == {"v": 1, "op": "status"}, line
+        peer.send(StatusReply(status_with_leases()).to_wire())
+        looked.set()
+
+    gate = LeaseGate(socket_dir / "gate.sock", [holder, status])
+    code, out, err = finish(start(socket_dir, "pip"))
+    gate.close()
+    assert code == 0
+    assert out == f"7 {UNIT}\n"
+    assert "lease 7 waits for its place: global_cap" in err
+
+
+def status_with_leases() -> Status:
+    """A gate's status in which lease 7 waits for the global cap (lease 3 held)."""
+    return Status(
+        active_turns=2,
+        global_cap=2,
+        turns_per_mind=1,
+        turns=(),
+        foreign_scopes=0,
+        minds={},
+        queue_depth=0,
+        holds={},
+        oldest_held_s=None,
+        dead=0,
+        slice="volute-turns.slice",
+        test_runs=(),
+        io_pressure=PressureStatus(enabled=False, high=False, reason=None, trigger=None),
+        test_runs_count_as_turns=False,
+        leases=(
+            LeaseStatus(3, "whorl", "main", 1001, LeaseState.HELD, None, 11, "u", since=1.0),
+            LeaseStatus(7, "pip", "main", 1001, LeaseState.WAITING, HoldReason.GLOBAL_CAP),
+        ),
+    )
 
 
 def test_the_command_is_held_until_the_grant_and_runs_in_the_process_that_was_passed(

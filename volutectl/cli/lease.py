@@ -32,7 +32,7 @@ import click
 
 from volutectl.cli.completion import complete_minds, complete_pids
 from volutectl.cli.deliver import socket_path
-from volutectl.cli.leasing import Holder, LeaseEnded, LeaseGrant, end_lease
+from volutectl.cli.leasing import Holder, LeaseGone, end_lease
 from volutectl.cli.options import config_option
 from volutectl.errors import (
     EX_DATAERR,
@@ -44,6 +44,7 @@ from volutectl.errors import (
 )
 from volutectl.names import NameError_, check_mind, check_request_id, check_session
 from volutectl.visible import visible
+from volutectl.wire.messages import LeaseGranted
 
 # The most pids one lease may move (docs/protocol.md's MAX_LEASE_PIDS).
 MAX_LEASE_PIDS = 64
@@ -147,7 +148,7 @@ def run_lease(
             pidfds.append(child.pidfd)
         try:
             grant = holder.acquire(mind, session, request_id or os.urandom(16).hex(), pidfds)
-        except LeaseEnded as ended:
+        except LeaseGone as ended:
             say(f"{ended.words()} before it was granted")
             return LEASE_ENDED_EXIT
         except VoluteError as error:
@@ -200,7 +201,7 @@ def _not_moved(error: VoluteError, mind: str) -> VoluteError:
     )
 
 
-def _tell(grant: LeaseGrant, mind: str, session: str, command: bool, moving: int) -> None:
+def _tell(grant: LeaseGranted, mind: str, session: str, command: bool, moving: int) -> None:
     """Say what was granted: on stdout without CMD (the id and unit, for a script), and
     on stderr when it joined a running turn or moved fewer processes than asked."""
     if not grant.created:
@@ -245,7 +246,7 @@ def _hold(holder: Holder, child: Held | None) -> int:
                 return 0
             if holder.fileno() in ready:
                 holder.hear()
-    except LeaseEnded as ended:
+    except LeaseGone as ended:
         if child is not None and ended.reason == "pids_exited":
             return child.wait()  # CMD was the lease's process, and it exited
         say(ended.words() + ("; stopping the command" if child else ""))
@@ -337,7 +338,7 @@ class Held:
         self.pidfd = os.pidfd_open(self.pid)
         self.status: int | None = None
 
-    def start(self, grant: LeaseGrant | None) -> None:
+    def start(self, grant: LeaseGranted | None) -> None:
         """Let CMD exec, with the lease's id and unit in its environment."""
         assert grant is not None
         os.write(self._go, f"{grant.lease} {grant.unit}\n".encode())

@@ -13,16 +13,38 @@ volutectl/visible.py, never obeyed.
 
 from __future__ import annotations
 
+import select
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from volutectl.errors import EX_DATAERR, EX_TEMPFAIL, EX_USAGE, UnavailableError, VoluteError
 from volutectl.visible import visible
 from volutectl.wire import protocol
-from volutectl.wire.messages import ErrorReply, Reply
+from volutectl.wire.messages import (
+    AcquireReply,
+    AcquireRequest,
+    ClaimReply,
+    ClaimRequest,
+    EndLeaseReply,
+    EndLeaseRequest,
+    ErrorReply,
+    LeaseEnded,
+    LeaseGranted,
+    ReleaseReply,
+    ReleaseRequest,
+    Reply,
+    StatusReply,
+    StatusRequest,
+)
 from volutectl.wire.records import WireError
+
+R = TypeVar("R", bound=Reply)
+# While a lease waits: the first look at its hold reason (`status`: the acquire's reply
+# comes before admission has looked), then a look this often; a change is said.
+FIRST_LOOK_SECONDS = 0.5
+LOOK_EVERY_SECONDS = 5.0
 
 TOO_OLD = "the gate is too old for leases (upgrade volutectl on the host)"
 TOO_OLD_HINT = "this gate answered the lease's request as an unknown operation"
@@ -34,45 +56,11 @@ ENDED_WHY = {
     "scope_gone": "its scope was stopped",
     "creator_released": "the lease whose turn it joined was released",
     "reclaim_expired": "it was not claimed in time after a gate restart",
+    "start_failed": "its scope could not be started",
 }
 
 
-class LeaseAck(Reply):
-    """The gate's first answer to acquire: the lease's id, and whether it waits."""
-
-    lease: int
-    state: str  # "waiting" or "granted"
-    reason: str | None = None  # why it waits (a hold reason)
-    already: bool = False  # the request id was the gate's already: the same lease
-
-
-class LeaseGrant(Reply):
-    """The lease is granted: the event that ends the wait."""
-
-    WIRE = {"ok": True, "event": "lease_granted"}
-    lease: int
-    token: str
-    unit: str
-    turn_id: int
-    created: bool = True
-    pids_moved: int = 0
-
-
-class LeaseEnd(Reply):
-    """The lease ended, other than by its holder's release."""
-
-    WIRE = {"ok": True, "event": "lease_ended"}
-    lease: int
-    reason: str
-
-
-class LeaseClaimed(Reply):
-    lease: int
-    unit: str | None = None
-    turn_id: int | None = None
-
-
-class LeaseEnded(Exception):
+class LeaseGone(Exception):
     """The gate ended the lease (a `lease_ended` event, or a claim that came too late)."""
 
     def __init__(self, lease: int, reason: str) -> None:
@@ -103,7 +91,7 @@ def _refusal(obj: dict[str, Any], too_old: bool) -> VoluteError:
     raise AssertionError("raise_it raises")  # pragma: no cover
 
 
-def answer(obj: dict[str, Any], cls: type[Any], *, too_old: bool = True) -> Any:
+def answer(obj: dict[str, Any], cls: type[R], *, too_old: bool = True) -> R:
     """A reply line as `cls`, or the refusal it carries raised."""
     if obj.get("ok") is False:
         raise _refusal(obj, too_old)
@@ -127,28 +115,23 @@ class Holder:
         self.say = say or _say
         self.connection: protocol.Connection | None = None
         self.lease: int | None = None
-        self.grant: LeaseGrant | None = None
+        self.grant: LeaseGranted | None = None
+        self.shown_reason: str | None = None  # the hold reason said last
 
     # -- acquire --------------------------------------------------------------------------
 
     def acquire(
         self, mind: str, session: str, request_id: str, fds: Sequence[int] = ()
-    ) -> LeaseGrant:
+    ) -> LeaseGranted:
         """Ask for the lease and wait for its grant, asking again (same request id, same
         pidfds) each time the gate restarts meanwhile. A refusal is raised; a lease
-        that ends before its grant is LeaseEnded."""
-        request = {
-            "op": "acquire",
-            "mind": mind,
-            "session": session,
-            "request_id": request_id,
-            "pids": len(fds),
-        }
+        that ends before its grant is LeaseGone."""
+        request = AcquireRequest(mind, session, request_id, len(fds)).to_wire()
         lost: protocol.ConnectionLost | None = None
         while True:
             self.connection = self._connect(request, fds, lost)
             try:
-                return self._granted(mind, session)
+                return self._granted()
             except protocol.ConnectionLost as error:
                 lost = error
                 self.close()
@@ -187,30 +170,67 @@ class Holder:
             delay = min(delay * 2, protocol.RETRY_MAX_SECONDS)
 
     def _first_answer(self, obj: dict[str, Any]) -> None:
-        ack: LeaseAck = answer(obj, LeaseAck)
+        ack: AcquireReply = answer(obj, AcquireReply)
         self.lease = ack.lease
-        if ack.state == "waiting":
-            reason = visible(ack.reason or "no reason given")
-            self.say(f"lease {ack.lease} waits for its place: {reason}")
+        self.shown_reason = None
+        if ack.state == "waiting" and ack.reason is not None:
+            self._say_reason(str(ack.reason))
 
-    def _granted(self, mind: str, session: str) -> LeaseGrant:
-        """Wait on the connection for the grant (or the end) of the lease acquired."""
+    def _say_reason(self, reason: str) -> None:
+        if reason != self.shown_reason:
+            self.shown_reason = reason
+            self.say(f"lease {self.lease} waits for its place: {reason}")
+
+    def _look(self) -> None:
+        """Say why the lease still waits, from `status` on a connection of its own (the
+        gate's admission gives the reason after the acquire's reply); what cannot be
+        learnt now is left for the next look."""
+        try:
+            connection = protocol.Connection(self.path, timeout=self.timeout)
+        except VoluteError:
+            return
+        try:
+            connection.send(StatusRequest().to_wire())
+            status = answer(connection.receive(timeout=self.timeout), StatusReply).status
+        except VoluteError:
+            return
+        finally:
+            connection.close()
+        for lease in status.leases:
+            if lease.lease == self.lease and lease.reason is not None:
+                self._say_reason(str(lease.reason))
+
+    def _next(self, wait: float | None) -> dict[str, Any] | None:
+        """The next line on the connection, or None if none came within `wait` seconds."""
         assert self.connection is not None
+        if b"\n" not in self.connection.buffer:
+            ready, _, _ = select.select([self.connection.sock], [], [], wait)
+            if not ready:
+                return None
+        return self.connection.receive(timeout=self.timeout)
+
+    def _granted(self) -> LeaseGranted:
+        """Wait on the connection for the grant (or the end) of the lease acquired."""
+        wait = FIRST_LOOK_SECONDS
         while True:
-            obj = self.connection.receive(timeout=None)
+            obj = self._next(wait)
+            if obj is None:
+                self._look()
+                wait = LOOK_EVERY_SECONDS
+                continue
             event = obj.get("event")
             if event == "lease_granted":
-                grant: LeaseGrant = answer(obj, LeaseGrant)
+                grant: LeaseGranted = answer(obj, LeaseGranted)
                 if grant.lease != self.lease:
                     continue  # not ours: a gate would not send it; ignore it, as wait does
                 self.grant = grant
                 return grant
             if event == "lease_ended":
-                ended: LeaseEnd = answer(obj, LeaseEnd)
+                ended: LeaseEnded = answer(obj, LeaseEnded)
                 if ended.lease == self.lease:
-                    raise LeaseEnded(ended.lease, ended.reason)
+                    raise LeaseGone(ended.lease, str(ended.reason))
                 continue
-            answer(obj, LeaseAck)  # a refusal is raised; anything else is not ours
+            answer(obj, AcquireReply)  # a refusal is raised; anything else is not ours
             raise WireError(f"unexpected line from the gate while waiting: {str(obj)[:200]}")
 
     # -- holding --------------------------------------------------------------------------
@@ -234,24 +254,24 @@ class Holder:
             self.claim(lost)
             return
         if obj.get("event") == "lease_ended":
-            ended: LeaseEnd = answer(obj, LeaseEnd)
+            ended: LeaseEnded = answer(obj, LeaseEnded)
             if ended.lease == self.grant.lease:
                 self.grant = None
-                raise LeaseEnded(ended.lease, ended.reason)
+                raise LeaseGone(ended.lease, str(ended.reason))
         # Anything else is not for a holder: a newer gate may say more; it is ignored.
 
     def claim(self, lost: protocol.ConnectionLost) -> None:
         """After the gate restarted: claim the lease on a new connection, within the
-        reclaim window. Too late (the gate ended it: 65) is LeaseEnded."""
+        reclaim window. Too late (the gate ended it: 65) is LeaseGone."""
         assert self.grant is not None
         grant = self.grant
         self.say(f"lost the gate ({lost.message}); claiming lease {grant.lease} again")
-        request = {"op": "claim", "lease": grant.lease, "token": grant.token}
+        request = ClaimRequest(grant.lease, grant.token).to_wire()
         try:
             self.connection, _ = protocol.request_through_restarts(
                 self.path,
                 request,
-                lambda obj: answer(obj, LeaseClaimed),
+                lambda obj: answer(obj, ClaimReply),
                 self.timeout,
                 lambda last: _claim_too_late(grant.lease, self.timeout, last),
                 lost,
@@ -259,7 +279,7 @@ class Holder:
         except VoluteError as error:
             if error.exit_code in (EX_DATAERR, EX_TEMPFAIL):
                 self.grant = None
-                raise LeaseEnded(grant.lease, "reclaim_expired") from error
+                raise LeaseGone(grant.lease, "reclaim_expired") from error
             raise
         self.say(f"claimed lease {grant.lease} again")
 
@@ -272,7 +292,7 @@ class Holder:
         if grant is None:
             return False
         self.grant = None
-        request = {"op": "release", "lease": grant.lease, "token": grant.token}
+        request = ReleaseRequest(grant.lease, grant.token).to_wire()
         lost: protocol.ConnectionLost | None = None
         if self.connection is not None:
             try:
@@ -288,7 +308,7 @@ class Holder:
             connection, released = protocol.request_through_restarts(
                 self.path,
                 request,
-                lambda obj: answer(obj, Reply),
+                lambda obj: answer(obj, ReleaseReply),
                 self.timeout,
                 lambda last: _release_lost(grant.lease, last),
                 lost,
@@ -305,7 +325,7 @@ class Holder:
         while True:
             obj = self.connection.receive(timeout=self.timeout)
             if obj.get("event") is None:
-                answer(obj, Reply, too_old=False)
+                answer(obj, ReleaseReply, too_old=False)
                 return True
 
     def close(self) -> None:
@@ -318,8 +338,8 @@ def end_lease(path: str, lease: int) -> None:
     """An admin's `end_lease`: the lease ends as if root released it."""
     connection = protocol.Connection(path)
     try:
-        connection.send({"op": "end_lease", "lease": lease})
-        answer(connection.receive(), Reply)
+        connection.send(EndLeaseRequest(lease).to_wire())
+        answer(connection.receive(), EndLeaseReply)
     finally:
         connection.close()
 
