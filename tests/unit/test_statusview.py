@@ -4,10 +4,11 @@ idle ones counted rather than listed, then the totals, in the one duration forma
 from __future__ import annotations
 
 from volutectl.cli.statusview import format_status, table
-from volutectl.states import AdaptiveMode, Outcome
+from volutectl.states import AdaptiveMode, HoldReason, LeaseState, Outcome
 from volutectl.wire.messages import (
     AdaptiveStatus,
     ConfigStatus,
+    LeaseStatus,
     MindStatus,
     PausedMind,
     PressureStatus,
@@ -218,3 +219,25 @@ def test_others_control_characters_reach_no_line_of_the_status() -> None:
     )
     # The newline in the path made no line of its own: every line is one the view wrote.
     assert not [line for line in lines if line.startswith("queue: 0 pending")]
+
+
+def test_leases_are_listed_waiting_with_their_reason_held_with_their_scope() -> None:
+    leases = (
+        LeaseStatus(7, "pip", "main", 1001, LeaseState.HELD, None, 12,
+                    "volute-turn-pip-12.scope", True, 2, NOW - 12),
+        LeaseStatus(8, "pip", "chat", 1002, LeaseState.WAITING, HoldReason.MIND_BUSY,
+                    since=NOW - 3),
+        LeaseStatus(9, "pip", "main", 1003, LeaseState.HELD, None, 12,
+                    "volute-turn-pip-12.scope", False, 0, NOW - 1),
+        LeaseStatus(4, "whorl", "main", 0, LeaseState.RECLAIM, None, 10,
+                    "volute-turn-whorl-10.scope", True, 0, NOW - 5),
+        LeaseStatus(5, "x\x1b]0;owned\x07", "main", 0, LeaseState.WAITING, None, since=NOW),
+    )  # fmt: skip
+    lines = format_status(status(leases=leases), now=NOW).splitlines()
+    assert [line for line in lines if line.startswith("lease ")] == [
+        "lease 7: pip/main held 12.0s by uid 1001, turn 12 (volute-turn-pip-12.scope), 2 pids",
+        "lease 8: pip/chat waiting 3.0s by uid 1002: mind_busy",
+        "lease 9: pip/main held 1.0s by uid 1003, turn 12 (volute-turn-pip-12.scope), joined",
+        "lease 4: whorl/main to claim again 5.0s by uid 0, turn 10 (volute-turn-whorl-10.scope)",
+        "lease 5: x\\x1b]0;owned\\a/main waiting 0.0s by uid 0",
+    ]

@@ -18,11 +18,12 @@ from collections.abc import Sequence
 
 from volutectl.core.slotmath import CONFIG_KEY, GIT_CONFIG_KEY
 from volutectl.durations import format_duration
-from volutectl.states import AdaptiveMode
+from volutectl.states import AdaptiveMode, LeaseState
 from volutectl.visible import visible
 from volutectl.wire.messages import (
     AdaptiveStatus,
     ConfigStatus,
+    LeaseStatus,
     MindStatus,
     PausedMind,
     RepositoryStatus,
@@ -172,6 +173,7 @@ def _totals(status: Status, now: float) -> list[str]:
         lines.append(_adaptive(status.adaptive))
         lines += _costs(status.adaptive)
     lines += _config(status.config, now)
+    lines += [_lease_line(lease, now) for lease in status.leases]
     pressure = status.io_pressure
     if pressure.enabled:
         state = f"HIGH ({pressure.reason}): holding new turns" if pressure.high else "ok"
@@ -184,6 +186,22 @@ def _totals(status: Status, now: float) -> list[str]:
                 f"running {_age(run.running_s)}  ({run.unit})"
             )
     return lines
+
+
+def _lease_line(lease: LeaseStatus, now: float) -> str:
+    """`lease 7: pip/main held 12.0s by uid 1001, turn 12 (volute-turn-pip-12.scope), 2
+    pids`; a waiting one with its hold reason; one granted before a gate restart and not
+    claimed yet is `to claim again`."""
+    since = _age(now - lease.since) if lease.since else "?"
+    where = f"{lease.mind}/{lease.session}"
+    if lease.state == LeaseState.WAITING:
+        reason = f": {lease.reason}" if lease.reason else ""
+        return f"lease {lease.lease}: {where} waiting {since} by uid {lease.uid}{reason}"
+    how = "held" if lease.state == LeaseState.HELD else "to claim again"
+    joined = "" if lease.created else ", joined"
+    pids = f", {lease.pids} pid{'s' if lease.pids != 1 else ''}" if lease.pids else ""
+    turn = f", turn {lease.turn_id} ({lease.unit})" if lease.turn_id is not None else ""
+    return f"lease {lease.lease}: {where} {how} {since} by uid {lease.uid}{turn}{joined}{pids}"
 
 
 def _queue_line(status: Status) -> str:
