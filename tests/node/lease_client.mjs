@@ -135,9 +135,15 @@ async function oneLease(plan, target, round) {
     const resident = await askResident(target.resident, `turn ${round} ${plan.turn_ms ?? 200}`);
     gate.send({ op: "release", lease: grant.lease, token: grant.token });
     let released = null;
+    let ended = null;
     while (released === null) {
-      const reply = checked(await gate.next(), "release");
+      const line = await gate.next();
+      if (line.ok === false && ended !== null) {
+        throw new Error(`lease ${grant.lease} ended while held: ${ended}`);
+      }
+      const reply = checked(line, "release");
       if (reply.event === "lease_granted" && reply.lease === grant.lease) grants += 1;
+      else if (reply.event === "lease_ended" && reply.lease === grant.lease) ended = reply.reason;
       else if (reply.event === undefined) released = reply;
     }
     if (released.released !== true || released.lease !== grant.lease) {

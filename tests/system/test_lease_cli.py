@@ -90,6 +90,26 @@ def test_without_a_command_it_holds_until_stdin_closes(machine: Machine) -> None
     wait_for(lambda: unit not in live_turn_scopes(machine))
 
 
+def test_a_waiting_lease_says_why_then_is_granted_when_the_place_frees(
+    machine: Machine,
+) -> None:
+    setup(machine)
+    first = popen(machine, "pip", user="agent")
+    assert first.stdout is not None and first.stdin is not None
+    first.stdout.readline()
+    second = popen(machine, "pip", "--session", "other", user="agent")
+    assert second.stdout is not None and second.stderr is not None and second.stdin is not None
+    # Its wait is said on stderr while it waits: one mind, one turn at a time.
+    assert "waits for its place: mind_busy" in second.stderr.readline()
+    assert second.poll() is None
+    first.stdin.close()
+    assert first.wait(timeout=30) == 0
+    lease_id, unit = second.stdout.readline().split()
+    assert SCOPE.fullmatch(unit)
+    second.stdin.close()
+    assert second.wait(timeout=30) == 0
+
+
 def test_a_lease_that_ends_under_the_command_stops_it_75(machine: Machine) -> None:
     setup(machine, max_runtime_seconds=2)
     started = time.monotonic()

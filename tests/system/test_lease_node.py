@@ -71,7 +71,7 @@ def config() -> str:
         limits={"global_concurrent_turns": CAP},
     )
     for mind in LEASE_MINDS:
-        text += f'[minds."{mind}"]\ncommand = "true"\nuser = "{mind}"\n'
+        text += f'[minds."{mind}"]\nuser = "{mind}"\n'  # leases only: no command
     return text
 
 
@@ -113,6 +113,7 @@ def most_at_once(leases: list[dict[str, Any]]) -> int:
 
 
 def test_a_node_client_holds_leases_for_12_minds_under_a_limit_of_2(machine: Machine) -> None:
+    machine.run(["groupadd", "-f", "-r", "volute"])
     machine.run(["useradd", "-M", "-G", "volute", DAEMON])
     for mind in LEASE_MINDS:
         machine.run(["useradd", "-M", "-d", "/nonexistent", "-s", "/usr/sbin/nologin", mind])
