@@ -29,7 +29,7 @@ from jsonschema import Draft202012Validator
 from tests import protocol_schema as schema
 from volutectl import names
 from volutectl.errors import EX_DATAERR, EX_PROTOCOL, EX_USAGE, VoluteError
-from volutectl.states import AdaptiveMode, HoldReason, Outcome, QueueState
+from volutectl.states import AdaptiveMode, HoldReason, LeaseEnd, LeaseState, Outcome, QueueState
 from volutectl.wire import messages, protocol
 from volutectl.wire.messages import Op, Reply, Request
 from volutectl.wire.records import Record
@@ -47,7 +47,10 @@ REQUEST_CLASSES = {
     cls.__name__: cls for cls in [*messages.REQUESTS.values(), *messages.MANY.values()]
 }
 REPLY_CLASSES = {name: cls for name, cls in RECORDS.items() if issubclass(cls, Reply)}
-ENUMS = {cls.__name__: cls for cls in (QueueState, HoldReason, Outcome, AdaptiveMode)}
+ENUMS = {
+    cls.__name__: cls
+    for cls in (QueueState, HoldReason, Outcome, AdaptiveMode, LeaseState, LeaseEnd)
+}
 # Definitions that are no class: the version, the unions, and a shared field type.
 HELPERS = {"Version", "Request", "Reply", "Event", "DeliveryIds"}
 
@@ -63,6 +66,10 @@ REPLY_OF = {
     Op.PAUSE: messages.PauseReply,
     Op.RESUME: messages.PauseReply,
     Op.WAIT: messages.WaitReply,
+    Op.ACQUIRE: messages.AcquireReply,
+    Op.RELEASE: messages.ReleaseReply,
+    Op.CLAIM: messages.ClaimReply,
+    Op.END_LEASE: messages.EndLeaseReply,
 }
 
 
@@ -206,6 +213,9 @@ REQUEST_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     ),
     "path": TEXT.filter(lambda text: "\0" not in text).map(lambda text: "/" + text),
     "limit": st.integers(1, messages.QUEUE_LIMIT_MAX),
+    "lease": st.integers(1, protocol.INT_MAX),
+    "token": st.binary(min_size=16, max_size=16).map(bytes.hex),
+    "pids": st.integers(0, 64),
 }
 
 
@@ -275,6 +285,10 @@ VALID: dict[str, dict[str, Any]] = {
     "PauseRequest": {"v": 1, "op": "pause", "minds": ["mimsy"]},
     "ResumeRequest": {"v": 1, "op": "resume"},
     "WaitRequest": {"v": 1, "op": "wait", "ids": [3, 4]},
+    "AcquireRequest": {"v": 1, "op": "acquire", "mind": "mimsy"},
+    "ReleaseRequest": {"v": 1, "op": "release", "lease": 7, "token": "ab" * 16},
+    "ClaimRequest": {"v": 1, "op": "claim", "lease": 7, "token": "ab" * 16},
+    "EndLeaseRequest": {"v": 1, "op": "end_lease", "lease": 7},
 }
 WRONG: list[object] = [
     None, True, False, 0, 7, -1, 1.5, "", "x", "main", [], ["x"], [0], [2], [1.5], [True],
@@ -368,6 +382,9 @@ def reply_class(read: Request[Reply], reply: dict[str, Any]) -> type[Reply]:
     """The class a reply to `read` must be: by its ok, its event, or the request's op."""
     if reply["ok"] is False:
         return messages.ErrorReply
+    if "event" in reply and reply["event"] in messages.LEASE_EVENTS:
+        assert isinstance(read, messages.AcquireRequest | messages.ClaimRequest), reply
+        return messages.LEASE_EVENTS[reply["event"]]
     if "event" in reply:
         waits = isinstance(read, messages.WaitRequest)
         assert waits or isinstance(read, messages.DeliverRequest) and read.wait, reply

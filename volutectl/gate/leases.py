@@ -27,12 +27,12 @@ import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from volutectl import events, roles
+from volutectl import events
 from volutectl.clock import SYSTEM, Clock
 from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings
 from volutectl.core.admission import Acquire
-from volutectl.errors import DataError, TemporaryError, VoluteError
+from volutectl.errors import DataError, PermissionDeniedError, TemporaryError, VoluteError
 from volutectl.faults import crash_point
 from volutectl.gate.server import Client
 from volutectl.gate.turns import Turn, Turns
@@ -321,7 +321,7 @@ class Leases:
 
     def claim(self, lease_id: int, token: str, uid: int, client: Client) -> ClaimReply:
         lease = self._checked(lease_id, token, uid)
-        if lease.client is not None and not lease.client.closed:
+        if lease.client is not None and not lease.client.closed and lease.client is not client:
             raise DataError(f"lease: lease {lease_id} is held by a live connection")
         if lease.state is LeaseState.WAITING:
             raise DataError(f"lease: lease {lease_id} is not granted yet")
@@ -339,9 +339,15 @@ class Leases:
         if lease is None or lease.token is None:
             raise DataError(f"lease: no lease {lease_id} is held (it ended, or never was)")
         if uid != 0 and uid != lease.uid:
-            raise roles.admin_refusal(f"lease: lease {lease_id} is another user's")
+            raise PermissionDeniedError(
+                f"lease: lease {lease_id} is another user's",
+                hint="only the uid it was granted to, or root, may release or claim it",
+            )
         if not secrets.compare_digest(token, lease.token):
-            raise roles.admin_refusal(f"token: not lease {lease_id}'s token")
+            raise PermissionDeniedError(
+                f"token: not lease {lease_id}'s token",
+                hint="the token is the one its lease_granted event gave",
+            )
         return lease
 
     def client_closed(self, client: Client) -> None:
