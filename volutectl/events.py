@@ -86,6 +86,10 @@ class EventName(StrEnum):
     LEASE_GRANTED = "lease_granted"
     LEASE_ENDED = "lease_ended"
     LEASE_CLAIMED = "lease_claimed"
+    PID_MOVED_IN = "pid_moved_in"
+    PID_MOVED_BACK = "pid_moved_back"
+    PID_NOT_MOVED_BACK = "pid_not_moved_back"
+    LEASE_PIDS_NOT_MOVED = "lease_pids_not_moved"
 
 
 # MESSAGE_ID of each event an operator queries for (`journalctl MESSAGE_ID=...`); made
@@ -137,6 +141,10 @@ MESSAGE_IDS: Mapping[EventName, str] = {
     EventName.LEASE_GRANTED: "856014ff32a74d7793a995d1c02368f2",
     EventName.LEASE_ENDED: "a143fea4f53a42869b51e853f959f011",
     EventName.LEASE_CLAIMED: "d72358b4d703489d91761465088c5681",
+    EventName.PID_MOVED_IN: "725caf475f8245a6879e5c9778b7d5d5",
+    EventName.PID_MOVED_BACK: "a3971642a7224353a4809ece7a5cd3e2",
+    EventName.PID_NOT_MOVED_BACK: "2d2cf538c9fd40719a6a48b627802978",
+    EventName.LEASE_PIDS_NOT_MOVED: "6fc253e4e325426c9b972044aaa5710f",
 }
 
 # The metadata of a field that is in the message only, not sent as a journal field.
@@ -1401,6 +1409,68 @@ class TrashLeft(BaseEvent):
             f"{len(self.left)} turn directories set aside in {self.trash} were too large to "
             f"remove now ({', '.join(self.left[:5])}); the next sweep tries again"
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PidMovedIn(BaseEvent):
+    """The launcher moved a lease's process (`pid`) from `unit` into the lease's scope."""
+
+    EVENT = EventName.PID_MOVED_IN
+    mind: str = field(metadata=NOT_SENT)
+    turn_id: int
+    pid: int
+    unit: str
+
+    def message(self) -> str:
+        return f"moved pid {self.pid} of {self.mind} from {self.unit} into lease {self.turn_id}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PidMovedBack(BaseEvent):
+    """A lease's process went back: to the unit it came from, or the fallback scope."""
+
+    EVENT = EventName.PID_MOVED_BACK
+    mind: str = field(metadata=NOT_SENT)
+    turn_id: int
+    pid: int
+    unit: str
+
+    def message(self) -> str:
+        return f"moved pid {self.pid} of {self.mind} back from lease {self.turn_id} to {self.unit}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PidNotMovedBack(BaseEvent):
+    """A lease's process could go neither to its unit nor to the fallback: it is still
+    in the lease's scope, and its record is kept for the next MoveBack."""
+
+    LEVEL = "error"
+    EVENT = EventName.PID_NOT_MOVED_BACK
+    mind: str = field(metadata=NOT_SENT)
+    turn_id: int
+    pid: int
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        where = f"lease {self.turn_id} of {self.mind}"
+        return f"could not move pid {self.pid} out of {where}: {self.error}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeasePidsNotMoved(BaseEvent):
+    """The gate's MoveIn or MoveBack of a lease's processes failed (`error` says why,
+    `direction` which): in, the lease holds its place without them; back, its scope is
+    stopped all the same (the launcher's record keeps them for the next try)."""
+
+    LEVEL = "warning"
+    EVENT = EventName.LEASE_PIDS_NOT_MOVED
+    unit: str
+    direction: str = field(metadata=NOT_SENT)
+    error: str = field(metadata=NOT_SENT)
+
+    def message(self) -> str:
+        moved = f"moved {self.direction}"
+        return f"the processes of lease scope {self.unit} were not {moved}: {self.error}"
 
 
 def catalog() -> list[type[BaseEvent]]:

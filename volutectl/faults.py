@@ -42,6 +42,7 @@ FAILED_START_POINTS = (
 LEASE_POINTS = (
     "lease_committed",  # the grant committed (its turn row and lease row); no scope yet
     "lease_scope_started",  # the launcher started its scope; the release not yet recorded
+    "lease_pids_moved",  # its processes moved into its scope; the holder not yet told
     "lease_replied",  # the holder was sent its grant
 )
 # The queue's upkeep, outside any turn (volutectl/store/retention.py,

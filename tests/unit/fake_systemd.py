@@ -165,6 +165,26 @@ class FakeManager:
             and any(fnmatch.fnmatchcase(scope.name, pattern) for pattern in patterns)
         ]
 
+    def attach_processes(self, name: str, pids: Sequence[int], subcgroup: str = "") -> None:
+        """Into a live fake scope, out of any other; refused for a unit not live."""
+        self._call("attach_processes")
+        self._collect()
+        scope = self.scopes.get(name)
+        if scope is None or scope.state not in LIVE_STATES:
+            raise SystemdError(f"moving pids {list(pids)} into {name}: Unit is not active")
+        for pid in pids:
+            for other in self.scopes.values():
+                if pid in other.pids:
+                    index = other.pids.index(pid)
+                    del other.pids[index]
+                    pidfd = other.pidfds.pop(index)
+                    self.epoll.unregister(pidfd)
+                    os.close(pidfd)
+            pidfd = os.pidfd_open(pid)
+            scope.pids.append(pid)
+            scope.pidfds.append(pidfd)
+            self.epoll.register(pidfd, select.EPOLLIN)
+
     def unit_property(self, name: str, prop: str) -> Any:
         if prop == "ActiveState":
             self._collect()

@@ -43,6 +43,8 @@ EVERY_ORDER: list[orders.Order[Any]] = [
     orders.Remove(7),
     orders.Sweep((1, 7)),
     orders.Sample((1, 7)),
+    orders.MoveIn(turn_id=7, mind="mimsy", pids=2),
+    orders.MoveBack(turn_id=7, mind="mimsy"),
 ]
 
 
@@ -61,6 +63,7 @@ def test_every_reply_goes_through_the_channel_unchanged() -> None:
         orders.Report(True, 0, 1.5, (), written_bytes=3 << 20),
         orders.Written((7, 9), (0, 3 << 20)),
         orders.Refused("no"),
+        orders.Moved((41, 42), ("a.service", "session-3.scope")),
     ):
         assert orders.decode_reply(orders.encode(reply).rstrip(b"\n")) == reply
 
@@ -415,3 +418,26 @@ def test_a_refusal_longer_than_a_field_may_be_still_reaches_the_gate_as_a_refusa
     harness.pump(lambda: state_of(harness, delivery) == "dead")
     row = harness.gate.state.store.row(delivery)
     assert row is not None and row.attempts == 1
+
+
+def test_a_move_ins_pidfds_go_with_its_line_and_a_miscount_is_refused(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = Harness(tmp_path, remote=True, minds={"m": "true"})
+    harnesses.append(harness)
+    assert harness.launcher is not None
+    gate = RemoteHands(harness.launcher.path, lambda: [])
+    pidfd = os.pidfd_open(os.getpid())
+    try:
+        # The descriptor came with the line: the launcher got as far as its own checks
+        # (no scope of turn 5 was started here).
+        with pytest.raises(VoluteError, match="turn_id: .* not a scope this launcher started"):
+            gate.move_in(orders.MoveIn(turn_id=5, mind="m", pids=1), (pidfd,))
+        # One announced, two sent: refused before any check.
+        with pytest.raises(VoluteError, match="1 descriptors were announced, 2 came"):
+            gate.move_in(orders.MoveIn(turn_id=5, mind="m", pids=1), (pidfd, pidfd))
+    finally:
+        os.close(pidfd)
+        gate.close()
+    harness.deliver_ok(mind="m")  # the same launcher serves the gate still
+    harness.pump(lambda: settled(harness))

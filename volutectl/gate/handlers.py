@@ -30,7 +30,7 @@ from volutectl import events, roles
 from volutectl.core import admission
 from volutectl.errors import DataError, PermissionDeniedError, TemporaryError, VoluteError
 from volutectl.faults import crash_point
-from volutectl.gate import status, validate
+from volutectl.gate import leasepids, status, validate
 from volutectl.gate.leases import Leases
 from volutectl.gate.outcomes import Settled
 from volutectl.gate.server import Client
@@ -89,6 +89,8 @@ class Caller:
     # open until the handler returns: what is kept of it is a dup.
     descriptor: int | None = None
     client: Client | None = None  # the connection it came on (a lease binds to it)
+    # Every descriptor that came with it: an acquire's pidfds (closed as `descriptor`).
+    descriptors: tuple[int, ...] = ()
 
     @cached_property
     def role(self) -> roles.Role:
@@ -304,11 +306,13 @@ def acquire_handler(state: GateState, request: AcquireRequest, caller: Caller) -
     connection (volutectl/gate/leases.py)."""
     leases, client = _leases(state, caller)
     validate.configured_mind(state.settings, request.mind, state.minds_on_disk)
-    if request.pids:
-        raise DataError(
-            "pids: this gate moves no processes into a lease's scope yet; acquire with pids 0"
-        )
-    return leases.acquire(request.mind, request.session, request.request_id, caller.uid, client)
+    pidfds = caller.descriptors
+    if request.pids or pidfds:  # docs/protocol.md, "A lease's processes"
+        leasepids.may_move(state.settings, request.mind, caller.uid, caller.role)
+        leasepids.check(pidfds, request.pids, state.settings, request.mind)
+    return leases.acquire(
+        request.mind, request.session, request.request_id, caller.uid, client, pidfds
+    )
 
 
 def release_handler(state: GateState, request: ReleaseRequest, caller: Caller) -> ReleaseReply:

@@ -34,6 +34,7 @@ from volutectl.config.settings import Settings
 from volutectl.core.admission import Acquire
 from volutectl.errors import DataError, PermissionDeniedError, TemporaryError, VoluteError
 from volutectl.faults import crash_point
+from volutectl.gate.leasepids import LeasePids
 from volutectl.gate.server import Client
 from volutectl.gate.turns import Turn, Turns
 from volutectl.states import HoldReason, LeaseEnd, LeaseState
@@ -72,6 +73,7 @@ class Lease:
     unit: str | None = None
     created: bool = True
     reclaim_until: float | None = None  # monotonic: when an unclaimed lease ends
+    pids_moved: int = 0  # how many of its processes the launcher moved into its scope
 
     def status(self) -> LeaseStatus:
         return LeaseStatus(
@@ -84,7 +86,7 @@ class Lease:
             turn_id=self.turn_id,
             unit=self.unit,
             created=self.created,
-            pids=0,
+            pids=self.pids_moved,
             since=self.since,
         )
 
@@ -100,6 +102,8 @@ class Leases:
         send: Callable[[Client, Reply], None],
         wake: Callable[[], None],
         clock: Clock = SYSTEM,
+        watch_fd: Callable[[int, Callable[[int], None]], None] = lambda fd, call: None,
+        unwatch_fd: Callable[[int], None] = lambda fd: None,
     ) -> None:
         self.held = held
         self.store = store
@@ -115,6 +119,8 @@ class Leases:
         self.stopping = False  # the gate is going: its clients close, its leases stay
         self.next_id = store.leases.last_id() + 1
         turns.on_freed = self.turn_freed
+        # The pidfds of leases that move processes (volutectl/gate/leasepids.py).
+        self.pids = LeasePids(journal, watch_fd, unwatch_fd, self._pids_exited)
 
     @property
     def settings(self) -> Settings:
@@ -157,10 +163,18 @@ class Leases:
     # -- acquire ----------------------------------------------------------------------------
 
     def acquire(
-        self, mind: str, session: str, request_id: str | None, uid: int, client: Client
+        self,
+        mind: str,
+        session: str,
+        request_id: str | None,
+        uid: int,
+        client: Client,
+        pidfds: tuple[int, ...] = (),
     ) -> AcquireReply:
         """Take an acquire: the same lease again for a request id seen before, a joined
-        grant for a (mind, session) a turn or lease holds, else a wait for admission."""
+        grant for a (mind, session) a turn or lease holds, else a wait for admission.
+        `pidfds` (checked by the handler, the request's: copies are kept) move into a
+        lease that creates its scope; a repeated or joined acquire moves none."""
         if request_id is not None:
             again = self._by_request_id(uid, request_id)
             if again is not None:
@@ -189,6 +203,7 @@ class Leases:
         if running is not None:
             self._join(lease, running)
             return AcquireReply(lease.id, "granted")
+        self.pids.keep(lease.id, pidfds)
         self.wake()
         return AcquireReply(lease.id, "waiting")
 
@@ -236,6 +251,7 @@ class Leases:
             return
         running = self._running(lease.mind, lease.session)
         if running is not None:
+            self.pids.drop(lease.id)  # a join moves nothing
             self._join(lease, running)
             return
         lease.token = secrets.token_hex(fields.TOKEN_LENGTH // 2)
@@ -252,6 +268,8 @@ class Leases:
         turn = self.turns.start_lease(turn_id, lease.mind, lease.session, now)
         if not self.turns.holds(turn):
             return  # its start failed: turn_freed has ended it and told its holder
+        lease.pids_moved = self.pids.move_in(self.turns.hands, lease.id, turn_id, lease.mind)
+        crash_point("lease_pids_moved")
         self._tell_granted(lease)
         crash_point("lease_replied")
 
@@ -291,7 +309,14 @@ class Leases:
         if lease.client is not None:
             self.send(
                 lease.client,
-                LeaseGranted(lease.id, lease.token, lease.unit, lease.turn_id, lease.created, 0),
+                LeaseGranted(
+                    lease.id,
+                    lease.token,
+                    lease.unit,
+                    lease.turn_id,
+                    lease.created,
+                    lease.pids_moved,
+                ),  # fmt: skip
             )
         self.journal.emit(
             events.LeaseGranted(
@@ -363,8 +388,10 @@ class Leases:
 
     def _end(self, lease: Lease, reason: LeaseEnd, *, tell: bool) -> None:
         """End one lease now: forget it, record it, and, if it created its turn, stop the
-        scope (its place is free once systemd says the scope ended)."""
+        scope (its place is free once systemd says the scope ended), its processes moved
+        back first."""
         del self.leases[lease.id]
+        self.pids.drop(lease.id)
         if lease.client is not None:
             lease.client.leases.discard(lease.id)
             if tell:
@@ -390,10 +417,17 @@ class Leases:
             self._stop(turn)
 
     def _stop(self, turn: Turn) -> None:
+        self.turns.move_back(turn.id, turn.mind)
         try:
             self.turns.hands.stop(turn.id, turn.mind)
         except VoluteError as error:
             self.journal.emit(events.ScopeStopFailed(unit=turn.unit, error=error.message))
+
+    def _pids_exited(self, lease_id: int) -> None:
+        """Every process the lease moved in has exited: the lease ends (its holder told)."""
+        lease = self.leases.get(lease_id)
+        if lease is not None and lease.state is not LeaseState.WAITING:
+            self._end(lease, LeaseEnd.PIDS_EXITED, tell=True)
 
     def turn_freed(self, turn: Turn) -> None:
         """A turn's scope freed its place (`Turns.on_freed`): every lease still open on it
@@ -427,6 +461,7 @@ class Leases:
     def _end_quietly(self, lease: Lease, reason: LeaseEnd) -> None:
         """Its turn ended: forget it, tell its holder (the store knows already)."""
         del self.leases[lease.id]
+        self.pids.drop(lease.id)
         if lease.client is not None:
             lease.client.leases.discard(lease.id)
             self.send(lease.client, LeaseEnded(lease.id, reason))

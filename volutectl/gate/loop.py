@@ -146,6 +146,8 @@ class Gate:
             send=self.server.reply,
             wake=self.mark_dirty,
             clock=self.clock,
+            watch_fd=self._watch_lease_pid,
+            unwatch_fd=self._unwatch,
         )
         self.server.on_drop = self._on_drop
         self.reactor.at(leases.deadline, self._on_reclaim_deadline)
@@ -240,6 +242,15 @@ class Gate:
 
     def _unwatch(self, fd: int) -> None:
         self.reactor.unwatch(fd)
+
+    def _watch_lease_pid(self, fd: int, on_exit: Callable[[int], None]) -> None:
+        """A process a lease moved in: its pidfd is readable once it has exited."""
+
+        def on_ready(mask: int) -> None:
+            self._guarded("a lease's process that exited", on_exit, mask)
+            self.state.dirty = True
+
+        self.reactor.watch(fd, on_ready)
 
     def _open_pressure(self) -> None:
         pressure = open_for_turns(self.settings, self.state.manager, self.journal.emit)

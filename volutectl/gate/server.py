@@ -34,11 +34,15 @@ together hold at most MAX_PARTIAL_BYTES_PER_UID (root: no limit). A line refused
 arrives is answered at once, and its rest is dropped unread.
 
 Descriptors (SCM_RIGHTS): a `register_repo` line may carry one, its repository's git
-common directory, which the gate cannot open by path in a private home. It must come
+common directory, which the gate cannot open by path in a private home; an `acquire`
+line up to MAX_LEASE_PIDS, the pidfds of the processes its lease moves. They must come
 in the same sendmsg as the line's end. Each read takes at most MAX_PASSED_FDS (the
-kernel discards what does not fit the ancillary buffer); the one that came with a
-register_repo line is kept for that request (`take_passed`), and every other, with any
-other request, with no complete line, or past one per client, is closed at once.
+kernel discards what does not fit the ancillary buffer): one more than a lease's most,
+so that an acquire that sent too many finds its count wrong (65) rather than cut to
+fit. Those of a read are kept for the last line it completes, if that is a
+register_repo (its first only) or an acquire (all), for that request (`take_passed`);
+every other, with any other request, with no complete line, or while the client has
+some waiting already, is closed at once.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ from volutectl.errors import EX_SOFTWARE, DataError, TemporaryError, Unavailable
 from volutectl.gate.reactor import Reactor
 from volutectl.systemd import activation
 from volutectl.systemd.journal import Journal
-from volutectl.wire import messages, protocol
+from volutectl.wire import fields, messages, protocol
 from volutectl.wire.messages import ErrorReply, Reply, Request
 
 # Replies queued for a client that does not read them: beyond this it is dropped. The
@@ -88,7 +92,7 @@ MAX_PARTIAL_BYTES_PER_UID = 32 << 20
 # A client's partial line past this is counted with its uid's others.
 _PARTIAL_CHECKED = 64 << 10
 # Descriptors one read may bring in (SCM_RIGHTS); the kernel closes any past them.
-MAX_PASSED_FDS = 2
+MAX_PASSED_FDS = fields.MAX_LEASE_PIDS + 1
 _ANCILLARY = socket.CMSG_SPACE(MAX_PASSED_FDS * 4)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 # The peer has closed its socket (or shut both ways), or reset it: nothing sent reaches it.
@@ -115,8 +119,8 @@ class Client:
     idle_since: float = 0.0
     # A descriptor that came with one of its lines (SCM_RIGHTS), the gate's until its
     # request is handled or the client dropped: (fd, lines still to go until that one).
-    incoming_fd: tuple[int, int] | None = None
-    passed: tuple[Request[Reply], int] | None = None  # that request, decoded, and the fd
+    incoming_fds: tuple[tuple[int, ...], int] | None = None
+    passed: tuple[Request[Reply], tuple[int, ...]] | None = None  # that request, its fds
     # Leases it holds or awaits (volutectl/gate/leases.py): while it has one it is never
     # idle, and closing it ends them.
     leases: set[int] = field(default_factory=set)
@@ -481,37 +485,42 @@ class Server:
             self._check_partial(client)
 
     def _take_fds(self, client: Client, fds: list[int], chunk: bytes) -> None:
-        """Keep the first descriptor of a read for the last line it completes, if the
-        client has none waiting; close every other one now. Before a read a client's
-        buffer holds no complete line (one with lines left is not read), so that line
-        is the buffer's Nth, N the newlines in the chunk."""
+        """Keep the descriptors of a read for the last line it completes, if the client
+        has none waiting; else close them now. Before a read a client's buffer holds no
+        complete line (one with lines left is not read), so that line is the buffer's
+        Nth, N the newlines in the chunk."""
         lines = chunk.count(b"\n")
-        if fds and lines and client.incoming_fd is None and client.passed is None:
-            client.incoming_fd = (fds.pop(0), lines)
+        if fds and lines and client.incoming_fds is None and client.passed is None:
+            client.incoming_fds = (tuple(fds), lines)
+            return
         _close_fds(fds)
 
     def _attached(self, client: Client, request: Request[Reply] | ErrorReply) -> None:
-        """One more line of the client's decoded: if the descriptor came with it, keep
-        it for that request when it is a register_repo, else close it."""
-        if client.incoming_fd is None:
+        """One more line of the client's decoded: if the descriptors came with it, keep
+        them for that request when it is a register_repo (the first) or an acquire
+        (all), else close them."""
+        if client.incoming_fds is None:
             return
-        fd, lines = client.incoming_fd
+        fds, lines = client.incoming_fds
         if lines > 1:
-            client.incoming_fd = (fd, lines - 1)
+            client.incoming_fds = (fds, lines - 1)
             return
-        client.incoming_fd = None
+        client.incoming_fds = None
         if isinstance(request, messages.RegisterRepoRequest) and client.passed is None:
-            client.passed = (request, fd)
+            client.passed = (request, fds[:1])
+            _close_fds(list(fds[1:]))
+        elif isinstance(request, messages.AcquireRequest) and client.passed is None:
+            client.passed = (request, fds)
         else:
-            _close_fds([fd])
+            _close_fds(list(fds))
 
-    def take_passed(self, client: Client, request: Request[Reply]) -> int | None:
-        """The descriptor that came with `request`, now the caller's to close; or None."""
+    def take_passed(self, client: Client, request: Request[Reply]) -> tuple[int, ...]:
+        """The descriptors that came with `request`, now the caller's to close."""
         if client.passed is None or client.passed[0] is not request:
-            return None
-        fd = client.passed[1]
+            return ()
+        fds = client.passed[1]
         client.passed = None
-        return fd
+        return fds
 
     def _check_partial(self, client: Client) -> None:
         """A long line still arriving: refuse it now if it already holds more values
@@ -669,11 +678,11 @@ class Server:
                 with contextlib.suppress(ValueError):
                     self.served.remove(client.uid)
         self.on_drop(client)
-        if client.incoming_fd is not None:
-            _close_fds([client.incoming_fd[0]])
+        if client.incoming_fds is not None:
+            _close_fds(list(client.incoming_fds[0]))
         if client.passed is not None:
-            _close_fds([client.passed[1]])
-        client.incoming_fd = client.passed = None
+            _close_fds(list(client.passed[1]))
+        client.incoming_fds = client.passed = None
         with contextlib.suppress(OSError):
             client.sock.close()
         self._resume_accepting()  # one place free, or one descriptor

@@ -83,19 +83,24 @@ class Serving:
         batch.clear()
 
     def _handle(self, client: Client, request: Request[Reply]) -> Reply | None:
-        # A descriptor that came with the request (register_repo's): the handler dups
-        # what it keeps, and it is closed here whatever happens.
+        # Descriptors that came with the request (register_repo's one, an acquire's
+        # pidfds): the handler dups what it keeps, and they are closed here whatever
+        # happens.
         passed = self.server.take_passed(client, request)
+        caller = Caller(
+            client.peer_uid(),
+            descriptor=passed[0] if passed else None,
+            client=client,
+            descriptors=passed,
+        )
         try:
-            return handlers.handle(
-                self.state, request, Caller(client.peer_uid(), descriptor=passed, client=client)
-            )
+            return handlers.handle(self.state, request, caller)
         except Exception as error:  # noqa: BLE001 - a bug: it ends this client only
             self.server.client_failed(client, f"handling a {request.OP} request", error)
             return None
         finally:
-            if passed is not None:
-                os.close(passed)
+            for fd in passed:
+                os.close(fd)
 
     def _together(self, clients: list[Client], batch: list[Request[Reply]]) -> list[Reply | None]:
         try:

@@ -517,7 +517,10 @@ class Turns:
 
     def _stop_overrun(self, turn: Turn, now: float) -> None:
         """Have systemd stop the scope (SIGTERM to every process, SIGKILL after
-        turns.timeout_grace_seconds)."""
+        turns.timeout_grace_seconds). A lease's processes go back first: the time limit
+        ends the lease, not the daemon's processes."""
+        if turn.lease:
+            self.move_back(turn.id, turn.mind)
         try:
             self.hands.stop(turn.id, turn.mind)
         except VoluteError as error:
@@ -553,6 +556,8 @@ class Turns:
                     stop_seconds=self.settings.turns.timeout_grace_seconds,
                 )
             )
+        if turn.lease:  # its placeholder is gone: what it moved in is not leftovers
+            self.move_back(turn.id, turn.mind)
         try:
             self.hands.stop(turn.id, turn.mind)
         except VoluteError as error:
@@ -571,11 +576,25 @@ class Turns:
         except VoluteError as error:
             self.journal.emit(events.TurnDirectoriesNotSwept(error=error.message))
 
+    def move_back(self, turn_id: int, mind: str) -> None:
+        """A lease's processes back where they came from, before its scope is stopped
+        (docs/protocol.md, "A lease's processes"); idempotent, and nothing to do for a
+        scope into which nothing was moved. A failure is logged; the stop goes on."""
+        try:
+            self.hands.move_back(turn_id, mind)
+        except VoluteError as error:
+            unit = names.turn_scope_name(mind, turn_id)
+            self.journal.emit(
+                events.LeasePidsNotMoved(unit=unit, direction="back", error=error.message)
+            )
+
     def stop_quietly(self, unit: str) -> None:
-        """Stop a turn scope, by the name the launcher derives; a failure is only logged."""
+        """Stop a turn scope, by the name the launcher derives; a failure is only logged.
+        Whatever a lease moved into it goes back first."""
         parsed = names.parse_turn_scope_name(unit)
         if parsed is None:
             return  # not a name the launcher would derive: not ours to stop
+        self.move_back(parsed[1], parsed[0])
         try:
             self.hands.stop(parsed[1], parsed[0])
         except VoluteError as error:

@@ -6,5 +6,7 @@
 - `fork` (a turn's process, released into its scope), `turndir` (its directory, by
   descriptor), `envfile` (a mind's secrets), `home` (a mind's own working directory),
   `preflight` (will a mind's turns start?).
+- `moves`: a lease's processes moved into its scope and back, after the launcher's own
+  checks.
 - `turn-wrapper.sh`: the scope's main process.
 """

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from volutectl import events, names
 from volutectl.config.reload import SettingsHolder
@@ -44,6 +44,9 @@ from volutectl.launcher import fork, preflight, turndir
 from volutectl.systemd.journal import Journal
 from volutectl.systemd.port import ScopeProperties, SystemdManager
 from volutectl.wire import orders
+
+if TYPE_CHECKING:
+    from volutectl.launcher.moves import Mover
 
 R = TypeVar("R", bound=orders.OrderReply)
 
@@ -103,6 +106,15 @@ class TurnHands(Protocol):
 
     def sweep(self, open_ids: Sequence[int]) -> None: ...
 
+    def move_in(self, order: orders.MoveIn, pidfds: Sequence[int]) -> orders.Moved:
+        """Move a lease's processes (by pidfd, the caller's to close) into its scope,
+        after the launcher's own checks (volutectl/launcher/moves.py)."""
+        ...
+
+    def move_back(self, turn_id: int, mind: str) -> None:
+        """Move lease `turn_id`'s processes back where they came from (idempotent)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -153,9 +165,25 @@ class LocalHands:
         # Each turn's directory a tmpfs of these bounds (the launcher sets them; a test's
         # hands, not root, make plain directories).
         self.turn_dir_bounds: turndir.Bounds | None = None
+        self._mover: Mover | None = None
 
     def ensure(self) -> None:
         pass
+
+    @property
+    def mover(self) -> Mover:
+        """The leases' processes' mover (volutectl/launcher/moves.py), made on first use."""
+        if self._mover is None:
+            from volutectl.launcher.moves import Mover
+
+            self._mover = Mover(self)
+        return self._mover
+
+    def move_in(self, order: orders.MoveIn, pidfds: Sequence[int]) -> orders.Moved:
+        return self.mover.move_in(order, pidfds)
+
+    def move_back(self, turn_id: int, mind: str) -> None:
+        self.mover.move_back(turn_id, mind)
 
     def turn_dir(self, turn_id: int) -> fork.TurnDir:
         return fork.TurnDir(self.held.current.gate.runtime_dir / "turns" / str(turn_id))
@@ -260,6 +288,9 @@ class LocalHands:
             self._abandon(child)
             raise
         self.children[order.turn_id] = child.pid  # reaped as a turn's child is
+        # A scope this launcher started: the one scope a MoveIn of this lease may target
+        # (volutectl/launcher/moves.py); and sampled for what its processes write.
+        self.units[order.turn_id] = unit
         return Launched(child.pid, child.pidfd)
 
     @staticmethod
@@ -358,6 +389,7 @@ class LocalHands:
             del self.statuses[turn_id]
         runtime_dir = self.held.current.gate.runtime_dir
         sweep = turndir.sweep_turn_dirs(runtime_dir, keep)
+        self.mover.sweep(open_ids)  # leases that ended while the gate was away
         self.trash_waiting = bool(sweep.left)
         for error in sweep.errors:
             self.journal.emit(events.SweepFailed(error=error))
@@ -421,25 +453,30 @@ class RemoteHands:
         order: orders.Order[R],
         payload: bytes | None = None,
         timeout: float = ORDER_TIMEOUT_SECONDS,
+        passed: Sequence[int] = (),
     ) -> R:
         """Give one order and read its reply: the reply the order declares
         (`Order[ThatReply]`), with the descriptor that came beside it if it has one. A
-        `Refused` is raised; any other reply is a launcher lost."""
+        `Refused` is raised; any other reply is a launcher lost. `passed`: descriptors
+        of the caller's that go with the line (a MoveIn's pidfds; the caller closes
+        them)."""
         self.ensure()
-        return self._exchange(order, payload, timeout)
+        return self._exchange(order, payload, timeout, passed)
 
     def _exchange(
         self,
         order: orders.Order[R],
         payload: bytes | None = None,
         timeout: float = ORDER_TIMEOUT_SECONDS,
+        passed: Sequence[int] = (),
     ) -> R:
         assert self.sock is not None
         sock, reader = self.sock, self.reader
         fd = orders.payload_fd(payload, order.ORDER) if payload is not None else None
         try:
             sock.settimeout(timeout)
-            orders.send_line(sock, orders.encode(order), () if fd is None else (fd,))
+            fds = (*passed, *(() if fd is None else (fd,)))
+            orders.send_line(sock, orders.encode(order), fds)
             deadline = time.monotonic() + timeout
             while (line := reader.line()) is None:
                 if reader.eof:
@@ -506,6 +543,16 @@ class RemoteHands:
 
     def sweep(self, open_ids: Sequence[int]) -> None:
         self.ask(orders.Sweep(tuple(open_ids)))
+
+    def move_in(self, order: orders.MoveIn, pidfds: Sequence[int]) -> orders.Moved:
+        reply = self.ask(order, passed=pidfds)
+        if len(reply.moved) != len(reply.origins):
+            self._drop()
+            raise LauncherLost("the launcher answered a move_in with lists of two lengths")
+        return reply
+
+    def move_back(self, turn_id: int, mind: str) -> None:
+        self.ask(orders.MoveBack(turn_id, mind))
 
     def close(self) -> None:
         self._drop()

@@ -95,7 +95,10 @@ def peer_uid(sock: socket.socket) -> int:
 class Connection:
     sock: socket.socket
     uid: int
-    reader: orders.LineReader = field(default_factory=orders.LineReader)
+    # A line may come with a MoveIn's pidfds, at most MAX_LEASE_PIDS of them.
+    reader: orders.LineReader = field(
+        default_factory=lambda: orders.LineReader(max_fds=orders.MAX_LEASE_PIDS)
+    )
 
 
 class Launcher:
@@ -109,6 +112,9 @@ class Launcher:
         allowed: frozenset[int],
     ) -> None:
         self.hands = hands
+        # The pidfds that came with the order being carried out (a MoveIn's), closed
+        # once it is answered.
+        self.passed: tuple[int, ...] = ()
         self.listener = listener
         self.journal = journal
         self.allowed = allowed
@@ -192,19 +198,33 @@ class Launcher:
                 payload = orders.read_payload(fd, order.PAYLOAD)
             finally:
                 os.close(fd)
+        if isinstance(order, orders.MoveIn):
+            self.passed = connection.reader.take_fds(order.pids)
         if connection.reader.fds:
             # A descriptor no order claimed: kept, one per line, they would fill the
             # launcher's table until it could open nothing (no turn directory, no fork).
             raise orders.OrderError("a descriptor came with an order that takes none")
+        try:
+            reply = self.execute(order, payload or b"")
+        finally:
+            for fd in self.passed:
+                os.close(fd)
+            self.passed = ()
+        self.answer(connection, reply)
+
+    def execute(self, order: orders.Order[Any], payload: bytes) -> orders.OrderReply:
         reply: orders.OrderReply
         try:
-            reply = EXECUTE[type(order)](self, order, payload or b"")
+            reply = EXECUTE[type(order)](self, order, payload)
         except (VoluteError, OSError) as error:
             text = error.message if isinstance(error, VoluteError) else str(error)
             # Within what the gate decodes: a refusal it could not read would look like
             # a lost launcher, and a start would be tried again for ever, uncounted.
             no_answer = isinstance(error, SystemdNoAnswer)
             reply = orders.Refused(text[: orders.MAX_TEXT], no_answer=no_answer)
+        return reply
+
+    def answer(self, connection: Connection, reply: orders.OrderReply) -> None:
         fds = reply.descriptors()
         try:
             connection.sock.setblocking(True)
@@ -265,6 +285,15 @@ def sample(launcher: Launcher, order: orders.Sample, _: bytes) -> orders.Written
     return orders.Written(tuple(written), counts, blocked)
 
 
+def move_in(launcher: Launcher, order: orders.MoveIn, _: bytes) -> orders.Moved:
+    return launcher.hands.move_in(order, launcher.passed)
+
+
+def move_back(launcher: Launcher, order: orders.MoveBack, _: bytes) -> orders.Done:
+    launcher.hands.move_back(order.turn_id, order.mind)
+    return orders.Done()
+
+
 def remove(launcher: Launcher, order: orders.Remove, _: bytes) -> orders.Done:
     launcher.hands.remove(order.turn_id)
     return orders.Done()
@@ -290,6 +319,8 @@ EXECUTE: dict[type[orders.Order[Any]], Executor] = dict(
         orders.Sample.answered_by(sample),
         orders.Remove.answered_by(remove),
         orders.Sweep.answered_by(sweep),
+        orders.MoveIn.answered_by(move_in),
+        orders.MoveBack.answered_by(move_back),
     ]
 )
 

@@ -91,8 +91,18 @@ _UNIT_PROPERTY_SIGNATURES: dict[str, bytes] = {
     "ActiveState": b"s",
     "ActiveEnterTimestamp": b"t",
     "Slice": b"s",
+    "MainPID": b"u",
+    "ControlGroup": b"s",
+    "Delegate": b"b",
 }
-_UNIT_PROPERTY_INTERFACE: dict[str, bytes] = {"Slice": b"org.freedesktop.systemd1.Scope"}
+# Not the Unit interface's: the unit's own kind's (Scope, Service or Slice: see
+# `_scope_or_unit`).
+_UNIT_PROPERTY_INTERFACE: dict[str, bytes] = {
+    "Slice": b"org.freedesktop.systemd1.Scope",
+    "MainPID": b"org.freedesktop.systemd1.Service",
+    "ControlGroup": b"org.freedesktop.systemd1.Scope",
+    "Delegate": b"org.freedesktop.systemd1.Scope",
+}
 
 
 # pystemd's errors, classified into the port's (volutectl/systemd/port.py). They differ
@@ -437,6 +447,16 @@ class Manager:
                 return None
             raise dbus_error(error, f"listing the processes of {name}") from None
         return [int(row[1]) for row in rows]
+
+    def attach_processes(self, name: str, pids: Sequence[int], subcgroup: str = "") -> None:
+        """Move `pids` into unit `name`'s cgroup (`subcgroup` below it: a delegated
+        unit's only) with AttachProcessesToUnit; systemd checks each pid is attachable
+        (not pid 1, not a kernel thread) and the unit active. It returns once moved."""
+        self._call(
+            b"AttachProcessesToUnit",
+            apply_signature(b"ssau", [name.encode(), subcgroup.encode(), [int(p) for p in pids]]),
+            f"moving pids {list(pids)} into {name}",
+        )
 
     def _unit_path(self, name: str) -> bytes:
         return bytes(

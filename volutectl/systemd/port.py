@@ -139,6 +139,10 @@ class SystemdManager(Protocol):
     def unit_property(self, name: str, prop: str) -> Any:
         """One property of a unit (e.g. ActiveEnterTimestamp); bytes come back as str."""
 
+    def attach_processes(self, name: str, pids: Sequence[int], subcgroup: str = "") -> None:
+        """Move `pids` into unit `name`'s cgroup (AttachProcessesToUnit); raises the
+        port's errors when systemd refuses (a pid gone, the unit inactive)."""
+
     def socket_unit(self, name: str) -> SocketUnit: ...
 
     def close(self) -> None: ...

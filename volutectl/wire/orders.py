@@ -38,7 +38,11 @@ VERSION = protocol.VERSION
 # longest lists; the queue would have to hold 100,000 deliveries folded into one turn.
 MAX_LINE = 2 * 1024 * 1024
 MAX_IDS = 100_000
-MAX_FDS = 1  # at most one descriptor beside a line
+MAX_FDS = 1  # at most one descriptor beside a line, but for a move's pidfds:
+# A lease's processes, each a pidfd beside a MoveIn's line: at most this many per lease
+# (docs/protocol.md); the launcher's reader takes this many with one line, and refuses
+# (closing them all) a line that comes with more, before it keeps any.
+MAX_LEASE_PIDS = 64
 MAX_TEXT = 4096  # the longest string a field may hold (a refusal's reason)
 # The payload a start may carry (a batch of deliveries) and an offer (one record).
 MAX_STDIN_BYTES = 1 << 30
@@ -126,9 +130,15 @@ class Refused(OrderReply):
     no_answer: bool = False
 
 
+class Moved(OrderReply):
+    REPLY = "moved"
+    moved: tuple[int, ...]  # the pids now in the scope
+    origins: tuple[str, ...]  # the unit each came from, same order
+
+
 Reply = OrderReply  # the name the gate's hands and the launcher know it by
 REPLIES: dict[str, type[OrderReply]] = {
-    kind.REPLY: kind for kind in (Done, Started, Report, Written, Refused)
+    kind.REPLY: kind for kind in (Done, Started, Report, Written, Refused, Moved)
 }
 R = TypeVar("R", bound=OrderReply)
 
@@ -226,9 +236,40 @@ class Sample(Order[Written]):
     turn_ids: tuple[int, ...]
 
 
+class MoveIn(Order[Moved]):
+    """Move the processes whose pidfds come with the order (SCM_RIGHTS) into lease
+    `turn_id`'s scope, after the launcher's own checks; remember where each came from."""
+
+    ORDER = "move_in"
+    turn_id: int
+    mind: str
+    pids: int  # how many pidfds came with the line
+
+
+class MoveBack(Order[Done]):
+    """Move lease `turn_id`'s processes back to the units they came from (or the
+    documented fallback), before its scope is stopped."""
+
+    ORDER = "move_back"
+    turn_id: int
+    mind: str
+
+
 ORDERS: dict[str, type[Order[Any]]] = {
     kind.ORDER: kind
-    for kind in (StartTurn, StartLease, Offer, Interrupt, Stop, Inspect, Remove, Sweep, Sample)
+    for kind in (
+        StartTurn,
+        StartLease,
+        Offer,
+        Interrupt,
+        Stop,
+        Inspect,
+        Remove,
+        Sweep,
+        Sample,
+        MoveIn,
+        MoveBack,
+    )
 }
 
 # -- encoding and strict decoding -------------------------------------------------------
@@ -270,6 +311,10 @@ def _check_field(kind: str, name: str, value: Any, annotation: str) -> Any:
         if type(value) is not list or len(value) > MAX_IDS:
             raise OrderError(f"{where}: expected a list of at most {MAX_IDS} ids")
         return tuple(_check_field(kind, f"{name}[]", item, "int") for item in value)
+    if annotation == "tuple[str, ...]":
+        if type(value) is not list or len(value) > MAX_IDS:
+            raise OrderError(f"{where}: expected a list of at most {MAX_IDS} strings")
+        return tuple(_check_field(kind, f"{name}[]", item, "str") for item in value)
     raise AssertionError(f"no check for {annotation}")  # pragma: no cover - a bug here
 
 
@@ -347,26 +392,32 @@ class LineReader:
     """Lines and the descriptors that came with them, from one stream connection.
 
     The sender attaches a line's descriptors to its first byte, so they arrive no later
-    than the line; each line says how many it claims (`take_fds`). Descriptors left
-    unclaimed are closed with the reader."""
+    than the line; each line says how many it claims (`take_fd`, `take_fds`). At most
+    `max_fds` come with one line (the launcher's reader: a MoveIn's MAX_LEASE_PIDS
+    pidfds): one recvmsg that brings more, or whose descriptors the kernel had to
+    truncate, is refused with every descriptor it brought closed, before any is kept.
+    Descriptors left unclaimed are closed with the reader."""
 
-    def __init__(self, max_line: int = MAX_LINE) -> None:
+    def __init__(self, max_line: int = MAX_LINE, max_fds: int = MAX_FDS) -> None:
         self.max_line = max_line
+        self.max_fds = max_fds
         self.buffer = b""
         self.fds: deque[int] = deque()
         self.eof = False
 
     def receive(self, sock: socket.socket) -> None:
         """One recvmsg: raises BlockingIOError on a non-blocking socket with nothing."""
-        size = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+        size = socket.CMSG_SPACE(self.max_fds * array.array("i").itemsize)
         data, ancillary, flags, _ = sock.recvmsg(1 << 16, size, socket.MSG_CMSG_CLOEXEC)
+        got = array.array("i")
         for level, kind, payload in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                got = array.array("i")
                 got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
-                self.fds.extend(got)
-        if flags & socket.MSG_CTRUNC:
-            raise OrderError("more descriptors than a line may carry")
+        if flags & socket.MSG_CTRUNC or len(got) + len(self.fds) > self.max_fds:
+            for fd in got:  # the kernel closed those it could not pass; these too
+                os.close(fd)
+            raise OrderError(f"more descriptors than a line may carry (at most {self.max_fds})")
+        self.fds.extend(got)
         if not data:
             self.eof = True
         self.buffer += data
@@ -385,6 +436,17 @@ class LineReader:
         if not self.fds:
             raise OrderError("a payload was announced but no descriptor came with it")
         return self.fds.popleft()
+
+    def take_fds(self, count: int) -> tuple[int, ...]:
+        """The `count` descriptors a line announced: exactly that many came, or the
+        order is refused (those that came are closed with the reader)."""
+        if count > self.max_fds or len(self.fds) != count:
+            raise OrderError(
+                f"{count} descriptors were announced, {len(self.fds)} came (at most {self.max_fds})"
+            )
+        taken = tuple(self.fds)
+        self.fds.clear()
+        return taken
 
     def close(self) -> None:
         while self.fds:
