@@ -33,17 +33,23 @@ def setup(machine: Machine, **mind: object) -> None:
     start_gate(machine, config + f'[minds.pip]\ncommand = "true"\nuser = "pip"\n{extra}')
 
 
+def in_a_scope(user: str, *args: str) -> list[str]:
+    """`volutectl lease ARGS` as `user`, in a scope of its own, as a login shell's
+    commands run in its session's scope: the launcher moves only processes that are in
+    a systemd unit (where they go back to), and nsenter's are in none."""
+    drop = ["setpriv", "--reuid", user, "--regid", user, "--init-groups", "--"]
+    return ["systemd-run", "--scope", "--quiet", "--", *drop, VOLUTECTL, "lease", *args]
+
+
 def lease(
     machine: Machine, *args: str, user: str = "pip", stdin: str = "", timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
-    return machine.run(
-        [VOLUTECTL, "lease", *args], user=user, check=False, input=stdin, timeout=timeout
-    )
+    return machine.run(in_a_scope(user, *args), check=False, input=stdin, timeout=timeout)
 
 
 def popen(machine: Machine, *args: str, user: str = "pip") -> subprocess.Popen[str]:
     return subprocess.Popen(
-        machine.command([VOLUTECTL, "lease", *args], user=user),
+        machine.command(in_a_scope(user, *args)),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
