@@ -238,6 +238,40 @@ def test_a_refused_move_is_77_said_plainly_and_the_command_never_runs(socket_dir
     assert not marker.exists()
 
 
+def test_a_held_command_whose_volutectl_is_killed_exits_without_running(
+    socket_dir: Path,
+) -> None:
+    marker = socket_dir / "ran"
+    held: list[int] = []
+    killed = threading.Event()
+
+    def never_grants(peer: Peer) -> None:
+        assert peer.line() is not None
+        held.extend(peer.pids[0])
+        peer.send({"ok": True, "lease": 7, "state": "waiting", "reason": "global_cap"})
+        assert killed.wait(timeout=30)
+        assert peer.line() is None  # the connection closed with volutectl
+
+    gate = LeaseGate(socket_dir / "gate.sock", [never_grants])
+    process = start(socket_dir, "pip", "--", "touch", str(marker))
+    wait_for(lambda: bool(held))
+    process.kill()
+    process.wait(timeout=30)
+    killed.set()
+    gate.close()
+    wait_for(lambda: not _alive(held[0]))
+    assert not marker.exists()
+
+
+def _alive(pid: int) -> bool:
+    """A process that has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_an_older_gate_is_too_old_for_leases_64(socket_dir: Path) -> None:
     def old(peer: Peer) -> None:
         assert peer.line() is not None
