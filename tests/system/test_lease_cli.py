@@ -73,6 +73,29 @@ def test_the_command_runs_in_the_leases_scope_and_its_status_is_the_exit(
     wait_for(lambda: unit not in live_turn_scopes(machine))  # released: the scope stopped
 
 
+def test_with_pid_the_resident_moves_in_for_the_command_and_back_alive(machine: Machine) -> None:
+    setup(machine)
+    machine.run(["systemd-run", "--unit=resident", "--uid=pip", "sleep", "1000"])
+    pid = machine.run(["systemctl", "show", "-P", "MainPID", "resident.service"]).stdout.strip()
+    origin = systemd_cgroup(machine, pid)
+    assert origin.endswith("/resident.service")
+    done = lease(machine, "pip", "--pid", pid, "--", "cat", f"/proc/{pid}/cgroup")
+    assert done.returncode == 0, done.stderr
+    inside = [line for line in done.stdout.splitlines() if SCOPE.search(line)]
+    assert inside, done.stdout  # the resident was in the lease's scope while CMD ran
+    # Back, alive, before the release's answer (volutectl exits after it).
+    assert systemd_cgroup(machine, pid) == origin
+    wait_for(lambda: live_turn_scopes(machine) == [])
+
+
+def systemd_cgroup(machine: Machine, pid: str) -> str:
+    """The systemd line of /proc/PID/cgroup: the unit systemd counts the process in."""
+    text = machine.run(["cat", f"/proc/{pid}/cgroup"]).stdout
+    lines = [line for line in text.splitlines() if ":name=systemd:" in line]
+    lines = lines or [line for line in text.splitlines() if line.startswith("0::")]
+    return lines[0].rsplit(":", 1)[1]
+
+
 def test_a_command_of_another_user_is_refused_77_and_never_runs(machine: Machine) -> None:
     setup(machine)
     done = lease(machine, "pip", "--", "touch", "/var/tmp/ran", user="agent")
