@@ -164,7 +164,19 @@ def run_lease(
     finally:
         if child is not None:
             child.end()
+        _release(holder)
+
+
+def _release(holder: Holder) -> None:
+    """Give the lease back. A release that fails is said, not raised: CMD's status is
+    the exit's, and a lease whose connection closed ends anyway (at once, or after the
+    reclaim window when the gate was away)."""
+    try:
         holder.release()
+    except VoluteError as error:
+        hint = f" ({error.hint})" if error.hint else ""
+        say(f"{error.message}{hint}")
+    finally:
         holder.close()
 
 
