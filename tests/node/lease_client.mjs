@@ -14,7 +14,7 @@
 // PLAN: {"socket": PATH, "rounds": N, "minds": [{"mind": M, "session": S,
 //        "resident": PATH}], "turn_ms": MS}
 // Prints one JSON line per lease on stdout: {"mind", "session", "round", "lease",
-// "unit", "turn_id", "created", "waited": [hold reasons], "granted_at", "released_at",
+// "unit", "turn_id", "created", "waited": whether it waited, "granted_at", "released_at",
 // "resident": the resident's answer, "grants": how many lease_granted it saw}; exits 0 if
 // every lease was granted and released, 64 if the gate is too old for leases, 1 else.
 
@@ -118,7 +118,9 @@ async function oneLease(plan, target, round) {
     const requestId = randomBytes(16).toString("hex");
     gate.send({ op: "acquire", mind: target.mind, session: target.session, request_id: requestId, pids: 0 });
     const ack = checked(await gate.next(), "acquire");
-    const waited = ack.state === "waiting" ? [ack.reason] : [];
+    // A new acquire's wait has no reason yet (admission looks after the reply); `status`
+    // shows it. A join is granted at once.
+    const waited = ack.state === "waiting";
     let grant = null;
     let grants = 0;
     while (grant === null) {

@@ -179,4 +179,4 @@ def check_granted_once(leases: list[dict[str, Any]], pids: dict[str, int]) -> No
         lease["resident"].split()[:2] == ["done", str(pids[lease["mind"]])] for lease in leases
     )
     # Some leases had to wait for their place (12 minds, 2 places).
-    assert any(lease["waited"] for lease in leases)
+    assert any(lease["waited"] is True for lease in leases)

@@ -79,7 +79,7 @@ def test_the_node_client_acquires_without_pids_runs_the_turn_and_releases(
         (0, 7, 1),
         (1, 7, 1),
     ]
-    assert leases[0]["waited"] == ["mind_busy"] and leases[0]["resident"] == "done 42 0"
+    assert leases[0]["waited"] is True and leases[0]["resident"] == "done 42 0"
     for peer in gate.peers:
         acquire, release = peer.lines
         assert (acquire["op"], acquire["mind"], acquire["session"], acquire["pids"]) == (
