@@ -17,9 +17,10 @@ import subprocess
 
 import pytest
 
-from volute_testbed.faults import gate_pid, launcher_pid
+from volute_testbed.faults import CRASHED, fast_restarts, gate_pid, launcher_pid
 from volute_testbed.gate import (
     deliver,
+    gate_events,
     journal,
     live_turn_scopes,
     start_gate,
@@ -361,3 +362,29 @@ def test_a_lease_whose_pids_all_exit_ends_and_foreign_pids_are_refused(
     machine.run(["kill", "-KILL", str(mine)])
     ended = holder.until("event", "lease_ended")
     assert ended["reason"] == "pids_exited", ended
+
+
+def test_a_gate_killed_after_the_move_and_a_lease_never_claimed_returns_its_pids(
+    machine: Machine,
+) -> None:
+    lease_setup(machine, "[gate]\nlease_reclaim_seconds = 2\n")
+    fast_restarts(machine, VOLUTE_CRASH_AT="lease_pids_moved", VOLUTE_CRASH_ONCE=CRASHED)
+    machine.run(["systemctl", "restart", "volute-gate.service"])
+    pid = runner(machine, "runner-a")
+    holder = Holder(machine, "m", pid)
+    assert holder.next()["state"] == "waiting"
+    # The gate is SIGKILLed with the process in the lease's scope, before its holder
+    # hears of the grant; the holder is gone too, and never claims it.
+    wait_for(lambda: machine.run(["test", "-e", CRASHED], check=False).returncode == 0)
+    holder.proc.kill()
+    machine.run(["pkill", "-KILL", "-f", "holder.py m"], check=False)
+    # The restarted gate waits for the claim, then ends the lease: the process goes
+    # back to its own unit, alive, and the lease's scope is stopped.
+    wait_for(lambda: systemd_cgroup(machine, pid) == "/system.slice/runner-a.service", 60)
+    assert alive(machine, pid)
+    wait_for(lambda: not live_turn_scopes(machine), 30)
+    assert alive(machine, pid)
+    # It had moved in before the kill, and came back after: the launcher says so.
+    for kind in ("pid_moved_in", "pid_moved_back"):
+        entries = gate_events(machine, f"VOLUTE_EVENT={kind}", unit="volute-launcher.service")
+        assert [entry["VOLUTE_PID"] for entry in entries] == [str(pid)], kind

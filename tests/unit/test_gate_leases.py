@@ -9,7 +9,7 @@ gate counts, what the fake systemd holds, and what the holder is told.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -282,3 +282,48 @@ def test_a_repeated_acquire_with_its_request_id_gets_the_same_lease(harness: Har
     again = harness.connect()
     reply = acquire(again, request_id="r1")
     assert reply["lease"] != grant["lease"]  # the first one ended with its connection
+
+
+def test_every_end_of_a_leases_scope_moves_its_processes_back_before_the_stop(
+    tmp_path: Path,
+) -> None:
+    """docs/protocol.md, "A lease's processes": MoveBack before the scope's Stop, for a
+    release, an admin's end, a closed connection and the time limit alike."""
+    clock = FakeClock()
+    harness = Harness(tmp_path, clock=clock, turns={"max_runtime_seconds": 30})
+    hands = harness.gate.state.turns.hands
+    asked: list[tuple[str, int]] = []
+    move_back, stop = hands.move_back, hands.stop
+
+    def spied_move_back(turn_id: int, mind: str) -> None:
+        asked.append(("move_back", turn_id))
+        move_back(turn_id, mind)
+
+    def spied_stop(turn_id: int, mind: str) -> None:
+        asked.append(("stop", turn_id))
+        stop(turn_id, mind)
+
+    hands.move_back, hands.stop = spied_move_back, spied_stop  # type: ignore[method-assign]
+    try:
+        ends: dict[str, Callable[[Peer, dict[str, Any]], object]] = {
+            "release": lambda peer, grant: peer.request(
+                {"op": "release", "lease": grant["lease"], "token": grant["token"]}
+            ),
+            "end_lease": lambda peer, grant: harness.connect().request(
+                {"op": "end_lease", "lease": grant["lease"]}
+            ),
+            "close": lambda peer, grant: peer.close(),
+            "timeout": lambda peer, grant: harness.advance(31.0),
+        }
+        for how, end in ends.items():
+            asked.clear()
+            holder = harness.connect()
+            acquire(holder, session=how)
+            grant = granted(holder)
+            end(holder, grant)
+            turn: int = grant["turn_id"]
+            harness.pump(lambda: ("stop", turn) in asked)  # noqa: B023 - pumped at once
+            assert asked[:2] == [("move_back", turn), ("stop", turn)], (how, asked)
+            harness.pump(lambda: not harness.gate.state.turns.all())
+    finally:
+        harness.close()

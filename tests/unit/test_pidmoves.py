@@ -11,7 +11,7 @@ import array
 import os
 import socket
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -22,9 +22,10 @@ from tests.unit.gate_harness import RecordingJournal
 from volutectl.core import pidmoves
 from volutectl.core.pidmoves import Origin, Rules, Seen
 from volutectl.errors import VoluteError
+from volutectl.gate.leasepids import LeasePids
 from volutectl.kernel import cgroupmove, pidfds
 from volutectl.launcher import moves
-from volutectl.launcher.hands import LocalHands
+from volutectl.launcher.hands import LocalHands, TurnHands
 from volutectl.wire import orders
 
 RULES = Rules(mind="m", turn_id=7, mind_uid=1001, forbidden_pids=frozenset({1, 50, 60}))
@@ -309,3 +310,41 @@ def test_a_sweep_returns_the_processes_of_leases_the_gate_no_longer_holds(
     mover.sweep([])  # its lease ended while the gate was away: back home
     assert where[11] == "/system.slice/runner.service"
     assert mover.records.turn_ids() == []
+
+
+# -- the gate's copies of a lease's pidfds ------------------------------------------------
+
+
+def test_the_gate_moves_only_the_living_and_ends_a_lease_when_all_have_exited() -> None:
+    first, second = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+    asked: list[orders.MoveIn] = []
+    watched: dict[int, Callable[[int], None]] = {}
+    ended: list[int] = []
+
+    class Hands:
+        def move_in(self, order: orders.MoveIn, pidfds: Sequence[int]) -> orders.Moved:
+            asked.append(order)
+            return orders.Moved(tuple(range(len(pidfds))), ("a.service",) * len(pidfds))
+
+    def unwatch(fd: int) -> None:
+        watched.pop(fd)
+
+    pids = LeasePids(RecordingJournal(), watched.__setitem__, unwatch, ended.append)
+    passed = [os.pidfd_open(first.pid), os.pidfd_open(second.pid)]
+    before = open_fds()
+    pids.keep(5, passed)
+    for fd in passed:
+        os.close(fd)  # the request's own: the gate keeps copies
+    first.kill()
+    first.wait()
+    assert pids.move_in(cast(TurnHands, Hands()), 5, 9, "m") == 1
+    assert asked == [orders.MoveIn(turn_id=9, mind="m", pids=1)]
+    for on_ready in list(watched.values()):
+        on_ready(1)
+    assert ended == []  # one still lives
+    second.kill()
+    second.wait()
+    for on_ready in list(watched.values()):
+        on_ready(1)
+    assert ended == [5] and not watched and not pids.held
+    assert open_fds() == before - 2  # its copies closed

@@ -221,23 +221,22 @@ def test_others_control_characters_reach_no_line_of_the_status() -> None:
     assert not [line for line in lines if line.startswith("queue: 0 pending")]
 
 
-def test_leases_are_listed_waiting_with_their_reason_held_with_their_scope() -> None:
+def test_leases_are_listed_with_their_state_and_reason() -> None:
+    """Issue 31: each lease, waiting with its reason, held, joined, or to be claimed."""
     leases = (
-        LeaseStatus(7, "pip", "main", 1001, LeaseState.HELD, None, 12,
-                    "volute-turn-pip-12.scope", True, 2, NOW - 12),
-        LeaseStatus(8, "pip", "chat", 1002, LeaseState.WAITING, HoldReason.MIND_BUSY,
-                    since=NOW - 3),
-        LeaseStatus(9, "pip", "main", 1003, LeaseState.HELD, None, 12,
-                    "volute-turn-pip-12.scope", False, 0, NOW - 1),
-        LeaseStatus(4, "whorl", "main", 0, LeaseState.RECLAIM, None, 10,
-                    "volute-turn-whorl-10.scope", True, 0, NOW - 5),
-        LeaseStatus(5, "x\x1b]0;owned\x07", "main", 0, LeaseState.WAITING, None, since=NOW),
+        LeaseStatus(7, "pip", "main", 1001, LeaseState.HELD, None, 12, "volute-turn-pip-12.scope",
+                    True, 0, NOW - 12.0),
+        LeaseStatus(8, "pip", "main", 1002, LeaseState.HELD, None, 12, "volute-turn-pip-12.scope",
+                    False, 0, NOW - 2.0),
+        LeaseStatus(9, "whorl", "main", 1001, LeaseState.WAITING, HoldReason.GLOBAL_CAP,
+                    since=NOW - 3.0),
+        LeaseStatus(10, "pip", "s2", 0, LeaseState.RECLAIM, None, 13, "volute-turn-pip-13.scope",
+                    True, 0, NOW - 60.0),
     )  # fmt: skip
     lines = format_status(status(leases=leases), now=NOW).splitlines()
-    assert [line for line in lines if line.startswith("lease ")] == [
-        "lease 7: pip/main held 12.0s by uid 1001, turn 12 (volute-turn-pip-12.scope), 2 pids",
-        "lease 8: pip/chat waiting 3.0s by uid 1002: mind_busy",
-        "lease 9: pip/main held 1.0s by uid 1003, turn 12 (volute-turn-pip-12.scope), joined",
-        "lease 4: whorl/main to claim again 5.0s by uid 0, turn 10 (volute-turn-whorl-10.scope)",
-        "lease 5: x\\x1b]0;owned\\a/main waiting 0.0s by uid 0",
-    ]
+    assert "lease 7: pip/main held by uid 1001 for 12.0s in volute-turn-pip-12.scope" in lines
+    assert (
+        "lease 8: pip/main held by uid 1002 for 2.0s in volute-turn-pip-12.scope, joined" in lines
+    )
+    assert "lease 9: whorl/main waiting (global_cap) for 3.0s, uid 1001" in lines
+    assert any(line.startswith("lease 10: pip/s2 waiting for its claim") for line in lines)

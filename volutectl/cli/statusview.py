@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from volutectl.core.slotmath import CONFIG_KEY, GIT_CONFIG_KEY
 from volutectl.durations import format_duration
-from volutectl.states import AdaptiveMode, LeaseState
+from volutectl.states import AdaptiveMode
 from volutectl.visible import visible
 from volutectl.wire.messages import (
     AdaptiveStatus,
@@ -165,6 +165,7 @@ def _totals(status: Status, now: float) -> list[str]:
         f"({status.turns_per_mind} per mind, in {status.slice})"
     ]
     lines.append(_queue_line(status))
+    lines += [_lease_line(lease, now) for lease in status.leases]
     if status.paused:
         lines.append(_pauses(status.paused, now))
     for mind, problems in sorted(status.preflight.items()):
@@ -173,7 +174,6 @@ def _totals(status: Status, now: float) -> list[str]:
         lines.append(_adaptive(status.adaptive))
         lines += _costs(status.adaptive)
     lines += _config(status.config, now)
-    lines += [_lease_line(lease, now) for lease in status.leases]
     pressure = status.io_pressure
     if pressure.enabled:
         state = f"HIGH ({pressure.reason}): holding new turns" if pressure.high else "ok"
@@ -189,19 +189,16 @@ def _totals(status: Status, now: float) -> list[str]:
 
 
 def _lease_line(lease: LeaseStatus, now: float) -> str:
-    """`lease 7: pip/main held 12.0s by uid 1001, turn 12 (volute-turn-pip-12.scope), 2
-    pids`; a waiting one with its hold reason; one granted before a gate restart and not
-    claimed yet is `to claim again`."""
-    since = _age(now - lease.since) if lease.since else "?"
-    where = f"{lease.mind}/{lease.session}"
-    if lease.state == LeaseState.WAITING:
-        reason = f": {lease.reason}" if lease.reason else ""
-        return f"lease {lease.lease}: {where} waiting {since} by uid {lease.uid}{reason}"
-    how = "held" if lease.state == LeaseState.HELD else "to claim again"
+    """`lease 7: pip/main held by uid 1001 for 12.0s in volute-turn-pip-12.scope`, or
+    `lease 8: whorl/main waiting (global_cap) for 3.0s, uid 1001`."""
+    age = _age(now - lease.since) if lease.since else "-"
+    who = f"lease {lease.lease}: {lease.mind}/{lease.session}"
+    if lease.state == "waiting":
+        reason = f" ({lease.reason})" if lease.reason is not None else ""
+        return f"{who} waiting{reason} for {age}, uid {lease.uid}"
     joined = "" if lease.created else ", joined"
-    pids = f", {lease.pids} pid{'s' if lease.pids != 1 else ''}" if lease.pids else ""
-    turn = f", turn {lease.turn_id} ({lease.unit})" if lease.turn_id is not None else ""
-    return f"lease {lease.lease}: {where} {how} {since} by uid {lease.uid}{turn}{joined}{pids}"
+    how = "held" if lease.state == "held" else "waiting for its claim after a restart,"
+    return f"{who} {how} by uid {lease.uid} for {age} in {lease.unit}{joined}"
 
 
 def _queue_line(status: Status) -> str:

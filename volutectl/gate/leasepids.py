@@ -102,9 +102,13 @@ class LeasePids:
         held = self.held.get(lease_id)
         if not held:
             return 0
-        order = orders.MoveIn(turn_id=turn_id, mind=mind, pids=len(held))
+        # Those that exited while the lease waited move nowhere (the launcher would
+        # refuse the whole order for one of them); if none is left, the watch below
+        # ends the lease at once (`pids_exited`).
+        living = tuple(fd for fd in held if not exited(fd))
+        order = orders.MoveIn(turn_id=turn_id, mind=mind, pids=len(living))
         try:
-            moved = len(hands.move_in(order, held).moved)
+            moved = len(hands.move_in(order, living).moved) if living else 0
         except VoluteError as error:
             unit = names.turn_scope_name(mind, turn_id)
             self.journal.emit(

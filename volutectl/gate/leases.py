@@ -316,7 +316,7 @@ class Leases:
                     lease.turn_id,
                     lease.created,
                     lease.pids_moved,
-                ),  # fmt: skip
+                ),
             )
         self.journal.emit(
             events.LeaseGranted(
