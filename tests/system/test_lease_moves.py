@@ -388,3 +388,20 @@ def test_a_gate_killed_after_the_move_and_a_lease_never_claimed_returns_its_pids
     for kind in ("pid_moved_in", "pid_moved_back"):
         entries = gate_events(machine, f"VOLUTE_EVENT={kind}", unit="volute-launcher.service")
         assert [entry["VOLUTE_PID"] for entry in entries] == [str(pid)], kind
+
+
+def test_at_its_time_limit_a_lease_returns_its_pids_alive_then_ends_timeout(
+    machine: Machine,
+) -> None:
+    """No RuntimeMaxSec= on a lease's scope (systemd would kill the daemon's processes):
+    at max_runtime_seconds the gate moves them back, stops the scope, tells the holder."""
+    lease_setup(machine, "[turns]\nmax_runtime_seconds = 3\n")
+    pid = runner(machine, "runner-a")
+    holder = Holder(machine, "m", pid)
+    granted = holder.until("event", "lease_granted")
+    assert granted["pids_moved"] == 1
+    assert unit_property(machine, str(granted["unit"]), "RuntimeMaxUSec") == "infinity"
+    ended = holder.until("event", "lease_ended")
+    assert ended["reason"] == "timeout", ended
+    assert systemd_cgroup(machine, pid) == "/system.slice/runner-a.service"
+    assert alive(machine, pid)

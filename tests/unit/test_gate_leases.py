@@ -8,16 +8,19 @@ gate counts, what the fake systemd holds, and what the holder is told.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterator
+import json
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.unit.fake_clock import FakeClock
-from tests.unit.gate_harness import Harness, Peer
-from volutectl.errors import EX_DATAERR, EX_NOPERM, EX_TEMPFAIL
+from tests.unit.gate_harness import Harness, Peer, connect_as
+from volutectl import events, faults
+from volutectl.core.iocost import PROBATION_SECONDS
+from volutectl.errors import EX_DATAERR, EX_NOPERM, EX_TEMPFAIL, VoluteError
+from volutectl.kernel.written import Written
 from volutectl.states import HoldReason, LeaseState, QueueState, TurnKind
 
 
@@ -94,7 +97,7 @@ def test_a_waiting_acquire_keeps_its_place_among_deliveries_and_the_cap_is_share
     tmp_path: Path,
 ) -> None:
     harness = Harness(
-        tmp_path, limits={"global_concurrent_turns": 1}, minds={"a": "sleep 0.3", "b": "true"}
+        tmp_path, limits={"global_concurrent_turns": 1}, minds={"a": "sleep 3", "b": "true"}
     )
     try:
         first = harness.deliver_ok(mind="a")  # runs, holds the one place
@@ -108,7 +111,7 @@ def test_a_waiting_acquire_keeps_its_place_among_deliveries_and_the_cap_is_share
         status = harness.connect().request({"op": "status"})
         [shown] = status["status"]["leases"]
         assert shown["state"] == "waiting" and shown["reason"] == "global_cap"
-        grant = granted(holder)  # once the turn of `a` ended: before `after`
+        grant = granted(holder)  # once the turn of `a` ended (3 s): before `after`
         assert harness.gate.state.store.row(first).state is QueueState.DONE  # type: ignore[union-attr]
         row = harness.gate.state.store.row(after)
         assert row is not None and row.state is QueueState.PENDING
@@ -188,19 +191,30 @@ def test_an_acquire_with_pids_is_refused_naming_the_field(harness: Harness) -> N
     assert reply["error"].startswith("pids:")
 
 
-def test_the_per_uid_bound_refuses_past_it(tmp_path: Path) -> None:
+MEMBER = 65534  # a uid other than root (nobody)
+
+
+def test_the_per_uid_bound_refuses_past_it_and_another_uids_lease_is_refused(
+    tmp_path: Path,
+) -> None:
     harness = Harness(tmp_path, max_leases_per_uid=2)
     try:
-        peer = harness.connect()
-        uid = os.getuid()
-        for session in ("a", "b"):
-            acquire(peer, session=session)
-        reply = peer.request({"op": "acquire", "mind": "mimsy", "session": "c"})
-        if uid == 0:  # root is unbounded
-            assert reply["ok"] is True
-        else:
-            assert reply["ok"] is False and reply["code"] == EX_TEMPFAIL
-            assert "gate.max_leases_per_uid" in reply["error"]
+        member = connect_as(harness, MEMBER)
+        acquire(member, session="a")
+        grant = granted(member)
+        acquire(member, session="b")  # waits (mimsy's limit): held and awaited both count
+        reply = member.request({"op": "acquire", "mind": "mimsy", "session": "c"})
+        assert reply["ok"] is False and reply["code"] == EX_TEMPFAIL
+        assert "gate.max_leases_per_uid" in reply["error"]
+        root = harness.connect()  # root has no bound
+        for session in ("d", "e", "f"):
+            acquire(root, session=session)
+        other = connect_as(harness, MEMBER - 1)
+        taken = other.request({"op": "release", "lease": grant["lease"], "token": grant["token"]})
+        assert taken["ok"] is False and taken["code"] == EX_NOPERM
+        assert taken["error"].startswith("lease:")
+        ended = root.request({"op": "release", "lease": grant["lease"], "token": grant["token"]})
+        assert ended["ok"] is True  # root may
     finally:
         harness.close()
 
@@ -209,6 +223,8 @@ def test_an_admin_ends_a_lease_and_its_holder_is_told(harness: Harness) -> None:
     holder = harness.connect()
     acquire(holder)
     grant = granted(holder)
+    member = connect_as(harness, MEMBER).request({"op": "end_lease", "lease": grant["lease"]})
+    assert member["ok"] is False and member["code"] == EX_NOPERM
     reply = harness.connect().request({"op": "end_lease", "lease": grant["lease"]})
     assert reply == {"v": 1, "ok": True, "lease": grant["lease"], "ended": True}
     assert holder.reply() == {
@@ -273,7 +289,27 @@ def test_a_lease_survives_a_gate_restart_and_is_claimed_or_ends_unclaimed(
         harness.close()
 
 
-def test_a_repeated_acquire_with_its_request_id_gets_the_same_lease(harness: Harness) -> None:
+def test_a_repeated_acquire_after_a_gate_restart_gets_the_same_lease_by_its_request_id(
+    harness: Harness,
+) -> None:
+    """The connection was lost with the gate (before or after the grant came): the same
+    uid's acquire with the same request_id answers the same lease, its grant again."""
+    first = harness.connect()
+    acquire(first, request_id="r1")
+    grant = granted(first)
+    harness.crash()
+    harness.restart()
+    again = harness.connect()
+    reply = acquire(again, request_id="r1")
+    assert reply == {"v": 1, "ok": True, "lease": grant["lease"], "state": "granted",
+                     "already": True}  # fmt: skip
+    assert granted(again) == grant
+    assert len(harness.gate.state.turns.all()) == 1  # one place, as before
+    other = acquire(harness.connect(), request_id="r2")
+    assert other["lease"] != grant["lease"]
+
+
+def test_a_closed_connection_s_request_id_starts_over(harness: Harness) -> None:
     first = harness.connect()
     acquire(first, request_id="r1")
     grant = granted(first)
@@ -282,6 +318,116 @@ def test_a_repeated_acquire_with_its_request_id_gets_the_same_lease(harness: Har
     again = harness.connect()
     reply = acquire(again, request_id="r1")
     assert reply["lease"] != grant["lease"]  # the first one ended with its connection
+
+
+@pytest.mark.parametrize("point", faults.LEASE_POINTS)
+def test_a_crash_at_each_step_of_a_grant_leaves_one_lease_at_most_and_no_unheld_scope(
+    tmp_path: Path, point: str
+) -> None:
+    """In-process (tests/system/test_leases.py does it with a SIGKILL): the gate dies at
+    `point`; the next one counts the lease once at most, and a scope nobody claims ends
+    after gate.lease_reclaim_seconds, freeing the place for the next acquire."""
+    clock = FakeClock()
+    harness = Harness(tmp_path, clock=clock, lease_reclaim_seconds=30)
+    try:
+        holder = harness.connect()
+        faults.arm(point)
+        with pytest.raises(faults.SimulatedCrash):
+            acquire(holder)
+            holder.reply()
+        faults.arm(None)
+        harness.crash()
+        harness.restart()
+        harness.step(0)
+        leases = harness.gate.state.leases
+        assert leases is not None
+        assert len(leases.leases) <= 1 and len(harness.gate.state.turns.all()) <= 1
+        harness.advance(31.0)
+        harness.pump(lambda: not harness.gate.state.turns.all())
+        assert not leases.leases and harness.gate.state.store.leases.open() == []
+        after = harness.connect()
+        acquire(after)
+        assert granted(after)["created"] is True
+    finally:
+        faults.arm(None)
+        harness.close()
+
+
+def test_an_acquire_after_a_release_waits_for_the_scope_to_go_rather_than_join_it(
+    harness: Harness,
+) -> None:
+    first, second = harness.connect(), harness.connect()
+    acquire(first)
+    grant = granted(first)
+    # Both in one pass: the release stops the scope, which is not gone yet.
+    release = {"v": 1, "op": "release", "lease": grant["lease"], "token": grant["token"]}
+    first.send(json.dumps(release).encode() + b"\n")
+    second.send(json.dumps({"v": 1, "op": "acquire", "mind": "mimsy"}).encode() + b"\n")
+    assert first.reply()["released"] is True
+    assert second.reply()["state"] == "waiting"
+    again = granted(second)
+    assert again["created"] is True and again["turn_id"] != grant["turn_id"]
+
+
+def test_a_leases_io_cost_is_learnt_for_its_mind_from_what_its_scope_wrote(
+    tmp_path: Path,
+) -> None:
+    """As a turn's: its scope is sampled while it runs (the daemon's processes write
+    there), and what it had written at its last sample is its mind's cost once it ends."""
+    config = {"start": 2, "minimum": 1, "maximum": 4, "interval_seconds": 10.0}
+    harness = Harness(tmp_path, limits={"adaptive": config}, clock=FakeClock())
+    try:
+        adaptive = harness.gate.state.adaptive
+        assert adaptive is not None
+        hands = harness.gate.state.turns.hands
+        asked: list[list[int]] = []
+
+        def sample(turn_ids: Sequence[int]) -> dict[int, Written]:
+            asked.append(list(turn_ids))
+            return {turn_id: Written(64 << 20, False) for turn_id in turn_ids}
+
+        hands.sample = sample  # type: ignore[method-assign]
+        holder = harness.connect()
+        acquire(holder)
+        grant = granted(holder)
+        before = dict(adaptive.costs())
+        harness.advance(PROBATION_SECONDS + 0.1)
+        assert [grant["turn_id"]] in asked  # the lease's scope is sampled
+        holder.request({"op": "release", "lease": grant["lease"], "token": grant["token"]})
+        harness.pump(lambda: not harness.gate.state.turns.all())
+        assert "mimsy" not in before and "mimsy" in adaptive.costs()  # learnt
+    finally:
+        harness.close()
+
+
+def test_a_stop_the_launcher_refuses_is_tried_again_until_the_scope_goes(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    harness = Harness(tmp_path, clock=clock)
+    try:
+        holder = harness.connect()
+        acquire(holder)
+        grant = granted(holder)
+        hands = harness.gate.state.turns.hands
+        stop = hands.stop
+        refusals: list[int] = []
+
+        def refuse(turn_id: int, mind: str) -> None:
+            refusals.append(turn_id)
+            raise VoluteError("the launcher does not answer")
+
+        hands.stop = refuse  # type: ignore[method-assign]
+        holder.request({"op": "release", "lease": grant["lease"], "token": grant["token"]})
+        assert refusals == [grant["turn_id"]]
+        harness.advance(1.5)
+        assert len(refusals) == 2  # tried again a second later
+        assert len(harness.journal.of(events.ScopeStopFailed)) == 1  # said once
+        hands.stop = stop  # type: ignore[method-assign]
+        harness.advance(1.5)
+        harness.pump(lambda: not harness.gate.state.turns.all())
+    finally:
+        harness.close()
 
 
 def test_every_end_of_a_leases_scope_moves_its_processes_back_before_the_stop(

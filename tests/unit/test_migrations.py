@@ -17,9 +17,10 @@ import pytest
 from tests.unit.retention_child import run_child
 from volutectl.core import admission
 from volutectl.errors import UnavailableError
-from volutectl.states import Outcome
+from volutectl.states import Outcome, TurnKind
 from volutectl.store import schema as queue_schema
 from volutectl.store.indexed import IndexedStore
+from volutectl.store.leases import LeaseRow
 from volutectl.store.queue import AlreadyQueued, NewDelivery, RequestIdReused, Store
 from volutectl.store.quotas import Usage
 from volutectl.store.schema import (
@@ -523,4 +524,42 @@ def test_a_schema_8_database_gets_who_may_interrupt_and_an_interrupted_turn_sett
         store.close()
     after = table_rows(path)
     after["deliveries"] = [row for row in after["deliveries"] if row[0] != new]
+    assert same_rows(after, before)
+
+
+def test_a_schema_9_database_gets_lease_turns_and_a_leases_table_and_keeps_its_turns(
+    tmp_path: Path,
+) -> None:
+    """The leases step (10, issue 31): each turn row gets a kind, 'turn' for every turn
+    from before; a `leases` table holds grants. An open turn of before is still a command
+    turn after it, and a lease granted on the upgraded database is a turn of kind 'lease'."""
+    path = v3_database(tmp_path / "queue.sqlite3")
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("BEGIN")
+    for version in (3, 4, 5, 6, 7, 8):
+        for statement in statements(MIGRATIONS[version]):
+            db.execute(statement)
+    db.execute("PRAGMA user_version = 9")
+    db.execute("COMMIT")
+    db.close()
+    before = table_rows(path)
+    assert not any(column[0] == "kind" for column in schema(path)["table turns"])
+    assert "table leases" not in schema(path)
+    store = Store(path)
+    try:
+        assert store.schema_version() == SCHEMA_VERSION == 10
+        assert ("kind", "TEXT", 1, "'turn'", 0) in schema(path)["table turns"]
+        assert "table leases" in schema(path)
+        assert store.open_turns() and all(t.kind is TurnKind.TURN for t in store.open_turns())
+        assert store.leases.open() == [] and store.leases.last_id() == 0
+        lease = LeaseRow(1, 0, "mimsy", "main", 1001, "ab" * 16, None, True, 5.0)
+        turn_id = store.leases.grant(lease, unit_for=lambda tid: f"volute-turn-mimsy-{tid}.scope")
+        turn = store.turn(turn_id)
+        assert turn is not None and turn.kind is TurnKind.LEASE
+        assert [row.turn_id for row in store.leases.open()] == [turn_id]
+    finally:
+        store.close()
+    after = table_rows(path)
+    after["turns"] = [row for row in after["turns"] if row[0] != turn_id]
+    after.pop("leases", None)
     assert same_rows(after, before)

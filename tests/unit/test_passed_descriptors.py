@@ -351,3 +351,30 @@ def test_registrations_by_descriptor_keep_the_bound_per_user(
         assert len(store.kept) == MAX_REPOSITORIES_PER_USER
     finally:
         watch.close()
+
+
+def test_an_acquires_pidfds_are_bounded_and_every_one_is_closed(harness: Harness) -> None:
+    """An acquire's pidfds (issue 31): at most 64 per lease; a read brings at most 65,
+    so that more than a lease may have is a wrong count, refused naming `pids`, never
+    cut to fit; whatever is refused or left over is closed."""
+    child = subprocess.Popen(["sleep", "60"])
+    pidfd = os.pidfd_open(child.pid)
+    try:
+        peer = harness.connect()
+        assert peer.request({"op": "ping"})["ok"] is True
+        before = open_fds()
+        for sent, announced in ((65, 64), (100, 64), (3, 2), (1, 0)):
+            line = json.dumps({"v": 1, "op": "acquire", "mind": "mimsy", "pids": announced})
+            send_with_fds(peer.sock, line.encode() + b"\n", [pidfd] * sent)
+            reply = peer.reply()
+            assert (reply["ok"], reply["code"]) == (False, 65), (sent, reply)
+            assert reply["error"].startswith("pids: "), (sent, reply)
+            assert f"{announced} announced, " in reply["error"], (sent, reply)
+            assert open_fds() == before, sent
+        # 10,000 is not a count a lease may have at all.
+        reply = peer.request({"op": "acquire", "mind": "mimsy", "pids": 10_000})
+        assert (reply["ok"], reply["code"]) == (False, 65) and "pids" in reply["error"]
+    finally:
+        os.close(pidfd)
+        child.kill()
+        child.wait()

@@ -348,3 +348,16 @@ def test_the_gate_moves_only_the_living_and_ends_a_lease_when_all_have_exited() 
         on_ready(1)
     assert ended == [5] and not watched and not pids.held
     assert open_fds() == before - 2  # its copies closed
+
+
+def test_a_record_is_kept_whole_and_read_back(tmp_path: Path) -> None:
+    records = moves.Records(tmp_path / "run" / "moved")  # its parent made too
+    assert records.load(3) is None and records.turn_ids() == []
+    moved = moves.MovedProcess(41, 99, "/system.slice/a.service", "a.service", "system.slice")
+    record = moves.Record("m", 3, "volute-turn-m-3.scope", (moved,))
+    records.save(record)
+    assert records.load(3) == record and records.turn_ids() == [3]
+    assert oct((tmp_path / "run" / "moved").stat().st_mode & 0o777) == "0o700"
+    records.drop(3)
+    records.drop(3)  # again: nothing to drop
+    assert records.load(3) is None

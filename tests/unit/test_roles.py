@@ -22,11 +22,14 @@ from volutectl.gate import handlers
 from volutectl.gate.handlers import Caller
 from volutectl.states import QueueState
 from volutectl.wire.messages import (
+    AcquireRequest,
     ChangedReply,
+    ClaimRequest,
     DeliverAck,
     DeliverManyRequest,
     DeliverRequest,
     DropRequest,
+    EndLeaseRequest,
     ErrorReply,
     PauseReply,
     PauseRequest,
@@ -34,6 +37,7 @@ from volutectl.wire.messages import (
     QueueReply,
     QueueRequest,
     RegisterRepoRequest,
+    ReleaseRequest,
     Reply,
     Request,
     ResumeRequest,
@@ -56,6 +60,9 @@ CLIENT_REQUESTS = {
     RegisterRepoRequest,
     PingRequest,
     WaitRequest,
+    AcquireRequest,  # a lease, like a delivery: any member (issue 31)
+    ReleaseRequest,
+    ClaimRequest,
 }
 
 
@@ -96,7 +103,13 @@ def test_every_request_is_either_a_clients_or_an_admins() -> None:
     assert answered == CLIENT_REQUESTS | handlers.ADMIN_ONLY
     assert not set(handlers.HANDLERS) & set(handlers.TOGETHER)  # one handler each
     assert not CLIENT_REQUESTS & handlers.ADMIN_ONLY
-    assert handlers.ADMIN_ONLY == {PauseRequest, ResumeRequest, RetryRequest, DropRequest}
+    assert handlers.ADMIN_ONLY == {
+        PauseRequest,
+        ResumeRequest,
+        RetryRequest,
+        DropRequest,
+        EndLeaseRequest,
+    }
 
 
 @pytest.fixture

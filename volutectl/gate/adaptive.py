@@ -390,6 +390,12 @@ class AdaptiveLimit:
 
     # -- IO costs per mind (volutectl/core/iocost.py) -----------------------------------
 
+    def sampled_written(self, turn_id: int) -> int | None:
+        """What a running turn's scope had written at its last sample (a lease's cost,
+        whose daemon's processes no wrapper's rusage counts), if it was sampled."""
+        turn = self.running_turns.get(turn_id)
+        return turn.written if turn is not None and turn.sampled is not None else None
+
     def learn_cost(self, mind: str, written_bytes: int) -> None:
         """A turn of `mind` ended having written `written_bytes` (its rusage)."""
         if self.enabled:

@@ -27,7 +27,7 @@ import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from volutectl import events
+from volutectl import events, names
 from volutectl.clock import SYSTEM, Clock
 from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings
@@ -52,6 +52,8 @@ from volutectl.wire.messages import (
     ReleaseReply,
     Reply,
 )
+
+STOP_RETRY_SECONDS = 1.0  # an ended lease's scope the launcher could not stop: again then
 
 
 @dataclass(eq=False)
@@ -117,6 +119,8 @@ class Leases:
         self.clock = clock
         self.leases: dict[int, Lease] = {}
         self.stopping = False  # the gate is going: its clients close, its leases stay
+        self.unstopped: set[int] = set()  # scopes of ended leases whose stop failed
+        self.stop_retry: float | None = None  # monotonic: when to try those again
         self.next_id = store.leases.last_id() + 1
         turns.on_freed = self.turn_freed
         # The pidfds of leases that move processes (volutectl/gate/leasepids.py).
@@ -135,6 +139,8 @@ class Leases:
         for client, event in out:
             if not client.closed:
                 self._send(client, event)
+                if isinstance(event, LeaseGranted):
+                    crash_point("lease_replied")
 
     # -- what admission sees -------------------------------------------------------------
 
@@ -152,9 +158,14 @@ class Leases:
             if lease is not None and lease.state is LeaseState.WAITING:
                 if lease.reason is None or lease.reason != reason:
                     self.journal.emit(
-                        events.LeaseHeld(lease=lease.id, mind=lease.mind, session=lease.session,
-                                         uid=lease.uid, reason=reason)
-                    )  # fmt: skip
+                        events.LeaseHeld(
+                            lease=lease.id,
+                            mind=lease.mind,
+                            session=lease.session,
+                            uid=lease.uid,
+                            reason=reason,
+                        )
+                    )
                 lease.reason = reason
 
     def status(self) -> tuple[LeaseStatus, ...]:
@@ -235,9 +246,12 @@ class Leases:
         client.leases.add(lease.id)
 
     def _running(self, mind: str, session: str) -> Turn | None:
-        """The oldest turn or lease's scope the gate holds for (mind, session), if any."""
+        """The oldest turn or lease's scope the gate holds for (mind, session) that is not
+        being stopped, if any: one whose lease ended waits to be freed, and an acquire
+        then waits for it (`mind_busy`) rather than join what is going."""
         for turn in self.turns.all():
-            if (turn.mind, turn.session) == (mind, session):
+            going = turn.lease_end is not None or turn.timed_out_at is not None
+            if (turn.mind, turn.session) == (mind, session) and not going:
                 return turn
         return None
 
@@ -258,26 +272,19 @@ class Leases:
         max_runtime = self.settings.max_runtime(lease.mind)
         turn_id = self.store.leases.grant(
             self._row(lease, turn_id=0, created=True, now=now),
-            unit_for=lambda tid: self.turns_unit(lease.mind, tid),
+            unit_for=lambda tid: names.turn_scope_name(lease.mind, tid),
             deadline=now + max_runtime if max_runtime else None,
         )
         crash_point("lease_committed")
         lease.turn_id, lease.created, lease.since = turn_id, True, now
-        lease.unit = self.turns_unit(lease.mind, turn_id)
+        lease.unit = names.turn_scope_name(lease.mind, turn_id)
         lease.state, lease.reason = LeaseState.HELD, None
         turn = self.turns.start_lease(turn_id, lease.mind, lease.session, now)
         if not self.turns.holds(turn):
             return  # its start failed: turn_freed has ended it and told its holder
         lease.pids_moved = self.pids.move_in(self.turns.hands, lease.id, turn_id, lease.mind)
         crash_point("lease_pids_moved")
-        self._tell_granted(lease)
-        crash_point("lease_replied")
-
-    @staticmethod
-    def turns_unit(mind: str, turn_id: int) -> str:
-        from volutectl import names
-
-        return names.turn_scope_name(mind, turn_id)
+        self._tell_granted(lease)  # sent by `flush`, after the pass's replies
 
     def _row(self, lease: Lease, *, turn_id: int, created: bool, now: float) -> LeaseRow:
         assert lease.token is not None
@@ -398,10 +405,14 @@ class Leases:
                 self.send(lease.client, LeaseEnded(lease.id, reason))
         self.journal.emit(
             events.LeaseEnded(
-                lease=lease.id, mind=lease.mind, session=lease.session, uid=lease.uid,
-                turn_id=lease.turn_id, reason=reason,
+                lease=lease.id,
+                mind=lease.mind,
+                session=lease.session,
+                uid=lease.uid,
+                turn_id=lease.turn_id,
+                reason=reason,
             )
-        )  # fmt: skip
+        )
         if lease.state is LeaseState.WAITING or lease.turn_id is None:
             self.wake()
             return
@@ -417,11 +428,28 @@ class Leases:
             self._stop(turn)
 
     def _stop(self, turn: Turn) -> None:
-        self.turns.move_back(turn.id, turn.mind)
+        """Stop an ended lease's scope; one the launcher could not stop now is tried
+        again at each admission pass (`stop_owed`) until it stops or is gone."""
+        self.turns.move_back(turn.id, turn.mind)  # its processes live on: never stopped
         try:
             self.turns.hands.stop(turn.id, turn.mind)
         except VoluteError as error:
-            self.journal.emit(events.ScopeStopFailed(unit=turn.unit, error=error.message))
+            if turn.id not in self.unstopped:
+                self.journal.emit(events.ScopeStopFailed(unit=turn.unit, error=error.message))
+            self.unstopped.add(turn.id)
+            self.stop_retry = self.clock.monotonic() + STOP_RETRY_SECONDS
+        else:
+            self.unstopped.discard(turn.id)
+
+    def stop_owed(self) -> None:
+        """Try again the stops that failed (the launcher was away)."""
+        self.stop_retry = None
+        for turn_id in sorted(self.unstopped):
+            turn = self.turns.get(turn_id)
+            if turn is None:
+                self.unstopped.discard(turn_id)
+            else:
+                self._stop(turn)
 
     def _pids_exited(self, lease_id: int) -> None:
         """Every process the lease moved in has exited: the lease ends (its holder told)."""
@@ -467,10 +495,14 @@ class Leases:
             self.send(lease.client, LeaseEnded(lease.id, reason))
         self.journal.emit(
             events.LeaseEnded(
-                lease=lease.id, mind=lease.mind, session=lease.session, uid=lease.uid,
-                turn_id=lease.turn_id, reason=reason,
+                lease=lease.id,
+                mind=lease.mind,
+                session=lease.session,
+                uid=lease.uid,
+                turn_id=lease.turn_id,
+                reason=reason,
             )
-        )  # fmt: skip
+        )
 
     # -- across a restart -----------------------------------------------------------------
 
@@ -505,10 +537,15 @@ class Leases:
                 self._stop(turn)
 
     def deadline(self) -> float | None:
+        """The next reclaim window's end, or a failed stop's retry (monotonic)."""
         times = [x.reclaim_until for x in self.leases.values() if x.reclaim_until is not None]
+        if self.stop_retry is not None:
+            times.append(self.stop_retry)
         return min(times, default=None)
 
     def on_deadline(self, now: float) -> None:
+        if self.stop_retry is not None and now >= self.stop_retry:
+            self.stop_owed()
         for lease in list(self.leases.values()):
             if lease.reclaim_until is not None and now >= lease.reclaim_until:
                 self._end(lease, LeaseEnd.RECLAIM_EXPIRED, tell=False)

@@ -265,6 +265,7 @@ class Gate:
             self.reactor.watch(adaptive.probe.fileno(), adaptive.on_probe_done)
         self.state.adaptive = adaptive
         self.state.turns.on_written = adaptive.learn_cost
+        self.state.turns.sampled_written = adaptive.sampled_written
 
     def _starting(self) -> None:
         """Still busy starting (retention's first pass over an old database)."""
@@ -505,7 +506,7 @@ class Gate:
 
     def _on_reclaim_deadline(self, now: float) -> None:
         assert self.state.leases is not None
-        self._guarded("a lease's reclaim window", self.state.leases.on_deadline, now)
+        self._guarded("a lease's reclaim window or stop", self.state.leases.on_deadline, now)
 
     def _turn_deadline(self) -> float | None:
         """A turn's time limit (stored on the wall clock), or a question to systemd due."""

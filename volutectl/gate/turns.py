@@ -114,6 +114,8 @@ class Turns:
         self.ask = ask
         # Told what each ended turn wrote, by mind (the adaptive limit's IO costs).
         self.on_written: Callable[[str, int], None] | None = None
+        # What a running turn's scope had written at its last sample (a lease's cost).
+        self.sampled_written: Callable[[int], int | None] = lambda turn_id: None
         # Told when a turn frees its place, however it ended: the leases on it end
         # (volutectl/gate/leases.py).
         self.on_freed: Callable[[Turn], None] = lambda turn: None
@@ -665,8 +667,8 @@ class Turns:
 
     def finish(self, turn: Turn) -> None:
         """Nothing of the turn runs any more: settle its deliveries and free its place."""
-        if turn.lease:  # no deliveries, no directory: its leases end as it frees
-            self.apply(turn, lifecycle.Ended(Outcome.OK))
+        if turn.lease:
+            self._finish_lease(turn)
             return
         now = self.clock.wall()
         rows = self.store.rows_of_turn(turn.id)
@@ -723,6 +725,14 @@ class Turns:
             )
         )
         self._tell_settled(turn, outcome, carried, settlement.done, failed, error)
+
+    def _finish_lease(self, turn: Turn) -> None:
+        """A lease's scope ended: no deliveries, no directory; its leases end as it frees
+        its place (`on_freed`), and what its scope wrote is its mind's cost."""
+        written = self.sampled_written(turn.id)
+        if written is not None and self.on_written is not None:
+            self.on_written(turn.mind, written)
+        self.apply(turn, lifecycle.Ended(Outcome.OK))
 
     def _tell_settled(
         self,

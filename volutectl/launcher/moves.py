@@ -78,6 +78,9 @@ class Records:
     def _open(self, create: bool = False) -> int | None:
         """The directory's fd; None if it does not exist and `create` is false."""
         if create:
+            # Its parent is the launcher's socket's directory (volute-launcher.socket
+            # makes it, root's 0755); a launcher run by hand may have none yet.
+            os.makedirs(self.path.parent, 0o755, exist_ok=True)
             with contextlib.suppress(FileExistsError):
                 os.mkdir(self.path, 0o700)
         try:

@@ -65,8 +65,10 @@ class LeaseStore:
         self._tx = tx
 
     def last_id(self) -> int:
-        """The highest lease id ever granted (0: none): new ids start above it."""
-        return int(self.db.execute("SELECT COALESCE(MAX(id), 0) FROM leases").fetchone()[0])
+        """The highest lease id ever granted (0: none), even if retention deleted it:
+        new ids start above it."""
+        row = self.db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'leases'").fetchone()
+        return int(row[0]) if row is not None else 0
 
     def next_delivery_id(self) -> int:
         """The id the next delivery will get: a waiting acquire's place in the FIFO."""

@@ -117,6 +117,11 @@ def delete_batch(
         ]
         if turns:
             db.execute(f"DELETE FROM turns WHERE id IN ({_marks(turns)})", turns)
+            # The leases granted on them, ended with them (schema 10; ids not reused).
+            db.execute(
+                f"DELETE FROM leases WHERE turn_id IN ({_marks(turns)}) AND ended_at IS NOT NULL",
+                turns,
+            )
         crash_point("retention_deleted")
     # A limit reached means more may be due now.
     more = len(found) == rows or len(ids) < len(found) or len(turns) == rows

@@ -146,11 +146,12 @@ ALTER TABLE deliveries ADD COLUMN cut INTEGER NOT NULL DEFAULT 0;
     # alone, as the messages are), the request id that makes a
     # repeated acquire safe, whether it created its turn or joined a running one, and how
     # it ended. A waiting acquire has no row: it lives as long as its connection. Turns
-    # from before are all of kind 'turn'.
+    # from before are all of kind 'turn'. AUTOINCREMENT: retention deletes ended leases
+    # with their turns, and sqlite_sequence keeps their ids from being given again.
     9: """
 ALTER TABLE turns ADD COLUMN kind TEXT NOT NULL DEFAULT 'turn';
 CREATE TABLE leases (
-    id INTEGER PRIMARY KEY,
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
     turn_id INTEGER NOT NULL,
     mind TEXT NOT NULL,
     session TEXT NOT NULL,
