@@ -288,6 +288,23 @@ def test_a_refused_release_is_said_and_the_commands_status_kept(socket_dir: Path
     assert "volutectl: the queue could not store" in err
 
 
+def test_a_command_in_no_unit_is_65_said_plainly_and_never_runs(socket_dir: Path) -> None:
+    marker = socket_dir / "ran"
+
+    def refuse(peer: Peer) -> None:
+        assert peer.line() is not None
+        peer.send({"ok": False, "code": 65, "error": "pids[0]: pid 172 is in no systemd unit"})
+
+    gate = LeaseGate(socket_dir / "gate.sock", [refuse])
+    code, _, err = finish(start(socket_dir, "pip", "--", "touch", str(marker)))
+    gate.close()
+    assert code == 65
+    assert "so it did not run: pids[0]: pid 172 is in no systemd unit" in err
+    assert "hint: run it from a login session or a service" in err
+    time.sleep(0.2)
+    assert not marker.exists()
+
+
 def test_an_older_gate_is_too_old_for_leases_64(socket_dir: Path) -> None:
     def old(peer: Peer) -> None:
         assert peer.line() is not None

@@ -201,15 +201,26 @@ def open_pidfds(pids: Sequence[int]) -> list[int]:
 
 
 def _not_moved(error: VoluteError, mind: str) -> VoluteError:
-    """The gate's refusal to move CMD into the scope (77), said plainly: CMD did not run."""
-    if error.exit_code != EX_NOPERM:
+    """The gate's refusal to move CMD into the scope, said plainly: CMD did not run. 77:
+    not the mind's user; 65 naming `pids[0]`: the process itself does not qualify (in no
+    systemd unit, so there is nowhere to return it to)."""
+    if error.exit_code == EX_NOPERM:
+        hint = (
+            f"run it as {mind}'s user (sudo -u USER volutectl lease ...), or hold the "
+            "lease with --pid of that user's processes"
+        )
+    elif error.exit_code == EX_DATAERR and error.message.startswith("pids[0]"):
+        hint = (
+            "run it from a login session or a service (a systemd unit, where it goes back "
+            "when the lease ends), or hold the lease with --pid"
+        )
+    else:
         return error
     return VoluteError(
         f"the gate will not move the command into {mind}'s lease scope, so it did not "
         f"run: {error.message}",
-        hint=f"run it as {mind}'s user (sudo -u USER volutectl lease ...), or hold the "
-        "lease with --pid of that user's processes",
-        exit_code=EX_NOPERM,
+        hint=hint,
+        exit_code=error.exit_code,
     )
 
 
