@@ -23,6 +23,10 @@ EX_PROTOCOL = 76
 EX_NOPERM = 77
 EX_CONFIG = 78
 
+# `volutectl lease -- CMD`: the lease ended under CMD (its time limit, an admin, its
+# scope gone, a gate restart it was not claimed back from), so CMD was stopped.
+LEASE_ENDED_EXIT = EX_TEMPFAIL
+
 
 class VoluteError(Exception):
     """A failure the user can act on: one line, an optional hint, an exit code."""

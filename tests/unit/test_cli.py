@@ -153,8 +153,8 @@ def test_one_config_option_everywhere() -> None:
     """--config is defined once (volutectl.cli.options) and means the same in every command."""
     found = _commands_with_config()
     assert sorted(found) == [
-        "config check", "config show", "doctor", "gate", "logs", "pause", "queue", "resume",
-        "status", "test", "wait",
+        "config check", "config show", "doctor", "gate", "lease", "logs", "pause", "queue",
+        "resume", "status", "test", "wait",
     ]  # fmt: skip
 
     @click.command()

@@ -116,6 +116,24 @@ def test_logs_completes_the_configs_minds(config: Path) -> None:
     assert complete(f"volutectl logs --config {config} w") == ["whorl.v2"]
 
 
+def test_lease_completes_the_configs_minds_its_options_and_this_users_pids(
+    config: Path,
+) -> None:
+    assert complete("volutectl lease ", VOLUTE_CONFIG=str(config)) == ["mimsy", "pip", "whorl.v2"]
+    assert complete("volutectl lease --") == [
+        "--session", "--pid", "--end", "--request-id", "--timeout", "--socket", "--config",
+        "--help",
+    ]  # fmt: skip
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        offered = complete(f"volutectl lease mimsy --pid {sleeper.pid}")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert str(sleeper.pid) in offered
+    assert all(pid.isdigit() and pid.startswith(str(sleeper.pid)) for pid in offered)
+
+
 def test_an_unreadable_or_missing_config_completes_no_mind(tmp_path: Path) -> None:
     assert complete("volutectl deliver ", VOLUTE_CONFIG=str(tmp_path / "absent.toml")) == []
     broken = tmp_path / "broken.toml"

@@ -44,6 +44,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "doctor_command",
         "Say which protections work on this host.",
     ),
+    "lease": (
+        "volutectl.cli.lease",
+        "lease_command",
+        "Hold a place among a mind's turns while a command runs.",
+    ),
     "logs": (
         "volutectl.cli.logs",
         "logs_command",

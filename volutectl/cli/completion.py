@@ -6,6 +6,7 @@ tree, so every command's options complete with no list kept here. What this modu
 - mind names, read from the config file with tomllib alone (a TAB must not pay for
   pydantic); a config the user may not read completes no mind;
 - queue states, from volutectl.states;
+- `lease --pid`'s processes, from /proc: this user's (root's: all), each with its name;
 - `deliver`, which volutectl.cli.deliver parses with argparse, not click: its options, their
   values, and its MIND, from that parser.
 """
@@ -21,6 +22,7 @@ from click.shell_completion import CompletionItem
 
 from volutectl.cli.deliver import DEFAULT_CONFIG
 from volutectl.states import QueueState
+from volutectl.visible import visible
 
 if TYPE_CHECKING:
     import argparse
@@ -65,6 +67,30 @@ def complete_states(
     ctx: click.Context, param: click.Parameter, incomplete: str
 ) -> list[CompletionItem]:
     return _items([state.value for state in QueueState], incomplete)
+
+
+def complete_pids(
+    ctx: click.Context, param: click.Parameter, incomplete: str
+) -> list[CompletionItem]:
+    """`lease --pid`: this user's processes (root's: any), each with its command name."""
+    uid = os.getuid()
+    items = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit() or not entry.startswith(incomplete):
+            continue
+        try:
+            if uid != 0 and os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            with open(f"/proc/{entry}/comm", encoding="utf-8", errors="replace") as handle:
+                name = handle.read().strip()
+        except OSError:
+            continue  # it exited meanwhile
+        items.append(CompletionItem(entry, help=visible(name)))
+    return sorted(items, key=lambda item: int(item.value))
 
 
 # -- deliver -----------------------------------------------------------------------------
