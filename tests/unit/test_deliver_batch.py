@@ -6,6 +6,7 @@ sent nothing."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,6 +200,19 @@ def test_empty_stdin_is_64_and_sends_nothing(socket_dir: Path) -> None:
         result = run("--batch", "--socket", str(gate.path), stdin=b"")
     assert result.returncode == 64, result.stderr
     assert gate.requests == []
+
+
+def test_a_terminal_on_stdin_is_a_usage_error_not_a_wait(socket_dir: Path) -> None:
+    controller, terminal = os.openpty()
+    try:
+        with FakeGate(socket_dir / "gate.sock", [results(1)]) as gate:
+            result = run("--batch", "--socket", str(gate.path), stdin_fd=terminal)
+    finally:
+        os.close(controller)
+        os.close(terminal)
+    assert result.returncode == 64, result.stderr
+    assert b"pipe them in" in result.stderr
+    assert gate.connections == 0
 
 
 def test_a_line_the_gate_refuses_prints_an_empty_line_and_exits_with_its_code(
