@@ -56,7 +56,8 @@ def results(*ids: int | tuple[str, int]) -> dict[str, Any]:
         (b"", "line 4: blank"),
         (b"   \t", "line 4: blank"),
         (b"\xff{}", "line 4: not UTF-8 text"),
-        (b'{"mind": "ada", "message": "hi"', "line 4: not a JSON object"),
+        (b'{"mind": "ada", "message": "hi"', "line 4: not a JSON object: Expecting ',' "),
+        (b'{"mind": "ada"} {}', "line 4: not a JSON object: Extra data (column 17)"),
         (b'["ada", "hi"]', "line 4: a delivery is a JSON object, not an array"),
         (b'"ada"', "line 4: a delivery is a JSON object, not a string"),
         (b'{"message": "hi"}', "line 4: mind: missing"),
@@ -327,3 +328,24 @@ def test_the_batch_path_imports_no_heavy_module(socket_dir: Path) -> None:
     assert "volutectl.cli.batch" in loaded
     heavy = {"click", "pydantic", "pydantic_settings", "typing", "dataclasses", "secrets", "random"}
     assert not heavy & loaded, sorted(heavy & loaded)
+
+
+def test_one_delivery_does_not_load_the_batch_module(socket_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.unit.test_deliver_client import clean_environment
+
+    path = str(socket_dir / "gate.sock")
+    script = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print(' '.join(sorted(sys.modules)), file=sys.stderr))\n"
+        "from volutectl.cli import main\n"
+        f"main(['deliver', 'ada', '-m', 'hi', '--socket', {path!r}])\n"
+    )
+    with FakeGate(socket_dir / "gate.sock", [{"ok": True, "id": 7}]):
+        result = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, env=clean_environment(), timeout=60
+        )
+    assert result.returncode == 0, result.stderr
+    assert "volutectl.cli.batch" not in result.stderr.decode().split()

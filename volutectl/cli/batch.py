@@ -83,8 +83,8 @@ def check_line(number: int, raw: bytes) -> DeliverItem:
         raise _bad(f"{where}: blank: a batch has one delivery on each line")
     try:
         obj = json.loads(text)
-    except ValueError as error:
-        raise _bad(f"{where}: not a JSON object: {error}") from None
+    except json.JSONDecodeError as error:  # its own "line 1" would be the wrong line
+        raise _bad(f"{where}: not a JSON object: {error.msg} (column {error.colno})") from None
     except RecursionError:
         raise _bad(f"{where}: nested too deep") from None
     if not isinstance(obj, dict):
