@@ -66,11 +66,12 @@ class _Parser(argparse.ArgumentParser):
 def _deliver_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="volutectl deliver",
+        usage="%(prog)s [options] MIND\n       %(prog)s --batch [options] < JSON-LINES",
         description="Queue a message for MIND. Prints the delivery id once it is durably "
         "queued. Reads the message from stdin unless --message is given. With --batch, "
         "no MIND: each line of stdin is one delivery.",
     )
-    parser.add_argument("mind", nargs="?")
+    parser.add_argument("mind", nargs="?", metavar="MIND")
     parser.add_argument("--session", "-s", help="session (default: main)")
     parser.add_argument("--message", "-m", help="the message (default: read stdin)")
     parser.add_argument(
@@ -83,7 +84,8 @@ def _deliver_parser() -> argparse.ArgumentParser:
         "--wait",
         action="store_true",
         help="wait until the delivery settles, saying on stderr each attempt that failed; "
-        "exit with the code of the turn that settled it",
+        "exit with the code of the turn that settled it (with --batch: wait for every one; "
+        "exit 0 if each ran, else the code of the first line that did not)",
     )
     parser.add_argument(
         "--max-wait",
