@@ -349,3 +349,18 @@ def test_one_delivery_does_not_load_the_batch_module(socket_dir: Path) -> None:
         )
     assert result.returncode == 0, result.stderr
     assert "volutectl.cli.batch" not in result.stderr.decode().split()
+
+
+@pytest.mark.serial
+def test_a_gate_that_never_answers_is_75_and_says_when_sending_again_is_safe(
+    socket_dir: Path,
+) -> None:
+    with FakeGate(socket_dir / "gate.sock", [], scripts=["eof"] * 1000) as gate:
+        result = run("--batch", "--socket", str(gate.path), "--timeout", "1", stdin=THREE)
+    assert result.returncode == 75, result.stderr
+    assert result.stdout == b""
+    err = result.stderr.decode()
+    assert "did not acknowledge the batch within 1 s" in err
+    assert "lines with a request_id of their own may be sent again safely" in err
+    assert gate.connections >= 2
+    assert all(request == gate.requests[0] for request in gate.requests)

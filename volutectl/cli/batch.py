@@ -205,8 +205,8 @@ def _out_of_time(timeout: float, lost: protocol.ConnectionLost | None) -> Volute
     why = f" (last: {lost.message})" if lost is not None else ""
     return VoluteError(
         f"the gate did not acknowledge the batch within {timeout:g} s{why}",
-        hint="it may have been queued all the same; send the same lines again with their "
-        "request_id to get their ids without queuing twice, or see `volutectl queue list`",
+        hint="it may have been queued all the same (see `volutectl queue list`); lines with "
+        "a request_id of their own may be sent again safely, the others would queue twice",
         exit_code=EX_TEMPFAIL,
     )
 
