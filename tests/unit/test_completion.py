@@ -103,6 +103,15 @@ def test_deliver_completes_the_configs_minds_then_its_options(config: Path) -> N
     assert complete("volutectl deliver mimsy --socket ") == [""]  # type file: the shell's
 
 
+def test_deliver_batch_completes_no_mind_and_no_option_a_line_gives(config: Path) -> None:
+    assert "--batch" in complete("volutectl deliver --")
+    assert complete("volutectl deliver --batch ", VOLUTE_CONFIG=str(config)) == []
+    assert complete("volutectl deliver --batch --") == [
+        "--help", "--wait", "--max-wait", "--batch", "--socket", "--config", "--timeout",
+    ]  # fmt: skip
+    assert complete("volutectl deliver --batch --socket ") == [""]
+
+
 def test_pause_and_resume_complete_the_configs_minds(config: Path) -> None:
     for command in ("pause", "resume"):
         line = f"volutectl {command} "

@@ -102,9 +102,13 @@ def _deliver_parser() -> argparse.ArgumentParser:
     return parser()
 
 
-def deliver_completions(words: list[str], incomplete: str) -> list[CompletionItem]:
-    """What may come next after `volutectl deliver WORDS...`: a value for the option just
-    given (files for a path), or the mind if none is named yet."""
+# With --batch, each line of stdin gives these (and the mind); with a mind, no --batch.
+PER_LINE_OPTIONS = frozenset({"--session", "-s", "--message", "-m", "--interrupt", "--request-id"})
+
+
+def _scan(words: list[str]) -> tuple[str | None, int, str | None]:
+    """Of `volutectl deliver WORDS...`: the --config given, the minds named, and the
+    option whose value is the word being completed (None if it is not a value)."""
     actions = [action for action in _deliver_parser()._actions if action.option_strings]
     takes_value = {opt for action in actions if action.nargs != 0 for opt in action.option_strings}
     config, minds_named, index = None, 0, 0
@@ -112,22 +116,40 @@ def deliver_completions(words: list[str], incomplete: str) -> list[CompletionIte
         word = words[index]
         if word in takes_value:
             if index + 1 == len(words):  # its value is the word being completed
-                return [CompletionItem(incomplete, type="file")] if word in PATH_OPTIONS else []
+                return config, minds_named, word
             if word == "--config":
                 config = words[index + 1]
             index += 2
             continue
         minds_named += not word.startswith("-")
         index += 1
-    return _items(config_minds(config), incomplete) if minds_named == 0 else []
+    return config, minds_named, None
 
 
-def deliver_options(incomplete: str) -> list[CompletionItem]:
+def deliver_completions(words: list[str], incomplete: str) -> list[CompletionItem]:
+    """What may come next after `volutectl deliver WORDS...`: a value for the option just
+    given (files for a path), or the mind if none is named yet (and no --batch)."""
+    config, minds_named, option = _scan(words)
+    if option is not None:
+        return [CompletionItem(incomplete, type="file")] if option in PATH_OPTIONS else []
+    if minds_named or "--batch" in words:
+        return []
+    return _items(config_minds(config), incomplete)
+
+
+def deliver_options(incomplete: str, words: list[str] | None = None) -> list[CompletionItem]:
+    """deliver's options that fit after `words`: with --batch none that a line gives,
+    with a mind no --batch."""
+    words = words or []
+    if "--batch" in words:
+        left_out = PER_LINE_OPTIONS
+    else:
+        left_out = frozenset({"--batch"}) if _scan(words)[1] else frozenset()
     return [
         CompletionItem(option, help=action.help)
         for action in _deliver_parser()._actions
         for option in action.option_strings
-        if option.startswith(incomplete)
+        if option.startswith(incomplete) and option not in left_out
     ]
 
 
@@ -135,7 +157,8 @@ class DeliverCommand(click.Command):
     """`deliver`'s click face: only for help and completion (see volutectl.cli.client)."""
 
     def shell_complete(self, ctx: click.Context, incomplete: str) -> list[CompletionItem]:
-        return deliver_options(incomplete)
+        words = ctx.params.get("args") or ()
+        return deliver_options(incomplete, [str(word) for word in words])
 
 
 def complete_deliver(

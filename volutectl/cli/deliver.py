@@ -66,11 +66,13 @@ class _Parser(argparse.ArgumentParser):
 def _deliver_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="volutectl deliver",
+        usage="%(prog)s [options] MIND\n       %(prog)s --batch [options] < JSON-LINES",
         description="Queue a message for MIND. Prints the delivery id once it is durably "
-        "queued. Reads the message from stdin unless --message is given.",
+        "queued. Reads the message from stdin unless --message is given. With --batch, "
+        "no MIND: each line of stdin is one delivery.",
     )
-    parser.add_argument("mind")
-    parser.add_argument("--session", "-s", default="main", help="session (default: main)")
+    parser.add_argument("mind", nargs="?", metavar="MIND")
+    parser.add_argument("--session", "-s", help="session (default: main)")
     parser.add_argument("--message", "-m", help="the message (default: read stdin)")
     parser.add_argument(
         "--interrupt",
@@ -82,7 +84,8 @@ def _deliver_parser() -> argparse.ArgumentParser:
         "--wait",
         action="store_true",
         help="wait until the delivery settles, saying on stderr each attempt that failed; "
-        "exit with the code of the turn that settled it",
+        "exit with the code of the turn that settled it (with --batch: wait for every one; "
+        "exit 0 if each ran, else the code of the first line that did not)",
     )
     parser.add_argument(
         "--max-wait",
@@ -95,6 +98,13 @@ def _deliver_parser() -> argparse.ArgumentParser:
         metavar="ID",
         help="a name for this request, kept unique per user: sent again (say after exit "
         "75), it gives back the delivery it queued instead of a second one",
+    )
+    parser.add_argument(
+        "--batch",
+        action="store_true",
+        help='read one delivery per line of stdin, a JSON object: {"mind": ..., "message": '
+        '...}, optional "session", "interrupt", "request_id"; check every line (one bad: '
+        "65, nothing queued), queue them in one request and print one id per line, in order",
     )
     parser.add_argument("--socket", help=f"gate socket (default: {DEFAULT_SOCKET})")
     parser.add_argument("--config", help="config file, to find the socket")
@@ -122,13 +132,9 @@ def deliver_main(argv: list[str]) -> int:
     args = _deliver_parser().parse_args(argv)
     if args.max_wait is not None and not args.wait:
         raise UsageError("--max-wait needs --wait", hint="see: volutectl deliver --help")
-    try:
-        check_mind(args.mind)
-        check_session(args.session)
-        if args.request_id is not None:
-            check_request_id(args.request_id)
-    except NameError_ as error:
-        raise VoluteError(str(error), exit_code=EX_DATAERR) from None
+    if args.batch:
+        return _batch(args)
+    _check_names(args)
     message = _message(args.message)
     request_id = args.request_id or os.urandom(16).hex()
     request_ = DeliverRequest(
@@ -170,6 +176,51 @@ def deliver_main(argv: list[str]) -> int:
         on_attempt=waiting.report_attempt,
     )
     return waiting.exit_code((ack.id,), events)
+
+
+def _check_names(args: argparse.Namespace) -> None:
+    """MIND is given (with no --batch), and its names are names; the session defaults."""
+    if args.mind is None:
+        raise UsageError(
+            "deliver: the following arguments are required: mind",
+            hint="see: volutectl deliver --help",
+        )
+    if args.session is None:
+        args.session = "main"
+    try:
+        check_mind(args.mind)
+        check_session(args.session)
+        if args.request_id is not None:
+            check_request_id(args.request_id)
+    except NameError_ as error:
+        raise VoluteError(str(error), exit_code=EX_DATAERR) from None
+
+
+# What a line of --batch gives: with --batch, these options (and MIND) are usage errors.
+PER_LINE = (
+    ("mind", "MIND"),
+    ("message", "--message"),
+    ("session", "--session"),
+    ("interrupt", "--interrupt"),
+    ("request_id", "--request-id"),
+)
+
+
+def _batch(args: argparse.Namespace) -> int:
+    given = [name for field, name in PER_LINE if getattr(args, field) not in (None, False)]
+    if given:
+        raise UsageError(
+            f"--batch takes {', '.join(given)} from each line of stdin, not the command line",
+            hint='each line: {"mind": "NAME", "message": "TEXT", "session": "S"}',
+        )
+    from volutectl.cli.batch import batch_main  # only for a batch: the hot path stays light
+
+    if sys.stdin is None:
+        raise UsageError("--batch reads JSON lines on stdin, and there is none")
+    path = socket_path(args.socket, args.config)
+    return batch_main(
+        path, sys.stdin.buffer, wait=args.wait, timeout=args.timeout, max_wait=args.max_wait
+    )
 
 
 # One rule for both paths: an empty message is refused (64), from --message as from
