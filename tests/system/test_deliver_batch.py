@@ -69,7 +69,7 @@ def test_a_fan_out_to_33_minds_is_one_batch_and_wait_exits_as_its_first_failure(
     assert [states[i] for i in three] == ["done", "dead", "done"]
 
 
-def test_a_bad_line_queues_nothing_and_a_line_the_gate_refuses_queues_the_others(
+def test_a_bad_line_queues_nothing_nor_does_a_line_the_gate_refuses(
     machine: Machine,
 ) -> None:
     install_probe(machine)
@@ -81,18 +81,19 @@ def test_a_bad_line_queues_nothing_and_a_line_the_gate_refuses_queues_the_others
     assert bad.stdout == ""
     assert bad.stderr.startswith("volutectl: line 17: 'sesion': not a field of a delivery")
     assert delivery_states(machine) == {}  # the queue, read afterwards: nothing
-    # A mind the gate does not know is its refusal, line by line: 67, an empty line where
-    # its id would be, and the 32 others queued.
+    # A mind the gate does not know is the gate's refusal, of the whole batch: 67, an
+    # empty line for each line, and nothing queued.
     lines[16] = json.dumps({"mind": "nosuch", "message": "hi"})
-    some = machine.run(
+    none = machine.run(
         [VOLUTECTL, "deliver", "--batch", "--wait"], input="\n".join(lines) + "\n", check=False
     )
-    assert some.returncode == 67, some.stderr
-    out = some.stdout.split("\n")[:-1]
-    assert len(out) == 33 and out[16] == "" and all(out[:16] + out[17:])
-    assert "line 17 (nosuch/main): not queued: unknown mind 'nosuch'" in some.stderr
-    ids = [int(i) for i in out if i]
-    ran_once_each(machine, ids, MINDS[:16] + MINDS[17:])
+    assert none.returncode == 67, none.stderr
+    assert none.stdout == "\n" * 33
+    assert "line 17 (nosuch/main): not queued: unknown mind 'nosuch'" in none.stderr
+    assert "33 of 33 deliveries not queued (first: line 1, exit 67); none was queued" in (
+        none.stderr
+    )
+    assert delivery_states(machine) == {}
 
 
 def test_a_sigkill_of_the_gate_after_the_batchs_commit_queues_nothing_twice(

@@ -1,6 +1,7 @@
-"""A deliver with items (docs/protocol.md, "deliver with items"): each item is what a
-deliver of one is, with its own result. Refused alone, counted against its sender's
-quota alone, and durably stored before the one reply, as a deliver of one is."""
+"""A deliver with items (docs/protocol.md, "deliver with items"): each item is checked as
+a deliver of one is, with its own result. One the gate refuses for what it is refuses
+the batch (nothing stored); its sender's quota counts item by item; what is stored is
+durably stored before the one reply, as a deliver of one is."""
 
 from __future__ import annotations
 
@@ -40,28 +41,37 @@ def harness(tmp_path: Path) -> Any:
     opened.close()
 
 
-def test_each_item_has_its_own_result_and_a_bad_one_fails_alone(harness: Harness) -> None:
-    reply = harness.connect().request(
-        many(
-            {"mind": "mimsy", "message": "one"},
-            {"mind": "nosuch", "message": "two"},
-            {"mind": "nap", "session": "chat", "message": "three"},
-            {"mind": "mimsy", "message": "x" * 101},
-        )
-    )
+def test_each_item_has_its_own_result_and_a_bad_one_refuses_the_batch(harness: Harness) -> None:
+    items = [
+        {"mind": "mimsy", "message": "one"},
+        {"mind": "nosuch", "message": "two"},
+        {"mind": "nap", "session": "chat", "message": "three"},
+        {"mind": "mimsy", "message": "x" * 101},
+    ]
+    reply = harness.connect().request(many(*items))
     assert reply["ok"] is True
     first, unknown, third, too_long = reply["results"]
-    assert first["ok"] is True and third["ok"] is True and third["id"] > first["id"]
     assert (unknown["ok"], unknown["code"]) == (False, EX_NOUSER)
     assert unknown["error"] == "unknown mind 'nosuch'" and "id" not in unknown
     assert (too_long["ok"], too_long["code"]) == (False, EX_DATAERR)
     assert too_long["error"].startswith("message: the message for mimsy is 101 bytes")
+    # The good ones name the first bad one, with its code: nothing of the batch is stored.
+    whole = "item 2 of the batch was refused, and a batch is queued whole or not at all"
+    for good in (first, third):
+        assert (good["ok"], good["code"], good["error"]) == (False, EX_NOUSER, whole)
+        assert "id" not in good
+    assert rows_on_disk(harness) == []
+    assert harness.journal.of(events.DeliveryQueued) == []
+    # Without the bad ones, the same batch is queued, each item with its own id.
+    reply = harness.connect().request(many(items[0], items[2]))
+    one, three = reply["results"]
+    assert one["ok"] is True and three["ok"] is True and three["id"] > one["id"]
     assert rows_on_disk(harness) == [
-        (first["id"], "mimsy", "main", b"one"),
-        (third["id"], "nap", "chat", b"three"),
+        (one["id"], "mimsy", "main", b"one"),
+        (three["id"], "nap", "chat", b"three"),
     ]
     queued = harness.journal.of(events.DeliveryQueued)
-    assert [event.delivery_id for event in queued] == [first["id"], third["id"]]
+    assert [event.delivery_id for event in queued] == [one["id"], three["id"]]
 
 
 def test_items_share_the_pass_commit_with_deliveries_of_one_in_order(harness: Harness) -> None:

@@ -12,9 +12,11 @@ object with `mind` and `message`, and optionally `session`, `interrupt` and
   one request line (protocol.MAX_LINE) in all. One bad line refuses the batch (65,
   naming the line and the field) and nothing is sent.
 - What needs the gate's settings (is the mind configured, is the message within
-  gate.max_message_bytes) or its state (the sender's quota) the gate decides item by
-  item: a refused line prints an empty line where its id would be, says why on stderr,
-  and the others are queued. The exit code is then the first refused line's.
+  gate.max_message_bytes) the gate checks for every item before it queues any: one
+  item it refuses refuses the batch, and nothing is queued. The sender's quota (75) it
+  decides item by item, as for a deliver of one: an item over it is refused alone.
+  A refused line prints an empty line where its id would be and says why on stderr;
+  the exit code is the first refused line's.
 - Each line without a request id gets one made here, so sending the request again after
   a lost connection gives back the ids it queued, never a second row.
 
@@ -222,9 +224,10 @@ def report(batch: list[Line], results: DeliverResults) -> dict[int, int]:
     print("\n".join(out), flush=True)
     if refused:
         first = min(refused)
+        others = "none was queued" if len(refused) == len(batch) else "the others are queued"
         print(
             f"volutectl: {len(refused)} of {len(batch)} deliveries not queued (first: line "
-            f"{first}, exit {refused[first]}); the others are queued",
+            f"{first}, exit {refused[first]}); {others}",
             file=sys.stderr,
             flush=True,
         )

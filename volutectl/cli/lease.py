@@ -44,10 +44,9 @@ from volutectl.errors import (
 )
 from volutectl.names import NameError_, check_mind, check_request_id, check_session
 from volutectl.visible import visible
+from volutectl.wire.fields import MAX_LEASE_PIDS
 from volutectl.wire.messages import LeaseGranted
 
-# The most pids one lease may move (docs/protocol.md's MAX_LEASE_PIDS).
-MAX_LEASE_PIDS = 64
 # After the lease ended under CMD: SIGTERM, then SIGKILL this many seconds later.
 LEASE_END_GRACE = 10.0
 # The signals passed on to CMD (without CMD: they release the lease, and exit 128+N).

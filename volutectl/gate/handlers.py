@@ -458,23 +458,57 @@ def accept_deliveries(
     senders: Sequence[Caller | None] = callers if callers is not None else [None] * len(batch)
     flat: list[DeliverRequest] = []
     flat_senders: list[Caller | None] = []
-    for request, caller in zip(batch, senders, strict=True):
+    refused: dict[int, DeliverResults] = {}  # a batch with a bad item: queued not at all
+    for index, (request, caller) in enumerate(zip(batch, senders, strict=True)):
         ones = (
             [item.request() for item in request.items]
             if isinstance(request, DeliverManyRequest)
             else [request]
         )
+        if isinstance(request, DeliverManyRequest) and (whole := _bad_batch(state, ones)):
+            refused[index] = whole
+            continue
         flat += ones
         flat_senders += [caller] * len(ones)
     replies = iter(_accept(state, flat, flat_senders))
     done: list[Reply] = []
-    for request in batch:
-        if isinstance(request, DeliverManyRequest):
+    for index, request in enumerate(batch):
+        if index in refused:
+            done.append(refused[index])
+        elif isinstance(request, DeliverManyRequest):
             results = [DeliverResult.of(next(replies)) for _ in request.items]
             done.append(DeliverResults(tuple(results)))
         else:
             done.append(next(replies))
     return done
+
+
+def _bad_batch(state: GateState, items: list[DeliverRequest]) -> DeliverResults | None:
+    """None if every item of a batch is one the gate would queue (a configured mind with
+    a command, a message within the limit); else the batch's refusal, every item refused
+    and nothing queued: a bad item with its own error, the others naming the first bad
+    one (item N is the client's line N). A uid's quota is not the batch's data: an item
+    over it is refused alone (75), as a deliver of one is."""
+    errors: list[VoluteError | None] = []
+    for item in items:
+        try:
+            validate.delivery(state.settings, item, state.minds_on_disk)
+            errors.append(None)
+        except VoluteError as error:
+            errors.append(error)
+    bad = [(n, error) for n, error in enumerate(errors, 1) if error is not None]
+    if not bad:
+        return None
+    first, cause = bad[0]
+    why = f"item {first} of the batch was refused, and a batch is queued whole or not at all"
+    return DeliverResults(
+        tuple(
+            DeliverResult.of(ErrorReply.of(error))
+            if error is not None
+            else DeliverResult(False, error=why, code=cause.exit_code)
+            for error in errors
+        )
+    )
 
 
 def _accept(

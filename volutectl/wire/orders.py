@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Self, TypeVar
 
 from volutectl import names
 from volutectl.errors import DataError, VoluteError
-from volutectl.wire import protocol
+from volutectl.wire import fields, protocol
 from volutectl.wire.records import Message, Record
 
 VERSION = protocol.VERSION
@@ -41,8 +41,9 @@ MAX_IDS = 100_000
 MAX_FDS = 1  # at most one descriptor beside a line, but for a move's pidfds:
 # A lease's processes, each a pidfd beside a MoveIn's line: at most this many per lease
 # (docs/protocol.md); the launcher's reader takes this many with one line, and refuses
-# (closing them all) a line that comes with more, before it keeps any.
-MAX_LEASE_PIDS = 64
+# (closing them all) a line that comes with more, before it keeps any. One number for
+# the client, the gate and the launcher: fields.MAX_LEASE_PIDS.
+MAX_LEASE_PIDS = fields.MAX_LEASE_PIDS
 MAX_TEXT = 4096  # the longest string a field may hold (a refusal's reason)
 # The payload a start may carry (a batch of deliveries) and an offer (one record).
 MAX_STDIN_BYTES = 1 << 30
