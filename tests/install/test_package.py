@@ -409,6 +409,68 @@ def test_an_upgrade_restarts_the_gate_but_not_its_socket_or_slices(installed: In
     wait_done(m, acknowledged)
 
 
+LEASED = "leased"  # a mind used only through leases: no command
+
+
+def test_a_lease_held_across_an_upgrade_is_claimed_back_and_kept(installed: Installed) -> None:
+    """Issue 31, item 4: a package upgrade while a lease is held keeps it. The lease's
+    scope outlives the gate's restart (the same invocation), the holder claims it again
+    on the new gate, and releases it when done: the scope goes, and nothing ended it."""
+    m = installed.machine
+    config = m.host_path(CONFIG)
+    config.write_text(config.read_text() + f"\n[minds.{LEASED}]\n")
+    m.run(["systemctl", "reload", "volute-gate.service"], timeout=60)
+    holder = m.popen(
+        ["volutectl", "lease", LEASED, "--session", "upgrade"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert holder.stdout is not None and holder.stderr is not None
+    # Without CMD: the lease's id and its unit on stdout once granted, then it holds.
+    granted = holder.stdout.readline().split()
+    assert len(granted) == 2 and granted[1].startswith(f"volute-turn-{LEASED}-"), granted
+    lease_id, scope = granted
+    assert show(m, scope, "ActiveState") == "active"
+    scope_before = show(m, scope, "InvocationID")
+    gate_before = show(m, "volute-gate.service", "InvocationID")
+    [deb] = [d for d in installed.debs if Path(d).name.startswith("volutectl_")]
+    m.run(["dpkg", "-i", deb], env={"DEBIAN_FRONTEND": "noninteractive"}, timeout=300)
+    assert show(m, "volute-gate.service", "InvocationID") != gate_before  # restarted
+    assert show(m, scope, "InvocationID") == scope_before  # the same scope, still running
+    assert show(m, scope, "ActiveState") == "active"
+    deadline = time.monotonic() + 30
+    claimed = ""
+    while "claimed again" not in claimed and time.monotonic() < deadline:
+        claimed = m.run(
+            [
+                "journalctl",
+                "-b",
+                "--no-pager",
+                "-u",
+                "volute-gate.service",
+                "-g",
+                f"lease {lease_id} ",
+            ],
+            check=False,
+        ).stdout
+        time.sleep(0.2)
+    assert "claimed again after the gate restarted" in claimed, claimed
+    assert holder.poll() is None  # still holding
+    _, err = holder.communicate(input="", timeout=60)  # stdin closed: release
+    assert holder.returncode == 0, err
+    assert "claimed lease" in err, err
+    deadline = time.monotonic() + 30
+    while show(m, scope, "ActiveState") == "active" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert show(m, scope, "ActiveState") != "active"
+    ended = m.run(
+        ["journalctl", "-b", "--no-pager", "-u", "volute-gate.service", "-g", f"lease {lease_id} "]
+    ).stdout
+    artifact("lease-upgrade.txt", f"{err}\n{ended}")
+    assert "reclaim_expired" not in ended and "released" in ended, ended
+
+
 def live_turns(m: Machine) -> list[str]:
     listed = m.run(["systemctl", "list-units", "--plain", "--no-legend", "volute-turn-*.scope"])
     return [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
