@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import select
 import subprocess
 import time
 from collections.abc import Iterator
@@ -428,6 +429,12 @@ def test_a_lease_held_across_an_upgrade_is_claimed_back_and_kept(installed: Inst
     )
     assert holder.stdout is not None and holder.stderr is not None
     # Without CMD: the lease's id and its unit on stdout once granted, then it holds.
+    # (The long mind's turn holds one place of the default's two, if still running.)
+    ready, _, _ = select.select([holder.stdout], [], [], 90)
+    if not ready:
+        holder.kill()
+        status = m.run(["volutectl", "status"], check=False).stdout
+        raise AssertionError(f"no grant in 90 s: {holder.stderr.read()}\n{status}")
     granted = holder.stdout.readline().split()
     assert len(granted) == 2 and granted[1].startswith(f"volute-turn-{LEASED}-"), granted
     lease_id, scope = granted
