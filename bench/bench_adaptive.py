@@ -223,6 +223,7 @@ class Run:
     probe: list[tuple[float, float]] = field(default_factory=list)  # (t, ms)
     at_once: list[tuple[float, int]] = field(default_factory=list)  # (t, turns running)
     limit: list[tuple[float, int]] = field(default_factory=list)  # (t, adaptive limit)
+    turns: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # mind: (start, end)
 
 
 @dataclass
@@ -384,6 +385,10 @@ def fan_out(
         probe=[(wall - t0, ms) for wall, ms in samples],
         at_once=[(at - t0, n) for at, n in running_at_once(starts, ends)],
         limit=limit,
+        turns={
+            mind: (at - t0, ends[mind] - t0 if mind in ends else None)
+            for mind, at in starts.items()
+        },
     )
 
 
@@ -470,8 +475,8 @@ def run_cell(
     summaries = cell_summaries(runs)
     best = best_safe_cap(summaries, probe_bound(summaries))
     # A warm run goes on with the gate its adaptive run left: right after it.
-    again = ["adaptive", "adaptive-warm", "cap2", best]
-    again = [label for label in dict.fromkeys(again) if label in labels]
+    wanted = ["adaptive", "adaptive-warm", "cap2", best]
+    again = [label for label in dict.fromkeys(wanted) if label is not None and label in labels]
     for _ in range(repeats - 1):
         for label in again:
             runs.append(report(fan_out(rig, workload, label, support)))

@@ -39,21 +39,26 @@ import random
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from volutectl.core import adaptive, iocost  # noqa: E402
-from volutectl.core.adaptive import Bounds, Controller, Reading  # noqa: E402
-from volutectl.core.admission import Delivery, Limits, LiveTurn, admit  # noqa: E402
-from volutectl.states import HoldReason  # noqa: E402
+from volutectl.core import adaptive, iocost
+from volutectl.core.adaptive import Bounds, Controller, Reading
+from volutectl.core.admission import Delivery, Limits, LiveTurn, admit
+from volutectl.states import HoldReason
 
 KIB = 1024
 WRITE_S = 64 * KIB / (2 * 1024 * KIB)  # a synced 64 KiB write at 2 MB/s: 31 ms
 PROBE_S = 1 / 60  # a synced 4 KiB write at 60 IOPS: 17 ms
 THINK_S = 0.010  # a writer's pause between two writes, at most
 START_S = 0.05  # admission to the turn's first step
+# The gate's own synced writes, on the same card (bench_admission's section 4, at
+# 98e6a5e): 21.4 KB a delivery, and 74 KB with 2 fsyncs a turn (one as it starts, one
+# as it ends).
+GATE_WRITE_S = 37 * KIB / (2 * 1024 * KIB) + PROBE_S
+DELIVERY_WRITE_S = 21 * KIB / (2 * 1024 * KIB) + PROBE_S
 BENCH_PROBE_EVERY = 0.2
 BOUNDS = Bounds(start=2, minimum=1, maximum=16)
 
@@ -129,7 +134,7 @@ class Gate:
             return Limits(global_cap=self.cap)
         return Limits(
             adaptive=self.controller.limit,
-            costs=self.mind_costs(),
+            costs={mind: iocost.starting_cost(c) for mind, c in self.mind_costs().items()},
             running_costs=self.running_costs(),
             adaptive_turns=BOUNDS.maximum,
         )
@@ -178,17 +183,23 @@ class Fanout:
             quiet = PROBE_S * 1000
             gate.controller = adaptive.learn_quiet(gate.controller, quiet)
         self.at(self.t0, "bench-probe")
+        for i in range(self.minds):  # the deliveries' commits, as `volutectl deliver`s land
+            self.disk.submit(self.t0 + i * 0.01, DELIVERY_WRITE_S)
         self.admission(self.t0)
         ends: list[float] = []
         while self.events and len(ends) < self.minds:
             now, _, what, subject = heapq.heappop(self.events)
-            handler: Callable[[float, object], float | None] = getattr(self, "on_" + what.replace("-", "_"))
+            handler: Callable[[float, object], float | None] = getattr(
+                self, "on_" + what.replace("-", "_")
+            )
             ended = handler(now, subject)
             if ended is not None:
                 ends.append(ended)
         makespan = max(ends) - self.t0
         gate.deadline = None  # idle: the gate sleeps
-        return Result(makespan, percentile(self.probes, 0.99), self.most, self.most_heavy, gate.limits_seen)
+        return Result(
+            makespan, percentile(self.probes, 0.99), self.most, self.most_heavy, gate.limits_seen
+        )
 
     # -- the gate ----------------------------------------------------------------------
 
@@ -204,6 +215,7 @@ class Fanout:
             writes, wait = self.specs[start.mind]
             turn = Turn(next(self.next_id), start.mind, writes, wait, now, heavy=writes > 2)
             self.turns[turn.id] = turn
+            self.disk.submit(now, GATE_WRITE_S)
             self.at(now + START_S, "step", turn)
         self.pending = [d for d in self.pending if d.mind not in started]
         live_turns = self.live()
@@ -292,6 +304,7 @@ class Fanout:
             self.at(self.disk.submit(now, WRITE_S), "written", turn)
             return None
         turn.ended = now
+        self.disk.submit(now, GATE_WRITE_S)
         self.gate.running.pop(turn.id, None)
         if self.gate.adaptive:
             self.gate.costs = self.gate.costs.learn(turn.mind, turn.written)
@@ -351,8 +364,10 @@ def main() -> None:
     cap2_p99 = statistics.median(r.p99 for r in cap2)
     bound = max(1.5 * cap2_p99, cap2_p99 + 20)
     print(f"{args.minds} minds, {args.workload}, {args.seeds} seeds: bound {bound:.0f} ms")
-    print("| run | p99 median | p99 worst | runs over the bound | makespan median "
-          "| most at once | most heavy at once | median most heavy |")
+    print(
+        "| run | p99 median | p99 worst | runs over the bound | makespan median "
+        "| most at once | most heavy at once | median most heavy |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     print(summary("ungated", ungated, bound))
     print(summary("cap 2", cap2, bound))

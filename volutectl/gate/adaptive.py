@@ -397,9 +397,12 @@ class AdaptiveLimit:
             self._costs = self.io_costs.of()
 
     def costs(self) -> Mapping[str, float]:
-        """Each known mind's cost against the limit, for a new turn; others cost 1. In
-        fallback none: the static cap of `start` counts turns, whatever they write."""
-        return self._costs if self.fallback is None else {}
+        """What a new turn of each known mind costs against the limit until a sample
+        judges it (core/iocost.py's `starting_cost`); others cost 1. In fallback none:
+        the static cap of `start` counts turns, whatever they write."""
+        if self.fallback is not None:
+            return {}
+        return {mind: iocost.starting_cost(cost) for mind, cost in self._costs.items()}
 
     def running_costs(self) -> dict[str, float]:
         """What each mind's running turns cost now (their mean), from what they wrote;
