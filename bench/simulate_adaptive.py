@@ -59,6 +59,9 @@ START_S = 0.05  # admission to the turn's first step
 # as it ends).
 GATE_WRITE_S = 37 * KIB / (2 * 1024 * KIB) + PROBE_S
 DELIVERY_WRITE_S = 21 * KIB / (2 * 1024 * KIB) + PROBE_S
+# The fan-out's `volutectl deliver`s land this far apart (33 interpreters' starts on 2
+# cores: the bench's first turn starts 1-8 s after the first delivery, under load).
+DELIVERY_EVERY = 0.05
 BENCH_PROBE_EVERY = 0.2
 BOUNDS = Bounds(start=2, minimum=1, maximum=16)
 
@@ -163,7 +166,7 @@ class Fanout:
         self.disk = Disk(self.rng, t0)
         self.events: list[tuple[float, int, str, object]] = []
         self.order = itertools.count()
-        self.pending = [Delivery(i, f"m{i:02d}", "s") for i in range(minds)]
+        self.pending: list[Delivery] = []  # deliveries landed and not started
         self.specs = {f"m{i:02d}": workload(load, i) for i in range(minds)}
         self.turns: dict[int, Turn] = {}
         self.next_id = itertools.count(1000 * seed + int(t0))
@@ -183,9 +186,8 @@ class Fanout:
             quiet = PROBE_S * 1000
             gate.controller = adaptive.learn_quiet(gate.controller, quiet)
         self.at(self.t0, "bench-probe")
-        for i in range(self.minds):  # the deliveries' commits, as `volutectl deliver`s land
-            self.disk.submit(self.t0 + i * 0.01, DELIVERY_WRITE_S)
-        self.admission(self.t0)
+        for i in range(self.minds):  # the fan-out's `volutectl deliver`s land one by one
+            self.at(self.t0 + i * DELIVERY_EVERY, "deliver", i)
         ends: list[float] = []
         while self.events and len(ends) < self.minds:
             now, _, what, subject = heapq.heappop(self.events)
@@ -317,6 +319,15 @@ class Fanout:
         turn.written += 64 * KIB
         turn.blocked = False
         self.at(now + self.rng.uniform(0.0, THINK_S), "step", turn)
+
+    def on_deliver(self, now: float, index: object) -> None:
+        """A delivery lands: its commit, then an admission pass."""
+        assert isinstance(index, int)
+        self.pending.append(Delivery(index, f"m{index:02d}", "s"))
+        self.at(self.disk.submit(now, DELIVERY_WRITE_S), "admit")
+
+    def on_admit(self, now: float, _: object) -> None:
+        self.admission(now)
 
     def on_bench_probe(self, now: float, _: object) -> None:
         self.at(self.disk.submit(now, PROBE_S), "bench-probe-done", now)
