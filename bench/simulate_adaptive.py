@@ -12,7 +12,9 @@ is the figure the bench judges.
 
 The workloads are the bench's (all-write: 48 synced 64 KiB writes; network: a wait of
 4-8 s, the same per mind, then 2; mixed: every third mind all-write, the others
-network). A turn starts `START_S` after admission lets it. The gate's side follows
+network). The deliveries land `DELIVERY_EVERY` apart, each with its synced commit and
+an admission pass; a turn starts `START_S` after admission lets it, and the gate writes
+for it as it starts and as it ends (`GATE_WRITE_S`). The gate's side follows
 volutectl/gate/adaptive.py: a reading every interval with the probe that started at the
 last one (the most turns and IO cost that ran while it did), samples of what each
 running turn wrote at each reading and at the end of its probation, each ended turn's
@@ -21,6 +23,9 @@ quiet probe before a cold gate's first fan-out.
 
     .venv/bin/python bench/simulate_adaptive.py [--minds 33] [--workload mixed]
         [--seeds 200] [--interval 0.5]
+
+(docs/benchmarks.md, "The adaptive gate at the incident's scale", has what it showed of
+issue 32's warm fan-out, and the variants of `iocost.STARTING` it compared.)
 
 prints, for ungated, cap 2 and the default (cold, then warm: the same fan-out again on
 the gate the cold one left), over the seeds: the median and worst probe p99, the median
