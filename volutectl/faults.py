@@ -12,8 +12,9 @@ that is one comparison against None. A test arms one point:
   the gate catches; the test then drops that Gate object and opens a new one.
 
 The points, in the order a turn meets them, are listed in POINTS; the one of a turn
-whose start failed in FAILED_START_POINTS; those of the queue's upkeep (retention, the
-VACUUM of schema 4) in STORAGE_POINTS.
+whose start failed in FAILED_START_POINTS; the one of a turn past its time limit in
+TIMEOUT_POINTS; those of the queue's upkeep (retention, the VACUUM of schema 4) in
+STORAGE_POINTS.
 """
 
 from __future__ import annotations
@@ -38,12 +39,19 @@ POINTS = (
 FAILED_START_POINTS = (
     "start_failure_recorded",  # the failed start recorded in the store; no waiter told yet
 )
+# A turn past its time limit: its timeout noted (its own commit), its scope not yet
+# stopped and its outcome not yet settled (a second commit).
+TIMEOUT_POINTS = (
+    "timeout_recorded",  # the timeout noted in the store; the scope not yet stopped
+)
 # The queue's upkeep, outside any turn (volutectl/store/retention.py,
 # volutectl/store/schema.py).
 STORAGE_POINTS = (
     "retention_deleted",  # a retention batch's rows deleted, not yet committed
     "vacuuming",  # inside the VACUUM that makes the database incremental
 )
+
+EVERY_POINT = POINTS + FAILED_START_POINTS + TIMEOUT_POINTS + STORAGE_POINTS
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -61,7 +69,7 @@ _in_process = False
 def arm(point: str | None) -> None:
     """Arm one point in-process (None disarms): reaching it raises SimulatedCrash."""
     global _armed, _in_process
-    known = POINTS + FAILED_START_POINTS + STORAGE_POINTS
+    known = EVERY_POINT
     if point is not None and point not in known:
         raise ValueError(f"unknown crash point {point!r}; known: {', '.join(known)}")
     _armed, _in_process = point, point is not None

@@ -55,8 +55,24 @@ case $status in
     fi
     ;;
 esac
+# The trap is set before the start line is logged: a test that waits for that line and
+# then asks for an interrupt must find it set. It only notes the SIGINT: the shell runs
+# it between two commands, and one that ended the turn itself could fall between take's
+# rm and its log line, so that a delivery taken went unlogged. The loop acts on it.
+interrupted=
+trap 'interrupted=1; echo "sigint $turn" >> $log' INT
+# Milliseconds: mawk's printf %d stops at 2^31, so nanoseconds would cap holds at 2.1 s.
+# A SIGINT that kills awk or date leaves an empty reading: read again (an empty operand
+# would end the shell with an arithmetic error, a turn that took nothing).
+hold_ms=
+while [ -z "$hold_ms" ]; do hold_ms=$(echo "$hold" | awk '{printf "%d", $1 * 1000}'); done
 ids=$(sed -n 's/.*"id": *\([0-9][0-9]*\).*/\1/p' | tr '\n' ' ')
-echo "start $turn $(id -un) $ids" >> $log
+began=
+while [ -z "$began" ]; do began=$(date +%s%3N); done
+end=$(( began + hold_ms ))
+user=
+while [ -z "$user" ]; do user=$(id -un); done
+echo "start $turn $user $ids" >> $log
 # A SIGINT goes to the whole scope and kills whichever child runs then (date, rm): an
 # empty clock reading goes round again, a file's id comes from builtins, and a file is
 # taken once it is gone, whatever rm's status.
@@ -70,13 +86,6 @@ take() {
     [ -e "$f" ] || echo "took $turn $id" >> $log
   done
 }
-# The trap only notes the SIGINT: the shell runs it between two commands, and one that
-# ended the turn itself could fall between take's rm and its log line, so that a
-# delivery taken went unlogged. The loop acts on it.
-interrupted=
-trap 'interrupted=1; echo "sigint $turn" >> $log' INT
-# Milliseconds: mawk's printf %d stops at 2^31, so nanoseconds would cap holds at 2.1 s.
-end=$(( $(date +%s%3N) + $(echo "$hold" | awk '{printf "%d", $1 * 1000}') ))
 while now=$(date +%s%3N); [ -z "$now" ] || [ "$now" -lt "$end" ]; do
   before=$interrupted
   take

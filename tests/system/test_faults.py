@@ -127,6 +127,34 @@ def test_a_sigkill_as_a_failed_start_settles_leaves_no_delivery_running(
     assert queue_rows(machine, "pending", "running", "dead") == []
 
 
+def test_a_sigkill_as_a_timeout_is_noted_stops_the_turn_and_counts_one_attempt(
+    machine: Machine,
+) -> None:
+    """The one path of a turn's end in two commits (issue 29, item 5): a turn past its
+    time limit has its timeout noted, then its scope stopped, then its outcome settled.
+    The gate's whole cgroup SIGKILLed between the note and the stop leaves the turn open:
+    the restarted gate adopts its scope, stops it, and settles it once as `timeout`."""
+    hour = 3600.0  # the retry waits: what the test reads is the first attempt's
+    fast_restarts(machine, VOLUTE_CRASH_AT="timeout_recorded", VOLUTE_CRASH_ONCE=CRASHED)
+    config = gate_config(
+        {"hung": "sleep 600"},
+        turns={"max_runtime_seconds": 1.0, "timeout_grace_seconds": 1.0},
+        gate={"max_attempts": 3, "backoff_initial_seconds": hour, "backoff_max_seconds": hour},
+    )
+    start_gate(machine, config)
+    first = gate_pid(machine)
+    delivery = deliver(machine, "hung", "m")
+    wait_for(lambda: machine.host_path(CRASHED).exists(), timeout=30)
+    assert wait_gate_up(machine) != first  # it really died there, and came back
+    wait_for(lambda: not live_turn_scopes(machine), timeout=30)  # stopped, not left to run
+    wait_for(lambda: bool(queue_rows(machine, "pending")), timeout=30, interval=0.2)
+    [row] = queue_rows(machine, "pending", "running", "dead")
+    assert (row["id"], row["state"], row["attempts"]) == (delivery, "pending", 1), row
+    assert "ran past its time limit" in str(row["last_error"]), row
+    ends = gate_events(machine, "VOLUTE_EVENT=end", "VOLUTE_MIND=hung")
+    assert [end["VOLUTE_OUTCOME"] for end in ends] == ["timeout"], ends  # settled once
+
+
 STRANDED = """
 import time
 from pathlib import Path

@@ -32,9 +32,9 @@ UNARMED = """
 import sys
 from volutectl import faults
 faults.kill_own_cgroup = lambda: sys.exit(9)  # what a point that fires would do
-for point in faults.POINTS + faults.FAILED_START_POINTS + faults.STORAGE_POINTS:
+for point in faults.EVERY_POINT:
     faults.crash_point(point)
-print("passed", len(faults.POINTS + faults.FAILED_START_POINTS + faults.STORAGE_POINTS))
+print("passed", len(faults.EVERY_POINT))
 """
 
 
@@ -50,7 +50,7 @@ def test_unarmed_points_do_nothing(tmp_path: Path) -> None:
         text=True,
         timeout=60,
     )
-    points = faults.POINTS + faults.FAILED_START_POINTS + faults.STORAGE_POINTS
+    points = faults.EVERY_POINT
     assert (result.returncode, result.stdout) == (0, f"passed {len(points)}\n"), result.stderr
     assert not once.exists()
     faults.arm("forked")

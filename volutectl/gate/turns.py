@@ -470,6 +470,7 @@ class Turns:
         """The turn ran past its limit: record it (its scope is stopped next)."""
         turn.timed_out_at = now
         self.store.mark_timed_out(turn.id, now)
+        crash_point("timeout_recorded")
         limit = turn.deadline - turn.started_at if turn.deadline is not None else 0.0
         grace = self.settings.turns.timeout_grace_seconds
         self.journal.emit(
