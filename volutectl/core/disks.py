@@ -13,7 +13,9 @@ probe's scale, and the worst device decides.
   and none completed is a stalled device: its await is at least the interval, as a
   probe still in flight is read (volutectl/gate/adaptive.py).
 - `learn`: a device's baseline is the lowest await it showed, as the probe's is
-  (core/adaptive.py's learn_baseline): a queue is never learnt as normal.
+  (core/adaptive.py's learn_baseline): a queue is never learnt as normal. Its first
+  guess is its mean await since it appeared (`lifetime_await`), since an interval can
+  only be read while turns run.
 - `as_probe_ms`: a device's await on the probe's scale, so that core/adaptive.py's rule
   judges it as it judges the probe (whatever the rule's tolerance is): a device at its
   baseline reads as the probe's baseline, and one at its own healthy bound reads as the
@@ -94,6 +96,13 @@ def learn(baseline_ms: float | None, seen: DiskInterval) -> float | None:
         return baseline_ms
     low = max(BASELINE_FLOOR_MS, seen.await_ms)
     return low if baseline_ms is None else min(baseline_ms, low)
+
+
+def lifetime_await(stat: DiskStat) -> float | None:
+    """A device's mean await since it appeared: the first guess at its quiet await,
+    before an interval shows a lower one (a reading taken under the fan-out that woke
+    the gate would otherwise learn a queue as quiet)."""
+    return max(BASELINE_FLOOR_MS, stat.ticks_ms / stat.ios) if stat.ios else None
 
 
 def as_probe_ms(await_ms: float, baseline_ms: float, probe_baseline_ms: float) -> float:

@@ -153,6 +153,11 @@ class DiskWatch:
                 self._last, self._last_at, self.seen = {}, None, {}
                 return self.lost
         self.lost = None
+        for device, stat in stats.items():
+            if device not in self.baselines:
+                first = disks.lifetime_await(stat)
+                if first is not None:
+                    self.baselines[device] = first
         before, at = self._last, self._last_at
         self._last, self._last_at = stats, now
         self.seen = {}

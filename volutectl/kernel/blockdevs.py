@@ -55,15 +55,17 @@ def _by_number(major: int, minor: int, sys_root: Path) -> str | None:
 
 
 def named(text: str, sys_root: Path = SYS) -> str | None:
-    """A device as the config names it: /dev/NAME (its node's number), NAME (under
-    /sys/block), or any other path (the device that holds it); None if there is none."""
+    """A device as the config names it: /dev/NAME (its node's number, or NAME in /sys
+    when the node is not there), NAME (as /sys/class/block names it: a partition
+    names its disk), or any other path (the device that holds it); None if none."""
     if "/" not in text:
-        return text if (sys_root / "block" / text).exists() else None
+        return _whole(text, sys_root)
     place = Path(text)
     try:
         st = os.stat(place)
     except OSError:
-        return None
+        # The gate's /dev is its own (PrivateDevices=): /dev/NAME is NAME in /sys.
+        return _whole(place.name, sys_root) if place.parent == Path("/dev") else None
     if stat.S_ISBLK(st.st_mode):
         return _by_number(os.major(st.st_rdev), os.minor(st.st_rdev), sys_root)
     return device_of(place, sys_root)
