@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.system.test_adaptive_disk import Probe, Run, fan_out_run, p99
+from tests.system.test_adaptive_disk import STATE_DIR, Probe, Run, fan_out_run, p99
 from volute_testbed.fanout import synced_writes
 from volute_testbed.gate import (
     VOLUTECTL,
@@ -41,6 +41,7 @@ from volute_testbed.slowdisk import SlowDisk, slow_disk
 
 pytestmark = [pytest.mark.system, pytest.mark.serial]
 
+CARD = "/srv/card"  # the minds' directories on the card, inside the machine
 MINDS = 15  # the issue's fan-out on a slow disk: every third a heavy writer
 HEAVY = 48  # 64 KiB synced writes of a heavy turn (3 MiB: 1.5 s of the card alone)
 
@@ -55,6 +56,10 @@ def rig() -> Iterator[tuple[Machine, SlowDisk]]:
                 place = disk.mount / "minds" / f"m{index:02d}"
                 place.mkdir(parents=True)
                 place.chmod(0o777)
+            # Where the gate sees it: the card's own path is under /var/tmp, which the
+            # gate's PrivateTmp= hides (a mind's directory there would be unseen too).
+            machine.run(["mkdir", "-p", CARD])
+            machine.run(["mount", "--bind", str(disk.mount / "minds"), CARD])
             yield machine, disk
 
 
@@ -74,7 +79,7 @@ def config(disk: SlowDisk, **sections: Any) -> str:
     minds = {f"m{index:02d}": mixed(index) for index in range(MINDS)}
     text = gate_config(minds, **sections)
     for name in minds:
-        place = disk.mount / "minds" / name
+        place = f"{CARD}/{name}"
         text = text.replace(
             f'[minds."{name}"]\n', f'[minds."{name}"]\nworking_directory = "{place}"\n'
         )
@@ -100,6 +105,7 @@ def test_a_mixed_fan_out_on_the_minds_slow_disk_keeps_the_probe_in_its_bound_wit
     holds. The runs' numbers are printed (pytest -s)."""
     machine, disk = rig
     install_probe(machine)
+    machine.run(["mkdir", "-p", STATE_DIR])  # fan_out_run empties it before each run
     configs = {
         "cap 2": config(disk, adaptive=False, limits={"global_concurrent_turns": 2}),
         "default": config(disk, adaptive=True),
@@ -178,11 +184,12 @@ def test_a_watched_disk_that_vanishes_puts_the_gate_in_fallback_until_it_is_back
     name = Path(device).name
     install_probe(machine)
     minds = {f"s{index}": "sleep 60; turn-probe 0" for index in range(4)}
-    limits = {"adaptive": {"start": 2, "devices": [device]}}
-    start_gate(machine, gate_config(minds, adaptive=True, limits=limits))
+    sections: Any = {"limits.adaptive": {"start": 2, "devices": [device]}}
+    start_gate(machine, gate_config(minds, **sections))
     for mind in minds:
         machine.run([VOLUTECTL, "deliver", mind, "--message", "go"])
-    wait_for(lambda: status(machine)["active_turns"] == 2, timeout=30, interval=0.2)
+    # Turns that wait (on "the model"): light, so all run, and the gate reads while they do.
+    wait_for(lambda: status(machine)["active_turns"] == len(minds), timeout=30, interval=0.2)
     adaptive = status(machine)["adaptive"]
     assert adaptive["mode"] == "adaptive", adaptive
     assert name in [disk["device"] for disk in adaptive["disks"]], adaptive

@@ -24,6 +24,7 @@ import stat
 from pathlib import Path
 
 from volutectl.core.disks import DiskStat, parse_stat
+from volutectl.kernel.probes import block_device_dir
 
 SYS = Path("/sys")
 MOST_BELOW = 16  # devices walked below one: a loop of links is not followed forever
@@ -44,14 +45,8 @@ def device_of(path: Path, sys_root: Path = SYS) -> str | None:
 def _by_number(major: int, minor: int, sys_root: Path) -> str | None:
     if major == 0:
         return None  # tmpfs, overlayfs, NFS...: no block device of its own
-    entry = sys_root / "dev" / "block" / f"{major}:{minor}"
-    try:
-        real = Path(os.path.realpath(entry, strict=True))
-    except OSError:
-        return None
-    if (real / "partition").exists():
-        return real.parent.name  # a partition: the disk it is on
-    return real.name
+    device = block_device_dir(major, minor, sys_root)  # a partition's: its disk's
+    return device.name if device is not None else None
 
 
 def named(text: str, sys_root: Path = SYS) -> str | None:
