@@ -22,10 +22,13 @@ from tests.unit.gate_harness import Harness
 from tests.unit.test_gate_adaptive import MINDS, PSI, limit_of, mode_of, running, writing
 from tests.unit.test_gate_pause import deliver, request
 from volutectl import events
+from volutectl.cli import statusview
 from volutectl.gate import disks as gate_disks
 from volutectl.gate.adaptive import StorageSensor
+from volutectl.host import doctor
 from volutectl.kernel import blockdevs
 from volutectl.states import AdaptiveMode
+from volutectl.wire.messages import AdaptiveStatus, DiskStatus
 
 pytestmark = pytest.mark.serial  # the gate's real probe times this host's disk
 
@@ -231,3 +234,43 @@ def test_a_watched_disk_that_vanishes_falls_back_until_it_is_back(
     assert mode_of(adaptive) is AdaptiveMode.ADAPTIVE
     [measuring] = harness.journal.of(events.AdaptiveMeasuring)
     assert measuring.limit == 2
+
+
+# -- what status and doctor say ------------------------------------------------------------
+
+
+def held_status() -> AdaptiveStatus:
+    card = DiskStatus(
+        device="mmcblk0",
+        holds=("mind a's working directory",),
+        await_ms=412.0,
+        utilisation_percent=100.0,
+        baseline_ms=2.5,
+    )
+    root = DiskStatus(
+        device="sda",
+        holds=("the journal",),
+        await_ms=None,
+        utilisation_percent=0.0,
+        baseline_ms=1.0,
+    )
+    return AdaptiveStatus(
+        mode=AdaptiveMode.ADAPTIVE,
+        limit=1,
+        minimum=1,
+        maximum=16,
+        ceiling=None,
+        reason="probe 1 ms: over healthy; held down by the disk mmcblk0",
+        disks=(card, root),
+        held_by="mmcblk0",
+    )
+
+
+def test_status_text_and_doctor_name_the_disk_that_holds_the_limit_down() -> None:
+    [line] = statusview._disks(held_status())
+    assert line.startswith("disks watched: mmcblk0 (mind a's working directory): await 412 ms")
+    assert "100% busy HOLDS THE LIMIT DOWN; sda (the journal): no requests, 0% busy" in line
+    check = doctor.check_adaptive(held_status())
+    assert check.status == "ok"
+    assert "disks watched: mmcblk0 (mind a's working directory), sda (the journal)" in check.found
+    assert check.found.endswith("held down by the disk mmcblk0")
