@@ -17,6 +17,8 @@ test: the gate falls back as for a lost PSI file, says so, and comes back.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import random
 import subprocess
 import time
@@ -44,6 +46,7 @@ pytestmark = [pytest.mark.system, pytest.mark.serial]
 CARD = "/srv/card"  # the minds' directories on the card, inside the machine
 MINDS = 15  # the issue's fan-out on a slow disk: every third a heavy writer
 HEAVY = 48  # 64 KiB synced writes of a heavy turn (3 MiB: 1.5 s of the card alone)
+LOOP_CTL_ADD, LOOP_CTL_REMOVE = 0x4C80, 0x4C81  # /dev/loop-control's ioctls
 
 
 @pytest.fixture
@@ -64,13 +67,13 @@ def rig() -> Iterator[tuple[Machine, SlowDisk]]:
 
 
 def mixed(index: int) -> str:
-    """The issue's mixed fan-out, shorter: every third mind writes HEAVY x 64 KiB synced
-    in its working directory; the others wait on "the model" (1.5 to 3 s, the same per
-    mind in every run) and then write 2 x 64 KiB synced there. Each logs its end."""
+    """bench/bench_adaptive.py's mixed fan-out, in the working directory: every third
+    mind writes HEAVY x 64 KiB synced; the others wait on "the model" (4 to 8 s, the same
+    per mind in every run) and then write 2 x 64 KiB synced. Each logs its end."""
     if index % 3 == 0:
         body = synced_writes(Path("."), HEAVY)
     else:
-        body = f"sleep {random.Random(index).uniform(1.5, 3.0):.2f}; {synced_writes(Path('.'), 2)}"
+        body = f"sleep {random.Random(index).uniform(4.0, 8.0):.2f}; {synced_writes(Path('.'), 2)}"
     return f"{body}; turn-probe 0"
 
 
@@ -161,14 +164,29 @@ def usb(tmp_path: Path) -> Iterator[tuple[Machine, str]]:
 
 @contextlib.contextmanager
 def pulled(device: str) -> Iterator[None]:
-    """The device gone from /sys/block for a while, as a pulled USB disk's is, then back
-    on the same file under the same name."""
-    image = Path(f"/sys/block/{Path(device).name}/loop/backing_file").read_text().strip()
+    """The device gone from /sys/block for a while, as a pulled USB disk's is (a loop
+    device detached stays, unbound: this one is removed through /dev/loop-control),
+    then back under the same name, on the same file."""
+    name = Path(device).name
+    image = Path(f"/sys/block/{name}/loop/backing_file").read_text().strip()
     subprocess.run(["losetup", "-d", device], check=True)
+    control = os.open("/dev/loop-control", os.O_RDWR)
+
+    def removed() -> bool:
+        try:  # EBUSY until the detach is done
+            fcntl.ioctl(control, LOOP_CTL_REMOVE, int(name.removeprefix("loop")))
+        except OSError:
+            return False
+        return True
+
     try:
-        wait_for(lambda: not Path(f"/sys/block/{Path(device).name}").exists(), timeout=10)
+        wait_for(removed, timeout=10, interval=0.1)
+        assert not Path(f"/sys/block/{name}").exists()
         yield
     finally:
+        with contextlib.suppress(OSError):  # taken again meanwhile: it is there anyway
+            fcntl.ioctl(control, LOOP_CTL_ADD, int(name.removeprefix("loop")))
+        os.close(control)
         subprocess.run(["losetup", device, image], check=True)
 
 

@@ -70,7 +70,7 @@ from volutectl.core import disks as disk_rule
 from volutectl.core.adaptive import Bounds, Change, Reading
 from volutectl.core.psi import parse_total, stall_fraction
 from volutectl.events import Emit
-from volutectl.gate.disks import DiskWatch, describe
+from volutectl.gate.disks import DiskWatch, describe, holdings
 from volutectl.kernel import blockdevs
 from volutectl.kernel.probes import SYSTEM_PRESSURE, slice_cgroup
 from volutectl.kernel.written import Written
@@ -599,7 +599,7 @@ class AdaptiveLimit:
             self._emit(
                 events.AdaptiveDiskHolds(
                     device=device,
-                    holds=", ".join(watch.devices.get(device, ())),
+                    holds=holdings(watch.devices.get(device, ())),
                     await_ms=_round(seen.await_ms) if seen else None,
                     baseline_ms=_round(seen.baseline_ms) if seen else None,
                     utilisation_percent=_round(seen.utilisation * 100) if seen else None,

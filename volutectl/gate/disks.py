@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from volutectl.config.settings import Settings
 
 JOURNALS = (Path("/var/log/journal"), Path("/run/log/journal"))
+MIND_DIRECTORY = "'s working directory"  # "mind NAME's working directory"
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def sources(settings: Settings) -> list[Source]:
         user = mind.user or settings.turns.default_user
         place = mind_directory(name, mind.working_directory, user)
         if place is not None:
-            found.append(Source(f"mind {name}'s working directory", str(place)))
+            found.append(Source(f"mind {name}{MIND_DIRECTORY}", str(place)))
     journal = next((path for path in JOURNALS if path.is_dir()), None)
     if journal is not None:
         found.append(Source("the journal", str(journal)))
@@ -201,6 +202,16 @@ class DiskWatch:
         ]
 
 
+def holdings(holds: tuple[str, ...]) -> str:
+    """What a device holds, in a few words: more than two minds' directories are
+    counted, not listed."""
+    minds = [what for what in holds if what.startswith("mind ") and what.endswith(MIND_DIRECTORY)]
+    if len(minds) <= 2:
+        return ", ".join(holds)
+    rest = [what for what in holds if what not in minds]
+    return ", ".join([f"the working directories of {len(minds)} minds", *rest])
+
+
 def describe(devices: Mapping[str, tuple[str, ...]], device: str) -> str:
     """A device and what it holds, for a message."""
-    return f"{device} ({', '.join(devices.get(device, ()))})"
+    return f"{device} ({holdings(devices.get(device, ()))})"
