@@ -78,8 +78,10 @@ def test_a_disk_at_its_baseline_or_its_healthy_bound_reads_as_the_probe_at_its_o
     baseline: float, probe: float
 ) -> None:
     assert disks.as_probe_ms(baseline, baseline, probe) == pytest.approx(probe)
-    bound, probe_bound = healthy_below_ms(baseline), healthy_below_ms(probe)
-    assert disks.as_probe_ms(bound, baseline, probe) == pytest.approx(probe_bound)
+    # A synced write there waits for SYNCED_WRITE_REQUESTS requests in turn.
+    requests = disks.SYNCED_WRITE_REQUESTS
+    bound = healthy_below_ms(requests * baseline) / requests
+    assert disks.as_probe_ms(bound, baseline, probe) == pytest.approx(healthy_below_ms(probe))
 
 
 @given(low=millis, high=millis, baseline=millis, probe=millis)
@@ -104,11 +106,13 @@ def test_the_rule_judges_a_disk_on_the_probes_scale_as_on_its_own(
         reading = Reading(now=0.0, latency_ms=latency, stalled=None, running=running, waiting=1)
         return judge_latency(state, reading)[0]
 
-    own = verdict(await_ms, baseline)
+    requests = disks.SYNCED_WRITE_REQUESTS  # a synced write's wait there: its own scale
+    own = verdict(requests * await_ms, requests * baseline)
     scaled = verdict(disks.as_probe_ms(await_ms, baseline, probe), probe)
-    margin = healthy_below_ms(baseline) - baseline
-    near = abs((await_ms - baseline) * (running + 1) / running - margin) < 1e-6 * margin
-    if not near:  # a float's rounding at the very bound
+    margin = healthy_below_ms(requests * baseline) - requests * baseline
+    excess = requests * (await_ms - baseline)
+    near = min(abs(excess * (running + 1) / running - margin), abs(excess - margin))
+    if near > 1e-6 * margin:  # not a float's rounding at the very bound
         assert (own is Verdict.HEALTHY) == (scaled is Verdict.HEALTHY)
         assert (own in (Verdict.HEALTHY, Verdict.NEUTRAL)) == (
             scaled in (Verdict.HEALTHY, Verdict.NEUTRAL)

@@ -17,9 +17,11 @@ probe's scale, and the worst device decides.
   guess is its mean await since it appeared (`lifetime_await`), since an interval can
   only be read while turns run.
 - `as_probe_ms`: a device's await on the probe's scale, so that core/adaptive.py's rule
-  judges it as it judges the probe (whatever the rule's tolerance is): a device at its
-  baseline reads as the probe's baseline, and one at its own healthy bound reads as the
-  probe's healthy bound; in between and beyond, in proportion.
+  judges it as it judges the probe (whatever the rule's tolerance is): what a synced
+  write waits there is SYNCED_WRITE_REQUESTS requests' await (its data, then the
+  journal's commit); a device at its baseline reads as the probe's baseline, and one
+  whose synced write is at its healthy bound reads as the probe's healthy bound; in
+  between and beyond, in proportion.
 - `worst`: the device whose reading is highest on that scale, by name (the first by
   name of equals, so that the answer does not depend on the order of a dict).
 
@@ -34,6 +36,11 @@ from dataclasses import dataclass
 
 from volutectl.core.adaptive import healthy_below_ms
 
+# A small synced write waits behind the queue more than once: for its data, then for the
+# journal's commit (ext4's fdatasync of a write that allocates), each a request in turn.
+# Measured on the testbed's SD card (docs/disks.md): 6 synced writers, await 85 ms and
+# a 4 KiB write + fsync 190 ms; so a disk's await counts twice on the probe's scale.
+SYNCED_WRITE_REQUESTS = 2
 STALLED_UTILISATION = 0.95  # in flight for this share of an interval, none completed: stalled
 BASELINE_FLOOR_MS = 0.1  # an await below this is the counters' resolution (ms), not a disk
 
@@ -106,13 +113,15 @@ def lifetime_await(stat: DiskStat) -> float | None:
 
 
 def as_probe_ms(await_ms: float, baseline_ms: float, probe_baseline_ms: float) -> float:
-    """A device's await on the probe's scale: its excess over its own baseline, as a
-    share of its own healthy margin, times the probe's healthy margin, over the probe's
-    baseline. Never below the probe's baseline (a device quicker than it ever was is
-    as healthy as a quiet probe)."""
-    own_margin = healthy_below_ms(baseline_ms) - baseline_ms
+    """A device's await on the probe's scale: what a synced write waits there
+    (SYNCED_WRITE_REQUESTS requests' await), its excess over the same at the device's
+    baseline, as a share of that baseline's healthy margin, times the probe's healthy
+    margin, over the probe's baseline. Never below the probe's baseline (a device
+    quicker than it ever was is as healthy as a quiet probe)."""
+    synced, quiet = SYNCED_WRITE_REQUESTS * await_ms, SYNCED_WRITE_REQUESTS * baseline_ms
+    own_margin = healthy_below_ms(quiet) - quiet
     probe_margin = healthy_below_ms(probe_baseline_ms) - probe_baseline_ms
-    excess = max(0.0, await_ms - baseline_ms) / own_margin
+    excess = max(0.0, synced - quiet) / own_margin
     return probe_baseline_ms + excess * probe_margin
 
 
