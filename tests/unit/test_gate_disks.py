@@ -274,3 +274,11 @@ def test_status_text_and_doctor_name_the_disk_that_holds_the_limit_down() -> Non
     assert check.status == "ok"
     assert "disks watched: mmcblk0 (mind a's working directory), sda (the journal)" in check.found
     assert check.found.endswith("held down by the disk mmcblk0")
+
+
+def test_many_minds_directories_on_one_disk_are_counted_not_listed() -> None:
+    holds = tuple(f"mind m{index}'s working directory" for index in range(3)) + ("the journal",)
+    assert gate_disks.holdings(holds) == "the working directories of 3 minds, the journal"
+    assert (
+        gate_disks.holdings(holds[:2]) == "mind m0's working directory, mind m1's working directory"
+    )
