@@ -9,7 +9,7 @@ privilege, and the gate may write to none of the minds' directories (a private h
 is its user's); a probe there would need the launcher (root) on every interval. The
 counters see every request of every process on the device, the turns' included; the
 probe on the state disk stays, as the one reading of what a small synced write costs
-there (docs/adaptive.md... here: README, "The adaptive limit").
+there (docs/disks.md says more).
 
 Which device a directory is on: its st_dev, or its nearest ancestor's that the gate
 may stat (a private home's parent): the same device unless a mount point lies under a
