@@ -31,6 +31,7 @@ from volutectl.core.psi import parse_total
 from volutectl.errors import VoluteError
 from volutectl.gate import adaptive as gate_adaptive
 from volutectl.gate.adaptive import EVENT_SECONDS, AdaptiveLimit
+from volutectl.gate.disks import DiskWatch
 from volutectl.host import doctor
 from volutectl.kernel.written import Written
 from volutectl.states import AdaptiveMode, HoldReason
@@ -550,6 +551,7 @@ class ScriptedSensor:
     def __init__(self) -> None:
         self.probe: gate_adaptive.Probe | None = None
         self.psi_path: Path | None = None
+        self.disks: DiskWatch | None = None
         self.total: int | str | None = 0
         self.reads = 0
 

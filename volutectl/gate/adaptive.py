@@ -10,17 +10,23 @@ reading:
   says it is done through a pipe the reactor watches. A probe still running when the
   interval ends is read as at least that slow;
 - **PSI**: the `some total=` stall of the turns slice's io.pressure when readable, else
-  of /proc/pressure/io, as the share of the interval (plain reads, no trigger).
+  of /proc/pressure/io, as the share of the interval (plain reads, no trigger);
+- **every disk the turns use** (volutectl/gate/disks.py): the await of each block device
+  that holds a mind's working directory or home, the state directory, the journal, or
+  that limits.adaptive.devices names, from /sys/block/DEV/stat, each against its own
+  quiet await and put on the probe's scale (volutectl/core/disks.py). The worst of
+  them and the probe is the reading's latency: the worst disk decides, and `status`
+  and the journal (AdaptiveDiskHolds) name it when it is not the probe's.
 
 A gate that has not measured its disk yet probes it once while nothing runs or waits,
 at its start as a rule: that probe teaches the baseline what a quiet disk answers
 (core/adaptive.py's learn_quiet), before the first fan-out's readings show a queue.
 
-A probe that fails, or a PSI file that was readable and then vanishes or reads as
-garbage, puts the gate in mode "fallback": a static cap of `start` that counts turns
-(no costs), said once in the journal (AdaptiveFallback) and in `status`, until the
-signals work again (AdaptiveMeasuring). A host with no PSI at all measures with the
-probe alone.
+A probe that fails, a PSI file that was readable and then vanishes or reads as garbage,
+or a watched disk that was read and then cannot be (a USB disk pulled), puts the gate
+in mode "fallback": a static cap of `start` that counts turns (no costs), said once in
+the journal (AdaptiveFallback) and in `status`, until the signals work again
+(AdaptiveMeasuring). A host with no PSI at all measures with the probe alone.
 
 Admission takes `limit()` as its adaptive cap (volutectl/gate/loop.py: the effective
 cap is the lower of it and `global_concurrent_turns`), as a budget of IO costs
@@ -60,13 +66,16 @@ from typing import TYPE_CHECKING, Protocol
 
 from volutectl import events
 from volutectl.core import adaptive, iocost
+from volutectl.core import disks as disk_rule
 from volutectl.core.adaptive import Bounds, Change, Reading
 from volutectl.core.psi import parse_total, stall_fraction
 from volutectl.events import Emit
+from volutectl.gate.disks import DiskWatch, describe, holdings
+from volutectl.kernel import blockdevs
 from volutectl.kernel.probes import SYSTEM_PRESSURE, slice_cgroup
 from volutectl.kernel.written import Written
 from volutectl.states import AdaptiveMode
-from volutectl.wire.messages import AdaptiveStatus
+from volutectl.wire.messages import AdaptiveStatus, DiskStatus
 
 if TYPE_CHECKING:
     from volutectl.config.reload import SettingsHolder
@@ -180,6 +189,7 @@ class Sensor(Protocol):
 
     probe: Probe | None  # the timed synced write; None: none (the limit is off)
     psi_path: Path | None
+    disks: DiskWatch | None  # every disk the turns use; None: none watched
 
     def psi_total(self) -> int | str | None:
         """PSI's `some total=` stall (µs); None: no PSI file; a text: why it fails."""
@@ -195,12 +205,21 @@ class StorageSensor:
     cumulative stall, or None (no file: a host with no PSI), or why the file that read
     before now fails."""
 
-    def __init__(self, settings: Settings, enabled: bool, psi: Path | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        enabled: bool,
+        psi: Path | None = None,
+        sys_root: Path | None = None,
+    ) -> None:
         self._settings = settings
         self._psi_given = psi  # a test's file: no other is looked for
         self.psi_path = psi if psi is not None or not enabled else pressure_file(settings)
         self.probe = Probe(settings.gate.state_dir / PROBE_FILE) if enabled else None
         self._psi_lost: str | None = None  # why the PSI file that read failed, until one reads
+        # /sys, or a test's tree: looked up now, so that a test may put its own there
+        watched = sys_root if sys_root is not None else blockdevs.SYS
+        self.disks = DiskWatch(settings, watched) if enabled else None
 
     def use_pressure_file(self, path: Path) -> None:
         """Read PSI from `path` alone (a test's file)."""
@@ -314,6 +333,9 @@ class AdaptiveLimit:
         self.running = 0
         self.waiting = 0
         self.last: Reading | None = None
+        self.probe_ms: float | None = None  # the probe's own part of the last reading
+        self.held_by: str | None = None  # the disk whose reading decided the last one
+        self._said_disk: str | None = None  # the last AdaptiveDiskHolds's disk
 
     @property
     def bounds(self) -> Bounds:
@@ -380,12 +402,15 @@ class AdaptiveLimit:
         if not self.enabled or not (running or waiting):
             self._deadline = None  # idle: no wakeups
             self._psi_mark = None
+            if self.sensor.disks is not None:
+                self.sensor.disks.mark_idle()
             self._probe_quiet(now)
             return
         self._quiet_probe = False  # work came while it ran: it is this reading's
         if self._deadline is None:
             self._deadline = now + self.interval
             self._psi_mark = self._psi_total(now)
+            self._read_disks(now)
             self._start_probe(now)
 
     # -- IO costs per mind (volutectl/core/iocost.py) -----------------------------------
@@ -502,9 +527,11 @@ class AdaptiveLimit:
             # Still in flight: at least this slow (it started an interval ago or more).
             latency = max(latency or 0.0, (now - self.probe.started_at) * 1000)
         stalled = self._psi_stalled(now)
+        self.probe_ms = latency
+        self._read_disks(now)
         reading = Reading(
             now=now,
-            latency_ms=latency,
+            latency_ms=self._worst_disk(latency),
             stalled=stalled,
             running=self._probe_running,
             waiting=self.waiting,
@@ -535,8 +562,55 @@ class AdaptiveLimit:
             self._emit(events.AdaptiveMeasuring(limit=self.controller.limit))
         self.controller, change = adaptive.step(self.controller, reading, self.bounds, self.rule)
         if change is not None:
-            self._changed(change, reading.now)
+            self._changed(self._disk_said(change), reading.now)
         return self.limit() != before
+
+    # -- every disk the turns use (volutectl/gate/disks.py) -----------------------------
+
+    def _read_disks(self, now: float) -> None:
+        """Take the watched disks' interval; one that cannot be read is a failure."""
+        if self.sensor.disks is not None:
+            lost = self.sensor.disks.read(now)
+            if lost is not None:
+                self._failure = lost
+
+    def _worst_disk(self, latency: float | None) -> float | None:
+        """The reading's latency: the probe's, or the worst disk's on the probe's scale
+        when that is higher (core/disks.py), which then holds the limit (`held_by`)."""
+        watch, baseline = self.sensor.disks, self.controller.baseline_ms
+        self.held_by = None
+        if watch is None or baseline is None:
+            return latency
+        found = disk_rule.worst(watch.on_probe_scale(baseline))
+        if found is None or (latency is not None and found[1] <= latency):
+            return latency
+        self.held_by = found[0]
+        return found[1]
+
+    def _disk_said(self, change: Change) -> Change:
+        """A move down that a disk decided names it, and AdaptiveDiskHolds says so when
+        the disk that holds the limit down is not the one it last said."""
+        watch = self.sensor.disks
+        if change.new >= change.old or self.held_by is None or watch is None:
+            if change.new < change.old:
+                self._said_disk = None
+            return change
+        device = self.held_by
+        if device != self._said_disk:
+            self._said_disk = device
+            seen = next((disk for disk in watch.shown() if disk.device == device), None)
+            self._emit(
+                events.AdaptiveDiskHolds(
+                    device=device,
+                    holds=holdings(watch.devices.get(device, ())),
+                    await_ms=_round(seen.await_ms) if seen else None,
+                    baseline_ms=_round(seen.baseline_ms) if seen else None,
+                    utilisation_percent=_round(seen.utilisation * 100) if seen else None,
+                    limit=change.new,
+                )
+            )
+        why = f"{change.reason}; held down by the disk {describe(watch.devices, device)}"
+        return replace(change, reason=why)
 
     def _changed(self, change: Change, now: float) -> None:
         self.reason = change.reason
@@ -546,7 +620,7 @@ class AdaptiveLimit:
             events.AdaptiveLimitChanged(
                 old_limit=change.old,
                 new_limit=change.new,
-                probe_ms=_round(reading.latency_ms if reading is not None else None),
+                probe_ms=_round(self._probe_shown()),
                 baseline_ms=_round(self.controller.baseline_ms),
                 stalled_percent=_round(stalled * 100 if stalled is not None else None),
                 why=change.reason,
@@ -603,7 +677,6 @@ class AdaptiveLimit:
     # -- what it shows -----------------------------------------------------------------
 
     def status(self) -> AdaptiveStatus:
-        reading = self.last
         return AdaptiveStatus(
             mode=self.mode,
             limit=self.limit(),
@@ -612,9 +685,31 @@ class AdaptiveLimit:
             ceiling=self.global_cap,
             reason=self.fallback or self.reason,
             rule=self.rule,
-            probe_ms=_round(reading.latency_ms) if reading is not None else None,
+            probe_ms=_round(self._probe_shown()),
             costs=dict(sorted(self._costs.items())),
             running_costs=dict(sorted(self.shown_costs().items())),
+            disks=self._disks_shown(),
+            held_by=self.held_by,
+        )
+
+    def _probe_shown(self) -> float | None:
+        """The probe's own latency in the last reading (not a disk's that decided it)."""
+        if self.last is None:
+            return None
+        return self.probe_ms if self.held_by is not None else self.last.latency_ms
+
+    def _disks_shown(self) -> tuple[DiskStatus, ...]:
+        if self.sensor.disks is None:
+            return ()
+        return tuple(
+            DiskStatus(
+                device=seen.device,
+                holds=seen.holds,
+                await_ms=_round(seen.await_ms),
+                utilisation_percent=round(seen.utilisation * 100, 1),
+                baseline_ms=_round(seen.baseline_ms),
+            )
+            for seen in self.sensor.disks.shown()
         )
 
     def close(self) -> None:
