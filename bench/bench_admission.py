@@ -24,6 +24,7 @@ synchronous=FULL, on /var/tmp) and its own admission code, driven as the gate dr
    synchronous=FULL insert per row in the same run.
 
 Run: .venv/bin/python bench/bench_admission.py [--rounds N] [--scales 1000:100 ...]
+One section alone: --sections 4 (or any of 1 2 3 4).
 """
 
 from __future__ import annotations
@@ -335,6 +336,17 @@ def measure_writes(work: Path, count: int) -> dict[str, Any]:
 
 
 def report(results: dict[str, Any]) -> None:
+    if results["passes"]:
+        report_passes(results)
+    if "acks" in results:
+        report_acks(results)
+    if "start" in results:
+        report_start(results)
+    if "writes" in results:
+        report_writes(results)
+
+
+def report_passes(results: dict[str, Any]) -> None:
     print("\n1. One admission pass (ms, median / p90), today's scan vs the index, same run")
     print(f"{'pending':>9} {'minds':>6} {'event':>9} {'scan':>18} {'index':>18} {'ratio':>8}")
     for scale in results["passes"]:
@@ -345,6 +357,9 @@ def report(results: dict[str, Any]) -> None:
                 f"{med(scan):>8.2f} / {p90(scan):>7.2f} {med(index):>8.3f} / {p90(index):>7.3f} "
                 f"{med(scan) / med(index):>7.0f}x"
             )
+
+
+def report_acks(results: dict[str, Any]) -> None:
     print("\n2. One acknowledgement's work: durable commit + the pass it causes (ms, median)")
     acks = results["acks"]
     for kind in ("scan", "index"):
@@ -354,6 +369,9 @@ def report(results: dict[str, Any]) -> None:
             f"{results['ack_depth']:,} {deep:7.2f} ms ({1000 / deep:5.0f}/s)   "
             f"depth/empty rate {empty / deep:.2f}x"
         )
+
+
+def report_start(results: dict[str, Any]) -> None:
     print(f"\n3. Gate start with {results['start_rows']:,} pending (fresh process, median of 3)")
     start = results["start"]
     for kind in ("scan", "index"):
@@ -363,6 +381,9 @@ def report(results: dict[str, Any]) -> None:
             f"{deep['rss_mib']:5.1f} MiB (peak {deep['hwm_mib']:5.1f})   empty queue: "
             f"{empty['start_ms']:5.0f} ms, VmRSS {empty['rss_mib']:5.1f} MiB"
         )
+
+
+def report_writes(results: dict[str, Any]) -> None:
     print(f"\n4. Writes per operation ({results['write_count']} each, fresh process, strace -c)")
     print(
         f"  {'operation':<46} {'write_bytes':>11} {'fsyncs':>7} {'to WAL':>8} {'to db':>7}"
@@ -389,6 +410,13 @@ def main() -> None:
     parser.add_argument("--ack-depth", type=int, default=10_000)
     parser.add_argument("--start-rows", type=int, default=100_000)
     parser.add_argument("--write-count", type=int, default=200)
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        default=["1", "2", "3", "4"],
+        choices=["1", "2", "3", "4"],
+        help="run only these sections",
+    )
     parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument("--inner-start", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--inner-writes", nargs=3, help=argparse.SUPPRESS)
@@ -403,20 +431,24 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="volute-bench-admission.", dir="/var/tmp"))
     try:
         results: dict[str, Any] = {"passes": [], "ack_depth": args.ack_depth}
-        for scale in args.scales:
-            rows, minds = (int(part) for part in scale.split(":"))
-            print(f"  passes at {rows:,} pending over {minds:,} minds ...", flush=True)
-            results["passes"].append(measure_passes(work, rows, minds, args.rounds))
-        print("  acknowledgements ...", flush=True)
-        results["acks"] = {
-            str(depth): measure_acks(work, depth, args.rounds) for depth in (0, args.ack_depth)
-        }
-        print("  gate start ...", flush=True)
-        results["start_rows"] = args.start_rows
-        results["start"] = measure_start(work, args.start_rows)
-        print("  writes ...", flush=True)
-        results["write_count"] = args.write_count
-        results["writes"] = measure_writes(work, args.write_count)
+        if "1" in args.sections:
+            for scale in args.scales:
+                rows, minds = (int(part) for part in scale.split(":"))
+                print(f"  passes at {rows:,} pending over {minds:,} minds ...", flush=True)
+                results["passes"].append(measure_passes(work, rows, minds, args.rounds))
+        if "2" in args.sections:
+            print("  acknowledgements ...", flush=True)
+            results["acks"] = {
+                str(depth): measure_acks(work, depth, args.rounds) for depth in (0, args.ack_depth)
+            }
+        if "3" in args.sections:
+            print("  gate start ...", flush=True)
+            results["start_rows"] = args.start_rows
+            results["start"] = measure_start(work, args.start_rows)
+        if "4" in args.sections:
+            print("  writes ...", flush=True)
+            results["write_count"] = args.write_count
+            results["writes"] = measure_writes(work, args.write_count)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(results)

@@ -63,6 +63,7 @@ from volutectl.core import adaptive, iocost
 from volutectl.core.adaptive import Bounds, Change, Reading
 from volutectl.core.psi import parse_total, stall_fraction
 from volutectl.events import Emit
+from volutectl.gate.cpu import CpuSignal
 from volutectl.kernel.probes import SYSTEM_PRESSURE, slice_cgroup
 from volutectl.kernel.written import Written
 from volutectl.states import AdaptiveMode
@@ -279,6 +280,7 @@ class AdaptiveLimit:
         emit: Emit,
         psi: Path | None = None,
         sensor: Sensor | None = None,
+        cpu: CpuSignal | None = None,
     ) -> None:
         self.held = held  # the bounds, interval and global cap, as a reload leaves them
         settings = held.current
@@ -293,6 +295,9 @@ class AdaptiveLimit:
         self.reason: str | None = None  # of the last change
         self.sensor: Sensor = sensor or StorageSensor(settings, self.enabled, psi)
         self.probe = self.sensor.probe
+        # The CPUs' own bound on turns at once (volutectl/gate/cpu.py).
+        self.cpu = cpu or CpuSignal(settings, self.enabled)
+        self.cpu_log = ChangeLog(emit)
         self.log = ChangeLog(emit)
         self._emit = emit
         self._deadline: float | None = None
@@ -335,6 +340,7 @@ class AdaptiveLimit:
         Whether it is on, and its rule, need a restart (volutectl/config/reload.py keeps
         them as they were)."""
         self.controller = replace(self.controller, limit=self.bounds.clamp(self.controller.limit))
+        self.cpu.reconfigure(self.bounds.minimum, self.bounds.maximum)
 
     @property
     def psi_path(self) -> Path | None:
@@ -377,15 +383,18 @@ class AdaptiveLimit:
         if self.probe is not None and self.probe.in_flight:
             self._probe_running = max(self._probe_running, running)
             self._probe_load = max(self._probe_load, self.load)
+        self.cpu.note_running(running)
         if not self.enabled or not (running or waiting):
             self._deadline = None  # idle: no wakeups
             self._psi_mark = None
+            self.cpu.idle()
             self._probe_quiet(now)
             return
         self._quiet_probe = False  # work came while it ran: it is this reading's
         if self._deadline is None:
             self._deadline = now + self.interval
             self._psi_mark = self._psi_total(now)
+            self._failure = self.cpu.mark(now, running) or self._failure
             self._start_probe(now)
 
     # -- IO costs per mind (volutectl/core/iocost.py) -----------------------------------
@@ -415,8 +424,15 @@ class AdaptiveLimit:
         return {mind: sum(costs) / len(costs) for mind, costs in sums.items()}
 
     def turns_bound(self) -> int | None:
-        """The most turns the limit lets run at once whatever their costs: its maximum."""
-        return self.bounds.maximum if self.limit() is not None else None
+        """The most turns the limit lets run at once whatever their costs: its maximum,
+        or fewer while the CPUs bear fewer (volutectl/gate/cpu.py); in fallback, the
+        maximum (the static cap counts turns)."""
+        if self.limit() is None:
+            return None
+        cpu = self.cpu.bound(self.bounds.minimum, self.bounds.maximum)
+        if cpu is None or self.fallback is not None:
+            return self.bounds.maximum
+        return min(self.bounds.maximum, cpu)
 
     def load_of(self, running: Iterable[str], starting: Iterable[str] = ()) -> float:
         """The IO cost of the running turns of these minds, and of new turns of those."""
@@ -491,6 +507,17 @@ class AdaptiveLimit:
     def deadline(self) -> float | None:
         return self._deadline
 
+    def log_deadline(self) -> float | None:
+        """When a rate-limited entry is due (the limit's or the CPUs')."""
+        due = [d for d in (self.log.deadline(), self.cpu_log.deadline()) if d is not None]
+        return min(due) if due else None
+
+    def on_log_deadline(self, now: float) -> None:
+        for log in (self.log, self.cpu_log):
+            deadline = log.deadline()
+            if deadline is not None and now >= deadline:
+                log.on_deadline(now)
+
     def on_deadline(self, now: float) -> bool:
         """Take a reading and apply it; True if the limit moved."""
         self.on_probe_done(0)
@@ -509,10 +536,33 @@ class AdaptiveLimit:
         )
         self._latency = None
         self._deadline = now + self.interval if (self.running or self.waiting) else None
+        bound = self.turns_bound()
+        self._cpu_reading(now)
         moved = self.apply(reading, self._failure)
         self._failure = None
         self._start_probe(now)
-        return moved
+        return moved or self.turns_bound() != bound
+
+    def _cpu_reading(self, now: float) -> None:
+        """The CPUs' share of the reading: a file that fails is the reading's failure."""
+        old = self.cpu.state.limit
+        failure, why = self.cpu.read(
+            now, self.running, self.waiting, self.bounds.minimum, self.bounds.maximum
+        )
+        self._failure = self._failure or failure
+        if why is None:
+            return
+        self.reason = why
+        stalled = self.cpu.last.stalled if self.cpu.last is not None else None
+        self.cpu_log.note(
+            events.CpuLimitChanged(
+                old_limit=old,
+                new_limit=self.cpu.state.limit,
+                stalled_percent=_round(stalled * 100 if stalled is not None else None),
+                why=why,
+            ),
+            now,
+        )
 
     def apply(self, reading: Reading, failure: str | None = None) -> bool:
         """Move the limit by one reading (or enter or leave fallback); True if it moved."""
