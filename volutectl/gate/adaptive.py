@@ -1,16 +1,20 @@
 """The adaptive limit, the gate's side: it measures the storage, moves the limit with
 volutectl/core/adaptive.py's rule, and says so.
 
-Every `limits.adaptive.interval_seconds`, and only while turns run or deliveries wait
-(an idle gate has no deadline here, so it never wakes for it), the gate takes a
-reading:
+Every `limits.adaptive.interval_seconds` while deliveries wait, every QUIET_READINGS
+of them while turns only run (the limit cannot grow then, and the probe writes to the
+disk it guards), and never while idle (an idle gate has no deadline here, so it never
+wakes for it), the gate takes a reading:
 - **the probe**: a 4 KiB write and fdatasync to a file of its own in its state
   directory, the disk its queue commits to (on a Pi, the disk its turns write to),
   timed in a worker thread so that a stalled disk never blocks the loop; the thread
   says it is done through a pipe the reactor watches. A probe still running when the
   interval ends is read as at least that slow;
 - **PSI**: the `some total=` stall of the turns slice's io.pressure when readable, else
-  of /proc/pressure/io, as the share of the interval (plain reads, no trigger).
+  of /proc/pressure/io, as the share of the interval (plain reads, no trigger);
+- **the CPUs**: PSI `cpu` the same way (volutectl/gate/cpu.py), which moves a bound of
+  its own on turns at once (volutectl/core/cpu.py), given to admission with the
+  maximum by `turns_bound()`. Its file failing is a failure as io.pressure's is.
 
 A gate that has not measured its disk yet probes it once while nothing runs or waits,
 at its start as a rule: that probe teaches the baseline what a quiet disk answers
@@ -76,6 +80,11 @@ if TYPE_CHECKING:
 EVENT_SECONDS = 5.0  # at most one AdaptiveLimitChanged entry this often
 SAMPLE_PAUSE = 30.0  # after a sample failed, the next is tried this long after
 PROBE_BYTES = 4096
+# While turns run and nothing waits, a reading (and its probe, a synced 4 KiB on the
+# disk the gate guards) comes every QUIET_READINGS intervals, not every one: the limit
+# cannot grow then, and what it would learn is only needed when work waits again. A
+# delivery that waits brings the next reading to one interval away at most.
+QUIET_READINGS = 4
 PROBE_FILE = "adaptive-probe"
 
 
@@ -391,6 +400,8 @@ class AdaptiveLimit:
             self._probe_quiet(now)
             return
         self._quiet_probe = False  # work came while it ran: it is this reading's
+        if waiting and self._deadline is not None:
+            self._deadline = min(self._deadline, now + self.interval)
         if self._deadline is None:
             self._deadline = now + self.interval
             self._psi_mark = self._psi_total(now)
@@ -535,13 +546,20 @@ class AdaptiveLimit:
             load=self._probe_load,
         )
         self._latency = None
-        self._deadline = now + self.interval if (self.running or self.waiting) else None
+        self._deadline = self._next_reading(now)
         bound = self.turns_bound()
         self._cpu_reading(now)
         moved = self.apply(reading, self._failure)
         self._failure = None
         self._start_probe(now)
         return moved or self.turns_bound() != bound
+
+    def _next_reading(self, now: float) -> float | None:
+        """An interval on while work waits; QUIET_READINGS of them while turns only run
+        (the probe's writes land on the disk the gate guards); none when idle."""
+        if self.waiting:
+            return now + self.interval
+        return now + self.interval * QUIET_READINGS if self.running else None
 
     def _cpu_reading(self, now: float) -> None:
         """The CPUs' share of the reading: a file that fails is the reading's failure."""
