@@ -249,13 +249,16 @@ def inner_writes(path: str, what: str, count: int) -> None:
         os.write(marker, b"end")
         written = _write_bytes() - before
         wal_size = Path(f"{path}-wal").stat().st_size
+        before = _write_bytes()
+        db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        checkpoint = _write_bytes() - before
         db.close()
     else:
         # Cap 1: one turn at a time. Turns take deliveries made before the loop, one
         # session each, so that the loop's figures are the turns' alone.
         gate = Indexed(Path(path), Limits(global_cap=1))
         now = time.time()
-        if what == "delivery":  # a turn of another mind fills the cap: each is held
+        if what.startswith("delivery"):  # a turn of another mind fills the cap: held
             gate.store.add_deliveries([NewDelivery("block", "main", MESSAGE)], now=now)
         else:
             items = [NewDelivery("m1", f"s{i}", MESSAGE) for i in range(count + 1)]
@@ -264,16 +267,22 @@ def inner_writes(path: str, what: str, count: int) -> None:
         before = _write_bytes()
         os.write(marker, b"start")
         for _ in range(count):
-            if what == "delivery":
-                gate.store.add_deliveries([NewDelivery("m1", "s1", MESSAGE)], now=now)
+            if what.startswith("delivery"):  # as `deliver` sends it: a request id, a uid
+                item = NewDelivery("m1", "s1", MESSAGE, request_id=os.urandom(16).hex(), uid=1000)
+                gate.store.add_deliveries([item], now=now)
                 gate.one_pass(now)  # held (cap): its hold is written, unsynced
             else:  # a turn: started, released, settled
                 _turn(gate, now, handoff=what == "handoff")
+            if what.endswith("-ckpt"):  # each alone: the gate's checkpoint after a quiet second
+                gate.store.checkpoint()
         os.write(marker, b"end")
         written = _write_bytes() - before
         wal_size = Path(f"{path}-wal").stat().st_size
+        before = _write_bytes()
+        gate.store.checkpoint()  # as the gate does after a quiet second
+        checkpoint = _write_bytes() - before
         gate.store.close()
-    print(json.dumps({"write_bytes": written, "wal_size": wal_size}))
+    print(json.dumps({"write_bytes": written, "wal_size": wal_size, "checkpoint": checkpoint}))
 
 
 def _turn(gate: Indexed, now: float, *, handoff: bool) -> None:
@@ -299,7 +308,7 @@ def _write_bytes() -> int:
 
 def measure_writes(work: Path, count: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for what in ("plain", "delivery", "turn", "handoff"):
+    for what in ("plain", "delivery", "turn", "handoff", "delivery-ckpt", "turn-ckpt"):
         path = work / f"writes-{what}.sqlite3"
         if what != "plain":
             Store(path).close()
@@ -331,6 +340,7 @@ def measure_writes(work: Path, count: int) -> dict[str, Any]:
             "wal_bytes": wal_bytes / count,
             "db_bytes": db_bytes / count,
             "wal_size_kib": inner["wal_size"] / 1024,
+            "checkpoint": inner["checkpoint"] / count,
         }
     return out
 
@@ -387,19 +397,23 @@ def report_writes(results: dict[str, Any]) -> None:
     print(f"\n4. Writes per operation ({results['write_count']} each, fresh process, strace -c)")
     print(
         f"  {'operation':<46} {'write_bytes':>11} {'fsyncs':>7} {'to WAL':>8} {'to db':>7}"
-        "   (per operation; to db = checkpoints)"
+        f" {'then ckpt':>9}   (per operation; to db = checkpoints in the loop; then ckpt:"
+        " one checkpoint after it)"
     )
     labels = {
         "plain": "baseline: sqlite3 insert, synchronous=FULL",
         "delivery": "delivery (durable commit + pass)",
         "turn": "turn (release, durable settle, next start)",
         "handoff": "handoff (release, settle unsynced, next start)",
+        "delivery-ckpt": "delivery, each then checkpointed",
+        "turn-ckpt": "turn, each then checkpointed",
     }
     for what, label in labels.items():
         w = results["writes"][what]
         print(
             f"  {label:<46} {w['bytes']:>11.0f} {w['syncs']:>7.2f} {w['wal_bytes']:>8.0f} "
-            f"{w['db_bytes']:>7.0f}   WAL file {w['wal_size_kib']:.0f} KiB"
+            f"{w['db_bytes']:>7.0f} {w.get('checkpoint', 0):>9.0f}   "
+            f"WAL file {w['wal_size_kib']:.0f} KiB"
         )
 
 

@@ -20,7 +20,7 @@ from tests.unit.test_gate_adaptive import MINDS, limit_of, running
 from tests.unit.test_gate_pause import deliver
 from volutectl.gate.adaptive import QUIET_READINGS
 from volutectl.states import HoldReason, Outcome
-from volutectl.store import schema
+from volutectl.store import indexed, schema
 from volutectl.store.indexed import IndexedStore
 from volutectl.store.queue import NewDelivery
 
@@ -87,25 +87,57 @@ def test_a_turn_writes_at_most_sixteen_small_frames(store: IndexedStore) -> None
 pytestmark = pytest.mark.serial  # the harness's real probe times this host's disk
 
 
-def test_while_turns_only_run_the_probe_comes_every_few_intervals_and_a_wait_brings_it_back(
+def test_while_turns_only_run_the_probe_comes_every_few_readings_and_a_wait_brings_it_back(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
     config = {"start": 4, "minimum": 1, "maximum": 4, "interval_seconds": 1.0}
     harness = Harness(tmp_path, minds=MINDS, limits={"adaptive": config}, clock=FakeClock())
     harnesses.append(harness)
     adaptive = limit_of(harness)
+    probe = adaptive.probe
+    assert probe is not None
+    starts: list[float] = []
+    real_start = probe.start
+
+    def counted(now: float) -> None:
+        starts.append(now)
+        real_start(now)
+
+    probe.start = counted  # type: ignore[method-assign]
     for mind in ["m0", "m1"]:
         deliver(harness, mind)
     harness.pump(lambda: running(harness) == 2)
-    assert adaptive.deadline() == pytest.approx(harness.clock.monotonic() + 1.0, abs=1e-3)
-    harness.pump(lambda: adaptive.probe is not None and not adaptive.probe.in_flight)
-    harness.advance(1.0)  # the first reading: nothing waits, two run
-    assert adaptive.last is not None
-    quiet = harness.clock.monotonic() + QUIET_READINGS * 1.0
-    assert adaptive.deadline() == pytest.approx(quiet, abs=1e-3)
+    readings = []
+    for _ in range(2 * QUIET_READINGS):  # two run, nothing waits
+        harness.pump(lambda: not probe.in_flight)
+        before = len(starts)
+        harness.advance(1.0)
+        readings.append(len(starts) - before)
+    # One probe per QUIET_READINGS readings, not one per reading; readings go on.
+    assert sum(readings) == 2 and adaptive.deadline() is not None, readings
     for mind in ["m2", "m3", "m4"]:
         deliver(harness, mind)
-    harness.pump(lambda: running(harness) == 4)
-    # m4 waits at the limit of 4: the next reading is one interval away at most.
-    assert adaptive.waiting == 1
-    assert adaptive.deadline() == pytest.approx(harness.clock.monotonic() + 1.0, abs=1e-3)
+    harness.pump(lambda: running(harness) == 4 and adaptive.waiting == 1)
+    for _ in range(3):  # m4 waits at the limit of 4: a probe for every reading
+        harness.pump(lambda: not probe.in_flight)
+        before = len(starts)
+        harness.advance(1.0)
+        readings.append(len(starts) - before)
+    assert readings[-2:] == [1, 1], readings
+
+
+def test_the_wal_is_checkpointed_after_a_quiet_second_only_once_it_holds_many_commits(
+    store: IndexedStore,
+) -> None:
+    """A checkpoint per turn (each quiet second of a fan-out) wrote each hot page again:
+    once the WAL holds CHECKPOINT_MIN_COMMITS, a quiet second; before, a quiet while."""
+    clock = store.clock.monotonic
+    for n in range(indexed.CHECKPOINT_MIN_COMMITS - 1):
+        store.add_deliveries([NewDelivery("m", f"s{n}", b"x" * 200)], NOW)
+    deadline = store.checkpoint_deadline()
+    assert deadline is not None
+    assert deadline - clock() == pytest.approx(indexed.CHECKPOINT_IDLE_SECONDS, abs=0.5)
+    store.add_deliveries([NewDelivery("m", "last", b"x" * 200)], NOW)
+    deadline = store.checkpoint_deadline()
+    assert deadline is not None
+    assert deadline - clock() == pytest.approx(indexed.CHECKPOINT_QUIET_SECONDS, abs=0.5)

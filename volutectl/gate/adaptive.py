@@ -1,10 +1,10 @@
 """The adaptive limit, the gate's side: it measures the storage, moves the limit with
 volutectl/core/adaptive.py's rule, and says so.
 
-Every `limits.adaptive.interval_seconds` while deliveries wait, every QUIET_READINGS
-of them while turns only run (the limit cannot grow then, and the probe writes to the
-disk it guards), and never while idle (an idle gate has no deadline here, so it never
-wakes for it), the gate takes a reading:
+Every `limits.adaptive.interval_seconds`, and only while turns run or deliveries wait
+(an idle gate has no deadline here, so it never wakes for it), the gate takes a
+reading (while turns run and nothing waits, the probe only every QUIET_READINGS of
+them):
 - **the probe**: a 4 KiB write and fdatasync to a file of its own in its state
   directory, the disk its queue commits to (on a Pi, the disk its turns write to),
   timed in a worker thread so that a stalled disk never blocks the loop; the thread
@@ -80,10 +80,11 @@ if TYPE_CHECKING:
 EVENT_SECONDS = 5.0  # at most one AdaptiveLimitChanged entry this often
 SAMPLE_PAUSE = 30.0  # after a sample failed, the next is tried this long after
 PROBE_BYTES = 4096
-# While turns run and nothing waits, a reading (and its probe, a synced 4 KiB on the
-# disk the gate guards) comes every QUIET_READINGS intervals, not every one: the limit
-# cannot grow then, and what it would learn is only needed when work waits again. A
-# delivery that waits brings the next reading to one interval away at most.
+# While turns run and nothing waits, the probe (a synced 4 KiB on the disk the gate
+# guards) runs for one reading in QUIET_READINGS, not each: the limit cannot grow then,
+# and a distress is still seen within QUIET_READINGS intervals. The readings between
+# take PSI, the CPUs and samples, and move the limit on none of them (a reading with no
+# probe would end a healthy streak). A delivery that waits has the next one probe.
 QUIET_READINGS = 4
 PROBE_FILE = "adaptive-probe"
 
@@ -314,6 +315,8 @@ class AdaptiveLimit:
         self._failure: str | None = None  # what failed since the last reading
         self._quiet_probe = False  # the probe in flight was started while nothing ran
         self._quiet_asked = False  # that first probe of a quiet disk was asked for
+        self._probed = True  # the interval now ending has a probe of its own
+        self._quiet_readings = 0  # readings in a row with turns running, nothing waiting
         self._probe_running = 0  # the most turns running while the probe ran
         self._probe_load = 0.0  # the most IO cost running while the probe ran
         self.io_costs = iocost.Costs()  # what each mind's turns write, as learnt
@@ -400,8 +403,6 @@ class AdaptiveLimit:
             self._probe_quiet(now)
             return
         self._quiet_probe = False  # work came while it ran: it is this reading's
-        if waiting and self._deadline is not None:
-            self._deadline = min(self._deadline, now + self.interval)
         if self._deadline is None:
             self._deadline = now + self.interval
             self._psi_mark = self._psi_total(now)
@@ -546,20 +547,20 @@ class AdaptiveLimit:
             load=self._probe_load,
         )
         self._latency = None
-        self._deadline = self._next_reading(now)
+        self._deadline = now + self.interval if (self.running or self.waiting) else None
         bound = self.turns_bound()
         self._cpu_reading(now)
-        moved = self.apply(reading, self._failure)
+        moved = False
+        probing = self.probe is not None and self.probe.in_flight  # a stalled one, say
+        if self._probed or probing or self._failure is not None or self.fallback is not None:
+            moved = self.apply(reading, self._failure)
         self._failure = None
-        self._start_probe(now)
+        self._quiet_readings = 0 if self.waiting else self._quiet_readings + 1
+        if self.waiting or self._quiet_readings % QUIET_READINGS == 0:
+            self._start_probe(now)
+        else:
+            self._probed = False  # the next reading has no probe of its own
         return moved or self.turns_bound() != bound
-
-    def _next_reading(self, now: float) -> float | None:
-        """An interval on while work waits; QUIET_READINGS of them while turns only run
-        (the probe's writes land on the disk the gate guards); none when idle."""
-        if self.waiting:
-            return now + self.interval
-        return now + self.interval * QUIET_READINGS if self.running else None
 
     def _cpu_reading(self, now: float) -> None:
         """The CPUs' share of the reading: a file that fails is the reading's failure."""
@@ -634,6 +635,7 @@ class AdaptiveLimit:
             self._quiet_probe = True
 
     def _start_probe(self, now: float) -> None:
+        self._probed = True
         if self.probe is not None and not self.probe.in_flight:
             self._probe_running, self._probe_load = self.running, self.load
             self.probe.start(now)
