@@ -147,6 +147,22 @@ def test_an_interval_stalled_bounds_the_turns(tree: dict[str, Path], settings: S
     assert (signal.last.running, signal.last.waiting) == (16, 17)
 
 
+def test_the_bound_is_kept_while_the_gate_is_idle_so_a_warm_fan_out_starts_at_it(
+    tree: dict[str, Path], settings: Settings
+) -> None:
+    signal = signal_of(tree, settings)
+    signal.mark(0.0, running=16)
+    tree["slice"].write_text(psi(500_000))  # the whole interval stalled
+    signal.read(0.5, running=16, waiting=0, minimum=1, maximum=16)
+    assert signal.bound(1, 16) == 11
+    signal.idle()  # the fan-out is over: nothing runs or waits
+    assert signal.bound(1, 16) == 11  # the next one starts at what this one bore
+    signal.mark(100.0, running=0)
+    tree["slice"].write_text(psi(500_000))  # calm, but nothing waits: it stays
+    assert signal.read(100.5, running=0, waiting=0, minimum=1, maximum=16) == (None, None)
+    assert signal.bound(1, 16) == 11
+
+
 def test_a_slice_file_lost_fails_one_reading_then_the_systems_is_read(
     tree: dict[str, Path], settings: Settings
 ) -> None:
@@ -205,7 +221,7 @@ def stall(harness: Harness, share: float) -> None:
     harness.cpu_file.write_text(CPU_PSI.format(total + int(share * 1_000_000)))
 
 
-def test_a_cpu_stall_bounds_the_turns_at_once_and_a_warm_fan_out_keeps_to_it(
+def test_a_cpu_stall_bounds_the_turns_at_once_and_the_next_delivery_waits(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
     harness = cpu_harness(tmp_path, harnesses)
