@@ -529,3 +529,32 @@ def test_a_schema_8_database_gets_who_may_interrupt_and_an_interrupted_turn_sett
     after = table_rows(path)
     after["deliveries"] = [row for row in after["deliveries"] if row[0] != new]
     assert same_rows(after, before)
+
+
+def test_an_incremental_database_of_4k_pages_is_converted_to_small_pages_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database the previous version made (incremental already, SQLite's 4 KiB pages)
+    takes schema.PAGE_SIZE in the same one VACUUM, every row kept, WAL again after."""
+    path = tmp_path / "queue.sqlite3"
+    monkeypatch.setattr(queue_schema, "PAGE_SIZE", 4096)
+    monkeypatch.setattr("volutectl.store.queue.PAGE_SIZE", 4096)
+    old = Store(path)
+    old.add_deliveries([NewDelivery("m", f"s{n}", b"x" * 300) for n in range(500)], now=1.0)
+    assert queue_schema.page_size(old.db) == 4096 and is_incremental(old.db)
+    old.close()
+    monkeypatch.undo()
+    before = table_rows(path)
+    store = Store(path)
+    try:
+        assert queue_schema.page_size(store.db) == 4096  # an open keeps the file's
+        assert not queue_schema.converted(store.db)
+        outcome = enable_incremental_vacuum(store.db, path)
+        assert outcome.done, outcome
+        assert queue_schema.page_size(store.db) == 1024 and queue_schema.converted(store.db)
+        assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert enable_incremental_vacuum(store.db, path).level == "debug"  # once
+    finally:
+        store.close()
+    assert same_rows(table_rows(path), before)
+    assert check(path) == "ok"

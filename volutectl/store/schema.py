@@ -258,7 +258,8 @@ class Transaction:
 # it first); an existing one takes it up only through a VACUUM, which rewrites the file
 # and cannot run inside a transaction. What one VACUUM needs, measured on 100,000
 # deliveries (docs/benchmarks.md, "Retention"): a copy of the live pages in SQLite's
-# temporary directory and as much again in the WAL beside the database, at once. So:
+# temporary directory and as much again in the WAL beside the database, at once (in its
+# rollback journal when it changes the page size too, since schema 10: the same). So:
 # - it runs at the gate's start, after the expired rows are deleted, so that it copies
 #   only what is kept; and only if both directories have that space free;
 # - it is atomic: a gate killed during it leaves the database as it was, and the next
