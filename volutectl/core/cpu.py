@@ -11,9 +11,11 @@ interval (the share of it in which some task of the turns' slice, or of the syst
 waited for a CPU):
 
 - **distress** (at least `STALL_DISTRESS` of the interval stalled) while more turns run
-  than the floor: the limit drops to `BACK_OFF` of the turns that ran, at once (CPU
-  stalls come with the turns that cause them: no second reading is needed, and a
-  fan-out of 2-second turns is over before a cautious rule would answer);
+  than the floor, `STRAINED_AFTER` readings in a row: the limit drops to `BACK_OFF` of
+  the turns that ran. One reading is not enough: a fan-out's turns start at once, and
+  their wrappers' and interpreters' start-up stalls the CPUs for a moment even when the
+  turns then wait on the network; CPU-bound turns (an agent SDK starting up) stall
+  them for seconds;
 - **healthy** (below `STALL_HEALTHY`) `GROW_AFTER` readings in a row, while deliveries
   wait at it and the turns running fill it: it doubles, but from under the limit of
   the last distress only up to one below it, and by one from there;
@@ -39,6 +41,7 @@ STALL_HEALTHY = 0.20  # below: the CPUs keep up
 STALL_DISTRESS = 0.50  # at or over: tasks of the turns wait for a CPU half the time
 BACK_OFF = 0.7  # on distress, the limit becomes this share of the turns that ran
 GROW_AFTER = 2  # healthy readings in a row before the limit grows
+STRAINED_AFTER = 2  # distressed readings in a row before it drops
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class CpuLimit:
 
     limit: int
     healthy: int = 0  # healthy readings in a row
+    strained: int = 0  # distressed readings in a row
     distressed_at: int | None = None  # turns running at the last distress
 
 
@@ -85,12 +89,15 @@ def step(
         return state, None
     share = f"cpu {reading.stalled * 100:.0f}% stalled with {reading.running} running"
     if reading.stalled >= STALL_DISTRESS and reading.running > floor:
+        state = replace(state, healthy=0, strained=state.strained + 1)
+        if state.strained < STRAINED_AFTER:
+            return state, None
         new = max(floor, min(state.limit, int(reading.running * BACK_OFF)))
-        moved = replace(state, limit=new, healthy=0, distressed_at=reading.running)
+        moved = replace(state, limit=new, distressed_at=reading.running)
         return moved, f"{share}: over {STALL_DISTRESS * 100:.0f}%" if new != state.limit else None
     if reading.stalled >= STALL_HEALTHY:
-        return replace(state, healthy=0), None
-    state = replace(state, healthy=state.healthy + 1)
+        return replace(state, healthy=0, strained=0), None
+    state = replace(state, healthy=state.healthy + 1, strained=0)
     filled = reading.running >= state.limit
     if state.limit >= maximum or not reading.waiting or not filled:
         return state, None
