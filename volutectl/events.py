@@ -58,6 +58,7 @@ class EventName(StrEnum):
     ADAPTIVE_FALLBACK = "adaptive_fallback"
     ADAPTIVE_MEASURING = "adaptive_measuring"
     ADAPTIVE_DISK_HOLDS = "adaptive_disk_holds"
+    CPU_LIMIT_CHANGED = "cpu_limit_changed"
     ADMIN_REFUSED = "admin_refused"
     REPOSITORY_FORGOTTEN = "repository_forgotten"
     REPOSITORY_REFUSED = "repository_refused"
@@ -106,6 +107,7 @@ MESSAGE_IDS: Mapping[EventName, str] = {
     EventName.ADAPTIVE_FALLBACK: "1016b81a25c94289a853e7e24964d033",
     EventName.ADAPTIVE_MEASURING: "d43b51852fe145e8ab3603e2679b8b46",
     EventName.ADAPTIVE_DISK_HOLDS: "1913589eed154e34b2a96394de4450a1",
+    EventName.CPU_LIMIT_CHANGED: "a4e99e0692684b93b11f9e2bd8f6d7e5",
     EventName.ADMIN_REFUSED: "52e355d593474b93bd5cca066eca1f3f",
     EventName.REPOSITORY_FORGOTTEN: "193bf4dcbaaa417086d5751012703481",
     EventName.REPOSITORY_REFUSED: "c8807590b9ac43b5a39236ae3cb279e2",
@@ -956,6 +958,19 @@ class AdaptiveLimitChanged(BaseEvent):
     def message(self) -> str:
         moves = f" ({self.changes} moves)" if self.changes > 1 else ""
         return f"adaptive limit {self.old_limit} -> {self.new_limit} turns{moves}: {self.why}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuLimitChanged(AdaptiveLimitChanged):
+    """The CPUs' bound on turns at once (volutectl/core/cpu.py) moved from `old_limit` to
+    `new_limit`: PSI cpu `some` over the interval (`stalled_percent`). Rate-limited as
+    adaptive_limit_changed is."""
+
+    EVENT = EventName.CPU_LIMIT_CHANGED
+
+    def message(self) -> str:
+        moves = f" ({self.changes} moves)" if self.changes > 1 else ""
+        return f"cpu limit {self.old_limit} -> {self.new_limit} turns at once{moves}: {self.why}"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,8 @@ volutectl/core/adaptive.py's rule, and says so.
 
 Every `limits.adaptive.interval_seconds`, and only while turns run or deliveries wait
 (an idle gate has no deadline here, so it never wakes for it), the gate takes a
-reading:
+reading (while turns run and nothing waits, the probe only every QUIET_READINGS of
+them):
 - **the probe**: a 4 KiB write and fdatasync to a file of its own in its state
   directory, the disk its queue commits to (on a Pi, the disk its turns write to),
   timed in a worker thread so that a stalled disk never blocks the loop; the thread
@@ -16,7 +17,10 @@ reading:
   that limits.adaptive.devices names, from /sys/block/DEV/stat, each against its own
   quiet await and put on the probe's scale (volutectl/core/disks.py). The worst of
   them and the probe is the reading's latency: the worst disk decides, and `status`
-  and the journal (AdaptiveDiskHolds) name it when it is not the probe's.
+  and the journal (AdaptiveDiskHolds) name it when it is not the probe's;
+- **the CPUs**: PSI `cpu` the same way (volutectl/gate/cpu.py), which moves a bound of
+  its own on turns at once (volutectl/core/cpu.py), given to admission with the
+  maximum by `turns_bound()`. Its file failing is a failure as io.pressure's is.
 
 A gate that has not measured its disk yet probes it once while nothing runs or waits,
 at its start as a rule: that probe teaches the baseline what a quiet disk answers
@@ -70,6 +74,7 @@ from volutectl.core import disks as disk_rule
 from volutectl.core.adaptive import Bounds, Change, Reading
 from volutectl.core.psi import parse_total, stall_fraction
 from volutectl.events import Emit
+from volutectl.gate.cpu import CpuSignal
 from volutectl.gate.disks import DiskWatch, describe, holdings
 from volutectl.kernel import blockdevs
 from volutectl.kernel.probes import SYSTEM_PRESSURE, slice_cgroup
@@ -84,6 +89,12 @@ if TYPE_CHECKING:
 EVENT_SECONDS = 5.0  # at most one AdaptiveLimitChanged entry this often
 SAMPLE_PAUSE = 30.0  # after a sample failed, the next is tried this long after
 PROBE_BYTES = 4096
+# While turns run and nothing waits, the probe (a synced 4 KiB on the disk the gate
+# guards) runs for one reading in QUIET_READINGS, not each: the limit cannot grow then,
+# and a distress is still seen within QUIET_READINGS intervals. The readings between
+# take PSI, the CPUs and samples, and move the limit on none of them (a reading with no
+# probe would end a healthy streak). A delivery that waits has the next one probe.
+QUIET_READINGS = 4
 PROBE_FILE = "adaptive-probe"
 
 
@@ -298,6 +309,7 @@ class AdaptiveLimit:
         emit: Emit,
         psi: Path | None = None,
         sensor: Sensor | None = None,
+        cpu: CpuSignal | None = None,
     ) -> None:
         self.held = held  # the bounds, interval and global cap, as a reload leaves them
         settings = held.current
@@ -312,6 +324,9 @@ class AdaptiveLimit:
         self.reason: str | None = None  # of the last change
         self.sensor: Sensor = sensor or StorageSensor(settings, self.enabled, psi)
         self.probe = self.sensor.probe
+        # The CPUs' own bound on turns at once (volutectl/gate/cpu.py).
+        self.cpu = cpu or CpuSignal(settings, self.enabled)
+        self.cpu_log = ChangeLog(emit)
         self.log = ChangeLog(emit)
         self._emit = emit
         self._deadline: float | None = None
@@ -319,6 +334,8 @@ class AdaptiveLimit:
         self._failure: str | None = None  # what failed since the last reading
         self._quiet_probe = False  # the probe in flight was started while nothing ran
         self._quiet_asked = False  # that first probe of a quiet disk was asked for
+        self._probed = True  # the interval now ending has a probe of its own
+        self._quiet_readings = 0  # readings in a row with turns running, nothing waiting
         self._probe_running = 0  # the most turns running while the probe ran
         self._probe_load = 0.0  # the most IO cost running while the probe ran
         self.io_costs = iocost.Costs()  # what each mind's turns write, as learnt
@@ -357,6 +374,7 @@ class AdaptiveLimit:
         Whether it is on, and its rule, need a restart (volutectl/config/reload.py keeps
         them as they were)."""
         self.controller = replace(self.controller, limit=self.bounds.clamp(self.controller.limit))
+        self.cpu.reconfigure(self.bounds.minimum, self.bounds.maximum)
 
     @property
     def psi_path(self) -> Path | None:
@@ -399,11 +417,13 @@ class AdaptiveLimit:
         if self.probe is not None and self.probe.in_flight:
             self._probe_running = max(self._probe_running, running)
             self._probe_load = max(self._probe_load, self.load)
+        self.cpu.note_running(running)
         if not self.enabled or not (running or waiting):
             self._deadline = None  # idle: no wakeups
             self._psi_mark = None
             if self.sensor.disks is not None:
                 self.sensor.disks.mark_idle()
+            self.cpu.idle()
             self._probe_quiet(now)
             return
         self._quiet_probe = False  # work came while it ran: it is this reading's
@@ -411,6 +431,7 @@ class AdaptiveLimit:
             self._deadline = now + self.interval
             self._psi_mark = self._psi_total(now)
             self._read_disks(now)
+            self._failure = self.cpu.mark(now, running) or self._failure
             self._start_probe(now)
 
     # -- IO costs per mind (volutectl/core/iocost.py) -----------------------------------
@@ -443,8 +464,15 @@ class AdaptiveLimit:
         return {mind: sum(costs) / len(costs) for mind, costs in sums.items()}
 
     def turns_bound(self) -> int | None:
-        """The most turns the limit lets run at once whatever their costs: its maximum."""
-        return self.bounds.maximum if self.limit() is not None else None
+        """The most turns the limit lets run at once whatever their costs: its maximum,
+        or fewer while the CPUs bear fewer (volutectl/gate/cpu.py); in fallback, the
+        maximum (the static cap counts turns)."""
+        if self.limit() is None:
+            return None
+        cpu = self.cpu.bound(self.bounds.minimum, self.bounds.maximum)
+        if cpu is None or self.fallback is not None:
+            return self.bounds.maximum
+        return min(self.bounds.maximum, cpu)
 
     def load_of(self, running: Iterable[str], starting: Iterable[str] = ()) -> float:
         """The IO cost of the running turns of these minds, and of new turns of those."""
@@ -519,6 +547,17 @@ class AdaptiveLimit:
     def deadline(self) -> float | None:
         return self._deadline
 
+    def log_deadline(self) -> float | None:
+        """When a rate-limited entry is due (the limit's or the CPUs')."""
+        due = [d for d in (self.log.deadline(), self.cpu_log.deadline()) if d is not None]
+        return min(due) if due else None
+
+    def on_log_deadline(self, now: float) -> None:
+        for log in (self.log, self.cpu_log):
+            deadline = log.deadline()
+            if deadline is not None and now >= deadline:
+                log.on_deadline(now)
+
     def on_deadline(self, now: float) -> bool:
         """Take a reading and apply it; True if the limit moved."""
         self.on_probe_done(0)
@@ -539,10 +578,40 @@ class AdaptiveLimit:
         )
         self._latency = None
         self._deadline = now + self.interval if (self.running or self.waiting) else None
-        moved = self.apply(reading, self._failure)
+        bound = self.turns_bound()
+        self._cpu_reading(now)
+        moved = False
+        probing = self.probe is not None and self.probe.in_flight  # a stalled one, say
+        if self._probed or probing or self._failure is not None or self.fallback is not None:
+            moved = self.apply(reading, self._failure)
         self._failure = None
-        self._start_probe(now)
-        return moved
+        self._quiet_readings = 0 if self.waiting else self._quiet_readings + 1
+        if self.waiting or self._quiet_readings % QUIET_READINGS == 0:
+            self._start_probe(now)
+        else:
+            self._probed = False  # the next reading has no probe of its own
+        return moved or self.turns_bound() != bound
+
+    def _cpu_reading(self, now: float) -> None:
+        """The CPUs' share of the reading: a file that fails is the reading's failure."""
+        old = self.cpu.state.limit
+        failure, why = self.cpu.read(
+            now, self.running, self.waiting, self.bounds.minimum, self.bounds.maximum
+        )
+        self._failure = self._failure or failure
+        if why is None:
+            return
+        self.reason = why
+        stalled = self.cpu.last.stalled if self.cpu.last is not None else None
+        self.cpu_log.note(
+            events.CpuLimitChanged(
+                old_limit=old,
+                new_limit=self.cpu.state.limit,
+                stalled_percent=_round(stalled * 100 if stalled is not None else None),
+                why=why,
+            ),
+            now,
+        )
 
     def apply(self, reading: Reading, failure: str | None = None) -> bool:
         """Move the limit by one reading (or enter or leave fallback); True if it moved."""
@@ -643,6 +712,7 @@ class AdaptiveLimit:
             self._quiet_probe = True
 
     def _start_probe(self, now: float) -> None:
+        self._probed = True
         if self.probe is not None and not self.probe.in_flight:
             self._probe_running, self._probe_load = self.running, self.load
             self.probe.start(now)
