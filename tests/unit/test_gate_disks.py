@@ -203,6 +203,32 @@ def test_a_slow_disk_of_the_minds_holds_the_limit_down_and_is_named(
     assert wire["held_by"] == "sdz" and wire["disks"][0]["device"] == "sdz", wire
 
 
+def test_a_reading_with_no_probe_of_its_own_names_no_disk(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    """While turns only run, a reading in QUIET_READINGS has a probe (gate/adaptive.py)
+    and only those move the limit: a disk slow in one between is not said to hold the
+    limit down, and status keeps the last applied reading's probe."""
+    sys_root = tmp_path / "sys"
+    disk = make_disk(sys_root, "sdz", stat=stat_line(1000, 1000))
+    harness = disk_harness(tmp_path, sys_root)
+    harnesses.append(harness)
+    adaptive = limit_of(harness)
+    quiet_baseline(harness)
+    for mind in ["m0", "m1"]:  # the limit of 2: nothing waits
+        deliver(harness, mind)
+    harness.pump(lambda: running(harness) == 2 and adaptive.probe is not None)
+    harness.pump(lambda: adaptive.probe is None or not adaptive.probe.in_flight)
+    harness.advance(10.0)  # its first reading has a probe; the next has none
+    assert adaptive.held_by is None and adaptive.status().probe_ms is not None
+    (disk / "stat").write_text(stat_line(1050, 1000 + 50 * 400, 10_000, in_flight=4))
+    harness.advance(10.0)
+    shown = adaptive.status()
+    assert adaptive.held_by is None and shown.held_by is None, shown
+    assert shown.probe_ms is not None and adaptive.limit() == 2, shown
+    assert not harness.journal.of(events.AdaptiveDiskHolds)
+
+
 def test_a_watched_disk_that_vanishes_falls_back_until_it_is_back(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:

@@ -4,7 +4,7 @@ volutectl/core/adaptive.py's rule, and says so.
 Every `limits.adaptive.interval_seconds`, and only while turns run or deliveries wait
 (an idle gate has no deadline here, so it never wakes for it), the gate takes a
 reading (while turns run and nothing waits, the probe only every QUIET_READINGS of
-them):
+them, and only those readings move the limit, the disks' and PSI's with them):
 - **the probe**: a 4 KiB write and fdatasync to a file of its own in its state
   directory, the disk its queue commits to (on a Pi, the disk its turns write to),
   timed in a worker thread so that a stalled disk never blocks the loop; the thread
@@ -566,16 +566,7 @@ class AdaptiveLimit:
             # Still in flight: at least this slow (it started an interval ago or more).
             latency = max(latency or 0.0, (now - self.probe.started_at) * 1000)
         stalled = self._psi_stalled(now)
-        self.probe_ms = latency
-        self._read_disks(now)
-        reading = Reading(
-            now=now,
-            latency_ms=self._worst_disk(latency),
-            stalled=stalled,
-            running=self._probe_running,
-            waiting=self.waiting,
-            load=self._probe_load,
-        )
+        self._read_disks(now)  # each interval, so that the next reading's is its own
         self._latency = None
         self._deadline = now + self.interval if (self.running or self.waiting) else None
         bound = self.turns_bound()
@@ -583,7 +574,7 @@ class AdaptiveLimit:
         moved = False
         probing = self.probe is not None and self.probe.in_flight  # a stalled one, say
         if self._probed or probing or self._failure is not None or self.fallback is not None:
-            moved = self.apply(reading, self._failure)
+            moved = self.apply(self._reading(now, latency, stalled), self._failure)
         self._failure = None
         self._quiet_readings = 0 if self.waiting else self._quiet_readings + 1
         if self.waiting or self._quiet_readings % QUIET_READINGS == 0:
@@ -591,6 +582,19 @@ class AdaptiveLimit:
         else:
             self._probed = False  # the next reading has no probe of its own
         return moved or self.turns_bound() != bound
+
+    def _reading(self, now: float, latency: float | None, stalled: float | None) -> Reading:
+        """The reading to apply: the probe's latency, or the worst disk's when higher (a
+        reading not applied leaves `held_by` and `probe_ms` as the last applied set them)."""
+        self.probe_ms = latency
+        return Reading(
+            now=now,
+            latency_ms=self._worst_disk(latency),
+            stalled=stalled,
+            running=self._probe_running,
+            waiting=self.waiting,
+            load=self._probe_load,
+        )
 
     def _cpu_reading(self, now: float) -> None:
         """The CPUs' share of the reading: a file that fails is the reading's failure."""
