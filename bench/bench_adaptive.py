@@ -14,7 +14,8 @@ synced commits queue behind the turns' writes. The probe (volute_testbed.diskpro
 
 Disk profiles: sd (60 write IOPS, 2 MB/s), emmc (500 IOPS, 20 MB/s), unthrottled.
 
-Workloads, one delivery to each of --minds minds at once (each turn's command logs its
+Workloads, one delivery to each of N minds at once, for each N of --minds (16, and the
+incident's 33: "x 33 in the final hour"), (each turn's command logs its
 own start and end, volute_testbed.fanout):
 - all-write: 48 x 64 KiB synced writes;
 - network: sleep a uniform 4-8 s (the same per mind in every run), then 2 x 64 KiB synced;
@@ -28,16 +29,19 @@ directory (a cold gate: it has never seen these minds):
 - pressure: today's PSI hold (limits.io_pressure.enabled), adaptive off;
 - adaptive: the default config; adaptive-RULE: each other `limits.adaptive.rule`
   the gate offers;
-- adaptive-warm: the same fan-out again right after the first adaptive run, on the gate
-  it left (what it learnt from the first); by default on the mixed workload only.
+- adaptive-warm: the same fan-out again right after each adaptive run, on the gate it
+  left (what it learnt from the first), on every workload: a second fan-out is when the
+  operator trusts what the gate learnt.
 Until the gate knows `[limits.adaptive]` (volutectl.config.settings), the adaptive runs
 are left out and the others run without the `enabled = false` line.
 
 Per run: the makespan (first delivery to the last turn's end), the probe's p99 over it,
 and the most turns that ran at once. The cell's probe bound is max(1.5 x cap2's probe
 p99, cap2's p99 + 20 ms); its best safe cap is the static cap with the shortest makespan
-within that bound. Then adaptive, cap2 and the best safe cap run again, interleaved,
-until each has run --repeats times, and the table gives medians.
+within that bound. Then adaptive (each followed by adaptive-warm), cap2 and the best safe
+cap run again, interleaved, until each has run --repeats times, and the table gives
+medians. Each run notes the host's load average (1 min) as it starts: on a shared
+machine a figure means little without it.
 
 To fit the whole bench in an hour, cap2 runs first (it sets the bound), then the widest
 caps, and a static cap still running when the best safe cap so far had finished is
@@ -51,7 +55,7 @@ probe's latency over time, one line per run) in --out. The pictures need matplot
 
     .venv/bin/python bench/bench_adaptive.py [--profiles sd,emmc,unthrottled]
         [--workloads all-write,network,mixed,cpu] [--runs ungated,cap2,adaptive,...]
-        [--minds 16] [--repeats 3] [--out DIR] [--full] [--backing ram|disk] [--no-plots]
+        [--minds 16,33] [--repeats 3] [--out DIR] [--full] [--backing ram|disk] [--no-plots]
 
 A smoke run (a few minutes):
     .venv/bin/python bench/bench_adaptive.py --profiles sd --workloads network,all-write \
@@ -67,6 +71,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import os
 import random
 import signal
 import statistics
@@ -213,9 +218,12 @@ class Run:
     most_at_once: int
     samples: int
     note: str = ""
+    load: float = 0.0  # the host's 1-minute load average as the run started
+    minds: int = 16
     probe: list[tuple[float, float]] = field(default_factory=list)  # (t, ms)
     at_once: list[tuple[float, int]] = field(default_factory=list)  # (t, turns running)
     limit: list[tuple[float, int]] = field(default_factory=list)  # (t, adaptive limit)
+    turns: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # mind: (start, end)
 
 
 @dataclass
@@ -239,7 +247,9 @@ def rig(
     with slow_disk(
         iops=spec.iops, bps=spec.bps, name=f"adaptive-{profile}", in_ram=backing == "ram"
     ) as disk:
-        with dev_machine(name=f"bench-adaptive-{profile}", binds=[disk.mount]) as machine:
+        # Its own name: two checkouts' benches may share the host.
+        name = f"bench-adaptive-{profile}-{os.getpid()}"
+        with dev_machine(name=name, binds=[disk.mount]) as machine:
             state = disk.mount / "gate-state"
             state.mkdir()
             machine.run(["mkdir", "-p", STATE_DIR])
@@ -322,8 +332,9 @@ class LimitPoller:
 def fan_out(
     rig: Rig, workload: str, label: str, support: AdaptiveSupport, give_up: float | None = None
 ) -> Run:
-    """One fan-out on a fresh gate. `give_up`: stop it after this many seconds (a static
-    cap already slower than the best safe cap so far, which it cannot be)."""
+    """One fan-out on a fresh gate (adaptive-warm: on the gate the last run left).
+    `give_up`: stop it after this many seconds (a static cap already slower than the
+    best safe cap so far, which it cannot be)."""
     machine = rig.machine
     names = [f"m{i:02d}" for i in range(rig.minds)]
     minds = {
@@ -338,6 +349,7 @@ def fan_out(
         restart_gate(machine, config)
     poller = LimitPoller(machine) if label.startswith("adaptive") else None
     time.sleep(rig.settle)  # a quiet stretch: the previous run's writes have drained
+    load = os.getloadavg()[0]
     script = "\n".join(f"{VOLUTECTL} deliver {name} --message wake >/dev/null &" for name in names)
     t0 = time.time()
     machine.sh(script + "\nwait", timeout=rig.timeout)
@@ -368,9 +380,15 @@ def fan_out(
         note=""
         if done
         else f"{'stopped' if stopped else 'timed out'} with {len(ends)}/{rig.minds} turns done",
+        load=load,
+        minds=rig.minds,
         probe=[(wall - t0, ms) for wall, ms in samples],
         at_once=[(at - t0, n) for at, n in running_at_once(starts, ends)],
         limit=limit,
+        turns={
+            mind: (at - t0, ends[mind] - t0 if mind in ends else None)
+            for mind, at in starts.items()
+        },
     )
 
 
@@ -404,6 +422,7 @@ class Summary:
     stopped_after: float | None  # the longest a repeat ran before it was stopped
     p99: float
     most_at_once: int
+    load: float  # the host's load average as the runs started, the median
 
 
 def summarize(runs: list[Run]) -> Summary:
@@ -415,6 +434,7 @@ def summarize(runs: list[Run]) -> Summary:
         stopped_after=max((r.stopped_after for r in runs if r.stopped_after), default=None),
         p99=statistics.median(run.p99 for run in runs),
         most_at_once=max(run.most_at_once for run in runs),
+        load=statistics.median(run.load for run in runs),
     )
 
 
@@ -445,6 +465,8 @@ def run_cell(
     still running when the best safe cap so far had finished is stopped: it cannot be it."""
     runs: list[Run] = []
     for label in sorted(labels, key=first_pass_order):
+        if label == "adaptive-warm" and not runs_of(runs, "adaptive"):
+            continue  # no gate to go on with
         summaries = cell_summaries(runs)
         best = best_safe_cap(summaries, probe_bound(summaries))
         best_span = summaries[best].makespan if best and not full else None
@@ -452,11 +474,17 @@ def run_cell(
         runs.append(report(fan_out(rig, workload, label, support, give_up)))
     summaries = cell_summaries(runs)
     best = best_safe_cap(summaries, probe_bound(summaries))
-    again = [label for label in dict.fromkeys(["adaptive", "cap2", best]) if label in labels]
+    # A warm run goes on with the gate its adaptive run left: right after it.
+    wanted = ["adaptive", "adaptive-warm", "cap2", best]
+    again = [label for label in dict.fromkeys(wanted) if label is not None and label in labels]
     for _ in range(repeats - 1):
         for label in again:
             runs.append(report(fan_out(rig, workload, label, support)))
     return sorted(runs, key=lambda run: labels.index(run.label))
+
+
+def runs_of(runs: list[Run], label: str) -> list[Run]:
+    return [run for run in runs if run.label == label]
 
 
 def first_pass_order(label: str) -> int:
@@ -468,8 +496,9 @@ def first_pass_order(label: str) -> int:
 def report(run: Run) -> Run:
     span = seconds(run.makespan, run.stopped_after)
     print(
-        f"  {run.profile}/{run.workload} {run.label}: makespan {span}, probe p50 {run.p50:.0f} "
-        f"ms p99 {run.p99:.0f} ms, at once {run.most_at_once} {run.note}",
+        f"  {run.profile}/{run.workload}/{run.minds} {run.label}: makespan {span}, probe p50 "
+        f"{run.p50:.0f} ms p99 {run.p99:.0f} ms, at once {run.most_at_once}, load "
+        f"{run.load:.1f} {run.note}",
         flush=True,
     )
     return run
@@ -491,12 +520,16 @@ def seconds(value: float | None, stopped_after: float | None = None) -> str:
     return "timed out" if stopped_after is None else f"> {stopped_after:.1f} s (stopped)"
 
 
-def table(cells: dict[tuple[str, str], list[Run]]) -> str:
+Cells = dict[tuple[str, str, int], list[Run]]  # (profile, workload, minds): its runs
+
+
+def table(cells: Cells) -> str:
     lines = [
-        "| profile | workload | run | makespan | probe p99 | most at once | runs | |",
-        "|---|---|---|---|---|---|---|---|",
+        "| profile | workload | minds | run | makespan | probe p99 | most at once | runs "
+        "| load | |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (profile, workload), runs in cells.items():
+    for (profile, workload, minds), runs in cells.items():
         summaries = cell_summaries(runs)
         bound = probe_bound(summaries)
         best = best_safe_cap(summaries, bound)
@@ -508,21 +541,21 @@ def table(cells: dict[tuple[str, str], list[Run]]) -> str:
                 marks.append("best safe cap")
             span = seconds(s.makespan, s.stopped_after)
             lines.append(
-                f"| {profile} | {workload} | {label} | {span} | {s.p99:.0f} ms "
-                f"| {s.most_at_once} | {s.runs} | {', '.join(marks)} |"
+                f"| {profile} | {workload} | {minds} | {label} | {span} | {s.p99:.0f} ms "
+                f"| {s.most_at_once} | {s.runs} | {s.load:.1f} | {', '.join(marks)} |"
             )
     return "\n".join(lines)
 
 
-def verdicts(cells: dict[tuple[str, str], list[Run]]) -> list[str]:
+def verdicts(cells: Cells) -> list[str]:
     """The issue's tests of adaptive against each cell's bound, best safe cap and cap2."""
     out = []
-    for (profile, workload), runs in cells.items():
+    for (profile, workload, minds), runs in cells.items():
         summaries = cell_summaries(runs)
         bound = probe_bound(summaries)
         best = best_safe_cap(summaries, bound)
         limits = f"bound {bound:.0f} ms" if bound is not None else "no bound (no cap2 run)"
-        out.append(f"{profile}/{workload}: {limits}, best safe cap {best or '-'}")
+        out.append(f"{profile}/{workload}/{minds} minds: {limits}, best safe cap {best or '-'}")
         for label in [label for label in summaries if label.startswith("adaptive")]:
             out += [f"  {line}" for line in judge(summaries, label, bound, best, workload)]
     return out
@@ -621,12 +654,6 @@ def choose(value: str, known: list[str], what: str) -> list[str]:
     return chosen
 
 
-def cell_labels(labels: list[str], workload: str, explicit: bool) -> list[str]:
-    """A cell's runs: adaptive-warm only on the mixed workload, unless asked for."""
-    keep_warm = explicit or workload == "mixed"
-    return [label for label in labels if label != "adaptive-warm" or keep_warm]
-
-
 def matplotlib_missing() -> bool:
     return importlib.util.find_spec("matplotlib") is None
 
@@ -636,7 +663,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profiles", default="", help=f"comma-separated: {','.join(PROFILES)}")
     parser.add_argument("--workloads", default="", help=f"comma-separated: {','.join(WORKLOADS)}")
     parser.add_argument("--runs", default="", help="comma-separated (default: every run)")
-    parser.add_argument("--minds", type=int, default=16, help="minds woken at once")
+    parser.add_argument(
+        "--minds", default="16,33", help="minds woken at once, comma-separated: a cell each"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="of adaptive, cap2, best cap")
     parser.add_argument("--timeout", type=float, default=300.0, help="per fan-out, seconds")
     parser.add_argument("--settle", type=float, default=1.0, help="quiet seconds before each")
@@ -689,25 +718,36 @@ def main() -> None:
         print(line)
 
 
+def mind_counts(value: str) -> list[int]:
+    try:
+        counts = [int(item) for item in value.split(",") if item]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise SystemExit(f"bench_adaptive: --minds wants counts such as 16,33, not {value!r}")
+    return counts
+
+
 def run_bench(
     args: argparse.Namespace, labels: list[str], support: AdaptiveSupport, out: Path
-) -> dict[tuple[str, str], list[Run]]:
+) -> Cells:
     """Every cell, profile by profile; results.json and the pictures as each cell ends."""
-    cells: dict[tuple[str, str], list[Run]] = {}
+    cells: Cells = {}
     work = Path(tempfile.mkdtemp(prefix="volute-adaptive-work.", dir="/var/tmp"))
     try:
         for profile in choose(args.profiles, list(PROFILES), "profile"):
-            with rig(
-                profile, args.minds, args.timeout, args.settle, work, args.backing
-            ) as bench_rig:
+            with rig(profile, 0, args.timeout, args.settle, work, args.backing) as bench_rig:
                 for workload in choose(args.workloads, list(WORKLOADS), "workload"):
-                    mine = cell_labels(labels, workload, explicit=bool(args.runs))
-                    runs = run_cell(bench_rig, workload, mine, args.repeats, support, args.full)
-                    cells[(profile, workload)] = runs
-                    write_results(out, cells, args)
-                    if not args.no_plots:
-                        title = f"{PROFILES[profile].title}, {workload}: {args.minds} minds"
-                        plot_cell(runs, title, out / f"{profile}-{workload}.png")
+                    for minds in mind_counts(args.minds):
+                        bench_rig.minds = minds
+                        runs = run_cell(
+                            bench_rig, workload, labels, args.repeats, support, args.full
+                        )
+                        cells[(profile, workload, minds)] = runs
+                        write_results(out, cells, args)
+                        if not args.no_plots:
+                            title = f"{PROFILES[profile].title}, {workload}: {minds} minds"
+                            plot_cell(runs, title, out / f"{profile}-{workload}-{minds}.png")
     finally:
         with contextlib.suppress(OSError):
             for leftover in work.iterdir():
@@ -716,9 +756,9 @@ def run_bench(
     return cells
 
 
-def write_results(out: Path, cells: dict[tuple[str, str], list[Run]], args: Any) -> None:
+def write_results(out: Path, cells: Cells, args: Any) -> None:
     document = {
-        "minds": args.minds,
+        "minds": mind_counts(args.minds),
         "repeats": args.repeats,
         "backing": args.backing,
         "profiles": {key: asdict(profile) for key, profile in PROFILES.items()},
@@ -726,6 +766,7 @@ def write_results(out: Path, cells: dict[tuple[str, str], list[Run]], args: Any)
             {
                 "profile": profile,
                 "workload": workload,
+                "minds": minds,
                 "bound_ms": probe_bound(cell_summaries(runs)),
                 "best_safe_cap": best_safe_cap(
                     cell_summaries(runs), probe_bound(cell_summaries(runs))
@@ -733,7 +774,7 @@ def write_results(out: Path, cells: dict[tuple[str, str], list[Run]], args: Any)
                 "summaries": [asdict(s) for s in cell_summaries(runs).values()],
                 "runs": [asdict(run) for run in runs],
             }
-            for (profile, workload), runs in cells.items()
+            for (profile, workload, minds), runs in cells.items()
         ],
     }
     (out / "results.json").write_text(json.dumps(document, indent=1))

@@ -24,6 +24,7 @@ synchronous=FULL, on /var/tmp) and its own admission code, driven as the gate dr
    synchronous=FULL insert per row in the same run.
 
 Run: .venv/bin/python bench/bench_admission.py [--rounds N] [--scales 1000:100 ...]
+One section alone: --sections 4 (or any of 1 2 3 4).
 """
 
 from __future__ import annotations
@@ -248,13 +249,16 @@ def inner_writes(path: str, what: str, count: int) -> None:
         os.write(marker, b"end")
         written = _write_bytes() - before
         wal_size = Path(f"{path}-wal").stat().st_size
+        before = _write_bytes()
+        db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        checkpoint = _write_bytes() - before
         db.close()
     else:
         # Cap 1: one turn at a time. Turns take deliveries made before the loop, one
         # session each, so that the loop's figures are the turns' alone.
         gate = Indexed(Path(path), Limits(global_cap=1))
         now = time.time()
-        if what == "delivery":  # a turn of another mind fills the cap: each is held
+        if what.startswith("delivery"):  # a turn of another mind fills the cap: held
             gate.store.add_deliveries([NewDelivery("block", "main", MESSAGE)], now=now)
         else:
             items = [NewDelivery("m1", f"s{i}", MESSAGE) for i in range(count + 1)]
@@ -263,16 +267,22 @@ def inner_writes(path: str, what: str, count: int) -> None:
         before = _write_bytes()
         os.write(marker, b"start")
         for _ in range(count):
-            if what == "delivery":
-                gate.store.add_deliveries([NewDelivery("m1", "s1", MESSAGE)], now=now)
+            if what.startswith("delivery"):  # as `deliver` sends it: a request id, a uid
+                item = NewDelivery("m1", "s1", MESSAGE, request_id=os.urandom(16).hex(), uid=1000)
+                gate.store.add_deliveries([item], now=now)
                 gate.one_pass(now)  # held (cap): its hold is written, unsynced
             else:  # a turn: started, released, settled
                 _turn(gate, now, handoff=what == "handoff")
+            if what.endswith("-ckpt"):  # each alone: the gate's checkpoint after a quiet second
+                gate.store.checkpoint()
         os.write(marker, b"end")
         written = _write_bytes() - before
         wal_size = Path(f"{path}-wal").stat().st_size
+        before = _write_bytes()
+        gate.store.checkpoint()  # as the gate does after a quiet second
+        checkpoint = _write_bytes() - before
         gate.store.close()
-    print(json.dumps({"write_bytes": written, "wal_size": wal_size}))
+    print(json.dumps({"write_bytes": written, "wal_size": wal_size, "checkpoint": checkpoint}))
 
 
 def _turn(gate: Indexed, now: float, *, handoff: bool) -> None:
@@ -298,7 +308,7 @@ def _write_bytes() -> int:
 
 def measure_writes(work: Path, count: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for what in ("plain", "delivery", "turn", "handoff"):
+    for what in ("plain", "delivery", "turn", "handoff", "delivery-ckpt", "turn-ckpt"):
         path = work / f"writes-{what}.sqlite3"
         if what != "plain":
             Store(path).close()
@@ -330,11 +340,23 @@ def measure_writes(work: Path, count: int) -> dict[str, Any]:
             "wal_bytes": wal_bytes / count,
             "db_bytes": db_bytes / count,
             "wal_size_kib": inner["wal_size"] / 1024,
+            "checkpoint": inner["checkpoint"] / count,
         }
     return out
 
 
 def report(results: dict[str, Any]) -> None:
+    if results["passes"]:
+        report_passes(results)
+    if "acks" in results:
+        report_acks(results)
+    if "start" in results:
+        report_start(results)
+    if "writes" in results:
+        report_writes(results)
+
+
+def report_passes(results: dict[str, Any]) -> None:
     print("\n1. One admission pass (ms, median / p90), today's scan vs the index, same run")
     print(f"{'pending':>9} {'minds':>6} {'event':>9} {'scan':>18} {'index':>18} {'ratio':>8}")
     for scale in results["passes"]:
@@ -345,6 +367,9 @@ def report(results: dict[str, Any]) -> None:
                 f"{med(scan):>8.2f} / {p90(scan):>7.2f} {med(index):>8.3f} / {p90(index):>7.3f} "
                 f"{med(scan) / med(index):>7.0f}x"
             )
+
+
+def report_acks(results: dict[str, Any]) -> None:
     print("\n2. One acknowledgement's work: durable commit + the pass it causes (ms, median)")
     acks = results["acks"]
     for kind in ("scan", "index"):
@@ -354,6 +379,9 @@ def report(results: dict[str, Any]) -> None:
             f"{results['ack_depth']:,} {deep:7.2f} ms ({1000 / deep:5.0f}/s)   "
             f"depth/empty rate {empty / deep:.2f}x"
         )
+
+
+def report_start(results: dict[str, Any]) -> None:
     print(f"\n3. Gate start with {results['start_rows']:,} pending (fresh process, median of 3)")
     start = results["start"]
     for kind in ("scan", "index"):
@@ -363,22 +391,29 @@ def report(results: dict[str, Any]) -> None:
             f"{deep['rss_mib']:5.1f} MiB (peak {deep['hwm_mib']:5.1f})   empty queue: "
             f"{empty['start_ms']:5.0f} ms, VmRSS {empty['rss_mib']:5.1f} MiB"
         )
+
+
+def report_writes(results: dict[str, Any]) -> None:
     print(f"\n4. Writes per operation ({results['write_count']} each, fresh process, strace -c)")
     print(
         f"  {'operation':<46} {'write_bytes':>11} {'fsyncs':>7} {'to WAL':>8} {'to db':>7}"
-        "   (per operation; to db = checkpoints)"
+        f" {'then ckpt':>9}   (per operation; to db = checkpoints in the loop; then ckpt:"
+        " one checkpoint after it)"
     )
     labels = {
         "plain": "baseline: sqlite3 insert, synchronous=FULL",
         "delivery": "delivery (durable commit + pass)",
         "turn": "turn (release, durable settle, next start)",
         "handoff": "handoff (release, settle unsynced, next start)",
+        "delivery-ckpt": "delivery, each then checkpointed",
+        "turn-ckpt": "turn, each then checkpointed",
     }
     for what, label in labels.items():
         w = results["writes"][what]
         print(
             f"  {label:<46} {w['bytes']:>11.0f} {w['syncs']:>7.2f} {w['wal_bytes']:>8.0f} "
-            f"{w['db_bytes']:>7.0f}   WAL file {w['wal_size_kib']:.0f} KiB"
+            f"{w['db_bytes']:>7.0f} {w.get('checkpoint', 0):>9.0f}   "
+            f"WAL file {w['wal_size_kib']:.0f} KiB"
         )
 
 
@@ -389,6 +424,13 @@ def main() -> None:
     parser.add_argument("--ack-depth", type=int, default=10_000)
     parser.add_argument("--start-rows", type=int, default=100_000)
     parser.add_argument("--write-count", type=int, default=200)
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        default=["1", "2", "3", "4"],
+        choices=["1", "2", "3", "4"],
+        help="run only these sections",
+    )
     parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument("--inner-start", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--inner-writes", nargs=3, help=argparse.SUPPRESS)
@@ -403,20 +445,24 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="volute-bench-admission.", dir="/var/tmp"))
     try:
         results: dict[str, Any] = {"passes": [], "ack_depth": args.ack_depth}
-        for scale in args.scales:
-            rows, minds = (int(part) for part in scale.split(":"))
-            print(f"  passes at {rows:,} pending over {minds:,} minds ...", flush=True)
-            results["passes"].append(measure_passes(work, rows, minds, args.rounds))
-        print("  acknowledgements ...", flush=True)
-        results["acks"] = {
-            str(depth): measure_acks(work, depth, args.rounds) for depth in (0, args.ack_depth)
-        }
-        print("  gate start ...", flush=True)
-        results["start_rows"] = args.start_rows
-        results["start"] = measure_start(work, args.start_rows)
-        print("  writes ...", flush=True)
-        results["write_count"] = args.write_count
-        results["writes"] = measure_writes(work, args.write_count)
+        if "1" in args.sections:
+            for scale in args.scales:
+                rows, minds = (int(part) for part in scale.split(":"))
+                print(f"  passes at {rows:,} pending over {minds:,} minds ...", flush=True)
+                results["passes"].append(measure_passes(work, rows, minds, args.rounds))
+        if "2" in args.sections:
+            print("  acknowledgements ...", flush=True)
+            results["acks"] = {
+                str(depth): measure_acks(work, depth, args.rounds) for depth in (0, args.ack_depth)
+            }
+        if "3" in args.sections:
+            print("  gate start ...", flush=True)
+            results["start_rows"] = args.start_rows
+            results["start"] = measure_start(work, args.start_rows)
+        if "4" in args.sections:
+            print("  writes ...", flush=True)
+            results["write_count"] = args.write_count
+            results["writes"] = measure_writes(work, args.write_count)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(results)

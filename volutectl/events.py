@@ -57,6 +57,8 @@ class EventName(StrEnum):
     ADAPTIVE_LIMIT_CHANGED = "adaptive_limit_changed"
     ADAPTIVE_FALLBACK = "adaptive_fallback"
     ADAPTIVE_MEASURING = "adaptive_measuring"
+    ADAPTIVE_DISK_HOLDS = "adaptive_disk_holds"
+    CPU_LIMIT_CHANGED = "cpu_limit_changed"
     ADMIN_REFUSED = "admin_refused"
     REPOSITORY_FORGOTTEN = "repository_forgotten"
     REPOSITORY_REFUSED = "repository_refused"
@@ -112,6 +114,8 @@ MESSAGE_IDS: Mapping[EventName, str] = {
     EventName.ADAPTIVE_LIMIT_CHANGED: "78ac394cee0541889f41bad11b6f8d7c",
     EventName.ADAPTIVE_FALLBACK: "1016b81a25c94289a853e7e24964d033",
     EventName.ADAPTIVE_MEASURING: "d43b51852fe145e8ab3603e2679b8b46",
+    EventName.ADAPTIVE_DISK_HOLDS: "1913589eed154e34b2a96394de4450a1",
+    EventName.CPU_LIMIT_CHANGED: "a4e99e0692684b93b11f9e2bd8f6d7e5",
     EventName.ADMIN_REFUSED: "52e355d593474b93bd5cca066eca1f3f",
     EventName.REPOSITORY_FORGOTTEN: "193bf4dcbaaa417086d5751012703481",
     EventName.REPOSITORY_REFUSED: "c8807590b9ac43b5a39236ae3cb279e2",
@@ -973,6 +977,19 @@ class AdaptiveLimitChanged(BaseEvent):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CpuLimitChanged(AdaptiveLimitChanged):
+    """The CPUs' bound on turns at once (volutectl/core/cpu.py) moved from `old_limit` to
+    `new_limit`: PSI cpu `some` over the interval (`stalled_percent`). Rate-limited as
+    adaptive_limit_changed is."""
+
+    EVENT = EventName.CPU_LIMIT_CHANGED
+
+    def message(self) -> str:
+        moves = f" ({self.changes} moves)" if self.changes > 1 else ""
+        return f"cpu limit {self.old_limit} -> {self.new_limit} turns at once{moves}: {self.why}"
+
+
+@dataclass(frozen=True, kw_only=True)
 class AdaptiveFallback(BaseEvent):
     """A signal of the adaptive limit failed (the probe, or a PSI file that vanished or
     reads as garbage): the gate holds to the static `limit` (limits.adaptive.start)."""
@@ -995,6 +1012,34 @@ class AdaptiveMeasuring(BaseEvent):
 
     def message(self) -> str:
         return f"adaptive limit: measuring again, from {self.limit} turns at once"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptiveDiskHolds(BaseEvent):
+    """A watched disk other than the probe's holds the adaptive limit down: its await,
+    on the probe's scale, was the worst reading when the limit was lowered to `limit`.
+    Said when the disk that holds it down changes, not at every move."""
+
+    EVENT = EventName.ADAPTIVE_DISK_HOLDS
+    device: str  # the block device, as /sys/block names it
+    holds: str = field(metadata=NOT_SENT)  # what the gate watches it for
+    await_ms: float | None = None  # its requests' mean time over the interval
+    baseline_ms: float | None = None  # its lowest await, as learnt
+    utilisation_percent: float | None = None
+    limit: int
+
+    def message(self) -> str:
+        waited = f"await {self.await_ms:.0f} ms" if self.await_ms is not None else "stalled"
+        base = f" (baseline {self.baseline_ms:.1f} ms)" if self.baseline_ms is not None else ""
+        busy = (
+            f", {self.utilisation_percent:.0f}% busy"
+            if self.utilisation_percent is not None
+            else ""
+        )
+        return (
+            f"adaptive limit {self.limit} turns: held down by the disk {self.device} "
+            f"({self.holds}): {waited}{base}{busy}"
+        )
 
 
 # -- retention ----------------------------------------------------------------------------

@@ -8,7 +8,16 @@ inherits the limit: a machine booted then (systemd-nspawn), its systemd, the gat
 every turn scope (the container's systemd does not manage the v1 blkio hierarchy). Bind
 the mount into a machine at the same path.
 
-Used by bench/replay_incident.py, bench/bench_adaptive.py and tests/system/test_pressure.py.
+The throttle holds each request back before the loop device counts it: the device's
+/sys/block counters (what iostat and the gate's disk watch read) show a quick, idle
+disk however long the writers wait, where a real SD card's own queue shows in its
+counters. `visible=True` puts a second loop device (direct IO) on a file on the
+throttled one, with the ext4 on it: its requests are counted while the throttle below
+holds them, so its await and utilisation are the card's (the mount and device given
+are then that device's; the throttle, on the one below, stays where it was).
+
+Used by bench/replay_incident.py, bench/bench_adaptive.py, tests/system/test_pressure.py
+and tests/system/test_adaptive_disks.py.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ def slow_disk(
     bps: int = WRITE_BPS,
     name: str = "replay",
     in_ram: bool = False,
+    visible: bool = False,
 ) -> Iterator[SlowDisk]:
     """A throttled ext4 loop device; this process is in its blkio cgroup while inside.
 
@@ -74,6 +84,12 @@ def slow_disk(
         cgroup = undo.enter_context(
             _blkio_cgroup(f"volute-{name}-{os.getpid()}", majmin, iops, bps)
         )
+        if visible:
+            image = undo.enter_context(_image(mount / "visible.img", size_mib * 3 // 4))
+            device = undo.enter_context(_loop_device(image, direct_io=True))
+            mount = undo.enter_context(_ext4(device, work / "visible"))
+            st = os.stat(device)
+            majmin = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
         yield SlowDisk(device, majmin, mount, cgroup)
 
 
@@ -112,8 +128,9 @@ def _image(path: Path, size_mib: int) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def _loop_device(image: Path) -> Iterator[str]:
-    device = _run(["losetup", "-f", "--show", str(image)]).stdout.strip()
+def _loop_device(image: Path, direct_io: bool = False) -> Iterator[str]:
+    direct = ["--direct-io=on"] if direct_io else []
+    device = _run(["losetup", "-f", "--show", *direct, str(image)]).stdout.strip()
     try:
         yield device
     finally:

@@ -10,6 +10,17 @@ import pytest
 from tests.unit.gate_harness import Harness, Turns
 from volute_testbed import turn_probe
 from volutectl import faults
+from volutectl.kernel import blockdevs
+
+
+@pytest.fixture(autouse=True)
+def no_host_disks(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gates the unit tests run watch no disk of the host's (its /sys/block counters
+    move with whatever else the machine does): an empty /sys of their own. A test of
+    the disks gives its sensor a tree of its own (tests/unit/test_gate_disks.py)."""
+    monkeypatch.setattr(blockdevs, "SYS", tmp_path_factory.mktemp("no-sys"))
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ from volutectl.config.reload import SettingsHolder
 from volutectl.config.settings import Settings
 from volutectl.events import BaseEvent
 from volutectl.gate.adaptive import Sensor
+from volutectl.gate.cpu import CpuSignal
 from volutectl.gate.loop import Gate
 from volutectl.launcher.hands import LocalHands
 from volutectl.launcher.service import Launcher
@@ -189,6 +190,12 @@ class LauncherThread:
         os.close(self.stop_write)
 
 
+CPU_PSI = (
+    "some avg10=0.00 avg60=0.00 avg300=0.00 total={}\n"
+    "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+)
+
+
 class Harness:
     """`clock`: the gate's clock. A FakeClock stands still but when the test moves it
     (`advance`), so deadlines, backoffs and readings come exactly then; turns, sockets
@@ -206,6 +213,12 @@ class Harness:
     ) -> None:
         self.clock = clock
         self.sensor = sensor
+        # The CPUs' PSI: a file of the test's, quiet unless a test writes to it (the
+        # host's would hold turns back as the machine's other work stalls it), read with
+        # 2 CPUs whatever the host has.
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        self.cpu_file = tmp_path / "cpu.pressure"
+        self.cpu_file.write_text(CPU_PSI.format(0))
         self.socket_dir = short_socket_dir()
         self.socket_path = self.socket_dir / "gate.sock"
         self.journal = RecordingJournal()
@@ -305,6 +318,7 @@ class Harness:
             journal=self.journal,
             clock=self.clock,
             sensor=self.sensor,
+            cpu=CpuSignal(self.settings, True, given=self.cpu_file, cpus=2),
         )
 
     def close(self) -> None:

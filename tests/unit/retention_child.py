@@ -65,10 +65,11 @@ def main(argv: list[str]) -> None:
 
         store = Store(Path(target))
         # The point is reached while the VACUUM copies the rows out; the kill waits until
-        # it copies them back and has written 1 MiB of its new pages to the WAL (a small
-        # cache makes it write as it goes): a VACUUM half done.
+        # it copies them back and has saved 1 MiB of the old pages to its rollback
+        # journal (the VACUUM that changes the page size cannot go through the WAL; a
+        # small cache makes it write as it goes): a VACUUM half done.
         store.db.execute("PRAGMA cache_size = 64")
-        faults.kill_own_cgroup = lambda: kill_when_bigger(Path(f"{target}-wal"), 1 << 20)
+        faults.kill_own_cgroup = lambda: kill_when_bigger(Path(f"{target}-journal"), 1 << 20)
         print(enable_incremental_vacuum(store.db, store.path))
         return
     from tests.unit.fake_systemd import FakeManager

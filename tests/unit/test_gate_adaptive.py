@@ -26,11 +26,12 @@ from tests.unit.gate_harness import Harness
 from tests.unit.test_gate_pause import deliver, notified, request, statuses
 from volutectl import events
 from volutectl.core.adaptive import GROW_AFTER, UNSEEN, Controller, Reading
-from volutectl.core.iocost import FLOOR, PROBATION_SECONDS
+from volutectl.core.iocost import FLOOR, PROBATION_SECONDS, STARTING
 from volutectl.core.psi import parse_total
 from volutectl.errors import VoluteError
 from volutectl.gate import adaptive as gate_adaptive
 from volutectl.gate.adaptive import EVENT_SECONDS, AdaptiveLimit
+from volutectl.gate.disks import DiskWatch
 from volutectl.host import doctor
 from volutectl.kernel.written import Written
 from volutectl.states import AdaptiveMode, HoldReason
@@ -453,10 +454,12 @@ def test_a_turn_tells_what_it_wrote_and_light_minds_pass_while_a_heavy_one_write
         deliver(harness, mind)
     harness.pump(lambda: len(adaptive.costs()) == 4 and running(harness) == 0)
     assert adaptive.io_costs.written["heavy"] >= 3 << 20  # the turn's own rusage
-    assert adaptive.costs() == {"heavy": 1.0} | {f"light{i}": FLOOR for i in range(3)}
-    # Warm: the heavy mind takes one place of two; light ones fit beside it; a second
-    # heavy one (unknown: as heavy) takes the other, a third waits, and a light one
-    # behind it passes it (the light turns cost less than a place).
+    assert adaptive.io_costs.of() == {"heavy": 1.0} | {f"light{i}": FLOOR for i in range(3)}
+    # A new turn costs at least STARTING until a sample after its probation judges it.
+    assert adaptive.costs() == {"heavy": 1.0} | {f"light{i}": STARTING for i in range(3)}
+    # Warm: the heavy mind takes one place of two; light ones fit beside it (each once
+    # sampled); a second heavy one (unknown: as heavy) takes the other, a third waits,
+    # and a light one behind it passes it (the light turns cost less than a place).
     hold.touch()
     for mind in ["heavy", "light0", "heavy2", "light1", "heavy3", "light2"]:
         deliver(harness, mind)
@@ -548,6 +551,7 @@ class ScriptedSensor:
     def __init__(self) -> None:
         self.probe: gate_adaptive.Probe | None = None
         self.psi_path: Path | None = None
+        self.disks: DiskWatch | None = None
         self.total: int | str | None = 0
         self.reads = 0
 

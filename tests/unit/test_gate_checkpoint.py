@@ -1,4 +1,6 @@
-"""The gate checkpoints its WAL when it has been quiet, not inside a handoff's commit."""
+"""The gate checkpoints its WAL when it has been quiet, not inside a handoff's commit: a
+quiet second once the WAL holds CHECKPOINT_MIN_COMMITS, else a quiet
+CHECKPOINT_IDLE_SECONDS (a checkpoint per turn wrote twice a turn's own commits)."""
 
 from __future__ import annotations
 
@@ -11,13 +13,13 @@ from tests.unit.gate_harness import Harness
 from volutectl.store import indexed
 
 
-def test_the_gate_checkpoints_after_a_quiet_second_not_on_each_commit(tmp_path: Path) -> None:
+def test_the_gate_checkpoints_after_a_quiet_while_not_on_each_commit(tmp_path: Path) -> None:
     clock = FakeClock()
     harness = Harness(tmp_path, minds={"mimsy": "sleep 30"}, clock=clock)
     store = harness.gate.state.store
     database = store.path
     try:
-        harness.advance(indexed.CHECKPOINT_QUIET_SECONDS)  # start's commits
+        harness.advance(indexed.CHECKPOINT_IDLE_SECONDS)  # start's commits
         assert store.checkpoint_deadline() is None
         peer = harness.connect()
         size = database.stat().st_size
@@ -26,11 +28,12 @@ def test_the_gate_checkpoints_after_a_quiet_second_not_on_each_commit(tmp_path: 
             assert reply.get("ok") is True, reply
         assert database.stat().st_size == size  # every page still in the WAL
         deadline = store.checkpoint_deadline()
-        assert deadline == pytest.approx(clock.monotonic() + indexed.CHECKPOINT_QUIET_SECONDS)
-        harness.advance(indexed.CHECKPOINT_QUIET_SECONDS * 0.9)  # not quiet long enough yet
+        # Fewer commits than CHECKPOINT_MIN_COMMITS: not after a quiet second, but a while.
+        assert deadline == pytest.approx(clock.monotonic() + indexed.CHECKPOINT_IDLE_SECONDS)
+        harness.advance(indexed.CHECKPOINT_IDLE_SECONDS * 0.9)  # not quiet long enough yet
         assert store.checkpoint_deadline() == deadline
         assert database.stat().st_size == size
-        harness.advance(indexed.CHECKPOINT_QUIET_SECONDS * 0.1)
+        harness.advance(indexed.CHECKPOINT_IDLE_SECONDS * 0.1)
         assert store.checkpoint_deadline() is None
         assert database.stat().st_size > size + 40 * 2000  # the rows reached the database
     finally:

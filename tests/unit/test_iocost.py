@@ -5,6 +5,7 @@ writes, FIFO holds, and no mind starves."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,12 +14,14 @@ from volutectl.core.admission import Delivery, Limits, LiveTurn, admit
 from volutectl.core.iocost import (
     FLOOR,
     FULL_BYTES,
+    STARTING,
     UNKNOWN,
     WRITING_BYTES,
     Costs,
     Running,
     cost_of,
     running_cost,
+    starting_cost,
 )
 from volutectl.states import HoldReason
 
@@ -234,3 +237,40 @@ def test_running_turns_are_charged_what_they_show_and_new_ones_their_minds_cost(
     shown = Limits(adaptive=2, running_costs={"a": FLOOR})
     [start] = admit(pending, live, shown, now=0.0).starts
     assert start.mind == "c"
+
+
+def test_a_known_light_turn_costs_starting_until_a_sample_after_its_probation() -> None:
+    """Its mind's learnt cost spreads what its turns wrote over their lives; the gate's
+    own synced writes for a start, its scope and its program's first writes land at
+    once. Judged by a sample after its probation, it costs what its mind has shown."""
+    assert starting_cost(None) == UNKNOWN and starting_cost(1.0) == 1.0
+    assert starting_cost(FLOOR) == STARTING
+    turn = Running("light", started=0.0)
+    assert running_cost(turn, FLOOR) == STARTING
+    assert running_cost(turn.sample(0.1, 0, probation=PROBATION), FLOOR) == STARTING
+    assert running_cost(turn.sample(0.5, 0, probation=PROBATION), FLOOR) == FLOOR
+
+
+def test_a_warm_gate_starts_its_known_light_turns_a_few_at_a_time_not_all_in_one_pass() -> None:
+    """Issue 32: a warm gate at a limit of 1 (its last fan-out met distress at 2) started
+    one heavy writer and 15 light turns it knew in one pass, 16 at once, the maximum
+    reached through costs: the probe behind their starts at 2.2x cap 2's p99. New turns
+    priced as the gate prices them (`starting_cost` of each mind's learnt cost) start
+    one beside the heavy writer per pass; once sampled, each costs its mind's floor and
+    the next one starts."""
+    learnt = Costs().learn("heavy", 3 * MIB)
+    for i in range(15):
+        learnt = learnt.learn(f"light{i}", 128 << 10)
+    costs = learnt.of()
+    assert costs["heavy"] == 1.0 and {costs[f"light{i}"] for i in range(15)} == {FLOOR}
+    new = {mind: starting_cost(cost) for mind, cost in costs.items()}
+    pending = [Delivery(0, "heavy", "s")] + [Delivery(i + 1, f"light{i}", "s") for i in range(15)]
+    limits = Limits(adaptive=1, costs=new, adaptive_turns=16)
+    first = admit(pending, [], limits, now=0.0)
+    assert [start.mind for start in first.starts] == ["heavy", "light0"]
+    # light0 sampled after its probation: it costs its mind's floor, one more starts.
+    live = [LiveTurn(100, "heavy", "s"), LiveTurn(101, "light0", "s")]
+    judged = Running("light0", started=0.0).sample(0.5, 0, probation=PROBATION)
+    running = {"heavy": 1.0, "light0": running_cost(judged, costs["light0"])}
+    second = admit(pending[2:], live, replace(limits, running_costs=running), now=0.5)
+    assert [start.mind for start in second.starts] == ["light1"]

@@ -213,13 +213,15 @@ def test_a_schema_3_database_is_upgraded_with_every_row_kept_and_then_made_incre
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 10
+        assert store.schema_version() == SCHEMA_VERSION == 11
         assert not is_incremental(store.db)  # the migration itself never VACUUMs
         assert same_rows(table_rows(path), before)
         outcome = enable_incremental_vacuum(store.db, path)
         assert (outcome.done, outcome.level) == (True, "info"), outcome
-        assert "now gives back free pages" in outcome.message
+        assert "now gives back free pages, in 1024-byte pages" in outcome.message
         assert is_incremental(store.db)
+        assert queue_schema.page_size(store.db) == queue_schema.PAGE_SIZE == 1024
+        assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert vacuum_attempts(store.db) == 0  # the count is cleared once it worked
         assert os.path.getsize(f"{path}-wal") == 0  # the VACUUM's WAL is truncated
     finally:
@@ -295,8 +297,11 @@ def test_a_sigkill_during_the_vacuum_leaves_every_row_and_the_next_start_finishe
     before = table_rows(path)
     killed = run_child(["vacuum", str(path)], crash_at="vacuuming")
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
-    # Killed with its new pages half written to the WAL, none of them committed.
-    assert os.path.getsize(f"{path}-wal") > 1 << 20
+    # Killed mid-VACUUM, which goes through a rollback journal to change the page size
+    # (the WAL is gone with the switch): none of it committed, and the next open rolls
+    # back whatever the journal holds.
+    assert not os.path.exists(f"{path}-wal")
+    assert os.path.getsize(f"{path}-journal") > 1 << 20  # a hot journal: half copied back
     assert check(path) == "ok"
     assert same_rows(table_rows(path), before)
     store = Store(path)
@@ -332,7 +337,7 @@ def test_a_schema_4_database_gets_the_last_turn_index_and_status_uses_it(
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 10
+        assert store.schema_version() == SCHEMA_VERSION == 11
         assert "index turns_mind_ended" in schema(path)
         assert "index turns_ended" in schema(path)  # retention's, kept
         plan = " ".join(
@@ -378,7 +383,7 @@ def test_a_schema_5_database_keeps_its_rows_and_indexes_only_rows_with_a_turn(
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 10
+        assert store.schema_version() == SCHEMA_VERSION == 11
         assert "WHERE turn_id IS NOT NULL" in index_sql(path, "deliveries_turn")
         for query in (
             "SELECT id FROM deliveries WHERE turn_id = ? AND state = 'running'",
@@ -430,7 +435,7 @@ def test_a_schema_6_database_gets_a_uid_column_and_its_rows_count_against_nobody
     assert ("uid", "INTEGER", 0, None, 0) not in schema(path)["table deliveries"]
     store = IndexedStore(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 10
+        assert store.schema_version() == SCHEMA_VERSION == 11
         assert ("uid", "INTEGER", 0, None, 0) in schema(path)["table deliveries"]
         counted = "SELECT COUNT(*) FROM deliveries WHERE uid IS NOT NULL"
         assert store.db.execute(counted).fetchone() == (0,)
@@ -464,7 +469,7 @@ def test_a_schema_7_database_keeps_request_ids_unique_per_sender_uid(tmp_path: P
     before = table_rows(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 10
+        assert store.schema_version() == SCHEMA_VERSION == 11
         nightly = [
             NewDelivery("mimsy", "main", b"backup", request_id="nightly-1", uid=uid)
             for uid in (1000, 1001, 1000)
@@ -504,7 +509,7 @@ def test_a_schema_8_database_gets_who_may_interrupt_and_an_interrupted_turn_sett
     assert not any(column[0] in ("admin", "cut") for column in columns)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 10
+        assert store.schema_version() == SCHEMA_VERSION == 11
         columns = schema(path)["table deliveries"]
         assert ("admin", "INTEGER", 1, "0", 0) in columns
         assert ("cut", "INTEGER", 1, "0", 0) in columns
@@ -547,7 +552,7 @@ def test_a_schema_9_database_gets_lease_turns_and_a_leases_table_and_keeps_its_t
     assert "table leases" not in schema(path)
     store = Store(path)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 10
+        assert store.schema_version() == SCHEMA_VERSION == 11
         assert ("kind", "TEXT", 1, "'turn'", 0) in schema(path)["table turns"]
         assert "table leases" in schema(path)
         assert store.open_turns() and all(t.kind is TurnKind.TURN for t in store.open_turns())
@@ -563,3 +568,32 @@ def test_a_schema_9_database_gets_lease_turns_and_a_leases_table_and_keeps_its_t
     after["turns"] = [row for row in after["turns"] if row[0] != turn_id]
     after.pop("leases", None)
     assert same_rows(after, before)
+
+
+def test_an_incremental_database_of_4k_pages_is_converted_to_small_pages_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database the previous version made (incremental already, SQLite's 4 KiB pages)
+    takes schema.PAGE_SIZE in the same one VACUUM, every row kept, WAL again after."""
+    path = tmp_path / "queue.sqlite3"
+    monkeypatch.setattr(queue_schema, "PAGE_SIZE", 4096)
+    monkeypatch.setattr("volutectl.store.queue.PAGE_SIZE", 4096)
+    old = Store(path)
+    old.add_deliveries([NewDelivery("m", f"s{n}", b"x" * 300) for n in range(500)], now=1.0)
+    assert queue_schema.page_size(old.db) == 4096 and is_incremental(old.db)
+    old.close()
+    monkeypatch.undo()
+    before = table_rows(path)
+    store = Store(path)
+    try:
+        assert queue_schema.page_size(store.db) == 4096  # an open keeps the file's
+        assert not queue_schema.converted(store.db)
+        outcome = enable_incremental_vacuum(store.db, path)
+        assert outcome.done, outcome
+        assert queue_schema.page_size(store.db) == 1024 and queue_schema.converted(store.db)
+        assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert enable_incremental_vacuum(store.db, path).level == "debug"  # once
+    finally:
+        store.close()
+    assert same_rows(table_rows(path), before)
+    assert check(path) == "ok"

@@ -144,7 +144,7 @@ def test_deleted_rows_pages_are_given_back_and_the_file_shrinks(store: Store) ->
             break
         assert pages <= retention.VACUUM_PAGES
     assert int(store.db.execute("PRAGMA freelist_count").fetchone()[0]) == 0
-    assert given * 4096 > 3_000_000
+    assert given * schema.PAGE_SIZE > 3_000_000
     assert file_bytes(store) < full / 5
 
 

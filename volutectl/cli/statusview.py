@@ -127,6 +127,22 @@ def _costs(adaptive: AdaptiveStatus) -> list[str]:
     return ["io cost per turn: " + "; ".join(parts)] if parts else []
 
 
+def _disks(adaptive: AdaptiveStatus) -> list[str]:
+    """The disks the adaptive limit watches, each with its last interval, and the one
+    that held the last reading down."""
+    if not adaptive.disks:
+        return []
+    parts = []
+    for disk in adaptive.disks:
+        waited = f"await {disk.await_ms:g} ms" if disk.await_ms is not None else "no requests"
+        held = " HOLDS THE LIMIT DOWN" if disk.device == adaptive.held_by else ""
+        parts.append(
+            f"{disk.device} ({', '.join(disk.holds)}): {waited}, "
+            f"{disk.utilisation_percent:g}% busy{held}"
+        )
+    return ["disks watched: " + "; ".join(parts)]
+
+
 def _places(costs: dict[str, float]) -> str:
     def place(cost: float) -> str:
         return "1" if cost >= 1 else f"1/{round(1 / cost)}"
@@ -173,6 +189,7 @@ def _totals(status: Status, now: float) -> list[str]:
     if status.adaptive is not None:
         lines.append(_adaptive(status.adaptive))
         lines += _costs(status.adaptive)
+        lines += _disks(status.adaptive)
     lines += _config(status.config, now)
     pressure = status.io_pressure
     if pressure.enabled:

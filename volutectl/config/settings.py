@@ -170,6 +170,10 @@ class AdaptiveSettings(Section):
     # The control rule (volutectl/core/adaptive.py's RULES): "gradient" moves on the
     # latency of the gate's own synced probe, "aimd" on PSI's stalled share.
     rule: Annotated[Literal["gradient", "aimd"], RESTART] = "gradient"
+    # Block devices watched besides those the gate finds (each mind's working directory
+    # or home, the state directory, the journal): "/dev/sdb", "sdb", or a path on the
+    # device (volutectl/gate/disks.py). Read at the gate's start.
+    devices: Annotated[tuple[str, ...], RESTART] = ()
 
     @model_validator(mode="after")
     def _bounds(self) -> AdaptiveSettings:

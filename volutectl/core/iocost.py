@@ -22,6 +22,16 @@ that keeps every turn from starving).
   lighter one its share of that, rounded up to a power of two (1/2, 1/4, ...) and never
   under `FLOOR`. Rounded, the costs of a uniform workload are all 1 whatever the noise,
   and the limit means what it meant: the cells where every turn is alike run as before.
+- **A turn that starts costs at least `STARTING`** until a sample after its probation
+  has judged it (`starting_cost`), however light its mind is known to be: the gate's
+  own synced writes for a turn (its start and end, bench_admission's section 4), its
+  scope, and whatever its program writes as it starts land on the disk at once, and a
+  mind's learnt cost spreads what its turns wrote over their lives. Priced at their
+  learnt sixteenth, a warm gate's known light turns all started in one pass: at a limit
+  of 1, one heavy writer and 15 light turns at once, the maximum reached through costs,
+  the probe behind their starts at 2.2x cap 2's p99 (issue 32, docs/benchmarks.md). At
+  a half, the starts are let in as a cold gate's are, a few per probation, and once
+  sampled each costs what its mind has shown.
 - **An unknown mind costs 1**, as the heaviest: a guess of light would let a heavy
   writer in at a fraction of its cost, which the probe sees only once it writes, and a
   lowered limit stops no running turn; a guess of heavy costs only waiting, which the
@@ -65,6 +75,9 @@ WRITING_BYTES = 64 * 1024  # written between two samples: a writer, for the rest
 # unknown writes are let in per probation, so a network-bound fan-out of 16 took 1.18x
 # cap 16's time on the SD card at 0.4 s (docs/benchmarks.md).
 PROBATION_SECONDS = 0.25
+# What a turn of a known mind costs at least until a sample after its probation judges it
+# (`starting_cost`): at a limit of 1 beside a heavy writer, one start at a time.
+STARTING = 0.5
 
 
 @dataclass(frozen=True)
@@ -122,13 +135,19 @@ class Running:
         return replace(self, written=mark, sampled=now, writing=writing)
 
 
+def starting_cost(learnt: float | None) -> float:
+    """What a new turn of a mind of cost `learnt` (None: not known) costs until a sample
+    after its probation judges it: UNKNOWN if not known, else at least STARTING."""
+    return UNKNOWN if learnt is None else max(learnt, STARTING)
+
+
 def running_cost(turn: Running, learnt: float | None) -> float:
-    """What a running turn costs now: its mind's cost (`learnt`, UNKNOWN if None) until
+    """What a running turn costs now: `starting_cost` of its mind's (`learnt`) until
     it has been sampled after its probation, then the larger of that learnt cost and
     what it wrote so far; 1 once it has been seen writing."""
     if turn.writing:
         return 1.0
     if turn.sampled is None:
-        return UNKNOWN if learnt is None else learnt
+        return starting_cost(learnt)
     so_far = cost_of(turn.written / FULL_BYTES)
     return so_far if learnt is None else max(learnt, so_far)

@@ -3,24 +3,34 @@ volutectl/core/adaptive.py's rule, and says so.
 
 Every `limits.adaptive.interval_seconds`, and only while turns run or deliveries wait
 (an idle gate has no deadline here, so it never wakes for it), the gate takes a
-reading:
+reading (while turns run and nothing waits, the probe only every QUIET_READINGS of
+them, and only those readings move the limit, the disks' and PSI's with them):
 - **the probe**: a 4 KiB write and fdatasync to a file of its own in its state
   directory, the disk its queue commits to (on a Pi, the disk its turns write to),
   timed in a worker thread so that a stalled disk never blocks the loop; the thread
   says it is done through a pipe the reactor watches. A probe still running when the
   interval ends is read as at least that slow;
 - **PSI**: the `some total=` stall of the turns slice's io.pressure when readable, else
-  of /proc/pressure/io, as the share of the interval (plain reads, no trigger).
+  of /proc/pressure/io, as the share of the interval (plain reads, no trigger);
+- **every disk the turns use** (volutectl/gate/disks.py): the await of each block device
+  that holds a mind's working directory or home, the state directory, the journal, or
+  that limits.adaptive.devices names, from /sys/block/DEV/stat, each against its own
+  quiet await and put on the probe's scale (volutectl/core/disks.py). The worst of
+  them and the probe is the reading's latency: the worst disk decides, and `status`
+  and the journal (AdaptiveDiskHolds) name it when it is not the probe's;
+- **the CPUs**: PSI `cpu` the same way (volutectl/gate/cpu.py), which moves a bound of
+  its own on turns at once (volutectl/core/cpu.py), given to admission with the
+  maximum by `turns_bound()`. Its file failing is a failure as io.pressure's is.
 
 A gate that has not measured its disk yet probes it once while nothing runs or waits,
 at its start as a rule: that probe teaches the baseline what a quiet disk answers
 (core/adaptive.py's learn_quiet), before the first fan-out's readings show a queue.
 
-A probe that fails, or a PSI file that was readable and then vanishes or reads as
-garbage, puts the gate in mode "fallback": a static cap of `start` that counts turns
-(no costs), said once in the journal (AdaptiveFallback) and in `status`, until the
-signals work again (AdaptiveMeasuring). A host with no PSI at all measures with the
-probe alone.
+A probe that fails, a PSI file that was readable and then vanishes or reads as garbage,
+or a watched disk that was read and then cannot be (a USB disk pulled), puts the gate
+in mode "fallback": a static cap of `start` that counts turns (no costs), said once in
+the journal (AdaptiveFallback) and in `status`, until the signals work again
+(AdaptiveMeasuring). A host with no PSI at all measures with the probe alone.
 
 Admission takes `limit()` as its adaptive cap (volutectl/gate/loop.py: the effective
 cap is the lower of it and `global_concurrent_turns`), as a budget of IO costs
@@ -60,13 +70,17 @@ from typing import TYPE_CHECKING, Protocol
 
 from volutectl import events
 from volutectl.core import adaptive, iocost
+from volutectl.core import disks as disk_rule
 from volutectl.core.adaptive import Bounds, Change, Reading
 from volutectl.core.psi import parse_total, stall_fraction
 from volutectl.events import Emit
+from volutectl.gate.cpu import CpuSignal
+from volutectl.gate.disks import DiskWatch, describe, holdings
+from volutectl.kernel import blockdevs
 from volutectl.kernel.probes import SYSTEM_PRESSURE, slice_cgroup
 from volutectl.kernel.written import Written
 from volutectl.states import AdaptiveMode
-from volutectl.wire.messages import AdaptiveStatus
+from volutectl.wire.messages import AdaptiveStatus, DiskStatus
 
 if TYPE_CHECKING:
     from volutectl.config.reload import SettingsHolder
@@ -75,6 +89,12 @@ if TYPE_CHECKING:
 EVENT_SECONDS = 5.0  # at most one AdaptiveLimitChanged entry this often
 SAMPLE_PAUSE = 30.0  # after a sample failed, the next is tried this long after
 PROBE_BYTES = 4096
+# While turns run and nothing waits, the probe (a synced 4 KiB on the disk the gate
+# guards) runs for one reading in QUIET_READINGS, not each: the limit cannot grow then,
+# and a distress is still seen within QUIET_READINGS intervals. The readings between
+# take PSI, the CPUs and samples, and move the limit on none of them (a reading with no
+# probe would end a healthy streak). A delivery that waits has the next one probe.
+QUIET_READINGS = 4
 PROBE_FILE = "adaptive-probe"
 
 
@@ -180,6 +200,7 @@ class Sensor(Protocol):
 
     probe: Probe | None  # the timed synced write; None: none (the limit is off)
     psi_path: Path | None
+    disks: DiskWatch | None  # every disk the turns use; None: none watched
 
     def psi_total(self) -> int | str | None:
         """PSI's `some total=` stall (µs); None: no PSI file; a text: why it fails."""
@@ -195,12 +216,21 @@ class StorageSensor:
     cumulative stall, or None (no file: a host with no PSI), or why the file that read
     before now fails."""
 
-    def __init__(self, settings: Settings, enabled: bool, psi: Path | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        enabled: bool,
+        psi: Path | None = None,
+        sys_root: Path | None = None,
+    ) -> None:
         self._settings = settings
         self._psi_given = psi  # a test's file: no other is looked for
         self.psi_path = psi if psi is not None or not enabled else pressure_file(settings)
         self.probe = Probe(settings.gate.state_dir / PROBE_FILE) if enabled else None
         self._psi_lost: str | None = None  # why the PSI file that read failed, until one reads
+        # /sys, or a test's tree: looked up now, so that a test may put its own there
+        watched = sys_root if sys_root is not None else blockdevs.SYS
+        self.disks = DiskWatch(settings, watched) if enabled else None
 
     def use_pressure_file(self, path: Path) -> None:
         """Read PSI from `path` alone (a test's file)."""
@@ -279,6 +309,7 @@ class AdaptiveLimit:
         emit: Emit,
         psi: Path | None = None,
         sensor: Sensor | None = None,
+        cpu: CpuSignal | None = None,
     ) -> None:
         self.held = held  # the bounds, interval and global cap, as a reload leaves them
         settings = held.current
@@ -293,6 +324,9 @@ class AdaptiveLimit:
         self.reason: str | None = None  # of the last change
         self.sensor: Sensor = sensor or StorageSensor(settings, self.enabled, psi)
         self.probe = self.sensor.probe
+        # The CPUs' own bound on turns at once (volutectl/gate/cpu.py).
+        self.cpu = cpu or CpuSignal(settings, self.enabled)
+        self.cpu_log = ChangeLog(emit)
         self.log = ChangeLog(emit)
         self._emit = emit
         self._deadline: float | None = None
@@ -300,6 +334,8 @@ class AdaptiveLimit:
         self._failure: str | None = None  # what failed since the last reading
         self._quiet_probe = False  # the probe in flight was started while nothing ran
         self._quiet_asked = False  # that first probe of a quiet disk was asked for
+        self._probed = True  # the interval now ending has a probe of its own
+        self._quiet_readings = 0  # readings in a row with turns running, nothing waiting
         self._probe_running = 0  # the most turns running while the probe ran
         self._probe_load = 0.0  # the most IO cost running while the probe ran
         self.io_costs = iocost.Costs()  # what each mind's turns write, as learnt
@@ -314,6 +350,9 @@ class AdaptiveLimit:
         self.running = 0
         self.waiting = 0
         self.last: Reading | None = None
+        self.probe_ms: float | None = None  # the probe's own part of the last reading
+        self.held_by: str | None = None  # the disk whose reading decided the last one
+        self._said_disk: str | None = None  # the last AdaptiveDiskHolds's disk
 
     @property
     def bounds(self) -> Bounds:
@@ -335,6 +374,7 @@ class AdaptiveLimit:
         Whether it is on, and its rule, need a restart (volutectl/config/reload.py keeps
         them as they were)."""
         self.controller = replace(self.controller, limit=self.bounds.clamp(self.controller.limit))
+        self.cpu.reconfigure(self.bounds.minimum, self.bounds.maximum)
 
     @property
     def psi_path(self) -> Path | None:
@@ -377,15 +417,21 @@ class AdaptiveLimit:
         if self.probe is not None and self.probe.in_flight:
             self._probe_running = max(self._probe_running, running)
             self._probe_load = max(self._probe_load, self.load)
+        self.cpu.note_running(running)
         if not self.enabled or not (running or waiting):
             self._deadline = None  # idle: no wakeups
             self._psi_mark = None
+            if self.sensor.disks is not None:
+                self.sensor.disks.mark_idle()
+            self.cpu.idle()
             self._probe_quiet(now)
             return
         self._quiet_probe = False  # work came while it ran: it is this reading's
         if self._deadline is None:
             self._deadline = now + self.interval
             self._psi_mark = self._psi_total(now)
+            self._read_disks(now)
+            self._failure = self.cpu.mark(now, running) or self._failure
             self._start_probe(now)
 
     # -- IO costs per mind (volutectl/core/iocost.py) -----------------------------------
@@ -403,9 +449,12 @@ class AdaptiveLimit:
             self._costs = self.io_costs.of()
 
     def costs(self) -> Mapping[str, float]:
-        """Each known mind's cost against the limit, for a new turn; others cost 1. In
-        fallback none: the static cap of `start` counts turns, whatever they write."""
-        return self._costs if self.fallback is None else {}
+        """What a new turn of each known mind costs against the limit until a sample
+        judges it (core/iocost.py's `starting_cost`); others cost 1. In fallback none:
+        the static cap of `start` counts turns, whatever they write."""
+        if self.fallback is not None:
+            return {}
+        return {mind: iocost.starting_cost(cost) for mind, cost in self._costs.items()}
 
     def running_costs(self) -> dict[str, float]:
         """What each mind's running turns cost now (their mean), from what they wrote;
@@ -421,8 +470,15 @@ class AdaptiveLimit:
         return {mind: sum(costs) / len(costs) for mind, costs in sums.items()}
 
     def turns_bound(self) -> int | None:
-        """The most turns the limit lets run at once whatever their costs: its maximum."""
-        return self.bounds.maximum if self.limit() is not None else None
+        """The most turns the limit lets run at once whatever their costs: its maximum,
+        or fewer while the CPUs bear fewer (volutectl/gate/cpu.py); in fallback, the
+        maximum (the static cap counts turns)."""
+        if self.limit() is None:
+            return None
+        cpu = self.cpu.bound(self.bounds.minimum, self.bounds.maximum)
+        if cpu is None or self.fallback is not None:
+            return self.bounds.maximum
+        return min(self.bounds.maximum, cpu)
 
     def load_of(self, running: Iterable[str], starting: Iterable[str] = ()) -> float:
         """The IO cost of the running turns of these minds, and of new turns of those."""
@@ -497,6 +553,17 @@ class AdaptiveLimit:
     def deadline(self) -> float | None:
         return self._deadline
 
+    def log_deadline(self) -> float | None:
+        """When a rate-limited entry is due (the limit's or the CPUs')."""
+        due = [d for d in (self.log.deadline(), self.cpu_log.deadline()) if d is not None]
+        return min(due) if due else None
+
+    def on_log_deadline(self, now: float) -> None:
+        for log in (self.log, self.cpu_log):
+            deadline = log.deadline()
+            if deadline is not None and now >= deadline:
+                log.on_deadline(now)
+
     def on_deadline(self, now: float) -> bool:
         """Take a reading and apply it; True if the limit moved."""
         self.on_probe_done(0)
@@ -505,20 +572,56 @@ class AdaptiveLimit:
             # Still in flight: at least this slow (it started an interval ago or more).
             latency = max(latency or 0.0, (now - self.probe.started_at) * 1000)
         stalled = self._psi_stalled(now)
-        reading = Reading(
+        self._read_disks(now)  # each interval, so that the next reading's is its own
+        self._latency = None
+        self._deadline = now + self.interval if (self.running or self.waiting) else None
+        bound = self.turns_bound()
+        self._cpu_reading(now)
+        moved = False
+        probing = self.probe is not None and self.probe.in_flight  # a stalled one, say
+        if self._probed or probing or self._failure is not None or self.fallback is not None:
+            moved = self.apply(self._reading(now, latency, stalled), self._failure)
+        self._failure = None
+        self._quiet_readings = 0 if self.waiting else self._quiet_readings + 1
+        if self.waiting or self._quiet_readings % QUIET_READINGS == 0:
+            self._start_probe(now)
+        else:
+            self._probed = False  # the next reading has no probe of its own
+        return moved or self.turns_bound() != bound
+
+    def _reading(self, now: float, latency: float | None, stalled: float | None) -> Reading:
+        """The reading to apply: the probe's latency, or the worst disk's when higher (a
+        reading not applied leaves `held_by` and `probe_ms` as the last applied set them)."""
+        self.probe_ms = latency
+        return Reading(
             now=now,
-            latency_ms=latency,
+            latency_ms=self._worst_disk(latency),
             stalled=stalled,
             running=self._probe_running,
             waiting=self.waiting,
             load=self._probe_load,
         )
-        self._latency = None
-        self._deadline = now + self.interval if (self.running or self.waiting) else None
-        moved = self.apply(reading, self._failure)
-        self._failure = None
-        self._start_probe(now)
-        return moved
+
+    def _cpu_reading(self, now: float) -> None:
+        """The CPUs' share of the reading: a file that fails is the reading's failure."""
+        old = self.cpu.state.limit
+        failure, why = self.cpu.read(
+            now, self.running, self.waiting, self.bounds.minimum, self.bounds.maximum
+        )
+        self._failure = self._failure or failure
+        if why is None:
+            return
+        self.reason = why
+        stalled = self.cpu.last.stalled if self.cpu.last is not None else None
+        self.cpu_log.note(
+            events.CpuLimitChanged(
+                old_limit=old,
+                new_limit=self.cpu.state.limit,
+                stalled_percent=_round(stalled * 100 if stalled is not None else None),
+                why=why,
+            ),
+            now,
+        )
 
     def apply(self, reading: Reading, failure: str | None = None) -> bool:
         """Move the limit by one reading (or enter or leave fallback); True if it moved."""
@@ -538,8 +641,55 @@ class AdaptiveLimit:
             self._emit(events.AdaptiveMeasuring(limit=self.controller.limit))
         self.controller, change = adaptive.step(self.controller, reading, self.bounds, self.rule)
         if change is not None:
-            self._changed(change, reading.now)
+            self._changed(self._disk_said(change), reading.now)
         return self.limit() != before
+
+    # -- every disk the turns use (volutectl/gate/disks.py) -----------------------------
+
+    def _read_disks(self, now: float) -> None:
+        """Take the watched disks' interval; one that cannot be read is a failure."""
+        if self.sensor.disks is not None:
+            lost = self.sensor.disks.read(now)
+            if lost is not None:
+                self._failure = lost
+
+    def _worst_disk(self, latency: float | None) -> float | None:
+        """The reading's latency: the probe's, or the worst disk's on the probe's scale
+        when that is higher (core/disks.py), which then holds the limit (`held_by`)."""
+        watch, baseline = self.sensor.disks, self.controller.baseline_ms
+        self.held_by = None
+        if watch is None or baseline is None:
+            return latency
+        found = disk_rule.worst(watch.on_probe_scale(baseline))
+        if found is None or (latency is not None and found[1] <= latency):
+            return latency
+        self.held_by = found[0]
+        return found[1]
+
+    def _disk_said(self, change: Change) -> Change:
+        """A move down that a disk decided names it, and AdaptiveDiskHolds says so when
+        the disk that holds the limit down is not the one it last said."""
+        watch = self.sensor.disks
+        if change.new >= change.old or self.held_by is None or watch is None:
+            if change.new < change.old:
+                self._said_disk = None
+            return change
+        device = self.held_by
+        if device != self._said_disk:
+            self._said_disk = device
+            seen = next((disk for disk in watch.shown() if disk.device == device), None)
+            self._emit(
+                events.AdaptiveDiskHolds(
+                    device=device,
+                    holds=holdings(watch.devices.get(device, ())),
+                    await_ms=_round(seen.await_ms) if seen else None,
+                    baseline_ms=_round(seen.baseline_ms) if seen else None,
+                    utilisation_percent=_round(seen.utilisation * 100) if seen else None,
+                    limit=change.new,
+                )
+            )
+        why = f"{change.reason}; held down by the disk {describe(watch.devices, device)}"
+        return replace(change, reason=why)
 
     def _changed(self, change: Change, now: float) -> None:
         self.reason = change.reason
@@ -549,7 +699,7 @@ class AdaptiveLimit:
             events.AdaptiveLimitChanged(
                 old_limit=change.old,
                 new_limit=change.new,
-                probe_ms=_round(reading.latency_ms if reading is not None else None),
+                probe_ms=_round(self._probe_shown()),
                 baseline_ms=_round(self.controller.baseline_ms),
                 stalled_percent=_round(stalled * 100 if stalled is not None else None),
                 why=change.reason,
@@ -572,6 +722,7 @@ class AdaptiveLimit:
             self._quiet_probe = True
 
     def _start_probe(self, now: float) -> None:
+        self._probed = True
         if self.probe is not None and not self.probe.in_flight:
             self._probe_running, self._probe_load = self.running, self.load
             self.probe.start(now)
@@ -606,7 +757,6 @@ class AdaptiveLimit:
     # -- what it shows -----------------------------------------------------------------
 
     def status(self) -> AdaptiveStatus:
-        reading = self.last
         return AdaptiveStatus(
             mode=self.mode,
             limit=self.limit(),
@@ -615,9 +765,31 @@ class AdaptiveLimit:
             ceiling=self.global_cap,
             reason=self.fallback or self.reason,
             rule=self.rule,
-            probe_ms=_round(reading.latency_ms) if reading is not None else None,
+            probe_ms=_round(self._probe_shown()),
             costs=dict(sorted(self._costs.items())),
             running_costs=dict(sorted(self.shown_costs().items())),
+            disks=self._disks_shown(),
+            held_by=self.held_by,
+        )
+
+    def _probe_shown(self) -> float | None:
+        """The probe's own latency in the last reading (not a disk's that decided it)."""
+        if self.last is None:
+            return None
+        return self.probe_ms if self.held_by is not None else self.last.latency_ms
+
+    def _disks_shown(self) -> tuple[DiskStatus, ...]:
+        if self.sensor.disks is None:
+            return ()
+        return tuple(
+            DiskStatus(
+                device=seen.device,
+                holds=seen.holds,
+                await_ms=_round(seen.await_ms),
+                utilisation_percent=round(seen.utilisation * 100, 1),
+                baseline_ms=_round(seen.baseline_ms),
+            )
+            for seen in self.sensor.disks.shown()
         )
 
     def close(self) -> None:

@@ -49,6 +49,7 @@ from volutectl.core import admission
 from volutectl.errors import VoluteError, one_line
 from volutectl.gate import handlers, status
 from volutectl.gate.adaptive import AdaptiveLimit, Sensor
+from volutectl.gate.cpu import CpuSignal
 from volutectl.gate.leases import Leases
 from volutectl.gate.liveness import Evidence, Liveness
 from volutectl.gate.outcomes import Settled, Waiters
@@ -94,11 +95,13 @@ class Gate:
         anchors: Sequence[tuple[str, int]] = (),
         clock: Clock = SYSTEM,
         sensor: Sensor | None = None,
+        cpu: CpuSignal | None = None,
     ) -> None:
         """Open the store, connect to systemd (subscribed before anything is listed, so no
         turn can end unseen), take the socket, then take back the open turns. Every part
-        reads `clock`; the adaptive limit measures with `sensor` (gate/adaptive.py's)."""
-        self.clock, self._sensor = clock, sensor
+        reads `clock`; the adaptive limit measures with `sensor` (gate/adaptive.py's)
+        and `cpu` (gate/cpu.py's)."""
+        self.clock, self._sensor, self._cpu = clock, sensor, cpu
         # The settings every part reads, as the last reload left them (`apply`).
         self.held = SettingsHolder(settings)
         self.config = config  # the file to read again on reload; None: no reload
@@ -259,7 +262,7 @@ class Gate:
         self.state.pressure = pressure
 
     def _open_adaptive(self) -> None:
-        adaptive = AdaptiveLimit(self.held, self.journal.emit, sensor=self._sensor)
+        adaptive = AdaptiveLimit(self.held, self.journal.emit, sensor=self._sensor, cpu=self._cpu)
         self._opened.append(adaptive)
         if adaptive.probe is not None:
             self.reactor.watch(adaptive.probe.fileno(), adaptive.on_probe_done)
@@ -473,11 +476,11 @@ class Gate:
 
     def _adaptive_log_deadline(self) -> float | None:
         adaptive = self.state.adaptive
-        return adaptive.log.deadline() if adaptive is not None else None
+        return adaptive.log_deadline() if adaptive is not None else None
 
     def _on_adaptive_log_deadline(self, now: float) -> None:
         if self.state.adaptive is not None:
-            self.state.adaptive.log.on_deadline(now)
+            self.state.adaptive.on_log_deadline(now)
 
     def _backoff_deadline(self) -> float | None:
         """The next backoff to end. One that has ended stays due until a pass took it."""

@@ -362,7 +362,8 @@ def _socket_unit_check(configured: Path, user: bool) -> Check:
 
 ADAPTIVE_FALLBACK_CHANGE = (
     "the gate measures again by itself once the signal named works (the psi check above "
-    "says whether PSI reads); until then it admits at most limits.adaptive.start turns"
+    "says whether PSI reads; a disk named is back once /sys/block shows it again); until "
+    "then it admits at most limits.adaptive.start turns"
 )
 
 
@@ -386,9 +387,18 @@ def check_adaptive(adaptive: AdaptiveStatus | None, problem: str | None = None) 
     why = f"; last move: {adaptive.reason}" if adaptive.reason else ""
     found = (
         f"the gate's adaptive limit is {adaptive.limit} turns at once (between "
-        f"{adaptive.minimum} and {adaptive.maximum}{ceiling}){why}"
+        f"{adaptive.minimum} and {adaptive.maximum}{ceiling}){why}{_watched(adaptive)}"
     )
     return Check("adaptive", "ok", found)
+
+
+def _watched(adaptive: AdaptiveStatus) -> str:
+    """The disks the gate watches, and the one that holds its limit down, if one does."""
+    if not adaptive.disks:
+        return "; it watches no disk but its state directory's (by its probe)"
+    names = ", ".join(f"{disk.device} ({', '.join(disk.holds)})" for disk in adaptive.disks)
+    held = f"; held down by the disk {adaptive.held_by}" if adaptive.held_by else ""
+    return f"; disks watched: {names}{held}"
 
 
 def gate_adaptive(path: Path, timeout: float = 2.0) -> tuple[AdaptiveStatus | None, str | None]:

@@ -30,14 +30,23 @@ from volutectl.store.schema import Transaction
 HOLD_REASONS = frozenset(HoldReason)
 
 
-CHECKPOINT_QUIET_SECONDS = 1.0  # checkpoint once the gate has committed nothing this long
-CHECKPOINT_MAX_COMMITS = 2000  # ... or after this many commits (a WAL of ~100 MiB at most)
+# A checkpoint copies each page changed since the last into the database file, and syncs
+# it: per page, not per commit, so one checkpoint after many commits writes the hot pages
+# (the newest rows' leaves, their indexes, sqlite_sequence) once, where one after each
+# turn writes them each time, a 4 KiB block of the disk per 1 KiB page (issue 32: a
+# turn's commits and its own checkpoint wrote 57 KB, its commits alone 23 KB;
+# bench/bench_admission.py, section 4). So:
+CHECKPOINT_QUIET_SECONDS = 1.0  # checkpoint once the gate has committed nothing this long,
+CHECKPOINT_MIN_COMMITS = 200  # ... if the WAL holds this many commits (~1 MiB of it);
+CHECKPOINT_IDLE_SECONDS = 30.0  # fewer: once the gate has committed nothing this long;
+CHECKPOINT_MAX_COMMITS = 2000  # ... or after this many commits (a WAL of ~25 MiB at most)
 
 
 class IndexedStore(Store):
     """The gate's store. Also: SQLite's own checkpoints (every 1,000 WAL pages, inside
     whichever commit crosses the line, a handoff's included) are turned off; the gate
-    checkpoints when it has been quiet for a second (checkpoint_deadline)."""
+    checkpoints when it has been quiet for a second with CHECKPOINT_MIN_COMMITS in the
+    WAL, or quiet for CHECKPOINT_IDLE_SECONDS with fewer (checkpoint_deadline)."""
 
     def __init__(self, path: Path, clock: Clock = SYSTEM) -> None:
         super().__init__(path, clock)
@@ -60,8 +69,13 @@ class IndexedStore(Store):
             self.checkpoint()  # never quiet: bound the WAL anyway
 
     def checkpoint_deadline(self) -> float | None:
-        """When (monotonic) to checkpoint: a quiet second after the last commit."""
-        return self._last_commit + CHECKPOINT_QUIET_SECONDS if self._commits else None
+        """When (monotonic) to checkpoint: a quiet second after the last commit when the
+        WAL holds CHECKPOINT_MIN_COMMITS, else CHECKPOINT_IDLE_SECONDS after it."""
+        if not self._commits:
+            return None
+        if self._commits >= CHECKPOINT_MIN_COMMITS:
+            return self._last_commit + CHECKPOINT_QUIET_SECONDS
+        return self._last_commit + CHECKPOINT_IDLE_SECONDS
 
     def checkpoint(self) -> None:
         """Copy the WAL's pages into the database (PASSIVE: it waits for no reader)."""

@@ -27,7 +27,7 @@ from volutectl.states import HoldReason, Outcome, QueueState, TurnKind, TurnStat
 from volutectl.store.leases import LeaseStore
 from volutectl.store.minds import MindStore
 from volutectl.store.rows import AlreadyQueued, NewDelivery, RequestIdReused, Row, TurnRow
-from volutectl.store.schema import Transaction, migrate, schema_version
+from volutectl.store.schema import PAGE_SIZE, Transaction, migrate, schema_version
 
 # The records are volutectl/store/rows.py's; they are re-exported for the store's callers.
 __all__ = ["AlreadyQueued", "NewDelivery", "RequestIdReused", "Row", "Store", "TurnRow"]
@@ -136,6 +136,8 @@ class Store:
         try:
             # Before anything else: a new database takes this at its first table (an
             # existing one only through a VACUUM: schema.enable_incremental_vacuum).
+            # So does a page size (WAL keeps an existing file's: the same VACUUM changes it).
+            self.db.execute(f"PRAGMA page_size={PAGE_SIZE}")
             self.db.execute("PRAGMA auto_vacuum=INCREMENTAL")
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")

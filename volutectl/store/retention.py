@@ -41,7 +41,7 @@ from volutectl.store.schema import Transaction
 DAY = 86400.0
 BATCH_ROWS = 256  # deliveries (and, apart, turns) per batch
 BATCH_BYTES = 1 << 20  # message bytes per batch; a larger message goes alone
-VACUUM_PAGES = 256  # pages given back per batch (1 MiB at 4 KiB)
+VACUUM_PAGES = 1024  # pages given back per batch (1 MiB of schema.PAGE_SIZE pages)
 
 # Literal states, not parameters: SQLite uses a partial index only when the query's
 # WHERE names the index's own terms, and INDEXED BY makes that an error, not a scan.
@@ -261,7 +261,7 @@ class Retention:
         gate works the same with a file that does not shrink."""
         db = self.store.db
         try:
-            if schema.is_incremental(db):
+            if schema.converted(db):
                 return
             if schema.vacuum_attempts(db) < schema.VACUUM_ATTEMPTS:
                 self._delete_expired(progress)

@@ -165,6 +165,18 @@ CREATE TABLE leases (
 );
 CREATE INDEX leases_open ON leases(turn_id) WHERE ended_at IS NULL;
 """,
+    # 10 -> 11 (the gate's own writes, issue 32): every commit writes each page it
+    # changes to the WAL again, so each index a turn moves costs a page per commit.
+    # - turns_open (state) served no query: open turns are found by a scan of `turns`
+    #   (`state != ?` cannot seek), and its only reader was that scan's covering copy;
+    #   a turn wrote it three times (start, release, settlement);
+    # - turns_mind_ended holds only ended turns, all its reader (status's each mind's
+    #   last turn) asks for: a turn's start no longer writes a NULL entry to it.
+    10: """
+DROP INDEX turns_open;
+DROP INDEX turns_mind_ended;
+CREATE INDEX turns_mind_ended ON turns(mind, ended_at) WHERE ended_at IS NOT NULL;
+""",
 }
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
 
@@ -271,7 +283,8 @@ class Transaction:
 # it first); an existing one takes it up only through a VACUUM, which rewrites the file
 # and cannot run inside a transaction. What one VACUUM needs, measured on 100,000
 # deliveries (docs/benchmarks.md, "Retention"): a copy of the live pages in SQLite's
-# temporary directory and as much again in the WAL beside the database, at once. So:
+# temporary directory and as much again in the WAL beside the database, at once (in its
+# rollback journal when it changes the page size too, since schema 10: the same). So:
 # - it runs at the gate's start, after the expired rows are deleted, so that it copies
 #   only what is kept; and only if both directories have that space free;
 # - it is atomic: a gate killed during it leaves the database as it was, and the next
@@ -280,6 +293,13 @@ class Transaction:
 #   do it by hand. Meanwhile the gate works the same; only the file does not shrink.
 
 INCREMENTAL = 2  # PRAGMA auto_vacuum's value for it
+# The page size (issue 32: the gate's own writes). Each commit writes every page it
+# changes to the WAL in full: a delivery changes ~4 pages (the table, deliveries_open,
+# sqlite_sequence, and the pass's hold), a turn ~12. At 1 KiB a page that is 5 KiB and
+# 15 KiB of WAL, against 17 and 50 at SQLite's 4 KiB (bench/bench_admission.py,
+# section 4; docs/benchmarks.md). A new database takes it at its first table; one made
+# before takes it in the same one VACUUM as incremental vacuum (`converted`).
+PAGE_SIZE = 1024
 VACUUM_ATTEMPTS = 3
 VACUUM_SLACK_BYTES = 16 << 20  # free space kept beyond the measured need
 MiB = 1 << 20
@@ -296,6 +316,15 @@ class Vacuum:
 
 def is_incremental(db: sqlite3.Connection) -> bool:
     return int(db.execute("PRAGMA auto_vacuum").fetchone()[0]) == INCREMENTAL
+
+
+def page_size(db: sqlite3.Connection) -> int:
+    return int(db.execute("PRAGMA page_size").fetchone()[0])
+
+
+def converted(db: sqlite3.Connection) -> bool:
+    """Whether the file has its final layout: incremental vacuum, PAGE_SIZE pages."""
+    return is_incremental(db) and page_size(db) == PAGE_SIZE
 
 
 def vacuum_attempts(db: sqlite3.Connection) -> int:
@@ -345,14 +374,16 @@ def vacuum_space_missing(db: sqlite3.Connection, path: Path) -> str | None:
 def enable_incremental_vacuum(
     db: sqlite3.Connection, path: Path, progress: Callable[[], None] = lambda: None
 ) -> Vacuum:
-    """VACUUM the database into auto_vacuum=INCREMENTAL, if that is safe to try now.
+    """VACUUM the database into auto_vacuum=INCREMENTAL and PAGE_SIZE pages, if that is
+    safe to try now.
 
     `progress` is called about once a second during the VACUUM."""
-    if is_incremental(db):
+    if converted(db):
         return Vacuum(done=True, level="debug", message=f"{path}: gives back free pages already")
     manual = (
-        f"stop volute-gate.service, run sqlite3 {path} 'PRAGMA auto_vacuum = INCREMENTAL; "
-        "VACUUM', start it again"
+        f"stop volute-gate.service, run sqlite3 {path} 'PRAGMA journal_mode = DELETE; "
+        f"PRAGMA page_size = {PAGE_SIZE}; PRAGMA auto_vacuum = INCREMENTAL; VACUUM; "
+        "PRAGMA journal_mode = WAL', start it again"
     )
     attempts = vacuum_attempts(db)
     if attempts >= VACUUM_ATTEMPTS:
@@ -392,8 +423,9 @@ def enable_incremental_vacuum(
     return Vacuum(
         done=True,
         level="info",
-        message=f"{path} now gives back free pages: converted from {before / MiB:.1f} MiB "
-        f"to {_file_bytes(path) / MiB:.1f} MiB in {time.monotonic() - started:.1f} s",
+        message=f"{path} now gives back free pages, in {PAGE_SIZE}-byte pages: converted "
+        f"from {before / MiB:.1f} MiB to {_file_bytes(path) / MiB:.1f} MiB in "
+        f"{time.monotonic() - started:.1f} s",
     )
 
 
@@ -409,11 +441,21 @@ def _vacuum(db: sqlite3.Connection, progress: Callable[[], None]) -> None:
         return 0
 
     db.execute(f"PRAGMA auto_vacuum = {INCREMENTAL}")
+    # A WAL database keeps its page size through a VACUUM: this one goes through a
+    # rollback journal (as atomic: a kill leaves the journal, and the next open rolls
+    # it back), and the file is WAL again after it, or at the next open if it was
+    # killed (Store's open sets WAL).
+    resize = page_size(db) != PAGE_SIZE
+    if resize:
+        db.execute("PRAGMA journal_mode=DELETE").fetchall()
+        db.execute(f"PRAGMA page_size = {PAGE_SIZE}")
     db.set_progress_handler(on_progress, 10_000)
     try:
         db.execute("VACUUM")
     finally:
         db.set_progress_handler(None, 0)
+        if resize:
+            db.execute("PRAGMA journal_mode=WAL").fetchall()
 
 
 def _file_bytes(path: Path) -> int:

@@ -622,6 +622,17 @@ class PressureStatus(Record):
     trigger: str | None
 
 
+class DiskStatus(Record):
+    """A block device the adaptive limit watches (volutectl/gate/disks.py): what it holds,
+    and its last interval as iostat has it."""
+
+    device: str  # as /sys/block names it
+    holds: tuple[str, ...]  # what the gate watches it for
+    await_ms: float | None  # its requests' mean time over the last interval; None: none
+    utilisation_percent: float  # the share of that interval it had a request in flight
+    baseline_ms: float | None  # its lowest await, as learnt
+
+
 class AdaptiveStatus(Record):
     """The adaptive limit (limits.adaptive): "adaptive", "static" (off: the ceiling
     alone), or "fallback" (a signal failed: the start value, until it works again)."""
@@ -639,6 +650,11 @@ class AdaptiveStatus(Record):
     # they have written so far (volutectl/core/iocost.py).
     costs: dict[str, float] = {}  # a frozen record's default: never mutated
     running_costs: dict[str, float] = {}
+    # The watched disks (each mind's working directory or home, the state directory,
+    # the journal, limits.adaptive.devices), and the one whose reading decided the last
+    # interval when a disk's did (None: the probe's, or no reading yet).
+    disks: tuple[DiskStatus, ...] = ()
+    held_by: str | None = None
 
 
 class ConfigStatus(Record):

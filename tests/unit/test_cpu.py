@@ -1,0 +1,275 @@
+"""The CPU signal (issue 32, item 3): core/cpu.py's rule, gate/cpu.py's reading of PSI
+cpu files in a real file tree (the slice's, else the system's; lost and found again),
+and the real gate in-process (tests/unit/gate_harness.py): a CPU stall bounds the turns
+at once below what the storage's limit lets in, a warm fan-out starts no more than the
+CPUs bore, and a CPU file that fails falls back as an io.pressure file does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.fake_clock import FakeClock
+from tests.unit.gate_harness import CPU_PSI, Harness
+from tests.unit.test_gate_adaptive import (
+    MINDS,
+    holds,
+    limit_of,
+    mode_of,
+    read_until,
+    readings,
+    running,
+)
+from tests.unit.test_gate_pause import deliver
+from volutectl import events
+from volutectl.config.settings import Settings
+from volutectl.core import cpu
+from volutectl.core.cpu import CpuLimit, CpuReading
+from volutectl.gate.cpu import CpuSignal, cpu_pressure_file
+from volutectl.states import AdaptiveMode
+
+pytestmark = pytest.mark.serial  # the real probe times this host's disk (the harness)
+
+FLOOR, MAXIMUM = 2, 16
+
+
+def reading(stalled: float | None, running: int, waiting: int = 5) -> CpuReading:
+    return CpuReading(stalled=stalled, running=running, waiting=waiting)
+
+
+# -- the rule --------------------------------------------------------------------------
+
+
+def test_a_stall_that_lasts_drops_the_limit_to_a_share_of_the_turns_that_ran() -> None:
+    state, why = cpu.step(cpu.initial(MAXIMUM), reading(0.9, 16), FLOOR, MAXIMUM)
+    assert (state.limit, why) == (16, None)  # one reading: a fan-out's start-up, maybe
+    state, why = cpu.step(state, reading(0.9, 16), FLOOR, MAXIMUM)
+    assert state.limit == 11 and why is not None and "90% stalled" in why
+    state, why = cpu.step(state, reading(0.9, 11), FLOOR, MAXIMUM)
+    assert state.limit == 7
+    for _ in range(5):
+        state, _ = cpu.step(state, reading(1.0, state.limit), FLOOR, MAXIMUM)
+    assert state.limit == FLOOR  # never below one turn per CPU
+
+
+def test_a_stall_of_one_reading_between_calm_ones_moves_nothing() -> None:
+    state = cpu.initial(MAXIMUM)
+    for stalled in (0.9, 0.1, 0.9, 0.3, 0.9):
+        state, why = cpu.step(state, reading(stalled, 16), FLOOR, MAXIMUM)
+        assert (state.limit, why) == (16, None)
+
+
+def test_a_stall_with_no_more_turns_than_cpus_moves_nothing() -> None:
+    """As many CPU-bound turns as cores stall each other too (and the host's other
+    work stalls them): that is the floor's cap, not distress."""
+    state = CpuLimit(limit=4)
+    assert cpu.step(state, reading(1.0, FLOOR), FLOOR, MAXIMUM) == (state, None)
+
+
+def test_it_grows_only_after_healthy_readings_with_deliveries_waiting_at_it() -> None:
+    state = CpuLimit(limit=3)
+    state, why = cpu.step(state, reading(0.05, 3), FLOOR, MAXIMUM)
+    assert (state.limit, why) == (3, None)  # one healthy reading is not enough
+    state, why = cpu.step(state, reading(0.05, 3), FLOOR, MAXIMUM)
+    assert state.limit == 6 and why is not None  # doubled
+    idle = CpuLimit(limit=3, healthy=5)
+    assert cpu.step(idle, reading(0.0, 3, waiting=0), FLOOR, MAXIMUM)[0].limit == 3
+    unfilled = CpuLimit(limit=6, healthy=5)
+    assert cpu.step(unfilled, reading(0.0, 4), FLOOR, MAXIMUM)[0].limit == 6
+    between = CpuLimit(limit=3, healthy=5)
+    assert cpu.step(between, reading(0.3, 3), FLOOR, MAXIMUM)[0] == CpuLimit(limit=3)
+
+
+def test_after_a_stall_it_grows_back_to_below_it_then_by_one() -> None:
+    state = CpuLimit(limit=3, healthy=1, distressed_at=8)
+    state, _ = cpu.step(state, reading(0.0, 3), FLOOR, MAXIMUM)
+    assert state.limit == 6
+    state = cpu.step(state, reading(0.0, 6), FLOOR, MAXIMUM)[0]
+    state = cpu.step(state, reading(0.0, 6), FLOOR, MAXIMUM)[0]
+    assert state.limit == 7  # one below the stall's 8
+    state = cpu.step(state, reading(0.0, 7), FLOOR, MAXIMUM)[0]
+    state = cpu.step(state, reading(0.0, 7), FLOOR, MAXIMUM)[0]
+    assert state.limit == 8
+
+
+def test_no_reading_moves_nothing_and_the_floor_is_the_cpus_within_the_bounds() -> None:
+    state = CpuLimit(limit=5)
+    assert cpu.step(state, reading(None, 16), FLOOR, MAXIMUM) == (state, None)
+    assert cpu.floor_of(1, 16, 2) == 2
+    assert cpu.floor_of(3, 16, 2) == 3
+    assert cpu.floor_of(1, 4, 64) == 4
+    assert cpu.clamp(CpuLimit(limit=16), 2, 8).limit == 8
+
+
+# -- the reading, from a real file tree -------------------------------------------------
+
+
+def psi(total: int) -> str:
+    return CPU_PSI.format(total)
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> dict[str, Path]:
+    """A cgroup v2 root with the turns slice's cgroup, and a system PSI file."""
+    root = tmp_path / "cgroup"
+    slice_dir = root / "volute.slice" / "volute-turns.slice"
+    slice_dir.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu io memory pids\n")
+    (slice_dir / "cpu.pressure").write_text(psi(0))
+    system = tmp_path / "proc-pressure-cpu"
+    system.write_text(psi(0))
+    return {"root": root, "slice": slice_dir / "cpu.pressure", "system": system}
+
+
+def signal_of(tree: dict[str, Path], settings: Settings) -> CpuSignal:
+    return CpuSignal(settings, True, cpus=2, cgroup_root=tree["root"], system=tree["system"])
+
+
+@pytest.fixture
+def settings() -> Settings:
+    return Settings()
+
+
+def test_the_slice_file_is_read_when_it_reads_as_psi_else_the_systems(
+    tree: dict[str, Path],
+) -> None:
+    found = cpu_pressure_file("volute-turns.slice", tree["root"], tree["system"])
+    assert found == tree["slice"]
+    tree["slice"].write_text("not psi\n")
+    found = cpu_pressure_file("volute-turns.slice", tree["root"], tree["system"])
+    assert found == tree["system"]
+    tree["system"].unlink()
+    assert cpu_pressure_file("volute-turns.slice", tree["root"], tree["system"]) is None
+
+
+def test_an_interval_stalled_bounds_the_turns(tree: dict[str, Path], settings: Settings) -> None:
+    signal = signal_of(tree, settings)
+    assert signal.path == tree["slice"] and signal.bound(1, 16) == 16
+    assert signal.mark(100.0, running=16) is None
+    tree["slice"].write_text(psi(450_000))  # 0.45 s of 0.5 s stalled
+    assert signal.read(100.5, running=16, waiting=17, minimum=1, maximum=16) == (None, None)
+    tree["slice"].write_text(psi(900_000))  # and the next half second too
+    failure, why = signal.read(101.0, running=16, waiting=17, minimum=1, maximum=16)
+    assert failure is None and why is not None and "90% stalled with 16 running" in why
+    assert signal.bound(1, 16) == 11
+    assert signal.last is not None and signal.last.stalled == pytest.approx(0.9)
+    assert (signal.last.running, signal.last.waiting) == (16, 17)
+
+
+def test_the_bound_is_kept_while_the_gate_is_idle_so_a_warm_fan_out_starts_at_it(
+    tree: dict[str, Path], settings: Settings
+) -> None:
+    signal = signal_of(tree, settings)
+    signal.mark(0.0, running=16)
+    for n in (1, 2):  # two whole intervals stalled
+        tree["slice"].write_text(psi(n * 500_000))
+        signal.read(n * 0.5, running=16, waiting=0, minimum=1, maximum=16)
+    assert signal.bound(1, 16) == 11
+    signal.idle()  # the fan-out is over: nothing runs or waits
+    assert signal.bound(1, 16) == 11  # the next one starts at what this one bore
+    signal.mark(100.0, running=0)
+    tree["slice"].write_text(psi(1_000_000))  # calm, but nothing waits: it stays
+    assert signal.read(100.5, running=0, waiting=0, minimum=1, maximum=16) == (None, None)
+    assert signal.bound(1, 16) == 11
+
+
+def test_a_slice_file_lost_fails_one_reading_then_the_systems_is_read(
+    tree: dict[str, Path], settings: Settings
+) -> None:
+    """As io.pressure's: the slice's cgroup goes with the slice."""
+    signal = signal_of(tree, settings)
+    signal.mark(0.0, running=2)
+    tree["slice"].unlink()
+    failure, _ = signal.read(0.5, running=2, waiting=0, minimum=1, maximum=16)
+    assert failure is not None and str(tree["slice"]) in failure
+    assert signal.path == tree["system"]
+    tree["system"].write_text(psi(100))
+    assert signal.read(1.0, running=2, waiting=0, minimum=1, maximum=16) == (None, None)
+    tree["system"].write_text(psi(200))
+    assert signal.read(1.5, running=2, waiting=0, minimum=1, maximum=16) == (None, None)
+    assert signal.last is not None and signal.last.stalled == pytest.approx(0.0002)
+
+
+def test_no_file_left_keeps_failing_until_one_reads(
+    tree: dict[str, Path], settings: Settings
+) -> None:
+    signal = signal_of(tree, settings)
+    signal.mark(0.0, running=1)
+    tree["slice"].write_text("garbage\n")
+    tree["system"].unlink()
+    failure, _ = signal.read(0.5, running=1, waiting=0, minimum=1, maximum=16)
+    assert failure is not None and "not PSI text" in failure
+    failure, _ = signal.read(1.0, running=1, waiting=0, minimum=1, maximum=16)
+    assert failure is not None  # still: no file at all is not "a host with no PSI"
+    assert signal.bound(1, 16) is not None
+    tree["system"].write_text(psi(5))
+    assert signal.read(1.5, running=1, waiting=0, minimum=1, maximum=16)[0] is None
+
+
+def test_a_host_with_no_cpu_psi_has_no_cpu_bound(tmp_path: Path, settings: Settings) -> None:
+    signal = CpuSignal(
+        settings, True, cpus=2, cgroup_root=tmp_path / "none", system=tmp_path / "absent"
+    )
+    assert signal.path is None and signal.bound(1, 16) is None
+    assert signal.mark(0.0, running=3) is None
+    assert signal.read(0.5, running=3, waiting=1, minimum=1, maximum=16) == (None, None)
+
+
+# -- in the gate ------------------------------------------------------------------------
+
+
+def cpu_harness(tmp_path: Path, harnesses: list[Harness], **adaptive: Any) -> Harness:
+    config = {"start": 4, "minimum": 1, "maximum": 4, "interval_seconds": 1.0} | adaptive
+    harness = Harness(tmp_path, minds=MINDS, limits={"adaptive": config}, clock=FakeClock())
+    harnesses.append(harness)
+    return harness
+
+
+def stall(harness: Harness, share: float) -> None:
+    """The CPU file shows `share` of the next interval stalled (read at its end)."""
+    total = int(harness.cpu_file.read_text().split("total=")[1].split()[0])
+    harness.cpu_file.write_text(CPU_PSI.format(total + int(share * 1_000_000)))
+
+
+def test_a_cpu_stall_bounds_the_turns_at_once_and_the_next_delivery_waits(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = cpu_harness(tmp_path, harnesses)
+    for mind in list(MINDS)[:4]:
+        deliver(harness, mind)
+    harness.pump(lambda: running(harness) == 4)
+    adaptive = limit_of(harness)
+    assert adaptive.turns_bound() == 4
+    stall(harness, 0.95)
+    readings(harness, 1)
+    assert adaptive.turns_bound() == 4  # one reading stalled: a start-up, maybe
+    stall(harness, 0.95)
+    readings(harness, 1)
+    assert adaptive.turns_bound() == 2
+    [changed] = harness.journal.of(events.CpuLimitChanged)
+    assert (changed.old_limit, changed.new_limit) == (4, 2)
+    assert "cpu 95% stalled with 4 running" in changed.why
+    deliver(harness, "m4")  # the fifth mind: held, the CPUs bear fewer
+    harness.pump(lambda: holds(harness) == {"adaptive_limit": 1})
+    assert running(harness) == 4  # a lowered bound stops nothing that runs
+
+
+def test_a_cpu_file_that_turns_to_garbage_falls_back_as_an_io_pressure_file_does(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = cpu_harness(tmp_path, harnesses, start=2)
+    for mind in MINDS:
+        deliver(harness, mind)
+    harness.pump(lambda: running(harness) == 2)
+    adaptive = limit_of(harness)
+    readings(harness, 1)
+    assert mode_of(adaptive) is AdaptiveMode.ADAPTIVE
+    harness.cpu_file.write_text("some garbage\n")
+    read_until(harness, lambda: mode_of(adaptive) is AdaptiveMode.FALLBACK)
+    [fallback] = harness.journal.of(events.AdaptiveFallback)
+    assert fallback.limit == 2 and str(harness.cpu_file) in fallback.why
+    harness.cpu_file.write_text(CPU_PSI.format(0))
+    read_until(harness, lambda: mode_of(adaptive) is AdaptiveMode.ADAPTIVE)
+    assert len(harness.journal.of(events.AdaptiveMeasuring)) == 1

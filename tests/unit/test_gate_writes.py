@@ -1,0 +1,143 @@
+"""The gate's own writes (issue 32, item 4): what a delivery and a turn add to the WAL on
+the disk the gate guards, counted in WAL frames of the real store (every commit writes
+each page it changes, in full, plus a 24-byte frame header), and the adaptive limit's
+probe, which writes while turns run only as often as a reading needs it.
+
+bench/bench_admission.py's section 4 measures the same in bytes and fsyncs; these hold
+the figures that docs/benchmarks.md gives, so that a new index or a bigger page shows.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.unit.fake_clock import FakeClock
+from tests.unit.gate_harness import Harness
+from tests.unit.test_gate_adaptive import MINDS, limit_of, running
+from tests.unit.test_gate_pause import deliver
+from volutectl.gate.adaptive import QUIET_READINGS
+from volutectl.states import HoldReason, Outcome
+from volutectl.store import indexed, schema
+from volutectl.store.indexed import IndexedStore
+from volutectl.store.queue import NewDelivery
+
+NOW = 1_700_000_000.0
+FRAME = schema.PAGE_SIZE + 24
+
+
+def wal_bytes(store: IndexedStore) -> int:
+    return os.path.getsize(f"{store.path}-wal")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> IndexedStore:
+    store = IndexedStore(tmp_path / "queue.sqlite3")
+    # Rows of other minds before, so that the pages measured are not the first ones.
+    store.add_deliveries([NewDelivery(f"o{i}", "s", b"x" * 200) for i in range(50)], NOW)
+    store.checkpoint()
+    store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    return store
+
+
+def test_a_new_database_has_small_pages_in_wal_mode(store: IndexedStore) -> None:
+    assert schema.page_size(store.db) == schema.PAGE_SIZE == 1024
+    assert schema.converted(store.db)
+    assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    indexes = {
+        name for (name,) in store.db.execute("SELECT name FROM sqlite_master WHERE type='index'")
+    }
+    assert "turns_open" not in indexes and "turns_mind_ended" in indexes
+
+
+def test_a_delivery_and_its_hold_write_at_most_six_small_frames(store: IndexedStore) -> None:
+    """The table, deliveries_open, sqlite_sequence, and the pass's hold: 4 pages, and a
+    B-tree split now and then (5.4 here). At 4 KiB pages the same was 17 KB of WAL."""
+    before = wal_bytes(store)
+    for n in range(20):
+        [delivery_id] = store.add_deliveries([NewDelivery("m", "s", b"x" * 200)], NOW + n)
+        assert isinstance(delivery_id, int)
+        store.mark_held([(delivery_id, HoldReason.ADAPTIVE_LIMIT)], NOW + n)
+    per_delivery = (wal_bytes(store) - before) / 20
+    assert per_delivery <= 6 * FRAME, per_delivery / FRAME
+
+
+def test_a_turn_writes_at_most_sixteen_small_frames(store: IndexedStore) -> None:
+    """Start, release, settlement: about 14 pages (the turn's and its row's pages and
+    their indexes, turns_open gone). At 4 KiB pages and with turns_open, 66 KB."""
+    ids = store.add_deliveries([NewDelivery("m", f"s{n}", b"x" * 200) for n in range(20)], NOW)
+    before = wal_bytes(store)
+    for delivery_id in ids:
+        assert isinstance(delivery_id, int)
+        turn_id, rows = store.start_turn("m", "s", lambda t: f"u{t}", [delivery_id], NOW)
+        store.mark_released(turn_id, 123)
+        store.settle_turn(
+            turn_id, outcome=Outcome.OK, exit_status=0, detail="", done=[delivery_id],
+            returned=[], failed={}, error="", now=NOW + 1,
+        )  # fmt: skip
+    per_turn = (wal_bytes(store) - before) / 20
+    assert per_turn <= 16 * FRAME, per_turn / FRAME
+
+
+# -- the probe --------------------------------------------------------------------------
+
+
+pytestmark = pytest.mark.serial  # the harness's real probe times this host's disk
+
+
+def test_while_turns_only_run_the_probe_comes_every_few_readings_and_a_wait_brings_it_back(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    config = {"start": 4, "minimum": 1, "maximum": 4, "interval_seconds": 1.0}
+    harness = Harness(tmp_path, minds=MINDS, limits={"adaptive": config}, clock=FakeClock())
+    harnesses.append(harness)
+    adaptive = limit_of(harness)
+    probe = adaptive.probe
+    assert probe is not None
+    starts: list[float] = []
+    real_start = probe.start
+
+    def counted(now: float) -> None:
+        starts.append(now)
+        real_start(now)
+
+    probe.start = counted  # type: ignore[method-assign]
+    for mind in ["m0", "m1"]:
+        deliver(harness, mind)
+    harness.pump(lambda: running(harness) == 2)
+    readings = []
+    for _ in range(2 * QUIET_READINGS):  # two run, nothing waits
+        harness.pump(lambda: not probe.in_flight)
+        before = len(starts)
+        harness.advance(1.0)
+        readings.append(len(starts) - before)
+    # One probe per QUIET_READINGS readings, not one per reading; readings go on.
+    assert sum(readings) == 2 and adaptive.deadline() is not None, readings
+    for mind in ["m2", "m3", "m4"]:
+        deliver(harness, mind)
+    harness.pump(lambda: running(harness) == 4 and adaptive.waiting == 1)
+    for _ in range(3):  # m4 waits at the limit of 4: a probe for every reading
+        harness.pump(lambda: not probe.in_flight)
+        before = len(starts)
+        harness.advance(1.0)
+        readings.append(len(starts) - before)
+    assert readings[-2:] == [1, 1], readings
+
+
+def test_the_wal_is_checkpointed_after_a_quiet_second_only_once_it_holds_many_commits(
+    store: IndexedStore,
+) -> None:
+    """A checkpoint per turn (each quiet second of a fan-out) wrote each hot page again:
+    once the WAL holds CHECKPOINT_MIN_COMMITS, a quiet second; before, a quiet while."""
+    clock = store.clock.monotonic
+    for n in range(indexed.CHECKPOINT_MIN_COMMITS - 1):
+        store.add_deliveries([NewDelivery("m", f"s{n}", b"x" * 200)], NOW)
+    deadline = store.checkpoint_deadline()
+    assert deadline is not None
+    assert deadline - clock() == pytest.approx(indexed.CHECKPOINT_IDLE_SECONDS, abs=0.5)
+    store.add_deliveries([NewDelivery("m", "last", b"x" * 200)], NOW)
+    deadline = store.checkpoint_deadline()
+    assert deadline is not None
+    assert deadline - clock() == pytest.approx(indexed.CHECKPOINT_QUIET_SECONDS, abs=0.5)

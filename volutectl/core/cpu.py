@@ -1,0 +1,114 @@
+"""The pure part of the CPU signal: how many turns at once the CPUs bear, learnt from
+PSI's `cpu` stall, a second signal beside the storage's (core/adaptive.py).
+
+The storage's limit counts IO costs (core/iocost.py): a mind known to write little costs
+a sliver of a place, so a warm gate lets a whole fan-out of such minds in at once. When
+those turns are CPU-bound (an agent SDK starting up is, for seconds), they queue for the
+cores, and so does everything else on the host: the probe, sshd, journald. What they
+cost is not what they write. So the CPUs get a limit of their own, on turns at once
+whatever they write (`bound`), read from `cpu.pressure`'s `some total=` over each
+interval (the share of it in which some task of the turns' slice, or of the system,
+waited for a CPU):
+
+- **distress** (at least `STALL_DISTRESS` of the interval stalled) while more turns run
+  than the floor, `STRAINED_AFTER` readings in a row: the limit drops to `BACK_OFF` of
+  the turns that ran. One reading is not enough: a fan-out's turns start at once, and
+  their wrappers' and interpreters' start-up stalls the CPUs for a moment even when the
+  turns then wait on the network; CPU-bound turns (an agent SDK starting up) stall
+  them for seconds;
+- **healthy** (below `STALL_HEALTHY`) `GROW_AFTER` readings in a row, while deliveries
+  wait at it and the turns running fill it: it doubles, but from under the limit of
+  the last distress only up to one below it, and by one from there;
+- in between, or with nothing waiting: it stays.
+
+It never goes below `floor`: the larger of the storage limit's minimum and the number
+of CPUs (capped at the maximum). As many CPU-bound turns as cores is what a static cap
+of that size would run, and what the bench's bound is measured against.
+
+Unlike the storage's limit, it is kept while the gate is idle: the cores a host has do
+not change with the mix, and a second fan-out of the same CPU-bound minds (a warm gate)
+must not start all at once again. A fan-out of turns that use no CPU grows it back by
+doubling within a few readings.
+
+No I/O and no clock here: volutectl/gate/cpu.py reads the file and gives the readings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+STALL_HEALTHY = 0.20  # below: the CPUs keep up
+STALL_DISTRESS = 0.50  # at or over: tasks of the turns wait for a CPU half the time
+BACK_OFF = 0.7  # on distress, the limit becomes this share of the turns that ran
+GROW_AFTER = 2  # healthy readings in a row before the limit grows
+STRAINED_AFTER = 2  # distressed readings in a row before it drops
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """What one interval measured of the CPUs."""
+
+    stalled: float | None  # PSI cpu `some`: the share of the interval stalled, 0..1
+    running: int  # the most turns that ran during the interval
+    waiting: int  # deliveries waiting (held by a limit)
+
+
+@dataclass(frozen=True)
+class CpuLimit:
+    """The most turns at once the CPUs bear, and what the rule has learnt."""
+
+    limit: int
+    healthy: int = 0  # healthy readings in a row
+    strained: int = 0  # distressed readings in a row
+    distressed_at: int | None = None  # turns running at the last distress
+
+
+def floor_of(minimum: int, maximum: int, cpus: int) -> int:
+    """The lowest the CPU limit goes: one turn per CPU, within [minimum, maximum]."""
+    return max(minimum, min(maximum, cpus))
+
+
+def initial(maximum: int) -> CpuLimit:
+    """A gate that starts: nothing learnt, the CPUs do not hold anything back."""
+    return CpuLimit(limit=maximum)
+
+
+def grown(state: CpuLimit, maximum: int) -> int:
+    new = state.limit * 2
+    if state.distressed_at is not None:
+        below = max(1, state.distressed_at - 1)
+        new = min(new, below) if state.limit < below else state.limit + 1
+    return min(maximum, new)
+
+
+def step(
+    state: CpuLimit, reading: CpuReading, floor: int, maximum: int
+) -> tuple[CpuLimit, str | None]:
+    """One interval: the new CPU limit, and why it moved (None: it did not)."""
+    if reading.stalled is None:
+        return state, None
+    share = f"cpu {reading.stalled * 100:.0f}% stalled with {reading.running} running"
+    if reading.stalled >= STALL_DISTRESS and reading.running > floor:
+        state = replace(state, healthy=0, strained=state.strained + 1)
+        if state.strained < STRAINED_AFTER:
+            return state, None
+        new = max(floor, min(state.limit, int(reading.running * BACK_OFF)))
+        moved = replace(state, limit=new, distressed_at=reading.running)
+        return moved, f"{share}: over {STALL_DISTRESS * 100:.0f}%" if new != state.limit else None
+    if reading.stalled >= STALL_HEALTHY:
+        return replace(state, healthy=0, strained=0), None
+    state = replace(state, healthy=state.healthy + 1, strained=0)
+    filled = reading.running >= state.limit
+    if state.limit >= maximum or not reading.waiting or not filled:
+        return state, None
+    if state.healthy < GROW_AFTER:
+        return state, None
+    new = max(floor, grown(state, maximum))
+    if new == state.limit:
+        return state, None
+    return replace(state, limit=new, healthy=0), f"{share}: healthy, {reading.waiting} waiting"
+
+
+def clamp(state: CpuLimit, floor: int, maximum: int) -> CpuLimit:
+    """The limit within new bounds (a reload moved them)."""
+    return replace(state, limit=max(floor, min(maximum, state.limit)))

@@ -1,0 +1,145 @@
+"""The CPU signal, the gate's side: it reads PSI `cpu` and moves core/cpu.py's limit on
+turns at once, which the adaptive limit (volutectl/gate/adaptive.py) gives admission as
+a bound beside its own maximum.
+
+The file is the turns slice's `cpu.pressure` when it reads as PSI, else the system's
+/proc/pressure/cpu (a host whose slice has no cgroup v2 file, or none yet), read at the
+start and end of each of the adaptive limit's intervals (plain reads: no trigger, no
+write, no privilege). A file that read and then fails (the slice's cgroup went with the
+slice, a file that reads as garbage) is looked for again, as the io.pressure file is:
+the reading where it failed is a failure (the adaptive limit falls back to its static
+start value, AdaptiveFallback), and the next that reads ends it. A host with no CPU PSI
+at all has no CPU limit: the storage's signals alone hold the turns.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from volutectl.core import cpu
+from volutectl.core.cpu import CpuLimit, CpuReading
+from volutectl.core.psi import parse_total, stall_fraction
+from volutectl.kernel.probes import CGROUP_ROOT, slice_cgroup
+
+if TYPE_CHECKING:
+    from volutectl.config.settings import Settings
+
+SYSTEM_CPU_PRESSURE = Path("/proc/pressure/cpu")
+
+
+def cpu_pressure_file(
+    slice_name: str, cgroup_root: Path = CGROUP_ROOT, system: Path = SYSTEM_CPU_PRESSURE
+) -> Path | None:
+    """The turns slice's cpu.pressure when it reads as PSI, else the system's, else None."""
+    candidates = [system]
+    cgroup = slice_cgroup(slice_name, cgroup_root)
+    if cgroup is not None:
+        candidates.insert(0, cgroup / "cpu.pressure")
+    for path in candidates:
+        try:
+            parse_total(path.read_text())
+        except (OSError, ValueError):
+            continue
+        return path
+    return None
+
+
+class CpuSignal:
+    """PSI cpu `some` over each interval, and the limit it moves. `given`: a test's file,
+    the only one read; `cpus`: the CPUs the floor counts (the host's by default);
+    `cgroup_root` and `system`: where the files are looked for (a test's tree)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        enabled: bool,
+        given: Path | None = None,
+        cpus: int | None = None,
+        cgroup_root: Path = CGROUP_ROOT,
+        system: Path = SYSTEM_CPU_PRESSURE,
+    ) -> None:
+        self.enabled = enabled
+        self._roots = (cgroup_root, system)
+        self._slice = settings.turns.slice
+        self._given = given
+        self.path = given if given is not None or not enabled else self._find()
+        self.cpus = cpus or os.cpu_count() or 1
+        self.state: CpuLimit = cpu.initial(settings.limits.adaptive.maximum)
+        self._lost: str | None = None  # why the file that read failed, until one reads
+        self._mark: tuple[int, float] | None = None  # (total µs, monotonic) at the start
+        self._running = 0  # the most turns running since the mark
+        self.last: CpuReading | None = None
+
+    def _find(self) -> Path | None:
+        return self._given or cpu_pressure_file(self._slice, *self._roots)
+
+    def use_file(self, path: Path) -> None:
+        """Read `path` alone (a test's file), from the next interval on."""
+        self._given = self.path = path
+        self._mark = None
+
+    def bound(self, minimum: int, maximum: int) -> int | None:
+        """The most turns at once the CPUs bear now; None: no CPU PSI (no bound)."""
+        if not self.enabled or (self.path is None and self._lost is None):
+            return None
+        return max(self.floor(minimum, maximum), min(maximum, self.state.limit))
+
+    def floor(self, minimum: int, maximum: int) -> int:
+        return cpu.floor_of(minimum, maximum, self.cpus)
+
+    def note_running(self, running: int) -> None:
+        self._running = max(self._running, running)
+
+    def idle(self) -> None:
+        """Nothing runs or waits: no interval is measured (the limit is kept)."""
+        self._mark = None
+        self._running = 0
+
+    def mark(self, now: float, running: int) -> str | None:
+        """An interval begins: read the total (or why it fails)."""
+        self._running = running
+        total = self._total()
+        if isinstance(total, str):
+            self._mark = None
+            return total
+        self._mark = (total, now) if total is not None else None
+        return None
+
+    def read(
+        self, now: float, running: int, waiting: int, minimum: int, maximum: int
+    ) -> tuple[str | None, str | None]:
+        """An interval ends: (why the file failed, or None; why the limit moved, or None).
+        The next interval is marked from here."""
+        mark, seen = self._mark, self._running
+        failure = self.mark(now, running)
+        if failure is not None or mark is None or self._mark is None:
+            return failure, None
+        stalled = stall_fraction(mark[0], self._mark[0], now - mark[1])
+        self.last = CpuReading(stalled=stalled, running=seen, waiting=waiting)
+        self.state, why = cpu.step(self.state, self.last, self.floor(minimum, maximum), maximum)
+        return None, why
+
+    def reconfigure(self, minimum: int, maximum: int) -> None:
+        self.state = cpu.clamp(self.state, self.floor(minimum, maximum), maximum)
+
+    def _total(self) -> int | str | None:
+        """`some total=` (µs), None with no file, or why the file cannot be read."""
+        if not self.enabled:
+            return None
+        if self.path is None and self._lost is not None:
+            self.path = self._find()  # the slice's cgroup may be back, or the system's
+            if self.path is None:
+                return self._lost
+        if self.path is None:
+            return None
+        try:
+            total = parse_total(self.path.read_text())
+        except (OSError, ValueError) as error:
+            why = error.strerror if isinstance(error, OSError) else "not PSI text"
+            self._lost = f"{self.path} cannot be read ({why})"
+            self.path = self._find()
+            return self._lost
+        self._lost = None
+        return total
