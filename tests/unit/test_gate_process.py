@@ -233,7 +233,8 @@ def test_a_forked_child_resets_signals_and_limits_before_it_waits_for_release(
         # ignores only the signals that stop the gate's unit.
         stops = sum(1 << (s - 1) for s in fork.STOP_SIGNALS)
         deadline = time.monotonic() + 5
-        # It blocks every signal across the fork, then resets: wait until it has.
+        # It blocks every signal across the fork, then resets (its mask last): wait
+        # until it has.
         while signal_masks(child.pid)["SigCgt"] & OURS or signal_masks(child.pid)["SigBlk"]:
             assert time.monotonic() < deadline, signal_masks(child.pid)
             time.sleep(0.005)

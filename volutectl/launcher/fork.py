@@ -96,7 +96,10 @@ def _reset_inherited_state() -> None:
     ignored signal stays ignored across exec, and until exec a handled one would run the
     gate's Python handler in the child. The blocked-signal mask also survives exec; the
     parent blocked everything around the fork, so nothing arrived before this ran. The
-    stop signals stay ignored until the release (`_ready_to_exec`)."""
+    stop signals stay ignored until the release (`_ready_to_exec`). The file limit goes
+    back first, the mask last: a child whose mask is empty has nothing of the gate's."""
+    if _inherited_nofile is not None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, _inherited_nofile)
     for signum in signal.valid_signals():
         if signum in (signal.SIGKILL, signal.SIGSTOP):
             continue
@@ -105,8 +108,6 @@ def _reset_inherited_state() -> None:
         except (OSError, ValueError):
             pass  # signals the C library reserves for itself
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    if _inherited_nofile is not None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, _inherited_nofile)
 
 
 def _log_to(stream: TurnStream) -> None:
