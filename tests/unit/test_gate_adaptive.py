@@ -604,3 +604,100 @@ def test_the_gate_reads_its_sensor_once_an_interval_and_falls_back_while_it_fail
     assert running(harness) == 2 and adaptive.deadline() == pytest.approx(
         harness.clock.monotonic() + 10.0, abs=1e-3
     )  # the next reading, one interval on
+
+
+class ScriptedProbe:
+    """A probe that answers as the test says: each start takes the next latency (ms) at
+    once, or None for a probe that never ends. As the real Probe, a pipe says it ended."""
+
+    def __init__(self, path: Path, script: list[float | None]) -> None:
+        self.path = path
+        self.script = list(script)
+        self.started: list[float] = []
+        self.started_at: float | None = None
+        self._read, self._write = socket.socketpair()
+        self._result: float | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self.started_at is not None
+
+    def fileno(self) -> int:
+        return self._read.fileno()
+
+    def start(self, now: float) -> None:
+        if self.in_flight:
+            return
+        self.started_at = now
+        self.started.append(now)
+        result = self.script.pop(0)
+        if result is not None:
+            self._result = result
+            self._write.send(b"!")
+
+    def take(self) -> float | None:
+        self._read.setblocking(False)
+        try:
+            self._read.recv(64)
+        except BlockingIOError:
+            pass
+        result, self._result = self._result, None
+        if result is not None:
+            self.started_at = None
+        return result
+
+    def close(self) -> None:
+        self._read.close()
+        self._write.close()
+
+
+def unmeasured(harness: Harness, script: list[float | None]) -> tuple[AdaptiveLimit, Any]:
+    """The harness's adaptive limit as a gate's just started would find it (no baseline,
+    no quiet probe asked), its probe the test's."""
+    adaptive = limit_of(harness)
+    probe = ScriptedProbe(adaptive.probe.path if adaptive.probe else Path("p"), script)
+    adaptive.probe = probe  # type: ignore[assignment]
+    adaptive._quiet_asked = False
+    adaptive.controller = Controller(limit=adaptive.controller.limit)
+    return adaptive, probe
+
+
+@pytest.mark.parametrize(
+    ("script", "probes", "baseline"),
+    [
+        ([70.0, 5.0, 4.2], 3, 4.2),  # a disk still writing back: the probes agree later
+        ([1.0, 1.2], 2, 1.01),  # a quiet disk: two probes (a higher one lets it up 5%)
+        ([80.0, 78.0], 2, 78.0),  # a disk busy all along: what it shows, as before
+    ],
+)
+def test_at_its_start_the_gate_probes_until_two_quiet_probes_agree(
+    tmp_path: Path,
+    harnesses: list[Harness],
+    script: list[float | None],
+    probes: int,
+    baseline: float,
+) -> None:
+    harness = adaptive_harness(tmp_path, harnesses)
+    adaptive, probe = unmeasured(harness, [*script, 1.0])
+    try:
+        adaptive.measure_quiet_disk(harness.clock.monotonic())
+        assert len(probe.started) == probes
+        assert adaptive.controller.baseline_ms == pytest.approx(baseline)
+        assert not probe.in_flight and adaptive.last is None  # no reading: nothing moved
+        adaptive.measure_quiet_disk(harness.clock.monotonic())  # once only
+        assert len(probe.started) == probes
+    finally:
+        probe.close()
+
+
+def test_a_quiet_probe_not_done_in_its_wait_is_left_in_flight(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    harness = adaptive_harness(tmp_path, harnesses)
+    adaptive, probe = unmeasured(harness, [None])
+    try:
+        adaptive.measure_quiet_disk(harness.clock.monotonic(), wait=0.05)
+        assert len(probe.started) == 1 and probe.in_flight
+        assert adaptive.controller.baseline_ms is None
+    finally:
+        probe.close()

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -95,6 +96,10 @@ PROBE_BYTES = 4096
 # take PSI, the CPUs and samples, and move the limit on none of them (a reading with no
 # probe would end a healthy streak). A delivery that waits has the next one probe.
 QUIET_READINGS = 4
+# At its start, the gate waits at most this long for its quiet disk's probe before it
+# serves (`measure_quiet_disk`).
+QUIET_PROBE_WAIT = 1.0
+QUIET_AGREE = 0.25  # two quiet probes agree within this share of the first (or 1 ms)
 PROBE_FILE = "adaptive-probe"
 
 
@@ -720,6 +725,51 @@ class AdaptiveLimit:
         if not self.probe.in_flight:
             self._start_probe(now)
             self._quiet_probe = True
+
+    def measure_quiet_disk(self, now: float, wait: float = QUIET_PROBE_WAIT) -> None:
+        """At the gate's start, before it serves (no turn of a previous gate open): the
+        quiet disk's baseline, from probes taken one after another for at most `wait`
+        seconds, until two in a row agree (QUIET_AGREE); the lowest is the baseline.
+
+        - Before it serves: a fan-out that comes with the start (a wake flush, clients
+          queued on the socket) would otherwise overtake the first pass's quiet probe,
+          whose result then counts as a loaded reading.
+        - Until two agree: a disk still writing back what came before the start (a
+          gate restarted after a fan-out) answers the first probe late. A baseline learnt
+          from it reads a queue as normal: on the slow-disk test, a first probe of 66-81
+          ms where the quiet card's is 1 ms let in 3 writers and more, and the probe's
+          p99 went from cap 2's 85 ms to 265 ms. The writeback drains within the wait.
+        A probe not done in time is left in flight, as the first pass's would be."""
+        if not self.enabled or self.probe is None or self._quiet_asked:
+            return
+        self._quiet_asked = True
+        deadline = time.monotonic() + wait  # a real wait on a real disk, whatever `now`
+        last: float | None = None
+        while self.controller.baseline_ms is None or last is not None:
+            self._start_probe(now)
+            self._quiet_probe = True
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                ready, _, _ = select.select([self.probe.fileno()], [], [], left)
+            except (OSError, ValueError):
+                return
+            if not ready:
+                return  # in flight: the first pass reads it as before
+            result = self.probe.take()
+            self._quiet_probe = False
+            if not isinstance(result, float):
+                self._failure = (
+                    f"the probe of {self.probe.path} failed: {result.strerror}"
+                    if isinstance(result, OSError)
+                    else None
+                )
+                return
+            self.controller = adaptive.learn_quiet(self.controller, result)
+            if last is not None and abs(result - last) <= max(QUIET_AGREE * last, 1.0):
+                return
+            last = result
+            if time.monotonic() >= deadline:
+                return
 
     def _start_probe(self, now: float) -> None:
         self._probed = True

@@ -310,6 +310,9 @@ class Gate:
             self.reactor.watch(stop_fd, self._on_stop)
         if reload_fd is not None:
             self.reactor.watch(reload_fd, lambda mask: self._on_reload(reload_fd))
+        adaptive = self.state.adaptive
+        if adaptive is not None and not self.state.store.open_turns():
+            adaptive.measure_quiet_disk(self.clock.monotonic())
         if ready is not None:
             ready()
         limits = self.state.limits
