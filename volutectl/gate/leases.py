@@ -397,22 +397,7 @@ class Leases:
         """End one lease now: forget it, record it, and, if it created its turn, stop the
         scope (its place is free once systemd says the scope ended), its processes moved
         back first."""
-        del self.leases[lease.id]
-        self.pids.drop(lease.id)
-        if lease.client is not None:
-            lease.client.leases.discard(lease.id)
-            if tell:
-                self.send(lease.client, LeaseEnded(lease.id, reason))
-        self.journal.emit(
-            events.LeaseEnded(
-                lease=lease.id,
-                mind=lease.mind,
-                session=lease.session,
-                uid=lease.uid,
-                turn_id=lease.turn_id,
-                reason=reason,
-            )
-        )
+        self._forget(lease, reason, tell=tell)
         if lease.state is LeaseState.WAITING or lease.turn_id is None:
             self.wake()
             return
@@ -488,11 +473,17 @@ class Leases:
 
     def _end_quietly(self, lease: Lease, reason: LeaseEnd) -> None:
         """Its turn ended: forget it, tell its holder (the store knows already)."""
+        self._forget(lease, reason, tell=True)
+
+    def _forget(self, lease: Lease, reason: LeaseEnd, *, tell: bool) -> None:
+        """Drop an ended lease from memory and its pids' watch, tell its holder if
+        `tell`, and journal its end (the one LeaseEnded of either way a lease ends)."""
         del self.leases[lease.id]
         self.pids.drop(lease.id)
         if lease.client is not None:
             lease.client.leases.discard(lease.id)
-            self.send(lease.client, LeaseEnded(lease.id, reason))
+            if tell:
+                self.send(lease.client, LeaseEnded(lease.id, reason))
         self.journal.emit(
             events.LeaseEnded(
                 lease=lease.id,
