@@ -78,7 +78,7 @@ from volutectl.events import Emit
 from volutectl.gate.cpu import CpuSignal
 from volutectl.gate.disks import DiskWatch, describe, holdings
 from volutectl.kernel import blockdevs
-from volutectl.kernel.probes import SYSTEM_PRESSURE, slice_cgroup
+from volutectl.kernel.probes import SYSTEM_PRESSURE, readable_pressure
 from volutectl.kernel.written import Written
 from volutectl.states import AdaptiveMode
 from volutectl.wire.messages import AdaptiveStatus, DiskStatus
@@ -185,17 +185,7 @@ class Probe:
 
 def pressure_file(settings: Settings) -> Path | None:
     """The turns slice's io.pressure when it reads as PSI, else the system's, else None."""
-    candidates = [SYSTEM_PRESSURE]
-    cgroup = slice_cgroup(settings.turns.slice)
-    if cgroup is not None:
-        candidates.insert(0, cgroup / "io.pressure")
-    for path in candidates:
-        try:
-            parse_total(path.read_text())
-        except (OSError, ValueError):
-            continue
-        return path
-    return None
+    return readable_pressure(settings.turns.slice, "io.pressure", SYSTEM_PRESSURE)
 
 
 class Sensor(Protocol):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from volutectl.core import cpu
 from volutectl.core.cpu import CpuLimit, CpuReading
 from volutectl.core.psi import parse_total, stall_fraction
-from volutectl.kernel.probes import CGROUP_ROOT, slice_cgroup
+from volutectl.kernel.probes import CGROUP_ROOT, readable_pressure
 
 if TYPE_CHECKING:
     from volutectl.config.settings import Settings
@@ -33,17 +33,7 @@ def cpu_pressure_file(
     slice_name: str, cgroup_root: Path = CGROUP_ROOT, system: Path = SYSTEM_CPU_PRESSURE
 ) -> Path | None:
     """The turns slice's cpu.pressure when it reads as PSI, else the system's, else None."""
-    candidates = [system]
-    cgroup = slice_cgroup(slice_name, cgroup_root)
-    if cgroup is not None:
-        candidates.insert(0, cgroup / "cpu.pressure")
-    for path in candidates:
-        try:
-            parse_total(path.read_text())
-        except (OSError, ValueError):
-            continue
-        return path
-    return None
+    return readable_pressure(slice_name, "cpu.pressure", system, cgroup_root)
 
 
 class CpuSignal:

@@ -55,6 +55,24 @@ def slice_cgroup(slice_name: str, cgroup_root: Path = CGROUP_ROOT) -> Path | Non
     return path
 
 
+def readable_pressure(
+    slice_name: str, name: str, system: Path, cgroup_root: Path = CGROUP_ROOT
+) -> Path | None:
+    """The turns slice's pressure file `name` (io.pressure, cpu.pressure) when it reads
+    as PSI, else `system`'s (/proc/pressure/...), else None."""
+    candidates = [system]
+    cgroup = slice_cgroup(slice_name, cgroup_root)
+    if cgroup is not None:
+        candidates.insert(0, cgroup / name)
+    for path in candidates:
+        try:
+            parse_total(path.read_text())
+        except (OSError, ValueError):
+            continue
+        return path
+    return None
+
+
 # -- block devices -----------------------------------------------------------------------
 
 
