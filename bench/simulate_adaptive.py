@@ -59,11 +59,11 @@ WRITE_S = 64 * KIB / (2 * 1024 * KIB)  # a synced 64 KiB write at 2 MB/s: 31 ms
 PROBE_S = 1 / 60  # a synced 4 KiB write at 60 IOPS: 17 ms
 THINK_S = 0.010  # a writer's pause between two writes, at most
 START_S = 0.05  # admission to the turn's first step
-# The gate's own synced writes, on the same card (bench_admission's section 4, at
-# 98e6a5e): 21.4 KB a delivery, and 74 KB with 2 fsyncs a turn (one as it starts, one
-# as it ends).
-GATE_WRITE_S = 37 * KIB / (2 * 1024 * KIB) + PROBE_S
-DELIVERY_WRITE_S = 21 * KIB / (2 * 1024 * KIB) + PROBE_S
+# The gate's own synced writes, on the same card (bench_admission's section 4, after
+# issue 32 cut them: docs/benchmarks.md, "The gate's own writes, cut"): 11.5 KB a
+# delivery, and 22 KB with 2 fsyncs a turn (one as it starts, one as it ends).
+GATE_WRITE_S = 11 * KIB / (2 * 1024 * KIB) + PROBE_S
+DELIVERY_WRITE_S = 11.5 * KIB / (2 * 1024 * KIB) + PROBE_S
 # The fan-out's `volutectl deliver`s land this far apart (33 interpreters' starts on 2
 # cores: the bench's first turn starts 1-8 s after the first delivery, under load).
 DELIVERY_EVERY = 0.05
