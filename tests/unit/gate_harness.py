@@ -209,13 +209,16 @@ class Harness:
         remote: bool = False,
         clock: Clock = SYSTEM,
         sensor: Sensor | None = None,
+        cpus: int = 2,
         **options: Any,
     ) -> None:
         self.clock = clock
         self.sensor = sensor
         # The CPUs' PSI: a file of the test's, quiet unless a test writes to it (the
         # host's would hold turns back as the machine's other work stalls it), read with
-        # 2 CPUs whatever the host has.
+        # `cpus` CPUs whatever the host has: a gate that starts bounds the turns at once
+        # to two per CPU (volutectl/core/cpu.py) until calm readings double it.
+        self.cpus = cpus
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.cpu_file = tmp_path / "cpu.pressure"
         self.cpu_file.write_text(CPU_PSI.format(0))
@@ -318,7 +321,7 @@ class Harness:
             journal=self.journal,
             clock=self.clock,
             sensor=self.sensor,
-            cpu=CpuSignal(self.settings, True, given=self.cpu_file, cpus=2),
+            cpu=CpuSignal(self.settings, True, given=self.cpu_file, cpus=self.cpus),
         )
 
     def close(self) -> None:
