@@ -209,16 +209,13 @@ class Harness:
         remote: bool = False,
         clock: Clock = SYSTEM,
         sensor: Sensor | None = None,
-        cpus: int = 2,
         **options: Any,
     ) -> None:
         self.clock = clock
         self.sensor = sensor
         # The CPUs' PSI: a file of the test's, quiet unless a test writes to it (the
         # host's would hold turns back as the machine's other work stalls it), read with
-        # `cpus` CPUs whatever the host has: a gate that starts bounds the turns at once
-        # to two per CPU (volutectl/core/cpu.py) until calm readings double it.
-        self.cpus = cpus
+        # 2 CPUs whatever the host has.
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.cpu_file = tmp_path / "cpu.pressure"
         self.cpu_file.write_text(CPU_PSI.format(0))
@@ -321,7 +318,7 @@ class Harness:
             journal=self.journal,
             clock=self.clock,
             sensor=self.sensor,
-            cpu=CpuSignal(self.settings, True, given=self.cpu_file, cpus=self.cpus),
+            cpu=CpuSignal(self.settings, True, given=self.cpu_file, cpus=2),
         )
 
     def close(self) -> None:

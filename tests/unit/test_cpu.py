@@ -43,7 +43,7 @@ def reading(stalled: float | None, running: int, waiting: int = 5) -> CpuReading
 
 
 def test_a_stall_that_lasts_drops_the_limit_to_a_share_of_the_turns_that_ran() -> None:
-    state, why = cpu.step(CpuLimit(limit=MAXIMUM), reading(0.9, 16), FLOOR, MAXIMUM)
+    state, why = cpu.step(cpu.initial(MAXIMUM), reading(0.9, 16), FLOOR, MAXIMUM)
     assert (state.limit, why) == (16, None)  # one reading: a fan-out's start-up, maybe
     state, why = cpu.step(state, reading(0.9, 16), FLOOR, MAXIMUM)
     assert state.limit == 11 and why is not None and "90% stalled" in why
@@ -55,27 +55,10 @@ def test_a_stall_that_lasts_drops_the_limit_to_a_share_of_the_turns_that_ran() -
 
 
 def test_a_stall_of_one_reading_between_calm_ones_moves_nothing() -> None:
-    state = CpuLimit(limit=MAXIMUM)
+    state = cpu.initial(MAXIMUM)
     for stalled in (0.9, 0.1, 0.9, 0.3, 0.9):
         state, why = cpu.step(state, reading(stalled, 16), FLOOR, MAXIMUM)
         assert (state.limit, why) == (16, None)
-
-
-def test_a_gate_that_starts_lets_in_two_turns_per_cpu_and_doubles_while_calm() -> None:
-    """Nothing learnt of the CPUs: twice the floor, not the maximum, so a cold fan-out
-    of CPU-bound turns is not let in as fast as the storage's limit allows before two
-    stalled readings catch it; turns that use no CPU double it within two readings."""
-    state = cpu.initial(FLOOR, MAXIMUM)
-    assert state == CpuLimit(limit=2 * FLOOR)
-    assert cpu.initial(FLOOR, 3).limit == 3  # never over the maximum
-    assert cpu.initial(8, MAXIMUM).limit == MAXIMUM  # a host of 8 CPUs
-    for expected in (4, 8, 8, 16):
-        state, _ = cpu.step(state, reading(0.0, state.limit), FLOOR, MAXIMUM)
-        assert state.limit == expected
-    stalled = cpu.initial(FLOOR, MAXIMUM)
-    for _ in range(2):  # CPU-bound turns at the start value: down to the floor
-        stalled, _ = cpu.step(stalled, reading(0.9, stalled.limit), FLOOR, MAXIMUM)
-    assert stalled.limit == FLOOR
 
 
 def test_a_stall_with_no_more_turns_than_cpus_moves_nothing() -> None:
@@ -163,8 +146,7 @@ def test_the_slice_file_is_read_when_it_reads_as_psi_else_the_systems(
 
 def test_an_interval_stalled_bounds_the_turns(tree: dict[str, Path], settings: Settings) -> None:
     signal = signal_of(tree, settings)
-    assert signal.path == tree["slice"] and signal.bound(1, 16) == 4  # two per CPU
-    signal.state = CpuLimit(limit=16)  # grown to the maximum by calm readings since
+    assert signal.path == tree["slice"] and signal.bound(1, 16) == 16
     assert signal.mark(100.0, running=16) is None
     tree["slice"].write_text(psi(450_000))  # 0.45 s of 0.5 s stalled
     assert signal.read(100.5, running=16, waiting=17, minimum=1, maximum=16) == (None, None)
@@ -180,8 +162,6 @@ def test_the_bound_is_kept_while_the_gate_is_idle_so_a_warm_fan_out_starts_at_it
     tree: dict[str, Path], settings: Settings
 ) -> None:
     signal = signal_of(tree, settings)
-    assert signal.bound(1, 16) == 4  # a gate that starts: two turns per CPU
-    signal.state = CpuLimit(limit=16)  # grown to the maximum by calm readings since
     signal.mark(0.0, running=16)
     for n in (1, 2):  # two whole intervals stalled
         tree["slice"].write_text(psi(n * 500_000))

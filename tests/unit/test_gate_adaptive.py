@@ -446,9 +446,7 @@ def test_a_turn_tells_what_it_wrote_and_light_minds_pass_while_a_heavy_one_write
     minds |= {f"light{i}": then for i in range(3)}
     # A maximum over the five that run: it bounds the turns at once whatever their costs.
     config = {"start": 2, "minimum": 1, "maximum": 8, "interval_seconds": 10.0}
-    # 4 CPUs: the CPUs' bound at the start (two turns per CPU) is the maximum, 8, and no
-    # reading in this test moves it; the storage's costs alone hold the turns.
-    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config}, cpus=4)
+    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config})
     harnesses.append(harness)
     adaptive = limit_of(harness)
     assert adaptive.costs() == {}  # cold: every mind costs 1, the limit counts turns
@@ -483,9 +481,7 @@ def test_a_cold_gate_lets_quiet_turns_by_once_a_sample_shows_them_and_holds_writ
     minds = {"writer": f"head -c {1 << 20} /dev/zero > {tmp_path}/w; {stay}"}
     minds |= {f"quiet{i}": stay for i in range(5)}
     config = {"start": 2, "minimum": 1, "maximum": 8, "interval_seconds": 10.0}
-    # 4 CPUs: the CPUs' bound at the start (two turns per CPU) is the maximum, 8, and no
-    # reading in this test moves it; the storage's costs alone hold the turns.
-    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config}, cpus=4)
+    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config})
     harnesses.append(harness)
     adaptive = limit_of(harness)
     for mind in minds:

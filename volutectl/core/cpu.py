@@ -25,9 +25,6 @@ It never goes below `floor`: the larger of the storage limit's minimum and the n
 of CPUs (capped at the maximum). As many CPU-bound turns as cores is what a static cap
 of that size would run, and what the bench's bound is measured against.
 
-A gate that starts knows nothing of the CPUs: it starts at twice the floor (`initial`),
-two turns per CPU, and grows from there as above.
-
 Unlike the storage's limit, it is kept while the gate is idle: the cores a host has do
 not change with the mix, and a second fan-out of the same CPU-bound minds (a warm gate)
 must not start all at once again. A fan-out of turns that use no CPU grows it back by
@@ -45,7 +42,6 @@ STALL_DISTRESS = 0.50  # at or over: tasks of the turns wait for a CPU half the 
 BACK_OFF = 0.7  # on distress, the limit becomes this share of the turns that ran
 GROW_AFTER = 2  # healthy readings in a row before the limit grows
 STRAINED_AFTER = 2  # distressed readings in a row before it drops
-START_PER_FLOOR = 2  # a gate that starts: twice the floor (two turns per CPU)
 
 
 @dataclass(frozen=True)
@@ -72,15 +68,9 @@ def floor_of(minimum: int, maximum: int, cpus: int) -> int:
     return max(minimum, min(maximum, cpus))
 
 
-def initial(floor: int, maximum: int) -> CpuLimit:
-    """A gate that starts: nothing learnt of the CPUs yet, so `START_PER_FLOOR` times the
-    floor (two turns per CPU), which calm readings double from as any growth. A cold
-    gate at the maximum let a CPU-bound fan-out in as fast as the storage's limit did:
-    turns that write nothing cost a sixteenth of a place once sampled, so 7 CPU-bound
-    turns ran at once on 2 cores before two stalled readings brought the bound down,
-    and the probe waited for the cores (issue 32: the SD card's cpu cell at 33 minds,
-    docs/benchmarks.md). Turns that use no CPU find it doubled within two readings."""
-    return CpuLimit(limit=min(maximum, START_PER_FLOOR * floor))
+def initial(maximum: int) -> CpuLimit:
+    """A gate that starts: nothing learnt, the CPUs do not hold anything back."""
+    return CpuLimit(limit=maximum)
 
 
 def grown(state: CpuLimit, maximum: int) -> int:
