@@ -209,13 +209,18 @@ class Harness:
         remote: bool = False,
         clock: Clock = SYSTEM,
         sensor: Sensor | None = None,
+        cpus: int = 16,
         **options: Any,
     ) -> None:
         self.clock = clock
         self.sensor = sensor
         # The CPUs' PSI: a file of the test's, quiet unless a test writes to it (the
         # host's would hold turns back as the machine's other work stalls it), read with
-        # 2 CPUs whatever the host has.
+        # `cpus` CPUs whatever the host has. A gate that starts bounds the turns at once
+        # to one per CPU (volutectl/core/cpu.py) until calm readings double it: 16, the
+        # default maximum, leaves the CPUs' bound out of every test but those of it
+        # (tests/unit/test_cpu.py, with 2).
+        self.cpus = cpus
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.cpu_file = tmp_path / "cpu.pressure"
         self.cpu_file.write_text(CPU_PSI.format(0))
@@ -318,7 +323,7 @@ class Harness:
             journal=self.journal,
             clock=self.clock,
             sensor=self.sensor,
-            cpu=CpuSignal(self.settings, True, given=self.cpu_file, cpus=2),
+            cpu=CpuSignal(self.settings, True, given=self.cpu_file, cpus=self.cpus),
         )
 
     def close(self) -> None:

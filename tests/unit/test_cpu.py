@@ -43,7 +43,7 @@ def reading(stalled: float | None, running: int, waiting: int = 5) -> CpuReading
 
 
 def test_a_stall_that_lasts_drops_the_limit_to_a_share_of_the_turns_that_ran() -> None:
-    state, why = cpu.step(cpu.initial(MAXIMUM), reading(0.9, 16), FLOOR, MAXIMUM)
+    state, why = cpu.step(CpuLimit(limit=MAXIMUM), reading(0.9, 16), FLOOR, MAXIMUM)
     assert (state.limit, why) == (16, None)  # one reading: a fan-out's start-up, maybe
     state, why = cpu.step(state, reading(0.9, 16), FLOOR, MAXIMUM)
     assert state.limit == 11 and why is not None and "90% stalled" in why
@@ -55,10 +55,32 @@ def test_a_stall_that_lasts_drops_the_limit_to_a_share_of_the_turns_that_ran() -
 
 
 def test_a_stall_of_one_reading_between_calm_ones_moves_nothing() -> None:
-    state = cpu.initial(MAXIMUM)
+    state = CpuLimit(limit=MAXIMUM)
     for stalled in (0.9, 0.1, 0.9, 0.3, 0.9):
         state, why = cpu.step(state, reading(stalled, 16), FLOOR, MAXIMUM)
         assert (state.limit, why) == (16, None)
+
+
+def test_a_gate_that_starts_lets_in_one_turn_per_cpu_and_doubles_while_calm() -> None:
+    """Nothing learnt of the CPUs: the floor, not the maximum, so a cold fan-out of
+    CPU-bound turns is not let in as fast as the storage's limit allows before two
+    stalled readings catch it; turns that use no CPU double it every two readings while
+    deliveries wait at it."""
+    state = cpu.initial(FLOOR, MAXIMUM)
+    assert state == CpuLimit(limit=FLOOR)
+    assert cpu.initial(FLOOR, 1).limit == 1  # never over the maximum
+    assert cpu.initial(32, MAXIMUM).limit == MAXIMUM  # a host of 32 CPUs
+    for expected in (2, 4, 4, 8, 8, 16):
+        state, _ = cpu.step(state, reading(0.0, state.limit), FLOOR, MAXIMUM)
+        assert state.limit == expected
+    idle = cpu.initial(FLOOR, MAXIMUM)
+    for _ in range(4):  # calm, but nothing waits at it: it stays
+        idle, why = cpu.step(idle, reading(0.0, idle.limit, waiting=0), FLOOR, MAXIMUM)
+        assert (idle.limit, why) == (FLOOR, None)
+    stalled = cpu.initial(FLOOR, MAXIMUM)
+    for _ in range(2):  # CPU-bound turns at the floor: no distress, it stays
+        stalled, _ = cpu.step(stalled, reading(0.9, stalled.limit), FLOOR, MAXIMUM)
+    assert stalled.limit == FLOOR
 
 
 def test_a_stall_with_no_more_turns_than_cpus_moves_nothing() -> None:
@@ -146,7 +168,8 @@ def test_the_slice_file_is_read_when_it_reads_as_psi_else_the_systems(
 
 def test_an_interval_stalled_bounds_the_turns(tree: dict[str, Path], settings: Settings) -> None:
     signal = signal_of(tree, settings)
-    assert signal.path == tree["slice"] and signal.bound(1, 16) == 16
+    assert signal.path == tree["slice"] and signal.bound(1, 16) == 2  # one per CPU
+    signal.state = CpuLimit(limit=16)  # grown to the maximum by calm readings since
     assert signal.mark(100.0, running=16) is None
     tree["slice"].write_text(psi(450_000))  # 0.45 s of 0.5 s stalled
     assert signal.read(100.5, running=16, waiting=17, minimum=1, maximum=16) == (None, None)
@@ -162,6 +185,8 @@ def test_the_bound_is_kept_while_the_gate_is_idle_so_a_warm_fan_out_starts_at_it
     tree: dict[str, Path], settings: Settings
 ) -> None:
     signal = signal_of(tree, settings)
+    assert signal.bound(1, 16) == 2  # a gate that starts: one turn per CPU
+    signal.state = CpuLimit(limit=16)  # grown to the maximum by calm readings since
     signal.mark(0.0, running=16)
     for n in (1, 2):  # two whole intervals stalled
         tree["slice"].write_text(psi(n * 500_000))
@@ -222,7 +247,7 @@ def test_a_host_with_no_cpu_psi_has_no_cpu_bound(tmp_path: Path, settings: Setti
 
 def cpu_harness(tmp_path: Path, harnesses: list[Harness], **adaptive: Any) -> Harness:
     config = {"start": 4, "minimum": 1, "maximum": 4, "interval_seconds": 1.0} | adaptive
-    harness = Harness(tmp_path, minds=MINDS, limits={"adaptive": config}, clock=FakeClock())
+    harness = Harness(tmp_path, minds=MINDS, limits={"adaptive": config}, clock=FakeClock(), cpus=2)
     harnesses.append(harness)
     return harness
 
@@ -239,8 +264,11 @@ def test_a_cpu_stall_bounds_the_turns_at_once_and_the_next_delivery_waits(
     harness = cpu_harness(tmp_path, harnesses)
     for mind in list(MINDS)[:4]:
         deliver(harness, mind)
-    harness.pump(lambda: running(harness) == 4)
+    harness.pump(lambda: running(harness) == 2)
     adaptive = limit_of(harness)
+    assert adaptive.turns_bound() == 2  # a gate that starts: one turn per CPU
+    readings(harness, 2)  # two calm readings with two deliveries waiting at it: doubled
+    harness.pump(lambda: running(harness) == 4)
     assert adaptive.turns_bound() == 4
     stall(harness, 0.95)
     readings(harness, 1)
@@ -248,7 +276,8 @@ def test_a_cpu_stall_bounds_the_turns_at_once_and_the_next_delivery_waits(
     stall(harness, 0.95)
     readings(harness, 1)
     assert adaptive.turns_bound() == 2
-    [changed] = harness.journal.of(events.CpuLimitChanged)
+    grown, changed = harness.journal.of(events.CpuLimitChanged)
+    assert (grown.old_limit, grown.new_limit) == (2, 4) and "healthy, 2 waiting" in grown.why
     assert (changed.old_limit, changed.new_limit) == (4, 2)
     assert "cpu 95% stalled with 4 running" in changed.why
     deliver(harness, "m4")  # the fifth mind: held, the CPUs bear fewer

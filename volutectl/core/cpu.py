@@ -25,6 +25,10 @@ It never goes below `floor`: the larger of the storage limit's minimum and the n
 of CPUs (capped at the maximum). As many CPU-bound turns as cores is what a static cap
 of that size would run, and what the bench's bound is measured against.
 
+A gate that starts knows nothing of the CPUs: it starts at the floor (`initial`), one
+turn per CPU, and grows from there as above: calm readings with deliveries waiting at
+it double it within two readings.
+
 Unlike the storage's limit, it is kept while the gate is idle: the cores a host has do
 not change with the mix, and a second fan-out of the same CPU-bound minds (a warm gate)
 must not start all at once again. A fan-out of turns that use no CPU grows it back by
@@ -68,9 +72,16 @@ def floor_of(minimum: int, maximum: int, cpus: int) -> int:
     return max(minimum, min(maximum, cpus))
 
 
-def initial(maximum: int) -> CpuLimit:
-    """A gate that starts: nothing learnt, the CPUs do not hold anything back."""
-    return CpuLimit(limit=maximum)
+def initial(floor: int, maximum: int) -> CpuLimit:
+    """A gate that starts: nothing learnt of the CPUs yet, so the floor (one turn per
+    CPU), which calm readings double from as any growth. A cold gate at the maximum let
+    a CPU-bound fan-out in as fast as the storage's limit did: turns that write nothing
+    cost a sixteenth of a place once sampled, so 7 to 10 CPU-bound turns ran at once on
+    2 cores before two stalled readings brought the bound down, and the probe waited for
+    the cores. Two per CPU was tried and did not bring the probe's p99 down; one per CPU
+    did (issue 32: the cpu cells at 33 minds, docs/benchmarks.md). Turns that use no CPU
+    find it doubled within two readings while deliveries wait at it."""
+    return CpuLimit(limit=min(maximum, floor))
 
 
 def grown(state: CpuLimit, maximum: int) -> int:

@@ -56,7 +56,9 @@ class CpuSignal:
         self._given = given
         self.path = given if given is not None or not enabled else self._find()
         self.cpus = cpus or os.cpu_count() or 1
-        self.state: CpuLimit = cpu.initial(settings.limits.adaptive.maximum)
+        adaptive = settings.limits.adaptive
+        floor = self.floor(adaptive.minimum, adaptive.maximum)
+        self.state: CpuLimit = cpu.initial(floor, adaptive.maximum)
         self._lost: str | None = None  # why the file that read failed, until one reads
         self._mark: tuple[int, float] | None = None  # (total µs, monotonic) at the start
         self._running = 0  # the most turns running since the mark
