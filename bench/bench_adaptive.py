@@ -10,7 +10,8 @@ tmpfs of its own) by default, so that the throttle is the disk's only slowness;
 `--backing disk` puts it on the host's disk, whose own stalls then come through too.
 The gate's state directory (/var/lib/volute) is on the slow disk too, as on a Pi: its
 synced commits queue behind the turns' writes. The probe (volute_testbed.diskprobe), a
-4 KiB synced write every 200 ms on the same disk, stands in for sshd and journald.
+4 KiB synced write every 200 ms on average, at random moments, on the same disk, stands
+in for sshd and journald.
 
 Disk profiles: sd (60 write IOPS, 2 MB/s), emmc (500 IOPS, 20 MB/s), unthrottled.
 

@@ -1,9 +1,21 @@
-"""The disk-latency probe of the slow-disk runs: a 4 KiB write+fsync every 200 ms.
+"""The disk-latency probe of the slow-disk runs: a 4 KiB write+fsync every 200 ms on
+average, at random moments (each gap uniform in 100-300 ms).
 
 It stands in for sshd and journald on a Pi whose card is busy: what they feel is how long
 one small synced write takes while the turns write. The probe runs on the host as a child
 of the calling process, so it inherits the slow disk's blkio cgroup
 (volute_testbed.slowdisk) and writes to the same throttled device as the turns.
+
+Why at random moments: sshd and journald do not write in step with the gate. A probe on
+a fixed 200 ms grid is: the adaptive gate reads the disk and starts turns every 0.5 s
+(limits.adaptive.interval_seconds), so its readings fall on the same two phases of the
+probe's grid every second, and a run whose grid starts within a few tens of milliseconds
+of them samples every burst of the gate's start commits and probe, and no run in
+between. The SD card's network cell at 33 minds showed it (docs/benchmarks.md, "The
+probe in step with the gate"): the slow samples of one run 1.00 s apart, each as two turns
+started at a reading. Random gaps keep the same rate and sample the disk at moments that
+owe nothing to the gate's clock (Poisson arrivals see time averages; uniform gaps are as
+good for that and never bunch).
 
 Used by bench/replay_incident.py and bench/bench_adaptive.py.
 """
@@ -15,13 +27,15 @@ import sys
 import time
 from pathlib import Path
 
-# On a fixed grid: a late write skips the ticks it missed, so a stalled disk yields fewer
-# samples, each as slow as it was. One "start_epoch latency_ms" line per write.
+# Gaps drawn uniform in [0.1, 0.3] s: a late write skips the ticks it missed, so a stalled
+# disk yields fewer samples, each as slow as it was. One "start_epoch latency_ms" line per
+# write.
 PROBE_SCRIPT = r"""
-import os, sys, time
+import os, random, sys, time
 path, out, stop = sys.argv[1:4]
 fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
 block = b"p" * 4096
+gap = random.Random()
 with open(out, "w", buffering=1) as log:
     tick = time.monotonic()
     while not os.path.exists(stop):
@@ -30,10 +44,10 @@ with open(out, "w", buffering=1) as log:
         os.pwrite(fd, block, 0)
         os.fsync(fd)
         log.write(f"{wall:.6f} {(time.monotonic() - t0) * 1000:.3f}\n")
-        tick += 0.2
+        tick += gap.uniform(0.1, 0.3)
         now = time.monotonic()
         while tick < now:
-            tick += 0.2
+            tick += gap.uniform(0.1, 0.3)
         time.sleep(tick - now)
 """
 

@@ -22,6 +22,7 @@ and journald.
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -67,7 +68,9 @@ def slow() -> Iterator[tuple[Machine, SlowDisk]]:
 
 
 class Probe:
-    """A 4 KiB write + fsync every `every` seconds (the issue's 200 ms by default) on the
+    """A 4 KiB write + fsync every `every` seconds on average (the issue's 200 ms by
+    default; each gap uniform in half to one and a half of it, so that the samples owe
+    nothing to the gate's 0.5 s readings: volute_testbed/diskprobe.py says why) on the
     slow disk, in a thread of this process (which the slow disk's blkio cgroup holds):
     (monotonic start, latency in ms)."""
 
@@ -83,16 +86,17 @@ class Probe:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
         block = b"p" * 4096
         try:
+            gap = random.Random()
             tick = time.monotonic()
             while not self._stop.is_set():
                 began = time.monotonic()
                 os.pwrite(fd, block, 0)
                 os.fsync(fd)
                 self.samples.append((began, (time.monotonic() - began) * 1000))
-                tick += self.every
+                tick += gap.uniform(0.5, 1.5) * self.every
                 now = time.monotonic()
                 while tick < now:  # a slow write skips ticks; it does not pile them up
-                    tick += self.every
+                    tick += gap.uniform(0.5, 1.5) * self.every
                 self._stop.wait(tick - now)
         finally:
             os.close(fd)
