@@ -99,6 +99,33 @@ def test_a_sigkill_of_the_gates_cgroup_at_each_step_loses_nothing(
     assert machine.run(["ls", "/run/volute/turns"]).stdout.split() == []
 
 
+@pytest.mark.serial
+def test_a_sigkill_amid_the_starts_of_one_pass_runs_each_turn_once(machine: Machine) -> None:
+    """Three turns that one pass commits together (a pause of every mind lifted), and the
+    gate's whole cgroup SIGKILLed once the first is released and recorded: the other two
+    are committed and their scopes never started. The restarted gate adopts the first and
+    returns the two with no attempt counted; each delivery runs once."""
+    install_probe(machine)
+    fast_restarts(machine, VOLUTE_CRASH_AT="release_recorded", VOLUTE_CRASH_ONCE=CRASHED)
+    minds = {name: "turn-probe 1.0" for name in ("m", "n", "o")}
+    limits = {"global_concurrent_turns": 3}
+    start_gate(machine, gate_config(minds, gate=FAST_RETRIES, limits=limits))
+    first = gate_pid(machine)
+    machine.run([VOLUTECTL, "pause"])
+    acked = [deliver(machine, mind, "one", "--session", "s") for mind in minds]
+    machine.run([VOLUTECTL, "resume"])
+    wait_for(lambda: machine.host_path(CRASHED).exists(), timeout=30)
+    assert wait_gate_up(machine) != first  # it really died, and came back
+    wait_for(lambda: all_settled(machine), timeout=60, interval=0.2)
+    assert_exactly_once(turn_log(machine), acked)
+    rows = queue_rows(machine, "done")
+    assert sorted(int(r["id"]) for r in rows) == sorted(acked)
+    assert all(r["attempts"] == 0 for r in rows), rows
+    never = gate_events(machine, "VOLUTE_EVENT=end", "VOLUTE_OUTCOME=never_ran")
+    assert len(never) == 2, never  # the two committed with the first, never started
+    assert_no_live_turn_scopes(machine)
+
+
 def test_a_sigkill_as_a_failed_start_settles_leaves_no_delivery_running(
     machine: Machine,
 ) -> None:

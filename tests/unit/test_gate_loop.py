@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.unit.fake_clock import FakeClock
 from tests.unit.gate_harness import Harness, Turns, settled
 from volutectl import events, faults, names
 from volutectl.states import HoldReason, Outcome, QueueState
@@ -146,6 +147,44 @@ def test_an_interrupt_signals_the_turn_and_counts_as_carried(
     assert {row.id for row in done} == {first, second} and all(r.attempts == 0 for r in done)
     ends = [(e.outcome, e.exit_status) for e in harness.journal.of(events.TurnEnded)]
     assert (Outcome.INTERRUPTED, 130) in ends
+
+
+def test_the_turns_of_one_pass_are_committed_together_and_a_start_unanswered_returns_the_rest(
+    tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness]
+) -> None:
+    """Three minds' deliveries held by a pause of every mind, then resumed: one pass
+    starts all three, committed together (one started_at, consecutive ids). systemd gives
+    the first start no answer, so starts pause: the other two are never handed to their
+    hands (one start_scope call in all) and go back as the first's do, no attempt
+    counted. Once systemd answers, each runs once."""
+    command, log = probe
+    minds = {name: f"{command} 0" for name in ("m", "n", "o")}
+    # A fake clock: the second's pause of starts lasts until the test moves it on.
+    clock = FakeClock()
+    limits = {"global_concurrent_turns": 3, "adaptive": {"enabled": False}}
+    harness = gate(tmp_path, minds, limits=limits, clock=clock)
+    harnesses.append(harness)
+    assert harness.connect().request({"op": "pause"})["changed"] == ["*"]
+    ids = [deliver(harness, mind, "s") for mind in minds]
+    harness.manager.silent.add("start_scope")
+    assert harness.connect().request({"op": "resume"})["ok"] is True
+    harness.pump(lambda: len(harness.journal.of(events.TurnNeverStarted)) == 3)
+    assert harness.manager.calls.get("start_scope") == 1
+    never = harness.journal.of(events.TurnNeverStarted)
+    assert "no answer to an earlier start of the pass" in never[1].error
+    turns = [harness.gate.state.store.turn(event.turn_id) for event in never]
+    assert len({turn.started_at for turn in turns if turn is not None}) == 1
+    assert sorted(event.turn_id for event in never) == list(
+        range(never[0].turn_id, never[0].turn_id + 3)
+    )
+    pending = rows(harness, QueueState.PENDING)
+    assert sorted(row.id for row in pending) == ids
+    assert all(row.attempts == 0 and row.last_error is None for row in pending)
+    assert log.started() == 0
+    harness.manager.silent.clear()
+    clock.advance(2.0)
+    harness.pump(lambda: settled(harness), timeout=30)
+    assert log.runs() == {delivery: 1 for delivery in ids}
 
 
 def test_a_start_systemd_never_answers_is_no_attempt_and_runs_once_it_answers(
@@ -340,6 +379,37 @@ def test_a_crash_at_each_step_loses_nothing_and_runs_nothing_twice(
         )
         acked.append(int(reply["id"]))
         assert sum(harness.gate.state.store.counts().values()) == 1  # not a second row
+    harness.pump(lambda: settled(harness) and not harness.gate.state.turns.all(), timeout=15)
+    assert log.runs() == dict.fromkeys(acked, 1)
+    assert all(row.attempts == 0 for row in rows(harness, QueueState.DONE))
+    assert harness.manager.list_units(harness.settings.turns.slice, ["volute-turn-*"]) == []
+
+
+@pytest.mark.parametrize("point", ["start_committed", "forked", "release_recorded"])
+def test_a_crash_amid_the_starts_of_one_pass_loses_nothing_and_runs_nothing_twice(
+    tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness], point: str
+) -> None:
+    """Three turns committed together by one pass (a pause of every mind lifted): a crash
+    once they are committed, as the first one's child forks, or once the first is
+    released and recorded, the other two committed and never handed to their hands. The
+    next gate finds each as a lone start would leave it: each delivery runs once, none
+    with an attempt counted."""
+    command, log = probe
+    minds = {name: f"{command} 0.2" for name in ("m", "n", "o")}
+    limits = {"global_concurrent_turns": 3, "adaptive": {"enabled": False}}
+    harness = gate(tmp_path, minds, limits=limits)
+    harnesses.append(harness)
+    assert harness.connect().request({"op": "pause"})["changed"] == ["*"]
+    acked = [deliver(harness, mind, "s") for mind in minds]
+    faults.arm(point)
+    client = harness.connect()
+    client.send(b'{"v":1,"op":"resume"}\n')
+    with pytest.raises(faults.SimulatedCrash):
+        harness.pump(lambda: False, timeout=10)
+    committed = [t for t in harness.gate.state.store.open_turns() if t.mind in minds]
+    assert len(committed) == 3  # the crash came after the one commit of all three
+    harness.crash()
+    harness.restart()
     harness.pump(lambda: settled(harness) and not harness.gate.state.turns.all(), timeout=15)
     assert log.runs() == dict.fromkeys(acked, 1)
     assert all(row.attempts == 0 for row in rows(harness, QueueState.DONE))

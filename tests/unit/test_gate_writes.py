@@ -10,6 +10,7 @@ the figures that docs/benchmarks.md gives, so that a new index or a bigger page 
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,10 @@ from tests.unit.gate_harness import Harness
 from tests.unit.test_gate_adaptive import MINDS, limit_of, running
 from tests.unit.test_gate_pause import deliver
 from volutectl.gate.adaptive import QUIET_READINGS
-from volutectl.states import HoldReason, Outcome
+from volutectl.states import HoldReason, Outcome, QueueState
 from volutectl.store import indexed, schema
 from volutectl.store.indexed import IndexedStore
-from volutectl.store.queue import NewDelivery
+from volutectl.store.queue import NewDelivery, NewTurn
 
 NOW = 1_700_000_000.0
 FRAME = schema.PAGE_SIZE + 24
@@ -30,6 +31,19 @@ FRAME = schema.PAGE_SIZE + 24
 
 def wal_bytes(store: IndexedStore) -> int:
     return os.path.getsize(f"{store.path}-wal")
+
+
+def wal_frames(store: IndexedStore, since: int) -> tuple[int, int]:
+    """(frames, commits) in the WAL after byte `since`: read from the file itself, each
+    frame's header giving the database's size in pages for a commit's last frame and 0
+    for the others (sqlite.org/fileformat2.html#walformat)."""
+    data = Path(f"{store.path}-wal").read_bytes()
+    frames = commits = 0
+    for offset in range(max(since, 32), len(data), FRAME):
+        _page, size_after = struct.unpack(">II", data[offset : offset + 8])
+        frames += 1
+        commits += size_after != 0
+    return frames, commits
 
 
 @pytest.fixture
@@ -79,6 +93,31 @@ def test_a_turn_writes_at_most_sixteen_small_frames(store: IndexedStore) -> None
         )  # fmt: skip
     per_turn = (wal_bytes(store) - before) / 20
     assert per_turn <= 16 * FRAME, per_turn / FRAME
+
+
+def test_the_turns_a_pass_starts_share_one_commit(store: IndexedStore) -> None:
+    """Eight turns started by one pass: one commit (one fsync on the disk the gate guards,
+    not eight), and fewer frames than eight lone starts, whose commits each write the
+    pages they share again. Each turn is as a lone start leaves it."""
+    added = store.add_deliveries([NewDelivery("m", f"s{n}", b"x" * 200) for n in range(16)], NOW)
+    ids = [delivery_id for delivery_id in added if isinstance(delivery_id, int)]
+    assert len(ids) == 16
+    before = wal_bytes(store)
+    together = store.start_turns(
+        [NewTurn("m", f"s{n}", [ids[n]], lambda t: f"u{t}") for n in range(8)], NOW
+    )
+    grouped, commits = wal_frames(store, before)
+    assert commits == 1
+    assert [[row.id for row in rows] for _, rows in together] == [[i] for i in ids[:8]]
+    for turn_id, _ in together:
+        turn = store.turn(turn_id)
+        assert turn is not None and turn.unit == f"u{turn_id}" and not turn.released
+    assert {row.state for row in store.rows(ids[:8])} == {QueueState.RUNNING}
+    before = wal_bytes(store)
+    for n in range(8, 16):
+        store.start_turn("m", f"s{n}", lambda t: f"u{t}", [ids[n]], NOW)
+    lone, commits = wal_frames(store, before)
+    assert commits == 8 and grouped < lone / 2, (grouped, lone)
 
 
 # -- the probe --------------------------------------------------------------------------

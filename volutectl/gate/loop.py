@@ -637,11 +637,11 @@ class Gate:
         )
         for fold in decision.folds:
             state.turns.fold(fold, now)
-        for start in decision.starts:
-            if state.turns.starts_paused(now) is not None:
-                break  # the rest stay pending, decided again in the next pass
+        if decision.starts and state.turns.starts_paused(now) is None:
+            # One commit for all of them; if systemd gives one no answer (starts pause),
+            # the rest go back to pending with no attempt, decided again in a later pass.
             self.started = True
-            state.turns.start(start, now)
+            state.turns.start(decision.starts, now)
         self._grant(decision, now)
         paused = state.turns.starts_paused(now)
         if paused is not None:

@@ -16,9 +16,10 @@ delivery ended, and to say that admission should run again.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sqlite3
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
@@ -35,7 +36,7 @@ from volutectl.launcher import fork
 from volutectl.launcher.hands import LauncherLost, LauncherUnavailable, TurnHands
 from volutectl.states import HoldReason, LeaseEnd, Outcome, QueueState
 from volutectl.store.indexed import IndexedStore
-from volutectl.store.queue import Row, TurnRow
+from volutectl.store.queue import NewTurn, Row, TurnRow
 from volutectl.systemd.journal import Journal
 from volutectl.wire import orders
 
@@ -259,37 +260,60 @@ class Turns:
         ahead |= {other.uid for other in self.store.rows(before, with_message=False)}
         return not admission.may_interrupt(row.uid, row.admin, ahead)
 
-    def start(self, start: admission.Start, now: float) -> None:
-        """Commit the turn, then have its hands start it (directory, fork, scope, release)."""
-        max_runtime = self.settings.max_runtime(start.mind)
-        deadline = now + max_runtime if max_runtime else None
-        turn_id, taken = self.store.start_turn(
-            start.mind,
-            start.session,
-            lambda tid: names.turn_scope_name(start.mind, tid),
-            list(start.delivery_ids),
+    def start(self, starts: Sequence[admission.Start], now: float) -> None:
+        """Commit the turns of a pass in ONE durable commit (volutectl/store/queue.py's
+        `start_turns`), then have their hands start each in order (directory, fork,
+        scope, release). Once systemd gives one no answer (starts pause), the rest are
+        not handed to their hands, and go back with no attempt counted, as that one's
+        do."""
+        if not starts:
+            return
+        deadlines = []
+        for start in starts:
+            max_runtime = self.settings.max_runtime(start.mind)
+            deadlines.append(now + max_runtime if max_runtime else None)
+        committed = self.store.start_turns(
+            [
+                NewTurn(
+                    start.mind,
+                    start.session,
+                    list(start.delivery_ids),
+                    functools.partial(names.turn_scope_name, start.mind),
+                    deadline,
+                )
+                for start, deadline in zip(starts, deadlines, strict=True)
+            ],
             now,
-            deadline=deadline,
         )
         crash_point("start_committed")
-        turn = Turn(
-            id=turn_id,
-            mind=start.mind,
-            session=start.session,
-            unit=names.turn_scope_name(start.mind, turn_id),
-            started_at=now,
-            state=lifecycle.Starting(),
-            deadline=deadline,
-            taken=tuple(taken),
-        )
+        for start, deadline, (turn_id, taken) in zip(starts, deadlines, committed, strict=True):
+            turn = Turn(
+                id=turn_id,
+                mind=start.mind,
+                session=start.session,
+                unit=names.turn_scope_name(start.mind, turn_id),
+                started_at=now,
+                state=lifecycle.Starting(),
+                deadline=deadline,
+                taken=tuple(taken),
+            )
+            if self.starts_paused(now) is not None:
+                unanswered = "not started: systemd gave no answer to an earlier start of the pass"
+                self._start_unanswered(turn, SystemdNoAnswer(unanswered))
+                continue
+            self._hand(turn, taken, now)
+
+    def _hand(self, turn: Turn, taken: Sequence[Row], now: float) -> None:
+        """Have a committed turn's hands start it, and step it by how that went."""
+        turn_id = turn.id
         self.log_released(taken, now, f"starting turn {turn_id}")
         stdin = b"".join(
             fork.delivery_record(r.id, r.session, r.message, r.interrupt) for r in taken
         )
         order = orders.StartTurn(
             turn_id=turn_id,
-            mind=start.mind,
-            session=start.session,
+            mind=turn.mind,
+            session=turn.session,
             delivery_ids=tuple(row.id for row in taken),
         )
         try:

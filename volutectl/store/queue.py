@@ -26,11 +26,26 @@ from volutectl.errors import PermissionDeniedError, UnavailableError, VoluteErro
 from volutectl.states import HoldReason, Outcome, QueueState, TurnKind, TurnState
 from volutectl.store.leases import LeaseStore
 from volutectl.store.minds import MindStore
-from volutectl.store.rows import AlreadyQueued, NewDelivery, RequestIdReused, Row, TurnRow
+from volutectl.store.rows import (
+    AlreadyQueued,
+    NewDelivery,
+    NewTurn,
+    RequestIdReused,
+    Row,
+    TurnRow,
+)
 from volutectl.store.schema import PAGE_SIZE, Transaction, migrate, schema_version
 
 # The records are volutectl/store/rows.py's; they are re-exported for the store's callers.
-__all__ = ["AlreadyQueued", "NewDelivery", "RequestIdReused", "Row", "Store", "TurnRow"]
+__all__ = [
+    "AlreadyQueued",
+    "NewDelivery",
+    "NewTurn",
+    "RequestIdReused",
+    "Row",
+    "Store",
+    "TurnRow",
+]
 
 PENDING = QueueState.PENDING
 RUNNING = QueueState.RUNNING
@@ -419,16 +434,36 @@ class Store:
         `unit_for` turns the new turn id into its unit name; `deadline` is when the turn's
         max runtime runs out.
         """
+        [started] = self.start_turns(
+            [NewTurn(mind, session, delivery_ids, unit_for, deadline)], now
+        )
+        return started
+
+    def start_turns(self, turns: Sequence[NewTurn], now: float) -> list[tuple[int, list[Row]]]:
+        """Create turns and move their rows to running, all in ONE durable commit: each
+        turn's id and its rows as they were (with the hold they leave), in order.
+
+        A pass that starts several turns pays one fsync, not one each: on a 60-IOPS SD
+        card a commit is a few of its writes, and a fan-out's starts at one reading of
+        the adaptive limit were a burst a small write of the host's waited behind (issue
+        32). Each turn is as a lone start leaves it: committed, not yet released, so a
+        gate that dies before its hands start one finds it so and returns its rows."""
+        started: list[tuple[int, list[Row]]] = []
         with self._tx():
-            cursor = self.db.execute(
-                "INSERT INTO turns (mind, session, started_at, deadline) VALUES (?, ?, ?, ?)",
-                (mind, session, now, deadline),
-            )
-            turn_id = int(cursor.lastrowid or 0)
-            self.db.execute("UPDATE turns SET unit = ? WHERE id = ?", (unit_for(turn_id), turn_id))
-            rows = self._take(turn_id, delivery_ids, now, folded=False)
-        self._unpended(row.id for row in rows)
-        return turn_id, rows
+            for turn in turns:
+                cursor = self.db.execute(
+                    "INSERT INTO turns (mind, session, started_at, deadline) VALUES (?, ?, ?, ?)",
+                    (turn.mind, turn.session, now, turn.deadline),
+                )
+                turn_id = int(cursor.lastrowid or 0)
+                self.db.execute(
+                    "UPDATE turns SET unit = ? WHERE id = ?", (turn.unit_for(turn_id), turn_id)
+                )
+                rows = self._take(turn_id, turn.delivery_ids, now, folded=False)
+                started.append((turn_id, rows))
+        for _, rows in started:
+            self._unpended(row.id for row in rows)
+        return started
 
     def fold_into(self, turn_id: int, delivery_ids: Sequence[int], now: float) -> list[Row]:
         """Hand rows to a running turn, and decide in the same commit which of their

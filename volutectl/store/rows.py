@@ -1,7 +1,7 @@
 """The records of the queue database: what the store takes in and hands out.
 
 `NewDelivery` (a delivery to add), `AlreadyQueued` (the id a request id sent again
-gives back), `Row` (a delivery as stored), `TurnRow` (a turn as
+gives back), `NewTurn` (a turn to start), `Row` (a delivery as stored), `TurnRow` (a turn as
 stored) and `RequestIdReused` (the refusal of a reused request id): plain frozen
 dataclasses with no SQL, so the store's callers and quotas (volutectl/store/quotas.py)
 can name them without the store. The store (volutectl/store/queue.py) is the only module
@@ -10,6 +10,7 @@ that reads or writes them in SQL, and decodes its SELECTs into them by column na
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from volutectl.core.admission import Delivery, Sent
@@ -49,6 +50,19 @@ class NewDelivery:
     request_id: str | None = None
     uid: int | None = None
     admin: bool = False  # an interrupt whose sender is an admin: it may cut any turn
+
+
+@dataclass(frozen=True)
+class NewTurn:
+    """A turn to start: its pending deliveries move to it. `unit_for` makes its scope's
+    name from the turn id the store gives it; `deadline` is when its max runtime runs
+    out (None: never)."""
+
+    mind: str
+    session: str
+    delivery_ids: Sequence[int]
+    unit_for: Callable[[int], str]
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)
