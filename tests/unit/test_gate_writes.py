@@ -104,7 +104,11 @@ def test_the_turns_a_pass_starts_share_one_commit(store: IndexedStore) -> None:
     assert len(ids) == 16
     before = wal_bytes(store)
     together = store.start_turns(
-        [NewTurn("m", f"s{n}", [ids[n]], lambda t: f"u{t}") for n in range(8)], NOW
+        [
+            NewTurn(mind="m", session=f"s{n}", delivery_ids=[ids[n]], unit_for=lambda t: f"u{t}")
+            for n in range(8)
+        ],
+        NOW,
     )
     grouped, commits = wal_frames(store, before)
     assert commits == 1

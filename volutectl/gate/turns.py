@@ -268,33 +268,18 @@ class Turns:
         do."""
         if not starts:
             return
-        deadlines = []
-        for start in starts:
-            max_runtime = self.settings.max_runtime(start.mind)
-            deadlines.append(now + max_runtime if max_runtime else None)
-        committed = self.store.start_turns(
-            [
-                NewTurn(
-                    start.mind,
-                    start.session,
-                    list(start.delivery_ids),
-                    functools.partial(names.turn_scope_name, start.mind),
-                    deadline,
-                )
-                for start, deadline in zip(starts, deadlines, strict=True)
-            ],
-            now,
-        )
+        new = [self._new_turn(start, now) for start in starts]
+        committed = self.store.start_turns(new, now)
         crash_point("start_committed")
-        for start, deadline, (turn_id, taken) in zip(starts, deadlines, committed, strict=True):
+        for one, (turn_id, taken) in zip(new, committed, strict=True):
             turn = Turn(
                 id=turn_id,
-                mind=start.mind,
-                session=start.session,
-                unit=names.turn_scope_name(start.mind, turn_id),
+                mind=one.mind,
+                session=one.session,
+                unit=one.unit_for(turn_id),
                 started_at=now,
                 state=lifecycle.Starting(),
-                deadline=deadline,
+                deadline=one.deadline,
                 taken=tuple(taken),
             )
             if self.starts_paused(now) is not None:
@@ -303,9 +288,19 @@ class Turns:
                 continue
             self._hand(turn, taken, now)
 
+    def _new_turn(self, start: admission.Start, now: float) -> NewTurn:
+        max_runtime = self.settings.max_runtime(start.mind)
+        return NewTurn(
+            mind=start.mind,
+            session=start.session,
+            delivery_ids=list(start.delivery_ids),
+            unit_for=functools.partial(names.turn_scope_name, start.mind),
+            deadline=now + max_runtime if max_runtime else None,
+        )
+
     def _hand(self, turn: Turn, taken: Sequence[Row], now: float) -> None:
         """Have a committed turn's hands start it, and step it by how that went."""
-        turn_id = turn.id
+        turn_id = turn.id  # the id the start's commit gave it
         self.log_released(taken, now, f"starting turn {turn_id}")
         stdin = b"".join(
             fork.delivery_record(r.id, r.session, r.message, r.interrupt) for r in taken

@@ -434,9 +434,14 @@ class Store:
         `unit_for` turns the new turn id into its unit name; `deadline` is when the turn's
         max runtime runs out.
         """
-        [started] = self.start_turns(
-            [NewTurn(mind, session, delivery_ids, unit_for, deadline)], now
+        one = NewTurn(
+            mind=mind,
+            session=session,
+            delivery_ids=delivery_ids,
+            unit_for=unit_for,
+            deadline=deadline,
         )
+        [started] = self.start_turns([one], now)
         return started
 
     def start_turns(self, turns: Sequence[NewTurn], now: float) -> list[tuple[int, list[Row]]]:
