@@ -158,8 +158,15 @@ def run_lease(
             for fd in pidfds:
                 if child is None or fd != child.pidfd:
                     os.close(fd)
-        _tell(grant, mind, session, child is not None, len(pids) or (child is not None))
-        return _hold(holder, child)
+        # The signals are caught before the grant is told: whoever acts on the grant's
+        # line may signal at once, and a SIGINT this process inherited as ignored (a
+        # background job's) would otherwise be lost, leaving the lease held.
+        relay = Relay()
+        try:
+            _tell(grant, mind, session, child is not None, len(pids) or (child is not None))
+            return _hold(holder, child, relay)
+        finally:
+            relay.restore()
     finally:
         if child is not None:
             child.end()
@@ -245,10 +252,10 @@ def say(text: str) -> None:
     print(f"volutectl: {visible(text)}", file=sys.stderr, flush=True)
 
 
-def _hold(holder: Holder, child: Held | None) -> int:
+def _hold(holder: Holder, child: Held | None, relay: Relay) -> int:
     """Hold the lease until CMD exits (its status) or stdin closes (0), or a signal
-    (without CMD: 128+N); if the gate ends the lease first, stop CMD: 75."""
-    relay = Relay()  # before CMD starts: a signal for it from then on is passed on
+    (without CMD: 128+N); if the gate ends the lease first, stop CMD: 75. `relay` was
+    set before CMD starts: a signal for it from then on is passed on."""
     try:
         if child is not None:
             child.start(holder.grant)
@@ -275,8 +282,6 @@ def _hold(holder: Holder, child: Held | None) -> int:
         if child is not None:
             child.stop(LEASE_END_GRACE)
         return LEASE_ENDED_EXIT
-    finally:
-        relay.restore()
 
 
 def _signalled(relay: Relay, child: Held | None) -> int | None:
