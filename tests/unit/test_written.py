@@ -77,7 +77,7 @@ def test_a_process_not_in_its_scope_is_read_with_what_runs_below_it(tmp_path: Pa
     assert cgroup_written(10, UNIT, proc, root) == written.Written(1000, False)
 
 
-def test_a_scope_waits_on_the_disk_when_a_thread_of_one_of_its_processes_does(
+def test_a_scope_is_busy_when_a_thread_of_one_of_its_processes_waits_on_the_disk_or_runs(
     tmp_path: Path,
 ) -> None:
     proc, root = tmp_path / "proc", tmp_path / "cgroup"
@@ -90,9 +90,12 @@ def test_a_scope_waits_on_the_disk_when_a_thread_of_one_of_its_processes_does(
     # A command name with spaces and a ")" of its own: the state follows the last ")".
     (proc / "11" / "task" / "11" / "stat").write_text("11 (my (odd) writer) S 10 10 10 0\n")
     (proc / "11" / "task" / "12").mkdir()
-    (proc / "11" / "task" / "12" / "stat").write_text("12 (fsync D) R 10 10 10 0\n")
-    assert cgroup_written(10, UNIT, proc, root) == written.Written(0, False)
+    (proc / "11" / "task" / "12" / "stat").write_text("12 (fsync D) S 10 10 10 0\n")
+    assert cgroup_written(10, UNIT, proc, root) == written.Written(0, False)  # all asleep
     (proc / "11" / "task" / "12" / "stat").write_text("12 (fsync D) D 10 10 10 0\n")
+    assert cgroup_written(10, UNIT, proc, root) == written.Written(0, True)  # on the disk
+    # Running, or queued for a CPU: a writer still on its way to its first write.
+    (proc / "11" / "task" / "12" / "stat").write_text("12 (fsync D) R 10 10 10 0\n")
     assert cgroup_written(10, UNIT, proc, root) == written.Written(0, True)
 
 
@@ -148,3 +151,21 @@ def test_a_scope_too_big_to_read_within_the_budget_is_not_shown_quiet(tmp_path: 
     assert short is not None and short.blocked and short.bytes < 2000
     late = cgroup_written(10, UNIT, proc, root, budget=Budget(entries=10_000, seconds=0))
     assert late is None or late.blocked  # no time at all: nothing shown quiet
+
+
+def test_a_real_process_asleep_is_quiet_and_one_that_spins_is_busy(tmp_path: Path) -> None:
+    sleeper = subprocess.Popen(["sleep", "30"])
+    spinner = subprocess.Popen(["sh", "-c", "while :; do :; done"])
+    try:
+        deadline = time.monotonic() + 10
+        seen = cgroup_written(sleeper.pid, UNIT)
+        while (seen is None or seen.blocked) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until it has exec'd and gone to sleep
+            seen = cgroup_written(sleeper.pid, UNIT)
+        assert seen is not None and not seen.blocked
+        busy = cgroup_written(spinner.pid, UNIT)
+        assert busy is not None and busy.blocked
+    finally:
+        for process in (sleeper, spinner):
+            process.kill()
+            process.wait(timeout=10)

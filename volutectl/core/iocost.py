@@ -70,10 +70,10 @@ UNKNOWN = 1.0  # a mind with no turn measured yet: as the heaviest
 WRITING_BYTES = 64 * 1024  # written between two samples: a writer, for the rest of the turn
 # How long a turn runs before a sample may call it quiet: a program needs a moment to start
 # writing (an interpreter's start, a session spinning up), and a sample taken before that
-# would let a heavy writer in at the floor's cost (one that waits on the disk meanwhile is
-# not judged: `Running.sample`). It paces a cold gate: at a limit of 2, two turns of
-# unknown writes are let in per probation, so a network-bound fan-out of 16 took 1.18x
-# cap 16's time on the SD card at 0.4 s (docs/benchmarks.md).
+# would let a heavy writer in at the floor's cost (one busy meanwhile, waiting on the
+# disk or running, is not judged: `Running.sample`). It paces a cold gate: at a limit of
+# 2, two turns of unknown writes are let in per probation, so a network-bound fan-out of
+# 16 took 1.18x cap 16's time on the SD card at 0.4 s (docs/benchmarks.md).
 PROBATION_SECONDS = 0.25
 # What a turn of a known mind costs at least until a sample after its probation judges it
 # (`starting_cost`): at a limit of 1 beside a heavy writer, one start at a time.
@@ -124,10 +124,11 @@ class Running:
         self, now: float, written: int, blocked: bool = False, probation: float = PROBATION_SECONDS
     ) -> Running:
         """A sample at `now`: its processes have written `written` bytes so far, and one
-        of them waits on the disk (`blocked`). A sample within its first `probation`
-        seconds only moves the mark, and so does one that finds it blocked before it has
-        shown anything: a turn held up in its first write, or in the open before it,
-        behind a disk kept busy by others, has not shown that it is quiet."""
+        of them is busy (`blocked`: waiting on the disk, or running). A sample within its
+        first `probation` seconds only moves the mark, and so does one that finds it
+        busy before it has shown anything: a turn held up in its first write, or in the
+        open before it, behind a disk kept busy by others, or still running its way to
+        its first write, has not shown that it is quiet."""
         writing = self.writing or written - self.written >= WRITING_BYTES
         mark = max(self.written, written)
         if now - self.started < probation or (blocked and self.sampled is None):

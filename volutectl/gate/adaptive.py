@@ -40,10 +40,10 @@ once whatever their costs:
   launcher), and `costs()` gives each known mind's cost for its next turn;
 - the loop tells `track` which turns run, and at each reading, and when a running
   turn's probation ends (`sample_deadline`), asks the launcher what each has written so
-  far and whether it waits on the disk (the `sample` order); `observe` takes the answer,
-  and `running_costs()` gives what each running turn costs now. A sample that fails (an
-  older launcher, or none) leaves running turns at their minds' costs and is tried
-  again SAMPLE_PAUSE later;
+  far and whether it is busy, waiting on the disk or running (the `sample` order);
+  `observe` takes the answer, and `running_costs()` gives what each running turn costs
+  now. A sample that fails (an older launcher, or none) leaves running turns at their
+  minds' costs and is tried again SAMPLE_PAUSE later;
 - the readings scale the probe's latency by the running turns' costs, not their count.
 
 Each move is one AdaptiveLimitChanged event, at most one every `EVENT_SECONDS`: the

@@ -143,9 +143,20 @@ def scope_processes(
     return [int(text) for text in listed[:MAX_PROCESSES] if text.isdigit()]
 
 
+# The task states in which a turn is busy, not quiet: D, asleep uninterruptibly (waiting
+# on the disk: a write, an fsync, an open that waits for the file system's journal), and
+# R, running or waiting for a CPU (a program still starting: a shell about to exec its
+# writer, an interpreter importing). A quiet turn's tasks all sleep (S), waiting on
+# something that is not the disk: the network, a timer, a child.
+BUSY_STATES = ("D", "R")
+
+
 def blocked_on_io(pid: int, proc: Path = PROC, budget: Budget | None = None) -> bool:
-    """Whether a thread of `pid` sleeps uninterruptibly (state D): waiting on the disk,
-    in a write, an fsync, or an open that waits for the file system's journal."""
+    """Whether a thread of `pid` is busy now (BUSY_STATES): waiting on the disk, or
+    running. A sample that finds a turn so before it has shown anything does not judge
+    it quiet: on the SD card a heavy writer still starting, or queued for the cores, had
+    written nothing at its first sample, was priced at a sixteenth of a place for an
+    interval, and let more writers in (issue 32: four at once, the probe at 300 ms)."""
     budget = budget if budget is not None else sample_budget()
     for task in _tasks(pid, proc, budget):
         try:
@@ -154,16 +165,17 @@ def blocked_on_io(pid: int, proc: Path = PROC, budget: Budget | None = None) -> 
             continue
         # "TID (COMM) STATE ...": COMM may hold spaces and parentheses; the last ")" ends it.
         fields = stat[stat.rfind(")") + 1 :].split()
-        if fields and fields[0] == "D":
+        if fields and fields[0] in BUSY_STATES:
             return True
     return False
 
 
 @dataclass(frozen=True)
 class Written:
-    """What a scope's processes have written so far, and whether one of them waits on
-    the disk right now (a turn that has written nothing yet, but is blocked on its first
-    write or the open before it, is no quiet turn)."""
+    """What a scope's processes have written so far, and whether one of them is busy
+    right now (`blocked_on_io`: a turn that has written nothing yet, but is blocked on
+    its first write or the open before it, or still running its way to it, is no quiet
+    turn)."""
 
     bytes: int
     blocked: bool

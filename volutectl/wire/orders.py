@@ -116,7 +116,8 @@ class Written(OrderReply):
     REPLY = "written"
     turn_ids: tuple[int, ...]
     written: tuple[int, ...]
-    # The turns (of turn_ids) with a process that waits on the disk (state D) right now.
+    # The turns (of turn_ids) with a process busy right now: waiting on the disk (state
+    # D) or running (R): not shown quiet (volutectl/kernel/written.py).
     blocked: tuple[int, ...] = ()
 
 
