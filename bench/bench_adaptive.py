@@ -224,6 +224,8 @@ class Run:
     probe: list[tuple[float, float]] = field(default_factory=list)  # (t, ms)
     at_once: list[tuple[float, int]] = field(default_factory=list)  # (t, turns running)
     limit: list[tuple[float, int]] = field(default_factory=list)  # (t, adaptive limit)
+    # (t, what the running turns cost then, `mind=cost,...`): each change, adaptive runs
+    costs: list[tuple[float, str]] = field(default_factory=list)
     turns: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # mind: (start, end)
 
 
@@ -299,7 +301,9 @@ with open(out, "w", buffering=1) as log:
         except Exception:
             adaptive = {}
         if adaptive.get("limit") is not None:
-            log.write(f"{time.time():.3f} {adaptive['limit']}\n")
+            costs = adaptive.get("running_costs") or {}
+            costs = ",".join(f"{m}={c:g}" for m, c in sorted(costs.items()))
+            log.write(f"{time.time():.3f} {adaptive['limit']} {costs}\n")
         time.sleep(0.25)
 """
 
@@ -313,8 +317,10 @@ class LimitPoller:
         self.stop_file = self.out + ".stop"
         self.proc = machine.popen([PYTHON, "-c", POLLER, self.out, self.stop_file])
 
-    def stop(self, t0: float) -> list[tuple[float, int]]:
-        """Each change of the limit, at t - t0 (the first reading counts as one)."""
+    def stop(self, t0: float) -> tuple[list[tuple[float, int]], list[tuple[float, str]]]:
+        """Each change of the limit, at t - t0 (the first reading counts as one), and
+        each change of what the running turns cost (`mind=cost,...`, as `status`
+        shows them: which turns the gate took for writers, and when)."""
         self.machine.write(self.stop_file, "")
         try:
             self.proc.wait(timeout=30)
@@ -323,11 +329,18 @@ class LimitPoller:
             self.proc.wait()
         path = self.machine.host_path(self.out)
         steps: list[tuple[float, int]] = []
+        costs: list[tuple[float, str]] = []
         for line in path.read_text().splitlines() if path.exists() else []:
             fields = line.split()
-            if len(fields) == 2 and (not steps or steps[-1][1] != int(fields[1])):
-                steps.append((float(fields[0]) - t0, int(fields[1])))
-        return steps
+            if len(fields) not in (2, 3):
+                continue
+            at = float(fields[0]) - t0
+            if not steps or steps[-1][1] != int(fields[1]):
+                steps.append((at, int(fields[1])))
+            shown = fields[2] if len(fields) == 3 else ""
+            if not costs or costs[-1][1] != shown:
+                costs.append((at, shown))
+        return steps, costs
 
 
 def fan_out(
@@ -366,7 +379,7 @@ def fan_out(
     wait_for_scopes_to_go(machine)
     samples = rig.probe.samples(t0, t_end)
     latencies = [ms for _, ms in samples]
-    limit = poller.stop(t0) if poller is not None else []
+    limit, costs = poller.stop(t0) if poller is not None else ([], [])
     stopped = not done and give_up is not None and give_up < rig.timeout
     return Run(
         profile=rig.profile,
@@ -386,6 +399,7 @@ def fan_out(
         probe=[(wall - t0, ms) for wall, ms in samples],
         at_once=[(at - t0, n) for at, n in running_at_once(starts, ends)],
         limit=limit,
+        costs=costs,
         turns={
             mind: (at - t0, ends[mind] - t0 if mind in ends else None)
             for mind, at in starts.items()
