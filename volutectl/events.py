@@ -979,10 +979,12 @@ class AdaptiveLimitChanged(BaseEvent):
 @dataclass(frozen=True, kw_only=True)
 class CpuLimitChanged(AdaptiveLimitChanged):
     """The CPUs' bound on turns at once (volutectl/core/cpu.py) moved from `old_limit` to
-    `new_limit`: PSI cpu `some` over the interval (`stalled_percent`). Rate-limited as
-    adaptive_limit_changed is."""
+    `new_limit`: PSI cpu `some` over the interval (`stalled_percent`), and the CPUs the
+    turns' slice used over it (`cpus_used`; None: its cpu.stat was not read).
+    Rate-limited as adaptive_limit_changed is."""
 
     EVENT = EventName.CPU_LIMIT_CHANGED
+    cpus_used: float | None = None
 
     def message(self) -> str:
         moves = f" ({self.changes} moves)" if self.changes > 1 else ""

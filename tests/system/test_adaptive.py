@@ -114,6 +114,31 @@ def test_status_the_status_line_and_the_journal_show_the_limit_rising_for_networ
     assert all(gap >= 4.9 for gap in gaps), stamps
 
 
+CPU_CHANGED = "VOLUTE_EVENT=cpu_limit_changed"
+
+
+def test_the_cpus_bound_grows_for_turns_that_leave_the_cpus_idle_as_the_slice_shows(
+    machine: Machine,
+) -> None:
+    """The CPUs' bound grows no further than the CPUs hold at what each turn uses, read
+    from the real turns slice's cpu.stat: turns that only wait use next to none of it,
+    so the bound grows past one per CPU, and the journal says what they used."""
+    install_probe(machine)
+    minds = network_bound(12, 3.0)
+    start_gate(machine, gate_config(minds, adaptive=True))
+    acked = fan_out(machine, minds)
+    wait_for(lambda: bool(gate_events(machine, CPU_CHANGED)), timeout=30, interval=0.2)
+    wait_for(lambda: all_settled(machine), timeout=90, interval=0.3)
+    assert_exactly_once(turn_log(machine), acked)
+    first = gate_events(machine, CPU_CHANGED)[0]
+    cpus = int(machine.run(["nproc"]).stdout)
+    assert int(str(first["VOLUTE_OLD_LIMIT"])) == min(16, max(1, cpus))  # one per CPU
+    assert int(str(first["VOLUTE_NEW_LIMIT"])) > int(str(first["VOLUTE_OLD_LIMIT"]))
+    # Read from the slice (absent if its cpu.stat was not), and next to nothing.
+    assert "VOLUTE_CPUS_USED" in first, first
+    assert float(str(first["VOLUTE_CPUS_USED"])) < 0.5 * cpus
+
+
 @pytest.fixture
 def disk_machine(request: pytest.FixtureRequest) -> Iterator[tuple[Machine, Path]]:
     """A machine with a directory of the host's disk bound in: the machine's own files

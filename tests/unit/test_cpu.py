@@ -128,6 +128,38 @@ def test_no_reading_moves_nothing_and_the_floor_is_the_cpus_within_the_bounds() 
 # -- the reading, from a real file tree -------------------------------------------------
 
 
+def test_it_grows_no_further_than_the_cpus_hold_at_what_each_turn_used() -> None:
+    """PSI reads calm with as many CPU-bound turns as CPUs: nothing waits for one yet.
+    What they use says a doubling would make them wait (the SD card's cpu cell)."""
+    calm = CpuLimit(limit=2, healthy=1)
+
+    def used(cores: float, running: int = 2) -> CpuReading:
+        return CpuReading(stalled=0.02, running=running, waiting=5, used=cores, cpus=2)
+
+    assert cpu.step(calm, used(1.95), FLOOR, MAXIMUM) == (CpuLimit(limit=2, healthy=2), None)
+    # Turns that wait on the network use next to no CPU: it doubles, as on PSI alone.
+    grown, why = cpu.step(calm, used(0.04), FLOOR, MAXIMUM)
+    assert grown.limit == 4 and why is not None and "using 0.0 of 2 CPUs" in why
+    # Half a CPU each: the CPUs hold 4 of them, so 2 grows to 4, and 4 to no more than 4.
+    assert cpu.step(calm, used(1.0), FLOOR, MAXIMUM)[0].limit == 4
+    four = CpuLimit(limit=4, healthy=1)
+    assert cpu.step(four, used(2.0, running=4), FLOOR, MAXIMUM)[0].limit == 4
+    # A third of a CPU each: 6 fit, so 4 grows to 6, not 8.
+    assert cpu.step(four, used(4 / 3, running=4), FLOOR, MAXIMUM)[0].limit == 6
+    # Unknown use (no cgroup v2): PSI alone, as before.
+    unknown = CpuReading(stalled=0.02, running=2, waiting=5, used=None, cpus=2)
+    assert cpu.step(calm, unknown, FLOOR, MAXIMUM)[0].limit == 4
+
+
+def test_room_is_the_maximum_when_the_turns_use_next_to_nothing() -> None:
+    def room(used: float | None, running: int, cpus: int = 2) -> int:
+        return cpu.room(CpuReading(None, running, 0, used=used, cpus=cpus), 16)
+
+    assert room(None, 4) == 16 and room(0.0, 4) == 16 and room(1.0, 0) == 16
+    assert room(0.125, 1) == 16  # 16 of them use 2 CPUs: the maximum fits
+    assert (room(2.0, 2), room(1.0, 2), room(3.0, 2, cpus=4)) == (2, 4, 2)
+
+
 def psi(total: int) -> str:
     return CPU_PSI.format(total)
 
@@ -142,7 +174,16 @@ def tree(tmp_path: Path) -> dict[str, Path]:
     (slice_dir / "cpu.pressure").write_text(psi(0))
     system = tmp_path / "proc-pressure-cpu"
     system.write_text(psi(0))
-    return {"root": root, "slice": slice_dir / "cpu.pressure", "system": system}
+    return {
+        "root": root,
+        "slice": slice_dir / "cpu.pressure",
+        "stat": slice_dir / "cpu.stat",
+        "system": system,
+    }
+
+
+def cpu_stat(usage_usec: int) -> str:
+    return f"usage_usec {usage_usec}\nuser_usec {usage_usec}\nsystem_usec 0\n"
 
 
 def signal_of(tree: dict[str, Path], settings: Settings) -> CpuSignal:
@@ -179,6 +220,31 @@ def test_an_interval_stalled_bounds_the_turns(tree: dict[str, Path], settings: S
     assert signal.bound(1, 16) == 11
     assert signal.last is not None and signal.last.stalled == pytest.approx(0.9)
     assert (signal.last.running, signal.last.waiting) == (16, 17)
+
+
+def test_the_slices_cpu_stat_says_what_the_turns_used_and_holds_the_growth(
+    tree: dict[str, Path], settings: Settings
+) -> None:
+    signal = signal_of(tree, settings)  # 2 CPUs, the bound at 2
+    tree["stat"].write_text(cpu_stat(5_000_000))
+    signal.mark(10.0, running=2)
+    for n in (1, 2):  # two calm intervals in which the 2 turns kept both CPUs busy
+        tree["stat"].write_text(cpu_stat(5_000_000 + n * 980_000))
+        assert signal.read(10.0 + n * 0.5, running=2, waiting=9, minimum=1, maximum=16) == (
+            None,
+            None,
+        )
+    assert signal.last is not None and signal.last.used == pytest.approx(1.96)
+    assert signal.bound(1, 16) == 2  # calm, but no CPU to spare: it stays
+    # Then they wait on the network, next to no CPU: the calm it had seen counts.
+    tree["stat"].write_text(cpu_stat(5_000_000 + 2 * 980_000 + 10_000))
+    failure, why = signal.read(11.5, running=2, waiting=9, minimum=1, maximum=16)
+    assert failure is None and why is not None and "using 0.0 of 2 CPUs" in why
+    assert signal.bound(1, 16) == 4
+    tree["stat"].unlink()  # no cpu.stat (no cgroup v2 controller): PSI alone, no failure
+    signal.mark(20.0, running=4)
+    assert signal.read(20.5, running=4, waiting=9, minimum=1, maximum=16)[0] is None
+    assert signal.last is not None and signal.last.used is None
 
 
 def test_the_bound_is_kept_while_the_gate_is_idle_so_a_warm_fan_out_starts_at_it(

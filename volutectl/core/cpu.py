@@ -18,7 +18,17 @@ waited for a CPU):
   them for seconds;
 - **healthy** (below `STALL_HEALTHY`) `GROW_AFTER` readings in a row, while deliveries
   wait at it and the turns running fill it: it doubles, but from under the limit of
-  the last distress only up to one below it, and by one from there;
+  the last distress only up to one below it, and by one from there; and never past
+  what the CPUs hold at what each turn used (`room`);
+- what PSI cannot see is use: with exactly as many CPU-bound turns as CPUs nothing
+  waits for a CPU, the readings are calm, and a doubling lets in turns that then all
+  wait (the SD card's cpu cell: 3 burners on 2 cores, the probe at 50-84 ms). So a
+  reading also carries the CPU time the turns' slice used over the interval (its
+  `cpu.stat`, in CPUs), and the limit grows only to as many turns as the CPUs hold
+  at the CPU each running turn used (`room`: the USE method's utilisation beside PSI's
+  saturation). Turns that wait on the network use almost none, and grow it as before;
+  turns that keep a CPU busy each hold it at the CPUs. Without the slice's `cpu.stat`
+  (no cgroup v2) it grows as PSI alone says;
 - in between, or with nothing waiting: it stays.
 
 It never goes below `floor`: the larger of the storage limit's minimum and the number
@@ -55,6 +65,8 @@ class CpuReading:
     stalled: float | None  # PSI cpu `some`: the share of the interval stalled, 0..1
     running: int  # the most turns that ran during the interval
     waiting: int  # deliveries waiting (held by a limit)
+    used: float | None = None  # CPUs the turns' slice used over the interval (None: unknown)
+    cpus: int = 1  # the CPUs there are
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,17 @@ def grown(state: CpuLimit, maximum: int) -> int:
     return min(maximum, new)
 
 
+def room(reading: CpuReading, maximum: int) -> int:
+    """The most turns the CPUs hold at the CPU each running turn used over the reading
+    (`maximum` when that is not known, or next to none)."""
+    if reading.used is None or reading.running <= 0:
+        return maximum
+    each = reading.used / reading.running
+    if each * maximum <= reading.cpus:
+        return maximum
+    return int(reading.cpus / each)
+
+
 def step(
     state: CpuLimit, reading: CpuReading, floor: int, maximum: int
 ) -> tuple[CpuLimit, str | None]:
@@ -99,6 +122,8 @@ def step(
     if reading.stalled is None:
         return state, None
     share = f"cpu {reading.stalled * 100:.0f}% stalled with {reading.running} running"
+    if reading.used is not None:
+        share += f" using {reading.used:.1f} of {reading.cpus} CPUs"
     if reading.stalled >= STALL_DISTRESS and reading.running > floor:
         state = replace(state, healthy=0, strained=state.strained + 1)
         if state.strained < STRAINED_AFTER:
@@ -114,8 +139,8 @@ def step(
         return state, None
     if state.healthy < GROW_AFTER:
         return state, None
-    new = max(floor, grown(state, maximum))
-    if new == state.limit:
+    new = max(floor, min(grown(state, maximum), room(reading, maximum)))
+    if new <= state.limit:
         return state, None
     return replace(state, limit=new, healthy=0), f"{share}: healthy, {reading.waiting} waiting"
 

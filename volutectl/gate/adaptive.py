@@ -607,12 +607,14 @@ class AdaptiveLimit:
         if why is None:
             return
         self.reason = why
-        stalled = self.cpu.last.stalled if self.cpu.last is not None else None
+        last = self.cpu.last
+        stalled = last.stalled if last is not None else None
         self.cpu_log.note(
             events.CpuLimitChanged(
                 old_limit=old,
                 new_limit=self.cpu.state.limit,
                 stalled_percent=_round(stalled * 100 if stalled is not None else None),
+                cpus_used=_round(last.used if last is not None else None),
                 why=why,
             ),
             now,

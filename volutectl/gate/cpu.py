@@ -10,6 +10,11 @@ slice, a file that reads as garbage) is looked for again, as the io.pressure fil
 the reading where it failed is a failure (the adaptive limit falls back to its static
 start value, AdaptiveFallback), and the next that reads ends it. A host with no CPU PSI
 at all has no CPU limit: the storage's signals alone hold the turns.
+
+Beside it, the turns slice's `cpu.stat` `usage_usec` at the same moments: the CPU time
+the turns used over the interval, which the limit grows no further than (core/cpu.py's
+`room`). A slice with no such file (no cgroup v2, or no slice yet) gives no use, and
+the limit grows on PSI alone; nothing falls back for it.
 """
 
 from __future__ import annotations
@@ -21,12 +26,32 @@ from typing import TYPE_CHECKING
 from volutectl.core import cpu
 from volutectl.core.cpu import CpuLimit, CpuReading
 from volutectl.core.psi import parse_total, stall_fraction
-from volutectl.kernel.probes import CGROUP_ROOT, readable_pressure
+from volutectl.kernel.probes import CGROUP_ROOT, readable_pressure, slice_cgroup
 
 if TYPE_CHECKING:
     from volutectl.config.settings import Settings
 
 SYSTEM_CPU_PRESSURE = Path("/proc/pressure/cpu")
+
+
+def cpu_usage_usec(slice_name: str, cgroup_root: Path = CGROUP_ROOT) -> int | None:
+    """The CPU time (µs) the slice's processes have used, from its `cpu.stat`; None
+    when it cannot be read."""
+    try:
+        cgroup = slice_cgroup(slice_name, cgroup_root)
+    except ValueError:
+        return None
+    if cgroup is None:
+        return None
+    try:
+        text = (cgroup / "cpu.stat").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "usage_usec" and value.strip().isdigit():
+            return int(value)
+    return None
 
 
 def cpu_pressure_file(
@@ -61,6 +86,7 @@ class CpuSignal:
         self.state: CpuLimit = cpu.initial(floor, adaptive.maximum)
         self._lost: str | None = None  # why the file that read failed, until one reads
         self._mark: tuple[int, float] | None = None  # (total µs, monotonic) at the start
+        self._used_mark: int | None = None  # the slice's usage_usec at the start
         self._running = 0  # the most turns running since the mark
         self.last: CpuReading | None = None
 
@@ -97,19 +123,30 @@ class CpuSignal:
             self._mark = None
             return total
         self._mark = (total, now) if total is not None else None
+        self._used_mark = self._usage() if self._mark is not None else None
         return None
+
+    def _usage(self) -> int | None:
+        if self._given is not None:
+            return None  # a test's PSI file: no slice of its own to read
+        return cpu_usage_usec(self._slice, self._roots[0])
 
     def read(
         self, now: float, running: int, waiting: int, minimum: int, maximum: int
     ) -> tuple[str | None, str | None]:
         """An interval ends: (why the file failed, or None; why the limit moved, or None).
         The next interval is marked from here."""
-        mark, seen = self._mark, self._running
+        mark, seen, used_mark = self._mark, self._running, self._used_mark
         failure = self.mark(now, running)
         if failure is not None or mark is None or self._mark is None:
             return failure, None
         stalled = stall_fraction(mark[0], self._mark[0], now - mark[1])
-        self.last = CpuReading(stalled=stalled, running=seen, waiting=waiting)
+        used = None
+        if used_mark is not None and self._used_mark is not None and now > mark[1]:
+            used = max(0, self._used_mark - used_mark) / 1e6 / (now - mark[1])
+        self.last = CpuReading(
+            stalled=stalled, running=seen, waiting=waiting, used=used, cpus=self.cpus
+        )
         self.state, why = cpu.step(self.state, self.last, self.floor(minimum, maximum), maximum)
         return None, why
 
