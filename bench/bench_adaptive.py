@@ -361,7 +361,10 @@ def fan_out(
         # "adaptive" run would be an ungated one.
         config = gate_config(minds, adaptive=label == "adaptive", **run_sections(label, support))
         restart_gate(machine, config)
-    poller = LimitPoller(machine) if label.startswith("adaptive") else None
+    # Every run polls `status` alike (a static cap's has no limit to record): the poll
+    # takes CPU time, and on 2 cores a load that only the adaptive runs carried would
+    # be counted against them.
+    poller = LimitPoller(machine)
     time.sleep(rig.settle)  # a quiet stretch: the previous run's writes have drained
     load = os.getloadavg()[0]
     script = "\n".join(f"{VOLUTECTL} deliver {name} --message wake >/dev/null &" for name in names)
@@ -379,7 +382,7 @@ def fan_out(
     wait_for_scopes_to_go(machine)
     samples = rig.probe.samples(t0, t_end)
     latencies = [ms for _, ms in samples]
-    limit, costs = poller.stop(t0) if poller is not None else ([], [])
+    limit, costs = poller.stop(t0)
     stopped = not done and give_up is not None and give_up < rig.timeout
     return Run(
         profile=rig.profile,
