@@ -151,7 +151,7 @@ def scope_processes(
 BUSY_STATES = ("D", "R")
 
 
-def blocked_on_io(pid: int, proc: Path = PROC, budget: Budget | None = None) -> bool:
+def busy(pid: int, proc: Path = PROC, budget: Budget | None = None) -> bool:
     """Whether a thread of `pid` is busy now (BUSY_STATES): waiting on the disk, or
     running. A sample that finds a turn so before it has shown anything does not judge
     it quiet: on the SD card a heavy writer still starting, or queued for the cores, had
@@ -173,7 +173,7 @@ def blocked_on_io(pid: int, proc: Path = PROC, budget: Budget | None = None) -> 
 @dataclass(frozen=True)
 class Written:
     """What a scope's processes have written so far, and whether one of them is busy
-    right now (`blocked_on_io`: a turn that has written nothing yet, but is blocked on
+    right now (`busy`: a turn that has written nothing yet, but is blocked on
     its first write or the open before it, or still running its way to it, is no quiet
     turn)."""
 
@@ -202,7 +202,7 @@ def cgroup_written(
         if written is not None:
             total += written
             seen = True
-            blocked = blocked or blocked_on_io(process, proc, budget)
+            blocked = blocked or busy(process, proc, budget)
     if budget.spent():
         # Not every process was read (a scope of thousands of processes or threads, or
         # a slow read): what was read may be short, so the turn is not shown quiet.
