@@ -107,12 +107,9 @@ def grown(state: CpuLimit, maximum: int) -> int:
 def room(reading: CpuReading, maximum: int) -> int:
     """The most turns the CPUs hold at the CPU each running turn used over the reading
     (`maximum` when that is not known, or next to none)."""
-    if reading.used is None or reading.running <= 0:
+    if reading.used is None or reading.running <= 0 or reading.used <= 0:
         return maximum
-    each = reading.used / reading.running
-    if each * maximum <= reading.cpus:
-        return maximum
-    return int(reading.cpus / each)
+    return min(maximum, int(reading.cpus * reading.running / reading.used))
 
 
 def step(

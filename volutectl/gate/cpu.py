@@ -34,17 +34,20 @@ if TYPE_CHECKING:
 SYSTEM_CPU_PRESSURE = Path("/proc/pressure/cpu")
 
 
-def cpu_usage_usec(slice_name: str, cgroup_root: Path = CGROUP_ROOT) -> int | None:
-    """The CPU time (µs) the slice's processes have used, from its `cpu.stat`; None
-    when it cannot be read."""
-    try:
-        cgroup = slice_cgroup(slice_name, cgroup_root)
-    except ValueError:
+def cpu_stat_file(slice_name: str, cgroup_root: Path = CGROUP_ROOT) -> Path | None:
+    """Where the slice's `cpu.stat` is (whether or not the slice exists yet); None
+    without a cgroup v2 hierarchy."""
+    cgroup = slice_cgroup(slice_name, cgroup_root)
+    return cgroup / "cpu.stat" if cgroup is not None else None
+
+
+def usage_usec(path: Path | None) -> int | None:
+    """The CPU time (µs) a cgroup's processes have used, from its `cpu.stat` at `path`;
+    None when it cannot be read."""
+    if path is None:
         return None
-    if cgroup is None:
-        return None
     try:
-        text = (cgroup / "cpu.stat").read_text()
+        text = path.read_text()
     except OSError:
         return None
     for line in text.splitlines():
@@ -87,6 +90,8 @@ class CpuSignal:
         self._lost: str | None = None  # why the file that read failed, until one reads
         self._mark: tuple[int, float] | None = None  # (total µs, monotonic) at the start
         self._used_mark: int | None = None  # the slice's usage_usec at the start
+        # A test's PSI file has no slice of its own to read.
+        self._stat = cpu_stat_file(self._slice, cgroup_root) if given is None else None
         self._running = 0  # the most turns running since the mark
         self.last: CpuReading | None = None
 
@@ -96,6 +101,7 @@ class CpuSignal:
     def use_file(self, path: Path) -> None:
         """Read `path` alone (a test's file), from the next interval on."""
         self._given = self.path = path
+        self._stat = None
         self._mark = None
 
     def bound(self, minimum: int, maximum: int) -> int | None:
@@ -123,13 +129,8 @@ class CpuSignal:
             self._mark = None
             return total
         self._mark = (total, now) if total is not None else None
-        self._used_mark = self._usage() if self._mark is not None else None
+        self._used_mark = usage_usec(self._stat) if self._mark is not None else None
         return None
-
-    def _usage(self) -> int | None:
-        if self._given is not None:
-            return None  # a test's PSI file: no slice of its own to read
-        return cpu_usage_usec(self._slice, self._roots[0])
 
     def read(
         self, now: float, running: int, waiting: int, minimum: int, maximum: int
