@@ -122,7 +122,8 @@ def test_the_cpus_bound_grows_for_turns_that_leave_the_cpus_idle_as_the_slice_sh
 ) -> None:
     """The CPUs' bound grows no further than the CPUs hold at what each turn uses, read
     from the real turns slice's cpu.stat: turns that only wait use next to none of it,
-    so the bound grows past one per CPU, and the journal says what they used."""
+    so the bound grows past one per CPU, straight to what the CPUs hold at that use,
+    and the journal says what they used."""
     install_probe(machine)
     minds = network_bound(12, 3.0)
     start_gate(machine, gate_config(minds, adaptive=True))
@@ -136,7 +137,13 @@ def test_the_cpus_bound_grows_for_turns_that_leave_the_cpus_idle_as_the_slice_sh
     assert int(str(first["VOLUTE_NEW_LIMIT"])) > int(str(first["VOLUTE_OLD_LIMIT"]))
     # Read from the slice (absent if its cpu.stat was not), and next to nothing.
     assert "VOLUTE_CPUS_USED" in first, first
-    assert float(str(first["VOLUTE_CPUS_USED"])) < 0.5 * cpus
+    used = float(str(first["VOLUTE_CPUS_USED"]))  # rounded to 0.1
+    assert used < 0.5 * cpus
+    # Before any stall it grows straight to the room those turns leave, not by doubling:
+    # the room is at least cpus x old / used (the turns that filled the old bound), so
+    # at next to no use the maximum (16), where doubling would give 2 x old.
+    old, new = int(str(first["VOLUTE_OLD_LIMIT"])), int(str(first["VOLUTE_NEW_LIMIT"]))
+    assert new >= min(16, int(cpus * old / (used + 0.05))), first
 
 
 @pytest.fixture

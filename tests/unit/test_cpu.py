@@ -64,8 +64,8 @@ def test_a_stall_of_one_reading_between_calm_ones_moves_nothing() -> None:
 def test_a_gate_that_starts_lets_in_one_turn_per_cpu_and_doubles_while_calm() -> None:
     """Nothing learnt of the CPUs: the floor, not the maximum, so a cold fan-out of
     CPU-bound turns is not let in as fast as the storage's limit allows before two
-    stalled readings catch it; turns that use no CPU double it every two readings while
-    deliveries wait at it."""
+    stalled readings catch it; with no use known (no cgroup v2), calm readings double it
+    every two readings while deliveries wait at it."""
     state = cpu.initial(FLOOR, MAXIMUM)
     assert state == CpuLimit(limit=FLOOR)
     assert cpu.initial(FLOOR, 1).limit == 1  # never over the maximum
@@ -137,9 +137,22 @@ def test_it_grows_no_further_than_the_cpus_hold_at_what_each_turn_used() -> None
         return CpuReading(stalled=0.02, running=running, waiting=5, used=cores, cpus=2)
 
     assert cpu.step(calm, used(1.95), FLOOR, MAXIMUM) == (CpuLimit(limit=2, healthy=2), None)
-    # Turns that wait on the network use next to no CPU: it doubles, as on PSI alone.
+    # Turns that wait on the network use next to no CPU: the CPUs hold the maximum, and
+    # before any distress it goes there at once rather than doubling every two readings.
     grown, why = cpu.step(calm, used(0.04), FLOOR, MAXIMUM)
-    assert grown.limit == 4 and why is not None and "using 0.0 of 2 CPUs" in why
+    assert grown.limit == MAXIMUM and why is not None and "using 0.0 of 2 CPUs" in why
+    # A tenth of a CPU each: 20 would fit, the maximum is 16; a fifth: 10.
+    assert cpu.step(calm, used(0.2), FLOOR, MAXIMUM)[0].limit == MAXIMUM
+    assert cpu.step(calm, used(0.4), FLOOR, MAXIMUM)[0].limit == 10
+    # After a distress at 8 it doubles to one below it at most, room or not.
+    after = CpuLimit(limit=2, healthy=1, distressed_at=8)
+    assert cpu.step(after, used(0.04), FLOOR, MAXIMUM)[0].limit == 4
+    assert (
+        cpu.step(CpuLimit(limit=4, healthy=1, distressed_at=8), used(0.04, 4), FLOOR, MAXIMUM)[
+            0
+        ].limit
+        == 7
+    )
     # Half a CPU each: the CPUs hold 4 of them, so 2 grows to 4, and 4 to no more than 4.
     assert cpu.step(calm, used(1.0), FLOOR, MAXIMUM)[0].limit == 4
     four = CpuLimit(limit=4, healthy=1)
@@ -236,11 +249,12 @@ def test_the_slices_cpu_stat_says_what_the_turns_used_and_holds_the_growth(
         )
     assert signal.last is not None and signal.last.used == pytest.approx(1.96)
     assert signal.bound(1, 16) == 2  # calm, but no CPU to spare: it stays
-    # Then they wait on the network, next to no CPU: the calm it had seen counts.
+    # Then they wait on the network, next to no CPU: the calm it had seen counts, and
+    # the CPUs hold the maximum at 0.01 CPUs each (no stall yet: straight there).
     tree["stat"].write_text(cpu_stat(5_000_000 + 2 * 980_000 + 10_000))
     failure, why = signal.read(11.5, running=2, waiting=9, minimum=1, maximum=16)
     assert failure is None and why is not None and "using 0.0 of 2 CPUs" in why
-    assert signal.bound(1, 16) == 4
+    assert signal.bound(1, 16) == 16
     tree["stat"].unlink()  # no cpu.stat (no cgroup v2 controller): PSI alone, no failure
     signal.mark(20.0, running=4)
     assert signal.read(20.5, running=4, waiting=9, minimum=1, maximum=16)[0] is None

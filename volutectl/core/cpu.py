@@ -17,18 +17,22 @@ waited for a CPU):
   turns then wait on the network; CPU-bound turns (an agent SDK starting up) stall
   them for seconds;
 - **healthy** (below `STALL_HEALTHY`) `GROW_AFTER` readings in a row, while deliveries
-  wait at it and the turns running fill it: it doubles, but from under the limit of
-  the last distress only up to one below it, and by one from there; and never past
-  what the CPUs hold at what each turn used (`room`);
+  wait at it and the turns running fill it: before any distress, it grows to what the
+  CPUs hold at what each turn used (`room`), or doubles when that use is not known;
+  after one, it doubles from under the limit of that distress only up to one below
+  it, and by one from there, and never past the room;
 - what PSI cannot see is use: with exactly as many CPU-bound turns as CPUs nothing
   waits for a CPU, the readings are calm, and a doubling lets in turns that then all
   wait (the SD card's cpu cell: 3 burners on 2 cores, the probe at 50-84 ms). So a
   reading also carries the CPU time the turns' slice used over the interval (its
   `cpu.stat`, in CPUs), and the limit grows only to as many turns as the CPUs hold
   at the CPU each running turn used (`room`: the USE method's utilisation beside PSI's
-  saturation). Turns that wait on the network use almost none, and grow it as before;
+  saturation). Turns that wait on the network use almost none: the room is the
+  maximum, and the limit goes there at once instead of doubling at every other
+  reading (2, 4, 8, 16 took 3 s of an unthrottled disk's mixed fan-out of 33, which
+  cap 16 finished in 13 s);
   turns that keep a CPU busy each hold it at the CPUs. Without the slice's `cpu.stat`
-  (no cgroup v2) it grows as PSI alone says;
+  (no cgroup v2) it doubles as PSI alone says;
 - in between, or with nothing waiting: it stays.
 
 It never goes below `floor`: the larger of the storage limit's minimum and the number
@@ -36,13 +40,13 @@ of CPUs (capped at the maximum). As many CPU-bound turns as cores is what a stat
 of that size would run, and what the bench's bound is measured against.
 
 A gate that starts knows nothing of the CPUs: it starts at the floor (`initial`), one
-turn per CPU, and grows from there as above: calm readings with deliveries waiting at
-it double it within two readings.
+turn per CPU, and grows from there as above: two calm readings with deliveries waiting
+at it take it to the room the turns leave.
 
 Unlike the storage's limit, it is kept while the gate is idle: the cores a host has do
 not change with the mix, and a second fan-out of the same CPU-bound minds (a warm gate)
-must not start all at once again. A fan-out of turns that use no CPU grows it back by
-doubling within a few readings.
+must not start all at once again. A fan-out of turns that use no CPU grows it back to
+the maximum within two readings.
 
 No I/O and no clock here: volutectl/gate/cpu.py reads the file and gives the readings.
 """
@@ -86,22 +90,26 @@ def floor_of(minimum: int, maximum: int, cpus: int) -> int:
 
 def initial(floor: int, maximum: int) -> CpuLimit:
     """A gate that starts: nothing learnt of the CPUs yet, so the floor (one turn per
-    CPU), which calm readings double from as any growth. A cold gate at the maximum let
+    CPU), which calm readings grow from as any growth. A cold gate at the maximum let
     a CPU-bound fan-out in as fast as the storage's limit did: turns that write nothing
     cost a sixteenth of a place once sampled, so 7 to 10 CPU-bound turns ran at once on
     2 cores before two stalled readings brought the bound down, and the probe waited for
     the cores. Two per CPU was tried and did not bring the probe's p99 down; one per CPU
     did (issue 32: the cpu cells at 33 minds, docs/benchmarks.md). Turns that use no CPU
-    find it doubled within two readings while deliveries wait at it."""
+    find it at the maximum within two readings while deliveries wait at it."""
     return CpuLimit(limit=min(maximum, floor))
 
 
-def grown(state: CpuLimit, maximum: int) -> int:
-    new = state.limit * 2
-    if state.distressed_at is not None:
-        below = max(1, state.distressed_at - 1)
-        new = min(new, below) if state.limit < below else state.limit + 1
-    return min(maximum, new)
+def grown(state: CpuLimit, reading: CpuReading, maximum: int) -> int:
+    """The limit a growth gives: before any distress, as far as the CPUs hold at what
+    each turn used (`room`) when that is known, else double; after one, double up to
+    one below the distress and by one from there, never past the room."""
+    space = room(reading, maximum)
+    if state.distressed_at is None:
+        return min(maximum, space if reading.used is not None else state.limit * 2)
+    below = max(1, state.distressed_at - 1)
+    new = min(state.limit * 2, below) if state.limit < below else state.limit + 1
+    return min(maximum, new, space)
 
 
 def room(reading: CpuReading, maximum: int) -> int:
@@ -136,7 +144,7 @@ def step(
         return state, None
     if state.healthy < GROW_AFTER:
         return state, None
-    new = max(floor, min(grown(state, maximum), room(reading, maximum)))
+    new = max(floor, grown(state, reading, maximum))
     if new <= state.limit:
         return state, None
     return replace(state, limit=new, healthy=0), f"{share}: healthy, {reading.waiting} waiting"
