@@ -147,12 +147,8 @@ def test_it_grows_no_further_than_the_cpus_hold_at_what_each_turn_used() -> None
     # After a distress at 8 it doubles to one below it at most, room or not.
     after = CpuLimit(limit=2, healthy=1, distressed_at=8)
     assert cpu.step(after, used(0.04), FLOOR, MAXIMUM)[0].limit == 4
-    assert (
-        cpu.step(CpuLimit(limit=4, healthy=1, distressed_at=8), used(0.04, 4), FLOOR, MAXIMUM)[
-            0
-        ].limit
-        == 7
-    )
+    four_after = CpuLimit(limit=4, healthy=1, distressed_at=8)
+    assert cpu.step(four_after, used(0.04, 4), FLOOR, MAXIMUM)[0].limit == 7
     # Half a CPU each: the CPUs hold 4 of them, so 2 grows to 4, and 4 to no more than 4.
     assert cpu.step(calm, used(1.0), FLOOR, MAXIMUM)[0].limit == 4
     four = CpuLimit(limit=4, healthy=1)
