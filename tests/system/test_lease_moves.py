@@ -116,8 +116,12 @@ def scoped_runner(machine: Machine, unit: str) -> int:
         f"setsid -f systemd-run --scope --unit={unit} --uid={MIND_USER} sleep 1001"
         " </dev/null >/dev/null 2>&1"
     )
-    wait_for(lambda: machine.run(["pgrep", "-f", "sleep 1001"], check=False).returncode == 0)
-    return int(machine.run(["pgrep", "-f", "sleep 1001"]).stdout.split()[0])
+    # The whole command line, anchored: before it execs `sleep`, systemd-run's own
+    # command line holds "sleep 1001" too, in the cgroup it was started from, not yet
+    # moved into the scope.
+    found = ["pgrep", "-f", "^[^ ]*sleep 1001$"]  # sleep as exec'd: /usr/bin/sleep
+    wait_for(lambda: machine.run(found, check=False).returncode == 0)
+    return int(machine.run(found).stdout.split()[0])
 
 
 def a_turn(machine: Machine, mind: str) -> int:
