@@ -104,12 +104,11 @@ def grown(state: CpuLimit, reading: CpuReading, maximum: int) -> int:
     """The limit a growth gives: before any distress, as far as the CPUs hold at what
     each turn used (`room`) when that is known, else double; after one, double up to
     one below the distress and by one from there, never past the room."""
-    space = room(reading, maximum)
     if state.distressed_at is None:
-        return min(maximum, space if reading.used is not None else state.limit * 2)
+        return room(reading, maximum) if reading.used is not None else min(maximum, state.limit * 2)
     below = max(1, state.distressed_at - 1)
     new = min(state.limit * 2, below) if state.limit < below else state.limit + 1
-    return min(maximum, new, space)
+    return min(new, room(reading, maximum))
 
 
 def room(reading: CpuReading, maximum: int) -> int:
