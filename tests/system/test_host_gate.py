@@ -82,6 +82,17 @@ def slots_held(machine: Machine, repository: str = COMMON_DIR) -> int | None:
     return None
 
 
+def one_run_registered(machine: Machine, repository: str = COMMON_DIR) -> bool:
+    """One slot held and one run listed. A run takes its slot file, then starts its
+    scope: the status counts the slot (inotify) a moment before it lists the run
+    (systemd's scopes of the tests slice)."""
+    for entry in gate_test_runs(machine):
+        if entry["repository"] == repository:
+            runs = entry["runs"]
+            return entry["slots_held"] == 1 and isinstance(runs, list) and len(runs) == 1
+    return False
+
+
 def start_stream(
     machine: Machine, minds: list[str], interval: float = 0.1
 ) -> subprocess.Popen[str]:
@@ -161,7 +172,7 @@ def test_a_test_run_takes_one_place_and_hands_it_back_at_once(machine: Machine) 
 
     # A run in flight before any delivery: the stream must then get one turn at a time.
     first = start_test_run(machine, 4, "run0")
-    wait_for(lambda: slots_held(machine) == 1, timeout=20)
+    wait_for(lambda: one_run_registered(machine), timeout=20)
     entry = next(e for e in gate_test_runs(machine) if e["repository"] == COMMON_DIR)
     assert entry["slots"] == 1
     runs = entry["runs"]
@@ -218,7 +229,7 @@ def test_sigkill_of_a_test_run_frees_the_budget_at_once(machine: Machine) -> Non
         gate_config({"a": "turn-probe 6", "b": "turn-probe 6"}, adaptive=False, limits=COUNTING),
     )
     run = start_test_run(machine, 60)
-    wait_for(lambda: slots_held(machine) == 1, timeout=20)
+    wait_for(lambda: one_run_registered(machine), timeout=20)
     sampler = Sampler(machine)
     deliver_one_runs_one_waits(machine)
     time.sleep(0.3)
@@ -249,7 +260,7 @@ def test_a_restarted_gate_finds_the_runs_in_flight(machine: Machine) -> None:
         gate_config({"a": "turn-probe 3", "b": "turn-probe 3"}, adaptive=False, limits=COUNTING),
     )
     run = start_test_run(machine, 60)
-    wait_for(lambda: slots_held(machine) == 1, timeout=20)  # registered by the run
+    wait_for(lambda: one_run_registered(machine), timeout=20)
     registry = machine.host_path("/var/lib/volute/repositories.json").read_text()
     assert {"path": COMMON_DIR, "uid": 0} in json.loads(registry)["repositories"]
     machine.run(["systemctl", "restart", "volute-gate.service"])
