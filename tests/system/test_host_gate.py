@@ -74,23 +74,26 @@ def gate_test_runs(machine: Machine) -> list[dict[str, object]]:
     return runs
 
 
+def repository_entry(machine: Machine, repository: str = COMMON_DIR) -> dict[str, object] | None:
+    """`status`'s test_runs entry for `repository`, if it has one."""
+    return next((e for e in gate_test_runs(machine) if e["repository"] == repository), None)
+
+
 def slots_held(machine: Machine, repository: str = COMMON_DIR) -> int | None:
-    for entry in gate_test_runs(machine):
-        if entry["repository"] == repository:
-            held = entry["slots_held"]
-            return held if isinstance(held, int) else None
-    return None
+    entry = repository_entry(machine, repository)
+    held = entry["slots_held"] if entry is not None else None
+    return held if isinstance(held, int) else None
 
 
 def one_run_registered(machine: Machine, repository: str = COMMON_DIR) -> bool:
     """One slot held and one run listed. A run takes its slot file, then starts its
     scope: the status counts the slot (inotify) a moment before it lists the run
     (systemd's scopes of the tests slice)."""
-    for entry in gate_test_runs(machine):
-        if entry["repository"] == repository:
-            runs = entry["runs"]
-            return entry["slots_held"] == 1 and isinstance(runs, list) and len(runs) == 1
-    return False
+    entry = repository_entry(machine, repository)
+    if entry is None:
+        return False
+    runs = entry["runs"]
+    return entry["slots_held"] == 1 and isinstance(runs, list) and len(runs) == 1
 
 
 def start_stream(
@@ -173,7 +176,8 @@ def test_a_test_run_takes_one_place_and_hands_it_back_at_once(machine: Machine) 
     # A run in flight before any delivery: the stream must then get one turn at a time.
     first = start_test_run(machine, 4, "run0")
     wait_for(lambda: one_run_registered(machine), timeout=20)
-    entry = next(e for e in gate_test_runs(machine) if e["repository"] == COMMON_DIR)
+    entry = repository_entry(machine)
+    assert entry is not None
     assert entry["slots"] == 1
     runs = entry["runs"]
     assert isinstance(runs, list) and len(runs) == 1
