@@ -6,6 +6,7 @@ CPUs bore, and a CPU file that fails falls back as an io.pressure file does."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -134,13 +135,23 @@ def test_it_grows_no_further_than_the_cpus_hold_at_what_each_turn_used() -> None
     calm = CpuLimit(limit=2, healthy=1)
 
     def used(cores: float, running: int = 2) -> CpuReading:
-        return CpuReading(stalled=0.02, running=running, waiting=5, used=cores, cpus=2)
+        """`running` turns that ran the whole half-second interval, using `cores`."""
+        return CpuReading(
+            stalled=0.02,
+            running=running,
+            waiting=5,
+            used=cores,
+            cpus=2,
+            seconds=0.5,
+            turn_seconds=running * 0.5,
+        )
 
     assert cpu.step(calm, used(1.95), FLOOR, MAXIMUM) == (CpuLimit(limit=2, healthy=2), None)
     # Turns that wait on the network use next to no CPU: the CPUs hold the maximum, and
     # before any distress it goes there at once rather than doubling every two readings.
     grown, why = cpu.step(calm, used(0.04), FLOOR, MAXIMUM)
     assert grown.limit == MAXIMUM and why is not None and "using 0.0 of 2 CPUs" in why
+    assert "0.02 per turn" in why
     # A tenth of a CPU each: 20 would fit, the maximum is 16; a fifth: 10.
     assert cpu.step(calm, used(0.2), FLOOR, MAXIMUM)[0].limit == MAXIMUM
     assert cpu.step(calm, used(0.4), FLOOR, MAXIMUM)[0].limit == 10
@@ -162,11 +173,43 @@ def test_it_grows_no_further_than_the_cpus_hold_at_what_each_turn_used() -> None
 
 def test_room_is_the_maximum_when_the_turns_use_next_to_nothing() -> None:
     def room(used: float | None, running: int, cpus: int = 2) -> int:
-        return cpu.room(CpuReading(None, running, 0, used=used, cpus=cpus), 16)
+        whole = CpuReading(
+            None, running, 0, used=used, cpus=cpus, seconds=0.5, turn_seconds=running * 0.5
+        )
+        return cpu.room(whole, 16)
 
     assert room(None, 4) == 16 and room(0.0, 4) == 16 and room(1.0, 0) == 16
     assert room(0.125, 1) == 16  # 16 of them use 2 CPUs: the maximum fits
     assert (room(2.0, 2), room(1.0, 2), room(3.0, 2, cpus=4)) == (2, 4, 2)
+
+
+def test_what_a_turn_uses_is_per_second_it_ran_not_per_interval() -> None:
+    """Two turns that started half-way through the interval and kept both CPUs busy
+    from then on used one CPU over it: per turn and interval, half a CPU each, room for
+    4; per second they ran, a whole one each, room for 2."""
+    late = CpuReading(0.02, 2, 5, used=1.0, cpus=2, seconds=0.5, turn_seconds=0.5)
+    assert late.busy() == pytest.approx(1.0) and cpu.room(late, 16) == 2
+    # Unknown without the slice's CPU time or with no turn-seconds.
+    assert CpuReading(0.02, 2, 5, used=None, seconds=0.5, turn_seconds=1.0).busy() is None
+    assert CpuReading(0.02, 2, 5, used=1.0, seconds=0.5, turn_seconds=0.0).busy() is None
+
+
+def test_one_calm_reading_that_measured_the_turns_is_enough_to_grow() -> None:
+    """A cold gate at the floor, its 2 turns waiting on the network for the whole first
+    interval: that one calm reading says they use next to no CPU, and the bound goes to
+    the room at once. Turns that ran for under half the interval (they started just
+    before it ended) say too little: two calm readings, as with PSI alone."""
+    cold = cpu.initial(FLOOR, MAXIMUM)
+    whole = CpuReading(0.02, 2, 5, used=0.02, cpus=2, seconds=0.5, turn_seconds=1.0)
+    grown, why = cpu.step(cold, whole, FLOOR, MAXIMUM)
+    assert grown.limit == MAXIMUM and why is not None
+    brief = replace(whole, turn_seconds=0.4)  # 2 turns for 0.2 s of the 0.5
+    once, why = cpu.step(cold, brief, FLOOR, MAXIMUM)
+    assert (once.limit, why) == (FLOOR, None)
+    assert cpu.step(once, brief, FLOOR, MAXIMUM)[0].limit == MAXIMUM
+    # Burners that filled the floor for the whole interval: calm, no room, it stays.
+    burners = replace(whole, used=1.96)
+    assert cpu.step(cold, burners, FLOOR, MAXIMUM)[0].limit == FLOOR
 
 
 def psi(total: int) -> str:
@@ -255,6 +298,39 @@ def test_the_slices_cpu_stat_says_what_the_turns_used_and_holds_the_growth(
     signal.mark(20.0, running=4)
     assert signal.read(20.5, running=4, waiting=9, minimum=1, maximum=16)[0] is None
     assert signal.last is not None and signal.last.used is None
+
+
+def test_turn_seconds_are_the_turns_each_pass_left_running_summed_over_the_interval(
+    tree: dict[str, Path], settings: Settings
+) -> None:
+    """The passes say how many turns run from when: 2 from the mark's 0.25 s in, 2
+    more at 0.4, none after 0.45 (all four ended): 2 x 0.15 + 4 x 0.05 = 0.5
+    turn-seconds in the half-second interval. The slice used 0.5 CPU-seconds in it, so
+    a whole CPU per turn, and the CPUs hold 2 such turns (per interval and the most
+    turns at once it would read a quarter of a CPU each, and room for 8)."""
+    signal = signal_of(tree, settings)
+    tree["stat"].write_text(cpu_stat(1_000_000))
+    signal.mark(50.0, running=0)
+    signal.note_running(50.25, 2)
+    signal.note_running(50.4, 4)
+    signal.note_running(50.45, 0)
+    tree["stat"].write_text(cpu_stat(1_500_000))
+    assert signal.read(50.5, running=0, waiting=9, minimum=1, maximum=16)[0] is None
+    last = signal.last
+    assert last is not None and last.running == 4
+    assert last.turn_seconds == pytest.approx(0.5) and last.seconds == pytest.approx(0.5)
+    assert last.used == pytest.approx(1.0) and last.busy() == pytest.approx(1.0)
+    assert cpu.room(last, 16) == 2
+    # The next interval starts from the read, with the turns the last pass left: none.
+    signal.read(51.0, running=0, waiting=9, minimum=1, maximum=16)
+    assert signal.last is not None and signal.last.turn_seconds == 0.0
+    assert signal.last.busy() is None
+    signal.idle()  # an idle gate sums nothing until the next mark
+    signal.note_running(60.0, 3)
+    signal.mark(60.0, running=3)
+    tree["stat"].write_text(cpu_stat(1_530_000))
+    signal.read(60.5, running=3, waiting=9, minimum=1, maximum=16)
+    assert signal.last is not None and signal.last.turn_seconds == pytest.approx(1.5)
 
 
 def test_the_bound_is_kept_while_the_gate_is_idle_so_a_warm_fan_out_starts_at_it(

@@ -20,17 +20,24 @@ waited for a CPU):
   wait at it and the turns running fill it: before any distress, it grows to what the
   CPUs hold at what each turn used (`room`), or doubles when that use is not known;
   after one, it doubles from under the limit of that distress only up to one below
-  it, and by one from there, and never past the room;
+  it, and by one from there, and never past the room. One healthy reading is enough
+  when it says what each turn used (`measured`): the slice's CPU time per second that
+  a turn ran (not per interval: a turn that started half-way through it would read as
+  half as busy), over turns that filled the limit for at least half the interval. Two
+  readings of PSI alone are what a cold fan-out of turns that wait on the network
+  paid, 0.5 s of starting nothing (the eMMC and unthrottled network cells at 16 minds,
+  1.25x cap 16's makespan; docs/benchmarks.md); the use per turn-second tells such a
+  turn from a burner in one;
 - what PSI cannot see is use: with exactly as many CPU-bound turns as CPUs nothing
   waits for a CPU, the readings are calm, and a doubling lets in turns that then all
   wait (the SD card's cpu cell: 3 burners on 2 cores, the probe at 50-84 ms). So a
   reading also carries the CPU time the turns' slice used over the interval (its
-  `cpu.stat`, in CPUs), and the limit grows only to as many turns as the CPUs hold
-  at the CPU each running turn used (`room`: the USE method's utilisation beside PSI's
-  saturation). Turns that wait on the network use almost none: the room is the
-  maximum, and the limit goes there at once instead of doubling at every other
-  reading (2, 4, 8, 16 took 3 s of an unthrottled disk's mixed fan-out of 33, which
-  cap 16 finished in 13 s);
+  `cpu.stat`, in CPUs) and the time the turns ran in it (turn-seconds), and the limit
+  grows only to as many turns as the CPUs hold at the CPU each running turn used per
+  second it ran (`room`: the USE method's utilisation beside PSI's saturation). Turns
+  that wait on the network use almost none: the room is the maximum, and the limit
+  goes there at once instead of doubling at every other reading (2, 4, 8, 16 took 3 s
+  of an unthrottled disk's mixed fan-out of 33, which cap 16 finished in 13 s);
   turns that keep a CPU busy each hold it at the CPUs. Without the slice's `cpu.stat`
   (no cgroup v2) it doubles as PSI alone says;
 - in between, or with nothing waiting: it stays.
@@ -41,12 +48,12 @@ of that size would run, and what the bench's bound is measured against.
 
 A gate that starts knows nothing of the CPUs: it starts at the floor (`initial`), one
 turn per CPU, and grows from there as above: two calm readings with deliveries waiting
-at it take it to the room the turns leave.
+at it take it to the room the turns leave, one when it measured what they used.
 
 Unlike the storage's limit, it is kept while the gate is idle: the cores a host has do
 not change with the mix, and a second fan-out of the same CPU-bound minds (a warm gate)
 must not start all at once again. A fan-out of turns that use no CPU grows it back to
-the maximum within two readings.
+the maximum within one reading.
 
 No I/O and no clock here: volutectl/gate/cpu.py reads the file and gives the readings.
 """
@@ -71,6 +78,14 @@ class CpuReading:
     waiting: int  # deliveries waiting (held by a limit)
     used: float | None = None  # CPUs the turns' slice used over the interval (None: unknown)
     cpus: int = 1  # the CPUs there are
+    seconds: float = 0.0  # the interval's length
+    turn_seconds: float = 0.0  # the time the turns ran in it, summed over them
+
+    def busy(self) -> float | None:
+        """The CPU each turn used per second it ran (None: not known, or no turn ran)."""
+        if self.used is None or self.turn_seconds <= 0:
+            return None
+        return self.used * self.seconds / self.turn_seconds
 
 
 @dataclass(frozen=True)
@@ -96,7 +111,7 @@ def initial(floor: int, maximum: int) -> CpuLimit:
     2 cores before two stalled readings brought the bound down, and the probe waited for
     the cores. Two per CPU was tried and did not bring the probe's p99 down; one per CPU
     did (issue 32: the cpu cells at 33 minds, docs/benchmarks.md). Turns that use no CPU
-    find it at the maximum within two readings while deliveries wait at it."""
+    find it at the maximum within one reading while deliveries wait at it."""
     return CpuLimit(limit=min(maximum, floor))
 
 
@@ -105,18 +120,27 @@ def grown(state: CpuLimit, reading: CpuReading, maximum: int) -> int:
     each turn used (`room`) when that is known, else double; after one, double up to
     one below the distress and by one from there, never past the room."""
     if state.distressed_at is None:
-        return room(reading, maximum) if reading.used is not None else min(maximum, state.limit * 2)
+        known = reading.busy() is not None
+        return room(reading, maximum) if known else min(maximum, state.limit * 2)
     below = max(1, state.distressed_at - 1)
     new = min(state.limit * 2, below) if state.limit < below else state.limit + 1
     return min(new, room(reading, maximum))
 
 
 def room(reading: CpuReading, maximum: int) -> int:
-    """The most turns the CPUs hold at the CPU each running turn used over the reading
+    """The most turns the CPUs hold at the CPU each running turn used per second it ran
     (`maximum` when that is not known, or next to none)."""
-    if reading.used is None or reading.running <= 0 or reading.used <= 0:
+    busy = reading.busy()
+    if busy is None or busy <= 0:
         return maximum
-    return min(maximum, int(reading.cpus * reading.running / reading.used))
+    return min(maximum, int(reading.cpus / busy))
+
+
+def measured(state: CpuLimit, reading: CpuReading) -> bool:
+    """Whether the reading says what each turn uses: the slice's CPU time was read, and
+    the turns filling the limit ran for at least half the interval (a few turn-seconds,
+    such as turns that started just before it ended, say next to nothing)."""
+    return reading.busy() is not None and reading.turn_seconds >= state.limit * reading.seconds / 2
 
 
 def step(
@@ -128,6 +152,9 @@ def step(
     share = f"cpu {reading.stalled * 100:.0f}% stalled with {reading.running} running"
     if reading.used is not None:
         share += f" using {reading.used:.1f} of {reading.cpus} CPUs"
+    busy = reading.busy()
+    if busy is not None:
+        share += f", {busy:.2f} per turn"
     if reading.stalled >= STALL_DISTRESS and reading.running > floor:
         state = replace(state, healthy=0, strained=state.strained + 1)
         if state.strained < STRAINED_AFTER:
@@ -141,7 +168,7 @@ def step(
     filled = reading.running >= state.limit
     if state.limit >= maximum or not reading.waiting or not filled:
         return state, None
-    if state.healthy < GROW_AFTER:
+    if state.healthy < GROW_AFTER and not measured(state, reading):
         return state, None
     new = max(floor, grown(state, reading, maximum))
     if new <= state.limit:

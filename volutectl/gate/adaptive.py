@@ -412,7 +412,7 @@ class AdaptiveLimit:
         if self.probe is not None and self.probe.in_flight:
             self._probe_running = max(self._probe_running, running)
             self._probe_load = max(self._probe_load, self.load)
-        self.cpu.note_running(running)
+        self.cpu.note_running(now, running)
         if not self.enabled or not (running or waiting):
             self._deadline = None  # idle: no wakeups
             self._psi_mark = None

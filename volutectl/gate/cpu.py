@@ -13,8 +13,10 @@ at all has no CPU limit: the storage's signals alone hold the turns.
 
 Beside it, the turns slice's `cpu.stat` `usage_usec` at the same moments: the CPU time
 the turns used over the interval, which the limit grows no further than (core/cpu.py's
-`room`). A slice with no such file (no cgroup v2, or no slice yet) gives no use, and
-the limit grows on PSI alone; nothing falls back for it.
+`room`), per second a turn ran in it: the turns running, as each admission pass leaves
+them (`note_running`), summed over the interval's time (turn-seconds). A slice with no
+such file (no cgroup v2, or no slice yet) gives no use, and the limit grows on PSI
+alone; nothing falls back for it.
 """
 
 from __future__ import annotations
@@ -93,6 +95,9 @@ class CpuSignal:
         # A test's PSI file has no slice of its own to read.
         self._stat = cpu_stat_file(self._slice, cgroup_root) if given is None else None
         self._running = 0  # the most turns running since the mark
+        self._turns = 0  # the turns running as the last pass left them
+        self._since: float | None = None  # when: turn-seconds are summed from there
+        self._turn_seconds = 0.0  # summed since the mark, up to `_since`
         self.last: CpuReading | None = None
 
     def _find(self) -> Path | None:
@@ -113,17 +118,29 @@ class CpuSignal:
     def floor(self, minimum: int, maximum: int) -> int:
         return cpu.floor_of(minimum, maximum, self.cpus)
 
-    def note_running(self, running: int) -> None:
+    def note_running(self, now: float, running: int) -> None:
+        """An admission pass left `running` turns running at `now`."""
         self._running = max(self._running, running)
+        self._turn_seconds = self._ran_until(now)
+        self._turns, self._since = running, now
+
+    def _ran_until(self, now: float) -> float:
+        """Turn-seconds since the mark, up to `now`."""
+        if self._since is None:
+            return self._turn_seconds
+        return self._turn_seconds + self._turns * max(0.0, now - self._since)
 
     def idle(self) -> None:
         """Nothing runs or waits: no interval is measured (the limit is kept)."""
         self._mark = None
         self._running = 0
+        self._since = None
+        self._turn_seconds = 0.0
 
     def mark(self, now: float, running: int) -> str | None:
         """An interval begins: read the total (or why it fails)."""
         self._running = running
+        self._turns, self._since, self._turn_seconds = running, now, 0.0
         total = self._total()
         if isinstance(total, str):
             self._mark = None
@@ -138,6 +155,7 @@ class CpuSignal:
         """An interval ends: (why the file failed, or None; why the limit moved, or None).
         The next interval is marked from here."""
         mark, seen, used_mark = self._mark, self._running, self._used_mark
+        turn_seconds = self._ran_until(now)
         failure = self.mark(now, running)
         if failure is not None or mark is None or self._mark is None:
             return failure, None
@@ -146,7 +164,13 @@ class CpuSignal:
         if used_mark is not None and self._used_mark is not None and now > mark[1]:
             used = max(0, self._used_mark - used_mark) / 1e6 / (now - mark[1])
         self.last = CpuReading(
-            stalled=stalled, running=seen, waiting=waiting, used=used, cpus=self.cpus
+            stalled=stalled,
+            running=seen,
+            waiting=waiting,
+            used=used,
+            cpus=self.cpus,
+            seconds=now - mark[1],
+            turn_seconds=turn_seconds,
         )
         self.state, why = cpu.step(self.state, self.last, self.floor(minimum, maximum), maximum)
         return None, why
