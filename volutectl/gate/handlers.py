@@ -10,7 +10,8 @@ that one client.
 
 A handler in `TOGETHER` answers the requests of its type that came in one pass at
 once, in one list: deliveries, one item or many each (`accept_deliveries`), so that
-every delivery of the pass shares one durable commit before any is acknowledged.
+every delivery of the pass shares one durable commit before any is acknowledged (and
+volutectl/gate/serving.py's gather has the deliveries of a burst come in fewer passes).
 `keeps` says which replies keep their client for the outcome (a wait, a deliver with
 wait).
 """

@@ -11,7 +11,9 @@ the queue, an idle client, the watchdog, retention's next batch, and the adaptiv
 limit's next reading (only while turns run or wait) and its held-back journal entry.
 
 Each pass (`step`): answer the requests that came (volutectl/gate/serving.py:
-deliveries share one durable commit, then are acknowledged), learn which turns ended
+deliveries share one durable commit, then are acknowledged; after one, requests from
+other clients gather a while before they are served, `gather_until`, so that a burst
+of deliveries shares its commits), learn which turns ended
 (volutectl/gate/liveness.py), then run admission against the scopes that hold a place:
 `PendingIndex.admit` (volutectl/store/index.py), which keeps the pending rows indexed
 and decides with the pure rules of volutectl/core/admission.py; then carry out its
@@ -426,10 +428,27 @@ class Gate:
 
     def timeout(self) -> float | None:
         """How long the wait may sleep: only until a real deadline, else forever."""
-        owed = self.server.backlog or self.serving.left or self.state.dirty
-        if owed or self.state.manager.has_pending_events():
+        if self.state.dirty or self.state.manager.has_pending_events():
             return 0.0  # a pass is owed (a new gate's first one included): no sleep
+        if self.server.backlog or self.serving.left:
+            now = self.clock.monotonic()
+            until = self.gather_until(now)
+            if until is None:
+                return 0.0  # requests are owed a pass
+            later = self.reactor.timeout()
+            return min(until - now, later) if later is not None else until - now
         return self.reactor.timeout()
+
+    def gather_until(self, now: float) -> float | None:
+        """Until when the requests that wait gather before they are served: a while
+        after a commit of deliveries, when clients other than its own wait
+        (volutectl/gate/serving.py's Commit). None: serve them now."""
+        commit = self.serving.last_commit
+        if commit is None:
+            return None
+        waiting = set(self.server.backlog) | {client.fd for client, _ in self.serving.left}
+        until = commit.gather_until(waiting)
+        return until if until is not None and now < until else None
 
     def _ping_watchdog(self, now: float) -> None:
         sd_notify("WATCHDOG=1")
@@ -549,6 +568,8 @@ class Gate:
         """Serve this pass's share of the requests that arrived, batch after batch, and
         feed the watchdog between batches: at most server.REQUESTS_PER_PASS of them, and
         none begun after PASS_SECONDS (volutectl/gate/serving.py). How many were served."""
+        if self.gather_until(self.clock.monotonic()) is not None:
+            return 0  # the requests that wait gather a while (`timeout` wakes for them)
         deadline = self.clock.monotonic() + PASS_SECONDS
         served = 0
         while served < REQUESTS_PER_PASS:

@@ -12,11 +12,17 @@ A pass has its time (volutectl/gate/loop.py): past its deadline no further reque
 begun, and those not begun wait in `left`, answered first in the next pass (each
 client's still in its order), so that costly requests one after another (a `queue` of
 10,000 rows takes most of a second) cannot hold the loop.
+
+Each commit of deliveries is remembered (`last_commit`): when it ended, how long it
+took, and whose deliveries it held, from which the loop decides how long the next
+deliveries gather before theirs (`gather_until`).
 """
 
 from __future__ import annotations
 
 import os
+from collections import deque
+from dataclasses import dataclass
 
 from volutectl.gate import handlers
 from volutectl.gate.handlers import Caller
@@ -25,6 +31,40 @@ from volutectl.gate.server import Client, Incoming, Server
 from volutectl.gate.state import GateState
 from volutectl.wire.messages import ErrorReply, Reply, Request
 
+# Deliveries that keep coming from other clients gather after a commit of deliveries
+# before the next one: GATHER_SHARE times as long as such a commit takes (the slowest
+# of the last GATHER_SEEN: on the SD card's throttle one commit waits 25-35 ms for the
+# card and the next may find it free and take 1 ms), at most GATHER_MAX seconds. So in
+# a burst the deliveries' fsyncs hold the disk a quarter of the time at most, and the
+# rest is the turns' and the host's; each fsync is shared by what came meanwhile
+# (PostgreSQL's commit_delay, which waits only while commit_siblings other
+# transactions are active). A disk whose commit takes a millisecond waits 3 ms; the SD
+# card 0.1 s. There, a fan-out of 33 `deliver` at once no longer makes the probe wait
+# as its turns start (docs/benchmarks.md, "Deliveries that keep coming share
+# commits"). A client whose own delivery was in the last commit, alone, does not wait:
+# one delivering one after another has nothing to share a commit with.
+GATHER_SHARE = 3.0
+GATHER_MAX = 0.25
+GATHER_SEEN = 4
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A commit of deliveries: when it ended (monotonic), how long such a commit takes
+    (the slowest of the last GATHER_SEEN), and the clients (by fd) whose deliveries
+    it held."""
+
+    ended: float
+    seconds: float
+    clients: frozenset[int]
+
+    def gather_until(self, waiting: set[int] | frozenset[int]) -> float | None:
+        """Until when the requests of the clients `waiting` (by fd) gather before they
+        are served; None: serve them now (nobody but this commit's clients waits)."""
+        if not waiting or waiting <= self.clients:
+            return None
+        return self.ended + min(GATHER_MAX, GATHER_SHARE * self.seconds)
+
 
 class Serving:
     def __init__(self, state: GateState, server: Server, waiters: Waiters) -> None:
@@ -32,6 +72,9 @@ class Serving:
         self.server = server
         self.waiters = waiters
         self.left: list[Incoming] = []  # taken, not begun: the pass's time was up
+        self.last_commit: Commit | None = None  # the last commit of deliveries
+        # How long the last GATHER_SEEN commits of deliveries took.
+        self.commit_seconds: deque[float] = deque(maxlen=GATHER_SEEN)
 
     def serve(self, incoming: list[Incoming], deadline: float | None = None) -> int:
         """Answer the requests, each client's in its order: every one, or those begun
@@ -74,10 +117,16 @@ class Serving:
         """Answer the requests gathered (deliveries: one commit for all), in place."""
         if not batch:
             return
+        clients = [incoming[index][0] for index in batch]
+        began = self.state.clock.monotonic()
         answered = self._together(
-            [incoming[index][0] for index in batch],
+            clients,
             [request for index in batch if isinstance(request := incoming[index][1], Request)],
         )
+        ended = self.state.clock.monotonic()
+        self.commit_seconds.append(ended - began)
+        slowest = max(self.commit_seconds)
+        self.last_commit = Commit(ended, slowest, frozenset(c.fd for c in clients))
         for index, reply in zip(batch, answered, strict=True):
             replies[index] = reply
         batch.clear()

@@ -1,0 +1,226 @@
+"""Deliveries that keep coming share commits (volutectl/gate/serving.py's Commit, the
+loop's `gather_until`): after a commit of deliveries, requests of other clients wait a
+while (GATHER_SHARE times as long as such a commit takes, at most GATHER_MAX) before the
+next commit,
+so a burst of `deliver` on a slow disk costs it fewer fsyncs; the client whose delivery
+was just committed, alone, is served at once.
+
+The real gate on a real SQLite file, on a FakeClock that the store's commit moves: a
+commit takes the time the test gives the disk.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from tests.unit.fake_clock import FakeClock
+from tests.unit.gate_harness import Harness, Peer
+from volutectl.errors import VoluteError
+from volutectl.gate.serving import GATHER_MAX, GATHER_SHARE, Commit
+from volutectl.store.rows import NewDelivery
+
+MINDS = {"a": "true", "b": "true", "c": "true"}
+
+
+class SlowDisk:
+    """The store's commits of deliveries, each taking `seconds` of the gate's clock;
+    how many rows each commit held."""
+
+    def __init__(self, harness: Harness, clock: FakeClock, seconds: float) -> None:
+        self.seconds = seconds
+        self.commits: list[int] = []
+        store = harness.gate.state.store
+        add = store.add_deliveries
+
+        def slow_add(
+            items: Iterable[NewDelivery],
+            now: float | None = None,
+            *,
+            refuse: Callable[[NewDelivery], VoluteError | None] | None = None,
+        ) -> list[int | VoluteError]:
+            rows = list(items)
+            clock.advance(self.seconds)  # the fsync, as the disk takes it
+            self.commits.append(len(rows))
+            return add(rows, now, refuse=refuse)
+
+        store.add_deliveries = slow_add  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def gate(tmp_path: Path) -> Iterator[tuple[Harness, FakeClock]]:
+    clock = FakeClock()
+    harness = Harness(tmp_path, minds=MINDS, clock=clock)
+    try:
+        yield harness, clock
+    finally:
+        harness.close()
+
+
+def send(peer: Peer, mind: str, request_id: str | None = None) -> None:
+    request = {"v": 1, "op": "deliver", "mind": mind, "message": "m"}
+    if request_id is not None:
+        request["request_id"] = request_id
+    peer.send(json.dumps(request).encode() + b"\n")
+
+
+def acked(peer: Peer) -> bool:
+    return peer.has_line()
+
+
+def test_the_wait_is_a_share_of_the_commit_at_most_gather_max_and_none_for_its_own() -> None:
+    commit = Commit(ended=100.0, seconds=0.03, clients=frozenset({7, 8}))
+    assert commit.gather_until({9}) == pytest.approx(100.0 + GATHER_SHARE * 0.03)
+    assert commit.gather_until({7, 9}) == commit.gather_until({9})  # one other is enough
+    assert commit.gather_until({7}) is None  # its own client, alone: nothing to share
+    assert commit.gather_until({7, 8}) is None
+    assert commit.gather_until(set()) is None
+    stalled = Commit(ended=100.0, seconds=5.0, clients=frozenset({7}))
+    assert stalled.gather_until({9}) == pytest.approx(100.0 + GATHER_MAX)  # a stalled disk
+    quick = Commit(ended=100.0, seconds=0.0005, clients=frozenset({7}))
+    fast = quick.gather_until({9})  # a fast disk: next to none
+    assert fast is not None and fast - 100.0 < 0.002
+
+
+def test_deliveries_that_come_while_a_slow_commit_runs_share_the_next_one(
+    gate: tuple[Harness, FakeClock],
+) -> None:
+    harness, clock = gate
+    disk = SlowDisk(harness, clock, 0.05)
+    first, second, third = harness.connect(), harness.connect(), harness.connect()
+    send(first, "a")
+    harness.pump(lambda: acked(first))
+    assert disk.commits == [1]
+    send(second, "b")
+    send(third, "c")
+    # Other clients wait: the commit took 0.05 s, so they gather for a while after it.
+    for _ in range(5):
+        harness.step(0.01)
+    assert not acked(second) and not acked(third) and disk.commits == [1]
+    wait = harness.gate.timeout()
+    assert wait is not None and 0 < wait <= GATHER_SHARE * 0.05 + 1e-9
+    harness.advance(GATHER_SHARE * 0.05)
+    harness.pump(lambda: acked(second) and acked(third))
+    assert disk.commits == [1, 2]  # both in one commit
+    for peer in (first, second, third):
+        reply = peer.reply()
+        assert reply["ok"] is True, reply
+    rows = harness.gate.state.store.rows([1, 2, 3])
+    assert [row.mind for row in rows] == ["a", "b", "c"]
+
+
+def test_a_client_alone_delivering_one_after_another_never_waits(
+    gate: tuple[Harness, FakeClock],
+) -> None:
+    """Its own delivery was the last commit's, and nobody else's waits: it has nothing
+    to share a commit with, and each of its deliveries is committed at once."""
+    harness, clock = gate
+    disk = SlowDisk(harness, clock, 0.05)
+    peer = harness.connect()
+    for n in range(1, 5):
+        before = clock.monotonic()
+        send(peer, "a")
+        harness.pump(lambda: acked(peer))
+        assert peer.reply()["ok"] is True
+        assert clock.monotonic() == pytest.approx(before + 0.05)  # the commit's time only
+        assert disk.commits == [1] * n
+
+
+def test_the_wait_follows_the_slowest_of_the_last_few_commits(
+    gate: tuple[Harness, FakeClock],
+) -> None:
+    """A throttled card's commits take 30 ms and 1 ms by turns (a slot of the card's
+    free, or not): the gather after a quick one is still the slow one's."""
+    harness, clock = gate
+    disk = SlowDisk(harness, clock, 0.03)
+    first, second = harness.connect(), harness.connect()
+    send(first, "a")
+    harness.pump(lambda: acked(first))
+    first.reply()
+    disk.seconds = 0.001
+    send(first, "a")  # its own client alone: at once, and quick
+    harness.pump(lambda: acked(first))
+    assert disk.commits == [1, 1]
+    send(second, "b")
+    harness.step(0.01)
+    wait = harness.gate.timeout()
+    assert wait is not None and wait == pytest.approx(GATHER_SHARE * 0.03)
+    assert not acked(second)
+
+
+def test_a_fast_disk_gathers_next_to_nothing(gate: tuple[Harness, FakeClock]) -> None:
+    """A commit that takes no time on the gate's clock (a fast disk) leaves nothing to
+    wait for: other clients are served in the next pass."""
+    harness, clock = gate
+    disk = SlowDisk(harness, clock, 0.0)
+    first, second = harness.connect(), harness.connect()
+    send(first, "a")
+    harness.pump(lambda: acked(first))
+    send(second, "b")
+    harness.step(0.01)
+    harness.pump(lambda: acked(second), timeout=1.0)
+    assert disk.commits == [1, 1]
+
+
+def test_a_status_waits_out_the_gather_too_and_is_answered_after_it(
+    gate: tuple[Harness, FakeClock],
+) -> None:
+    """The gather holds every request of the clients that wait, in their order: a
+    `status` after a delivery is answered after it, within the gather's time."""
+    harness, clock = gate
+    SlowDisk(harness, clock, 0.05)
+    first, second = harness.connect(), harness.connect()
+    send(first, "a")
+    harness.pump(lambda: acked(first))
+    send(second, "b")
+    second.send(b'{"v": 1, "op": "status"}\n')
+    harness.step(0.01)
+    assert not acked(second)
+    harness.advance(GATHER_SHARE * 0.05)
+    harness.pump(lambda: acked(second))
+    delivered = second.reply()
+    assert delivered["ok"] is True and "id" in delivered, delivered  # the delivery first
+    shown = second.reply()
+    assert shown["ok"] is True and "status" in shown, shown  # then the status
+
+
+def test_a_gate_that_dies_while_deliveries_gather_acknowledged_none_and_loses_none(
+    gate: tuple[Harness, FakeClock],
+) -> None:
+    """The gather is before the commit: a gate killed then has stored none of the
+    deliveries that gathered, and told their clients nothing (their connections end),
+    so each client sends again (the same request id) and each is stored once; the
+    delivery committed before it stays, once."""
+    harness, clock = gate
+    SlowDisk(harness, clock, 0.05)
+    first, second, third = harness.connect(), harness.connect(), harness.connect()
+    send(first, "a", "r-a")
+    harness.pump(lambda: acked(first))
+    committed = first.reply()
+    assert committed["ok"] is True
+    for peer, mind in ((second, "b"), (third, "c")):
+        send(peer, mind, f"r-{mind}")
+    harness.step(0.01)
+    assert not acked(second) and not acked(third)  # gathering
+    harness.crash()
+    assert second.closed_by_gate() and third.closed_by_gate()
+    assert not second.buffer and not third.buffer  # no ack was sent
+    harness.restart()
+    store = harness.gate.state.store
+    assert [row.mind for row in store.rows([1, 2, 3]) if row is not None] == ["a"]
+    ids = []
+    for mind in ("a", "b", "c"):  # every client sends again, the first one too
+        again = harness.connect()
+        send(again, mind, f"r-{mind}")
+        harness.advance(1.0)
+        harness.pump(partial(acked, again))
+        reply = again.reply()
+        assert reply["ok"] is True, reply
+        ids.append(int(reply["id"]))
+    assert ids[0] == committed["id"]  # the committed one, not queued twice
+    rows = store.rows(ids)
+    assert [row.mind for row in rows] == ["a", "b", "c"] and len(set(ids)) == 3
