@@ -19,6 +19,7 @@ from tests.unit.fake_clock import FakeClock
 from tests.unit.gate_harness import Harness
 from tests.unit.test_gate_adaptive import MINDS, limit_of, running
 from tests.unit.test_gate_pause import deliver
+from volutectl.core import iocost
 from volutectl.gate.adaptive import QUIET_READINGS
 from volutectl.states import HoldReason, Outcome, QueueState
 from volutectl.store import indexed, schema
@@ -130,14 +131,9 @@ def test_the_turns_a_pass_starts_share_one_commit(store: IndexedStore) -> None:
 pytestmark = pytest.mark.serial  # the harness's real probe times this host's disk
 
 
-def test_while_turns_only_run_the_probe_comes_every_few_readings_and_a_wait_brings_it_back(
-    tmp_path: Path, harnesses: list[Harness]
-) -> None:
-    config = {"start": 4, "minimum": 1, "maximum": 4, "interval_seconds": 1.0}
-    harness = Harness(tmp_path, minds=MINDS, limits={"adaptive": config}, clock=FakeClock())
-    harnesses.append(harness)
-    adaptive = limit_of(harness)
-    probe = adaptive.probe
+def counted_probes(harness: Harness) -> list[float]:
+    """When each of the adaptive limit's probes starts, from now on."""
+    probe = limit_of(harness).probe
     assert probe is not None
     starts: list[float] = []
     real_start = probe.start
@@ -147,26 +143,64 @@ def test_while_turns_only_run_the_probe_comes_every_few_readings_and_a_wait_brin
         real_start(now)
 
     probe.start = counted  # type: ignore[method-assign]
+    return starts
+
+
+def probes_per_reading(harness: Harness, starts: list[float], count: int) -> list[int]:
+    probe = limit_of(harness).probe
+    assert probe is not None
+    readings = []
+    for _ in range(count):
+        harness.pump(lambda: not probe.in_flight)
+        before = len(starts)
+        harness.advance(1.0)
+        readings.append(len(starts) - before)
+    return readings
+
+
+def test_while_turns_only_run_the_probe_comes_every_few_readings_and_a_wait_brings_it_back(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    config = {"start": 4, "minimum": 1, "maximum": 8, "interval_seconds": 1.0}
+    minds = {f"m{i}": "exec sleep 30" for i in range(8)}
+    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config}, clock=FakeClock())
+    harnesses.append(harness)
+    adaptive = limit_of(harness)
+    starts = counted_probes(harness)
+    for mind in minds:  # known heavy writers: a whole place each, growth by one
+        adaptive.learn_cost(mind, 64 * iocost.FULL_BYTES)
     for mind in ["m0", "m1"]:
         deliver(harness, mind)
     harness.pump(lambda: running(harness) == 2)
-    readings = []
-    for _ in range(2 * QUIET_READINGS):  # two run, nothing waits
-        harness.pump(lambda: not probe.in_flight)
-        before = len(starts)
-        harness.advance(1.0)
-        readings.append(len(starts) - before)
+    readings = probes_per_reading(harness, starts, 2 * QUIET_READINGS)  # nothing waits
     # One probe per QUIET_READINGS readings, not one per reading; readings go on.
     assert sum(readings) == 2 and adaptive.deadline() is not None, readings
-    for mind in ["m2", "m3", "m4"]:
+    for mind in ["m2", "m3", "m4", "m5", "m6", "m7"]:
+        deliver(harness, mind)
+    harness.pump(lambda: running(harness) >= 4 and adaptive.at_limit >= 1)
+    # They wait at the limit of 4, under the maximum of 8, and a growth would let them
+    # in: a probe every reading.
+    readings = probes_per_reading(harness, starts, 3)
+    assert readings[-2:] == [1, 1] and running(harness) < 8 and adaptive.at_limit, readings
+
+
+def test_deliveries_that_wait_at_the_maximum_have_the_probe_every_few_readings(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    """The limit's maximum (or the CPUs' bound) holds them, not the limit: no growth
+    would let them in, and they wait for a turn to end. The probe keeps the cadence of
+    turns that only run."""
+    config = {"start": 4, "minimum": 1, "maximum": 4, "interval_seconds": 1.0}
+    harness = Harness(tmp_path, minds=MINDS, limits={"adaptive": config}, clock=FakeClock())
+    harnesses.append(harness)
+    adaptive = limit_of(harness)
+    starts = counted_probes(harness)
+    for mind in ["m0", "m1", "m2", "m3", "m4"]:
         deliver(harness, mind)
     harness.pump(lambda: running(harness) == 4 and adaptive.waiting == 1)
-    for _ in range(3):  # m4 waits at the limit of 4: a probe for every reading
-        harness.pump(lambda: not probe.in_flight)
-        before = len(starts)
-        harness.advance(1.0)
-        readings.append(len(starts) - before)
-    assert readings[-2:] == [1, 1], readings
+    assert adaptive.at_limit == 0 and adaptive.turns_bound() == 4
+    readings = probes_per_reading(harness, starts, 2 * QUIET_READINGS)
+    assert sum(readings) == 2, readings
 
 
 def test_the_wal_is_checkpointed_after_a_quiet_second_only_once_it_holds_many_commits(

@@ -3,8 +3,10 @@ volutectl/core/adaptive.py's rule, and says so.
 
 Every `limits.adaptive.interval_seconds`, and only while turns run or deliveries wait
 (an idle gate has no deadline here, so it never wakes for it), the gate takes a
-reading (while turns run and nothing waits, the probe only every QUIET_READINGS of
-them, and only those readings move the limit, the disks' and PSI's with them):
+reading (while turns run and nothing waits at the limit, the probe only every
+QUIET_READINGS of them, and only those readings move the limit, the disks' and PSI's
+with them; deliveries held by the bound on turns at once, the maximum or the CPUs',
+wait for a turn to end or for the CPUs' readings, not for the probe's):
 - **the probe**: a 4 KiB write and fdatasync to a file of its own in its state
   directory, the disk its queue commits to (on a Pi, the disk its turns write to),
   timed in a worker thread so that a stalled disk never blocks the loop; the thread
@@ -94,7 +96,13 @@ PROBE_BYTES = 4096
 # guards) runs for one reading in QUIET_READINGS, not each: the limit cannot grow then,
 # and a distress is still seen within QUIET_READINGS intervals. The readings between
 # take PSI, the CPUs and samples, and move the limit on none of them (a reading with no
-# probe would end a healthy streak). A delivery that waits has the next one probe.
+# probe would end a healthy streak). A delivery that waits at the limit has the next
+# one probe; one that waits at the bound on turns at once (`turns_bound`: the maximum,
+# or the CPUs' bound) does not: no growth of the limit would let it in. On the SD card
+# a probe is an fsync, 3-4 of the card's 60 IOs a second, and a fan-out of 33 network
+# turns waited at the maximum of 16 for most of its 17 s with the probe at every
+# reading: 3-5 samples a run over the bound as turns ended, where cap 16, with no probe,
+# had 0-1 (docs/benchmarks.md, "Deliveries that keep coming share commits").
 QUIET_READINGS = 4
 # At its start, the gate waits at most this long for its quiet disk's probe before it
 # serves (`measure_quiet_disk`).
@@ -344,6 +352,7 @@ class AdaptiveLimit:
         self._psi_mark: tuple[int, float] | None = None
         self.running = 0
         self.waiting = 0
+        self.at_limit = 0  # of those waiting, held by the limit, not by `turns_bound`
         self.last: Reading | None = None
         self.probe_ms: float | None = None  # the probe's own part of the last reading
         self.held_by: str | None = None  # the disk whose reading decided the last one
@@ -408,6 +417,8 @@ class AdaptiveLimit:
         """What admission left (`load`: the running turns' IO costs, by default one
         each): measure while anything runs or waits, else sleep."""
         self.running, self.waiting = running, waiting
+        bound = self.turns_bound()
+        self.at_limit = waiting if bound is None or running < bound else 0
         self.load = float(running) if load is None else load
         if self.probe is not None and self.probe.in_flight:
             self._probe_running = max(self._probe_running, running)
@@ -577,8 +588,8 @@ class AdaptiveLimit:
         if self._probed or probing or self._failure is not None or self.fallback is not None:
             moved = self.apply(self._reading(now, latency, stalled), self._failure)
         self._failure = None
-        self._quiet_readings = 0 if self.waiting else self._quiet_readings + 1
-        if self.waiting or self._quiet_readings % QUIET_READINGS == 0:
+        self._quiet_readings = 0 if self.at_limit else self._quiet_readings + 1
+        if self.at_limit or self._quiet_readings % QUIET_READINGS == 0:
             self._start_probe(now)
         else:
             self._probed = False  # the next reading has no probe of its own
@@ -593,7 +604,7 @@ class AdaptiveLimit:
             latency_ms=self._worst_disk(latency),
             stalled=stalled,
             running=self._probe_running,
-            waiting=self.waiting,
+            waiting=self.at_limit,
             load=self._probe_load,
         )
 
