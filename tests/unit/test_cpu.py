@@ -405,21 +405,6 @@ def cpu_harness(tmp_path: Path, harnesses: list[Harness], **adaptive: Any) -> Ha
     return harness
 
 
-def cpu_readings(harness: Harness, count: int) -> None:
-    """`count` of the gate's readings of the CPUs: one every interval, where the
-    storage's (`readings`) apply only those with a probe, every few intervals while
-    the deliveries wait at the bound on turns at once and not at the limit."""
-    cpu = limit_of(harness).cpu
-    taken, last = [0], [cpu.last]
-
-    def counted() -> bool:
-        if cpu.last is not last[0]:
-            taken[0], last[0] = taken[0] + 1, cpu.last
-        return taken[0] >= count
-
-    read_until(harness, counted)
-
-
 def stall(harness: Harness, share: float) -> None:
     """The CPU file shows `share` of the next interval stalled (read at its end)."""
     total = int(harness.cpu_file.read_text().split("total=")[1].split()[0])
@@ -435,14 +420,14 @@ def test_a_cpu_stall_bounds_the_turns_at_once_and_the_next_delivery_waits(
     harness.pump(lambda: running(harness) == 2)
     adaptive = limit_of(harness)
     assert adaptive.turns_bound() == 2  # a gate that starts: one turn per CPU
-    cpu_readings(harness, 2)  # two calm readings with two deliveries waiting at it: doubled
+    readings(harness, 2, cpu=True)  # two calm readings with two deliveries waiting at it: doubled
     harness.pump(lambda: running(harness) == 4)
     assert adaptive.turns_bound() == 4
     stall(harness, 0.95)
-    cpu_readings(harness, 1)
+    readings(harness, 1, cpu=True)
     assert adaptive.turns_bound() == 4  # one reading stalled: a start-up, maybe
     stall(harness, 0.95)
-    cpu_readings(harness, 1)
+    readings(harness, 1, cpu=True)
     assert adaptive.turns_bound() == 2
     harness.advance(EVENT_SECONDS)  # the journal's entries: at most one every 5 s
     grown, changed = harness.journal.of(events.CpuLimitChanged)

@@ -138,15 +138,20 @@ def read_until(harness: Harness, until: Callable[[], bool], most: int = 50) -> N
     raise AssertionError(f"not after {most} readings: {until}")
 
 
-def readings(harness: Harness, count: int) -> None:
-    """`count` of the gate's own readings (read_until's)."""
+def readings(harness: Harness, count: int, cpu: bool = False) -> None:
+    """`count` of the gate's own readings (read_until's): of the storage, those the
+    limit applied (with a probe); with `cpu`, of the CPUs, one every interval."""
     taken = [0]
     adaptive = limit_of(harness)
-    last = [adaptive.last]
+
+    def latest() -> object:
+        return adaptive.cpu.last if cpu else adaptive.last
+
+    last = [latest()]
 
     def counted() -> bool:
-        if adaptive.last is not last[0]:
-            taken[0], last[0] = taken[0] + 1, adaptive.last
+        if latest() is not last[0]:
+            taken[0], last[0] = taken[0] + 1, latest()
         return taken[0] >= count
 
     read_until(harness, counted)
