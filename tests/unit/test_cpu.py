@@ -370,6 +370,28 @@ def test_a_slice_file_lost_fails_one_reading_then_the_systems_is_read(
     assert signal.last is not None and signal.last.stalled == pytest.approx(0.0002)
 
 
+def test_a_gate_started_before_the_slice_reads_the_slices_file_once_it_reads(
+    tree: dict[str, Path], settings: Settings
+) -> None:
+    """A gate started at boot, before the first turn made the slice's cgroup, reads the
+    system's file (every stall on the host); once the slice's reads as PSI it reads
+    that, the turns' own. The interval read from both files is no reading: 0.45 s of the
+    system's stall and 0 of the slice's are no measure of anything."""
+    tree["slice"].unlink()
+    signal = signal_of(tree, settings)
+    assert signal.path == tree["system"]
+    tree["system"].write_text(psi(1_000_000))
+    signal.mark(0.0, running=2)
+    tree["slice"].write_text(psi(0))  # the first turn started: systemd made the slice
+    tree["system"].write_text(psi(1_450_000))
+    assert signal.read(0.5, running=2, waiting=9, minimum=1, maximum=16) == (None, None)
+    assert signal.path == tree["slice"] and signal.last is None
+    tree["slice"].write_text(psi(50_000))
+    tree["system"].write_text(psi(1_900_000))  # the host's burner: not the turns'
+    assert signal.read(1.0, running=2, waiting=9, minimum=1, maximum=16)[0] is None
+    assert signal.last is not None and signal.last.stalled == pytest.approx(0.1)
+
+
 def test_no_file_left_keeps_failing_until_one_reads(
     tree: dict[str, Path], settings: Settings
 ) -> None:

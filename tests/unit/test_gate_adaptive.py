@@ -30,7 +30,7 @@ from volutectl.core.iocost import FLOOR, PROBATION_SECONDS, STARTING
 from volutectl.core.psi import parse_total
 from volutectl.errors import VoluteError
 from volutectl.gate import adaptive as gate_adaptive
-from volutectl.gate.adaptive import EVENT_SECONDS, AdaptiveLimit
+from volutectl.gate.adaptive import EVENT_SECONDS, AdaptiveLimit, StorageSensor
 from volutectl.gate.disks import DiskWatch
 from volutectl.host import doctor
 from volutectl.kernel.written import Written
@@ -395,7 +395,7 @@ def test_a_psi_file_lost_with_no_other_to_read_stays_in_fallback_and_doctor_says
     psi = tmp_path / "io.pressure"
     psi.write_text(PSI.format(1000))
 
-    def found(settings: object) -> Path | None:
+    def found(settings: object, *roots: Path) -> Path | None:
         try:
             parse_total(psi.read_text())
         except (OSError, ValueError):
@@ -424,6 +424,53 @@ def test_a_psi_file_lost_with_no_other_to_read_stays_in_fallback_and_doctor_says
     read_until(harness, lambda: mode_of(adaptive) is AdaptiveMode.ADAPTIVE)
     assert len(harness.journal.of(events.AdaptiveMeasuring)) == 1
     assert doctor_check(harness).status == "ok"
+
+
+def test_a_gate_started_before_the_slice_reads_the_slices_io_pressure_once_it_reads(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    """A gate started at boot, before the first turn made the slice's cgroup, reads the
+    system's io.pressure (every stall on the host: the gate's own probe, a backup). Once
+    the slice's reads as PSI, the readings are the turns' own stall; the interval read
+    from both files measures no stall at all."""
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu io memory pids\n")
+    slice_file = root / "volute.slice" / "volute-turns.slice" / "io.pressure"
+    system = tmp_path / "proc-pressure-io"
+    system.write_text(PSI.format(0))
+    config = {"start": 2, "minimum": 1, "maximum": 4, "interval_seconds": 10.0, "rule": "aimd"}
+    harness = Harness(
+        tmp_path, start=False, minds=MINDS, limits={"adaptive": config}, clock=FakeClock()
+    )
+    harnesses.append(harness)
+    harness.sensor = StorageSensor(harness.settings, True, cgroup_root=root, system=system)
+    harness.restart()
+    writing(harness)
+    adaptive = limit_of(harness)
+    assert adaptive.psi_path == system
+    for mind in MINDS:
+        deliver(harness, mind)
+    harness.pump(lambda: running(harness) == 2)
+
+    def stalled_after(host: float, turns: float) -> float | None:
+        """The next reading's stall, the system's file having counted `host` seconds
+        more and the slice's `turns` (if it reads)."""
+        system.write_text(PSI.format(parse_total(system.read_text()) + int(host * 1e6)))
+        if slice_file.exists():
+            total = parse_total(slice_file.read_text()) + int(turns * 1e6)
+            slice_file.write_text(PSI.format(total))
+        readings(harness, 1)
+        assert adaptive.last is not None
+        return adaptive.last.stalled
+
+    readings(harness, 1)  # the first interval's mark
+    assert stalled_after(host=1.0, turns=0.0) == pytest.approx(0.1)  # the host's
+    slice_file.parent.mkdir(parents=True)  # the first turn started: systemd made the slice
+    slice_file.write_text(PSI.format(0))
+    assert stalled_after(host=8.0, turns=0.0) is None  # read from both: no measure
+    assert adaptive.psi_path == slice_file
+    assert stalled_after(host=8.0, turns=0.5) == pytest.approx(0.05)  # the turns' own
 
 
 def doctor_check(harness: Harness) -> doctor.Check:

@@ -80,7 +80,7 @@ from volutectl.events import Emit
 from volutectl.gate.cpu import CpuSignal
 from volutectl.gate.disks import DiskWatch, describe, holdings
 from volutectl.kernel import blockdevs
-from volutectl.kernel.probes import SYSTEM_PRESSURE, readable_pressure
+from volutectl.kernel.probes import CGROUP_ROOT, SYSTEM_PRESSURE, readable_pressure, slice_pressure
 from volutectl.kernel.written import Written
 from volutectl.states import AdaptiveMode
 from volutectl.wire.messages import AdaptiveStatus, DiskStatus
@@ -191,9 +191,11 @@ class Probe:
                     os.close(fd)
 
 
-def pressure_file(settings: Settings) -> Path | None:
+def pressure_file(
+    settings: Settings, cgroup_root: Path = CGROUP_ROOT, system: Path = SYSTEM_PRESSURE
+) -> Path | None:
     """The turns slice's io.pressure when it reads as PSI, else the system's, else None."""
-    return readable_pressure(settings.turns.slice, "io.pressure", SYSTEM_PRESSURE)
+    return readable_pressure(settings.turns.slice, "io.pressure", system, cgroup_root)
 
 
 class Sensor(Protocol):
@@ -217,7 +219,10 @@ class Sensor(Protocol):
 class StorageSensor:
     """The probe and PSI. `probe` is None when the limit is off. `psi_total` gives PSI's
     cumulative stall, or None (no file: a host with no PSI), or why the file that read
-    before now fails."""
+    before now fails. The file is the turns slice's io.pressure, or the system's while
+    the slice's does not read: a gate started before the slice (systemd makes its cgroup
+    with the first turn) reads the slice's as soon as it does, the turns' own stall and
+    not the host's. `cgroup_root` and `system`: where the files are (a test's tree)."""
 
     def __init__(
         self,
@@ -225,10 +230,13 @@ class StorageSensor:
         enabled: bool,
         psi: Path | None = None,
         sys_root: Path | None = None,
+        cgroup_root: Path = CGROUP_ROOT,
+        system: Path = SYSTEM_PRESSURE,
     ) -> None:
         self._settings = settings
+        self._roots = (cgroup_root, system)
         self._psi_given = psi  # a test's file: no other is looked for
-        self.psi_path = psi if psi is not None or not enabled else pressure_file(settings)
+        self.psi_path = psi if psi is not None or not enabled else self._find()
         self.probe = Probe(settings.gate.state_dir / PROBE_FILE) if enabled else None
         self._psi_lost: str | None = None  # why the PSI file that read failed, until one reads
         # /sys, or a test's tree: looked up now, so that a test may put its own there
@@ -239,23 +247,29 @@ class StorageSensor:
         """Read PSI from `path` alone (a test's file)."""
         self._psi_given = self.psi_path = path
 
+    def _find(self) -> Path | None:
+        return self._psi_given or pressure_file(self._settings, *self._roots)
+
     def psi_total(self) -> int | str | None:
         """The `some total=` stall (µs), None with no PSI file, or why it cannot be read."""
         if self.psi_path is None and self._psi_lost is not None:
             # PSI read once and failed: look for a file again (the slice's cgroup may
             # have gone with the slice), and stay in fallback until one reads as PSI;
             # no file at all is not "a host with no PSI", which measures by the probe.
-            self.psi_path = self._psi_given or pressure_file(self._settings)
+            self.psi_path = self._find()
             if self.psi_path is None:
                 return self._psi_lost
         if self.psi_path is None:
             return None
+        if self._psi_given is None and self.psi_path == self._roots[1]:
+            slice_file = slice_pressure(self._settings.turns.slice, "io.pressure", self._roots[0])
+            self.psi_path = slice_file or self.psi_path
         try:
             total = parse_total(self.psi_path.read_text())
         except (OSError, ValueError) as error:
             why = error.strerror if isinstance(error, OSError) else "not PSI text"
             self._psi_lost = f"{self.psi_path} cannot be read ({why})"
-            self.psi_path = self._psi_given or pressure_file(self._settings)
+            self.psi_path = self._find()
             return self._psi_lost
         self._psi_lost = None
         return total
@@ -349,7 +363,8 @@ class AdaptiveLimit:
         self._sample_after = 0.0  # monotonic: no sample before (one failed)
         self.sample_failure: str | None = None  # why the last sample failed, if it did
         self.load = 0.0
-        self._psi_mark: tuple[int, float] | None = None
+        # (total µs, monotonic, the file read) at the interval's start
+        self._psi_mark: tuple[int, float, Path | None] | None = None
         self.running = 0
         self.waiting = 0
         self.at_limit = 0  # of those waiting, held by the limit, not by `turns_bound`
@@ -794,17 +809,17 @@ class AdaptiveLimit:
         if result is not None:
             self._quiet_probe = False
 
-    def _psi_total(self, now: float) -> tuple[int, float] | None:
+    def _psi_total(self, now: float) -> tuple[int, float, Path | None] | None:
         total = self.sensor.psi_total()
         if isinstance(total, str):
             self._failure = total
             return None
-        return (total, now) if total is not None else None
+        return (total, now, self.sensor.psi_path) if total is not None else None
 
     def _psi_stalled(self, now: float) -> float | None:
         mark, self._psi_mark = self._psi_mark, self._psi_total(now)
-        if mark is None or self._psi_mark is None:
-            return None
+        if mark is None or self._psi_mark is None or mark[2] != self._psi_mark[2]:
+            return None  # no file, or the slice's read from here on: no stall measured
         return stall_fraction(mark[0], self._psi_mark[0], now - mark[1])
 
     # -- what it shows -----------------------------------------------------------------

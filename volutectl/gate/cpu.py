@@ -5,7 +5,11 @@ a bound beside its own maximum.
 The file is the turns slice's `cpu.pressure` when it reads as PSI, else the system's
 /proc/pressure/cpu (a host whose slice has no cgroup v2 file, or none yet), read at the
 start and end of each of the adaptive limit's intervals (plain reads: no trigger, no
-write, no privilege). A file that read and then fails (the slice's cgroup went with the
+write, no privilege). A gate that started before the slice did (systemd makes the
+slice's cgroup with the first turn: a gate started at boot) reads the system's until
+the slice's reads as PSI, then the slice's: the system's counts every stall on the
+host, and the turns' own is the signal. An interval whose two ends were read from two
+files is no reading. A file that read and then fails (the slice's cgroup went with the
 slice, a file that reads as garbage) is looked for again, as the io.pressure file is:
 the reading where it failed is a failure (the adaptive limit falls back to its static
 start value, AdaptiveFallback), and the next that reads ends it. A host with no CPU PSI
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING
 from volutectl.core import cpu
 from volutectl.core.cpu import CpuLimit, CpuReading
 from volutectl.core.psi import parse_total, stall_fraction
-from volutectl.kernel.probes import CGROUP_ROOT, readable_pressure, slice_cgroup
+from volutectl.kernel.probes import CGROUP_ROOT, readable_pressure, slice_cgroup, slice_pressure
 
 if TYPE_CHECKING:
     from volutectl.config.settings import Settings
@@ -90,7 +94,8 @@ class CpuSignal:
         floor = self.floor(adaptive.minimum, adaptive.maximum)
         self.state: CpuLimit = cpu.initial(floor, adaptive.maximum)
         self._lost: str | None = None  # why the file that read failed, until one reads
-        self._mark: tuple[int, float] | None = None  # (total µs, monotonic) at the start
+        # (total µs, monotonic, the file read) at the start
+        self._mark: tuple[int, float, Path] | None = None
         self._used_mark: int | None = None  # the slice's usage_usec at the start
         # A test's PSI file has no slice of its own to read.
         self._stat = cpu_stat_file(self._slice, cgroup_root) if given is None else None
@@ -145,7 +150,7 @@ class CpuSignal:
         if isinstance(total, str):
             self._mark = None
             return total
-        self._mark = (total, now) if total is not None else None
+        self._mark = (total, now, self.path) if total is not None and self.path else None
         self._used_mark = usage_usec(self._stat) if self._mark is not None else None
         return None
 
@@ -159,6 +164,8 @@ class CpuSignal:
         failure = self.mark(now, running)
         if failure is not None or mark is None or self._mark is None:
             return failure, None
+        if mark[2] != self._mark[2]:  # the slice's file read from here: no reading
+            return None, None
         stalled = stall_fraction(mark[0], self._mark[0], now - mark[1])
         used = None
         if used_mark is not None and self._used_mark is not None and now > mark[1]:
@@ -188,6 +195,8 @@ class CpuSignal:
                 return self._lost
         if self.path is None:
             return None
+        if self._given is None and self.path == self._roots[1]:
+            self.path = slice_pressure(self._slice, "cpu.pressure", self._roots[0]) or self.path
         try:
             total = parse_total(self.path.read_text())
         except (OSError, ValueError) as error:

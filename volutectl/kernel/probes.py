@@ -60,17 +60,24 @@ def readable_pressure(
 ) -> Path | None:
     """The turns slice's pressure file `name` (io.pressure, cpu.pressure) when it reads
     as PSI, else `system`'s (/proc/pressure/...), else None."""
-    candidates = [system]
+    found = slice_pressure(slice_name, name, cgroup_root)
+    return found if found is not None else _reads_as_psi(system)
+
+
+def slice_pressure(slice_name: str, name: str, cgroup_root: Path = CGROUP_ROOT) -> Path | None:
+    """The turns slice's pressure file `name` if it reads as PSI: not before the slice
+    is started (systemd makes its cgroup then, with the first turn), nor without a v2
+    hierarchy."""
     cgroup = slice_cgroup(slice_name, cgroup_root)
-    if cgroup is not None:
-        candidates.insert(0, cgroup / name)
-    for path in candidates:
-        try:
-            parse_total(path.read_text())
-        except (OSError, ValueError):
-            continue
-        return path
-    return None
+    return _reads_as_psi(cgroup / name) if cgroup is not None else None
+
+
+def _reads_as_psi(path: Path) -> Path | None:
+    try:
+        parse_total(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return path
 
 
 # -- block devices -----------------------------------------------------------------------
