@@ -77,7 +77,9 @@ def test_status_the_status_line_and_the_journal_show_the_limit_rising_for_networ
 ) -> None:
     """Sixteen turns that sleep 3 s and write nothing: the disk stays healthy while
     deliveries wait at the limit, so it grows past `start` (by slow start, within a few
-    intervals), and each of the three views shows it."""
+    intervals), and each of the three views shows it. The gate starts before the turns
+    slice does, as at boot: it must read the slice's PSI files once the first turn makes
+    them, not the host's for good (a CPU burner beside it held the limit at `start`)."""
     install_probe(machine)
     minds = network_bound(16, 3.0)
     start_gate(machine, gate_config(minds, adaptive=True))  # the default: no cap, adaptive
