@@ -73,8 +73,13 @@ WRITING_BYTES = 64 * 1024  # written between two samples: a writer, for the rest
 # would let a heavy writer in at the floor's cost (one busy meanwhile, waiting on the
 # disk or running, is not judged: `Running.sample`). It paces a cold gate: at a limit of
 # 2, two turns of unknown writes are let in per probation, so a network-bound fan-out of
-# 16 took 1.18x cap 16's time on the SD card at 0.4 s (docs/benchmarks.md).
-PROBATION_SECONDS = 0.25
+# 16 took 1.18x cap 16's time on the SD card at 0.4 s, and 1.24-1.26x on the eMMC and
+# unthrottled disks at 0.25 s; at 0.1 s, 1.12-1.13x (docs/benchmarks.md, "A shorter
+# probation"). However short, a sample judges a turn light only when all its processes
+# sleep: what a shorter one lets in sooner is a program asleep at once, as a turn
+# waiting on the model is; one that sleeps briefly and then writes is charged from the
+# next sample, as one that waited out the longer probation was.
+PROBATION_SECONDS = 0.1
 # What a turn of a known mind costs at least until a sample after its probation judges it
 # (`starting_cost`): at a limit of 1 beside a heavy writer, one start at a time.
 STARTING = 0.5
