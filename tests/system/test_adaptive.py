@@ -72,16 +72,26 @@ def status_line_limit(machine: Machine) -> int | None:
     return int(match.group(2)) if match else None
 
 
-def test_status_the_status_line_and_the_journal_show_the_limit_rising_for_network_bound_turns(
-    machine: Machine,
+def writers_that_wait(count: int, seconds: float, disk: Path) -> dict[str, str]:
+    """Minds whose turns write 256 KiB, synced, to `disk` (a writer: a whole place),
+    and then wait."""
+    write = f"dd if=/dev/zero of={disk}/w.$VOLUTE_MIND.$$ bs=64k count=4 oflag=dsync status=none"
+    return {f"w{i:02d}": f"{write}; turn-probe {seconds}" for i in range(count)}
+
+
+def test_status_the_status_line_and_the_journal_show_the_limit_rising_while_writers_wait(
+    disk_machine: tuple[Machine, Path],
 ) -> None:
-    """Sixteen turns that sleep 3 s and write nothing: the disk stays healthy while
-    deliveries wait at the limit, so it grows past `start` (by slow start, within a few
-    intervals), and each of the three views shows it. The gate starts before the turns
-    slice does, as at boot: it must read the slice's PSI files once the first turn makes
+    """Sixteen turns that write 256 KiB to the host's own (quick) disk and wait 3 s:
+    each costs a whole place (a writer), so deliveries wait at the limit while the disk
+    stays healthy, and it grows past `start` within a few intervals; each of the three
+    views shows it. (Turns that write nothing cost a sixteenth once sampled: 16 of them
+    fit the start value, and it need not grow.) The gate starts before the turns slice
+    does, as at boot: it must read the slice's PSI files once the first turn makes
     them, not the host's for good (a CPU burner beside it held the limit at `start`)."""
+    machine, disk = disk_machine
     install_probe(machine)
-    minds = network_bound(16, 3.0)
+    minds = writers_that_wait(16, 3.0, disk)
     start_gate(machine, gate_config(minds, adaptive=True))  # the default: no cap, adaptive
     at_rest = adaptive_status(machine)
     assert (at_rest["mode"], at_rest["limit"], at_rest["ceiling"]) == ("adaptive", START, None)
