@@ -80,7 +80,12 @@ from volutectl.events import Emit
 from volutectl.gate.cpu import CpuSignal
 from volutectl.gate.disks import DiskWatch, describe, holdings
 from volutectl.kernel import blockdevs
-from volutectl.kernel.probes import CGROUP_ROOT, SYSTEM_PRESSURE, readable_pressure, slice_pressure
+from volutectl.kernel.probes import (
+    CGROUP_ROOT,
+    SYSTEM_PRESSURE,
+    preferring_slice,
+    readable_pressure,
+)
 from volutectl.kernel.written import Written
 from volutectl.states import AdaptiveMode
 from volutectl.wire.messages import AdaptiveStatus, DiskStatus
@@ -261,9 +266,12 @@ class StorageSensor:
                 return self._psi_lost
         if self.psi_path is None:
             return None
-        if self._psi_given is None and self.psi_path == self._roots[1]:
-            slice_file = slice_pressure(self._settings.turns.slice, "io.pressure", self._roots[0])
-            self.psi_path = slice_file or self.psi_path
+        if self._psi_given is None:
+            cgroup_root, system = self._roots
+            slice_name = self._settings.turns.slice
+            self.psi_path = preferring_slice(
+                self.psi_path, slice_name, "io.pressure", system, cgroup_root
+            )
         try:
             total = parse_total(self.psi_path.read_text())
         except (OSError, ValueError) as error:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from volutectl.core import cpu
 from volutectl.core.cpu import CpuLimit, CpuReading
 from volutectl.core.psi import parse_total, stall_fraction
-from volutectl.kernel.probes import CGROUP_ROOT, readable_pressure, slice_cgroup, slice_pressure
+from volutectl.kernel.probes import CGROUP_ROOT, preferring_slice, readable_pressure, slice_cgroup
 
 if TYPE_CHECKING:
     from volutectl.config.settings import Settings
@@ -195,8 +195,11 @@ class CpuSignal:
                 return self._lost
         if self.path is None:
             return None
-        if self._given is None and self.path == self._roots[1]:
-            self.path = slice_pressure(self._slice, "cpu.pressure", self._roots[0]) or self.path
+        if self._given is None:
+            cgroup_root, system = self._roots
+            self.path = preferring_slice(
+                self.path, self._slice, "cpu.pressure", system, cgroup_root
+            )
         try:
             total = parse_total(self.path.read_text())
         except (OSError, ValueError) as error:

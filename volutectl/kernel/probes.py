@@ -64,6 +64,17 @@ def readable_pressure(
     return found if found is not None else _reads_as_psi(system)
 
 
+def preferring_slice(
+    path: Path, slice_name: str, name: str, system: Path, cgroup_root: Path = CGROUP_ROOT
+) -> Path:
+    """The file to read next of a gate that reads `path`: the turns slice's `name` once
+    it reads as PSI while `path` is the system's (a gate started before the first turn,
+    which makes the slice's cgroup), else `path`."""
+    if path != system:
+        return path
+    return slice_pressure(slice_name, name, cgroup_root) or path
+
+
 def slice_pressure(slice_name: str, name: str, cgroup_root: Path = CGROUP_ROOT) -> Path | None:
     """The turns slice's pressure file `name` if it reads as PSI: not before the slice
     is started (systemd makes its cgroup then, with the first turn), nor without a v2
