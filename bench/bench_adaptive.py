@@ -230,6 +230,8 @@ class Run:
     limit: list[tuple[float, int]] = field(default_factory=list)  # (t, adaptive limit)
     # (t, what the running turns cost then, `mind=cost,...`): each change, adaptive runs
     costs: list[tuple[float, str]] = field(default_factory=list)
+    # (t, the reason status gives for the limit's last move): each change, adaptive runs
+    reasons: list[tuple[float, str]] = field(default_factory=list)
     turns: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # mind: (start, end)
 
 
@@ -289,7 +291,8 @@ def journal_tail(machine: Machine) -> str:
     return machine.run(command, check=False).stdout
 
 
-# In the machine: the status reply's adaptive limit every 0.25 s, as "epoch limit" lines.
+# In the machine: the status reply's adaptive limit every 0.25 s, as tab-separated "epoch,
+# limit, running turns' costs, the reason it last moved" lines.
 # Polled, not read from the journal: the gate writes at most one AdaptiveLimitChanged
 # entry every 5 s (the journal may live on the stalled disk), too coarse for a timeline.
 POLLER = r"""
@@ -307,9 +310,14 @@ with open(out, "w", buffering=1) as log:
         if adaptive.get("limit") is not None:
             costs = adaptive.get("running_costs") or {}
             costs = ",".join(f"{m}={c:g}" for m, c in sorted(costs.items()))
-            log.write(f"{time.time():.3f} {adaptive['limit']} {costs}\n")
+            reason = " ".join(str(adaptive.get("reason") or "").split())
+            log.write(f"{time.time():.3f}\t{adaptive['limit']}\t{costs}\t{reason}\n")
         time.sleep(0.25)
 """
+
+
+Steps = list[tuple[float, int]]
+Shown = list[tuple[float, str]]
 
 
 class LimitPoller:
@@ -321,10 +329,11 @@ class LimitPoller:
         self.stop_file = self.out + ".stop"
         self.proc = machine.popen([PYTHON, "-c", POLLER, self.out, self.stop_file])
 
-    def stop(self, t0: float) -> tuple[list[tuple[float, int]], list[tuple[float, str]]]:
-        """Each change of the limit, at t - t0 (the first reading counts as one), and
-        each change of what the running turns cost (`mind=cost,...`, as `status`
-        shows them: which turns the gate took for writers, and when)."""
+    def stop(self, t0: float) -> tuple[Steps, Shown, Shown]:
+        """Each change of the limit, at t - t0 (the first reading counts as one), each
+        change of what the running turns cost (`mind=cost,...`, as `status` shows them:
+        which turns the gate took for writers, and when), and each change of the reason
+        `status` gives for the limit's last move (why it fell, or held, and when)."""
         self.machine.write(self.stop_file, "")
         try:
             self.proc.wait(timeout=30)
@@ -332,19 +341,21 @@ class LimitPoller:
             self.proc.kill()
             self.proc.wait()
         path = self.machine.host_path(self.out)
-        steps: list[tuple[float, int]] = []
-        costs: list[tuple[float, str]] = []
+        steps: Steps = []
+        costs: Shown = []
+        reasons: Shown = []
         for line in path.read_text().splitlines() if path.exists() else []:
-            fields = line.split()
-            if len(fields) not in (2, 3):
+            fields = line.split("\t")
+            if len(fields) != 4:
                 continue
             at = float(fields[0]) - t0
             if not steps or steps[-1][1] != int(fields[1]):
                 steps.append((at, int(fields[1])))
-            shown = fields[2] if len(fields) == 3 else ""
-            if not costs or costs[-1][1] != shown:
-                costs.append((at, shown))
-        return steps, costs
+            if not costs or costs[-1][1] != fields[2]:
+                costs.append((at, fields[2]))
+            if not reasons or reasons[-1][1] != fields[3]:
+                reasons.append((at, fields[3]))
+        return steps, costs, reasons
 
 
 def fan_out(
@@ -386,7 +397,7 @@ def fan_out(
     wait_for_scopes_to_go(machine)
     samples = rig.probe.samples(t0, t_end)
     latencies = [ms for _, ms in samples]
-    limit, costs = poller.stop(t0)
+    limit, costs, reasons = poller.stop(t0)
     stopped = not done and give_up is not None and give_up < rig.timeout
     return Run(
         profile=rig.profile,
@@ -407,6 +418,7 @@ def fan_out(
         at_once=[(at - t0, n) for at, n in running_at_once(starts, ends)],
         limit=limit,
         costs=costs,
+        reasons=reasons,
         turns={
             mind: (at - t0, ends[mind] - t0 if mind in ends else None)
             for mind, at in starts.items()
