@@ -252,6 +252,42 @@ def test_a_limit_that_met_distress_is_tried_again_only_after_a_long_calm() -> No
     assert limits[-1] == 9, limits
 
 
+def test_a_distress_at_a_fan_outs_start_lowers_the_limit_but_is_not_remembered() -> None:
+    """On the SD card, a CPU-bound fan-out of 16: the gate's second reading, its probe
+    meeting the gate's own commits of the fan-out's deliveries and turn starts (the
+    bench's probe beside it read 0-1 ms), was 71 ms with 2 running. Remembered as the
+    limit the disk did not bear, it held the turns to one at a time for 7.6 s
+    (RETRY_AFTER), and the next fan-out started at 1: 20.5 s against cap 2's 17.0."""
+    cold = learn_quiet(initial(BOUNDS), 0.5)
+
+    def readings(state: Controller, latencies: list[float]) -> tuple[Controller, list[int]]:
+        limits = []
+        for i, latency in enumerate(latencies):
+            reading = Reading(i * INTERVAL, latency, None, state.limit, 10)
+            state, _ = step(state, reading, BOUNDS)
+            limits.append(state.limit)
+        return state, limits
+
+    # The first reading counts for nothing; the second is far over healthy.
+    state, limits = readings(cold, [0.5, 71.0])
+    assert limits == [2, 1] and state.distressed_at is None and not state.calm_seen
+    # Back to 2 after GROW_AFTER healthy readings, not RETRY_AFTER.
+    state, limits = readings(state, [0.5] * GROW_AFTER)
+    assert limits == [1] * (GROW_AFTER - 1) + [2], limits
+    assert state.calm_seen
+    # A gate gone idle after it starts again at `start`, not below it.
+    resumed, change = resume(state, 60.0, BOUNDS)
+    assert resumed.limit == BOUNDS.start and resumed.distressed_at is None
+    # Once the fan-out has read healthy, a distress is remembered: the turns, not
+    # their arrival.
+    state, limits = readings(state, [71.0])
+    assert limits == [1] and state.distressed_at == 2
+    state, limits = readings(state, [0.5] * RETRY_AFTER)
+    assert limits == [1] * (RETRY_AFTER - 1) + [2], limits
+    resumed, _ = resume(state, 120.0, BOUNDS)
+    assert resumed.limit == 1 and not resumed.calm_seen
+
+
 def test_a_quiet_probe_teaches_the_baseline_and_moves_nothing_else() -> None:
     """A cold gate's first reading is taken under the fan-out that woke it: learnt from
     it alone, the baseline reads a queue as normal, and the limit doubles into it. The

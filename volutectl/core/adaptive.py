@@ -19,7 +19,13 @@ wait at the limit. `step` says whether the limit moves, and why.
   (congestion avoidance).
   A limit that met distress is tried again only after `RETRY_AFTER` healthy readings
   in a row (CUBIC's plateau at the window that last lost, W_max): a few lucky probes
-  in a row are no evidence. Below that limit it grows as before.
+  in a row are no evidence. Below that limit it grows as before. A distress is
+  remembered so only once the fan-out has had a counted healthy reading (`calm_seen`):
+  before it, the probe meets the fan-out's own arrival (the gate's commits of its
+  deliveries and of its turns' starts, on the SD card the card's whole budget for a
+  second: docs/benchmarks.md), which says nothing of what the turns bear. Such a
+  distress lowers the limit all the same, and the limit grows back after `GROW_AFTER`
+  healthy readings; if it meets distress again there, that one is remembered.
   Doubling is safe only for turns that cost less than a place (core/iocost.py): a
   turn whose writes are not known costs a whole place until a sample of what it has
   written shows otherwise, and so does a known heavy writer. Doubling a limit of whole
@@ -120,6 +126,7 @@ class Controller:
     healthy: int = 0  # readings in a row that were healthy
     last_reading: float | None = None
     distressed_at: int | None = None  # the limit of the last distress (CUBIC's W_max)
+    calm_seen: bool = True  # a counted healthy reading since the fan-out's start
 
 
 class Verdict(Enum):
@@ -135,7 +142,7 @@ Rule = Callable[[Controller, Reading], Judgement]
 
 def initial(bounds: Bounds) -> Controller:
     """A gate that starts, or starts again: the start value, nothing learnt."""
-    return Controller(limit=bounds.clamp(bounds.start), healthy=UNSEEN)
+    return Controller(limit=bounds.clamp(bounds.start), healthy=UNSEEN, calm_seen=False)
 
 
 def healthy_below_ms(baseline_ms: float) -> float:
@@ -259,14 +266,20 @@ def step(
     state = replace(state, baseline_ms=learn_baseline(state, reading), last_reading=reading.now)
     verdict, why = RULES[rule](state, reading)
     limit = state.limit
+    # A distress before the fan-out's first counted healthy reading is not remembered.
+    distressed_at = limit if state.calm_seen else state.distressed_at
     if verdict is Verdict.SEVERE:
-        state = replace(state, slow_start=False, strained=state.strained + 1, distressed_at=limit)
+        strained = state.strained + 1
+        state = replace(state, slow_start=False, strained=strained, distressed_at=distressed_at)
         new = int(limit * BACK_OFF) if state.strained >= 2 else limit - 1
     elif verdict is Verdict.DISTRESS:
-        state = replace(state, slow_start=False, strained=0, distressed_at=limit)
+        state = replace(state, slow_start=False, strained=0, distressed_at=distressed_at)
         new = limit - 1
     elif verdict is Verdict.HEALTHY:
-        state = replace(state, strained=0, healthy=state.healthy + 1)
+        healthy = state.healthy + 1
+        state = replace(
+            state, strained=0, healthy=healthy, calm_seen=state.calm_seen or healthy > 0
+        )
         new = limit
         if reading.waiting > 0 and state.healthy >= grow_after(state) and tested(state, reading):
             new = grown(state, reading)
@@ -299,7 +312,9 @@ def resume(state: Controller, now: float, bounds: Bounds) -> tuple[Controller, C
         start = min(start, below)
     start = bounds.clamp(start)
     quiet = f"idle for {now - state.last_reading:.0f} s: starting again from {start}"
-    state = replace(state, slow_start=True, strained=0, healthy=UNSEEN, last_reading=now)
+    state = replace(
+        state, slow_start=True, strained=0, healthy=UNSEEN, calm_seen=False, last_reading=now
+    )
     if state.limit == start:
         return state, None
     return replace(state, limit=start), Change(state.limit, start, quiet)
