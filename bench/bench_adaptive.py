@@ -8,6 +8,9 @@ systemd (systemd-nspawn) booted inside its blkio cgroup, so the gate, the launch
 every turn scope write to the throttled device. The loop device's file is in RAM (a
 tmpfs of its own) by default, so that the throttle is the disk's only slowness;
 `--backing disk` puts it on the host's disk, whose own stalls then come through too.
+The throttle holds requests back before the loop device counts them, so the gate's watch
+of the disk (/sys/block) sees an idle disk; `--visible` puts a second loop device on a
+file on the throttled one, whose counters show the throttle's queue as a real card's do.
 The gate's state directory (/var/lib/volute) is on the slow disk too, as on a Pi: its
 synced commits queue behind the turns' writes. The probe (volute_testbed.diskprobe), a
 4 KiB synced write every 200 ms on average, at random moments, on the same disk, stands
@@ -60,7 +63,8 @@ probe's latency over time, one line per run) in --out. The pictures need matplot
 
     .venv/bin/python bench/bench_adaptive.py [--profiles sd,emmc,unthrottled]
         [--workloads all-write,network,mixed,cpu] [--runs ungated,cap2,adaptive,...]
-        [--minds 16,33] [--repeats 3] [--out DIR] [--full] [--backing ram|disk] [--no-plots]
+        [--minds 16,33] [--repeats 3] [--out DIR] [--full] [--backing ram|disk] [--visible]
+        [--no-plots]
 
 A smoke run (a few minutes):
     .venv/bin/python bench/bench_adaptive.py --profiles sd --workloads network,all-write \
@@ -250,11 +254,21 @@ class Rig:
 
 @contextlib.contextmanager
 def rig(
-    profile: str, minds: int, timeout: float, settle: float, work: Path, backing: str
+    profile: str,
+    minds: int,
+    timeout: float,
+    settle: float,
+    work: Path,
+    backing: str,
+    visible: bool = False,
 ) -> Iterator[Rig]:
     spec = PROFILES[profile]
     with slow_disk(
-        iops=spec.iops, bps=spec.bps, name=f"adaptive-{profile}", in_ram=backing == "ram"
+        iops=spec.iops,
+        bps=spec.bps,
+        name=f"adaptive-{profile}",
+        in_ram=backing == "ram",
+        visible=visible,
     ) as disk:
         # Its own name: two checkouts' benches may share the host.
         name = f"bench-adaptive-{profile}-{os.getpid()}"
@@ -730,6 +744,12 @@ def parse_args() -> argparse.Namespace:
         default="ram",
         help="where the loop device's file lives (default ram: the throttle alone is slow)",
     )
+    parser.add_argument(
+        "--visible",
+        action="store_true",
+        help="the throttle's queue shows in the disk's /sys/block counters, as a real "
+        "card's does (volute_testbed.slowdisk's visible rig)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="no PNGs (no matplotlib)")
     return parser.parse_args()
 
@@ -787,7 +807,9 @@ def run_bench(
     work = Path(tempfile.mkdtemp(prefix="volute-adaptive-work.", dir="/var/tmp"))
     try:
         for profile in choose(args.profiles, list(PROFILES), "profile"):
-            with rig(profile, 0, args.timeout, args.settle, work, args.backing) as bench_rig:
+            with rig(
+                profile, 0, args.timeout, args.settle, work, args.backing, args.visible
+            ) as bench_rig:
                 for workload in choose(args.workloads, list(WORKLOADS), "workload"):
                     for minds in mind_counts(args.minds):
                         bench_rig.minds = minds
@@ -812,6 +834,7 @@ def write_results(out: Path, cells: Cells, args: Any) -> None:
         "minds": mind_counts(args.minds),
         "repeats": args.repeats,
         "backing": args.backing,
+        "visible": args.visible,
         "profiles": {key: asdict(profile) for key, profile in PROFILES.items()},
         "cells": [
             {
