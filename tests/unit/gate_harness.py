@@ -297,11 +297,15 @@ class Harness:
         socket file, turn directories and systemd's scopes stay). systemd (the fake)
         lives on, and so do the turns' processes."""
         gate = self.gate
-        for client in list(gate.server.clients.values()):
-            client.sock.close()
         # Shut down, not only closed: a turn forked from this process (the harness's
         # hands are in-process, where the real launcher is another process) and not yet
-        # exec'd holds a copy of the listener, and a new gate would find it still served.
+        # exec'd holds a copy of every descriptor: of a client's, whose peer would see no
+        # end until that child execs (on a loaded machine, a while later), and of the
+        # listener, which a new gate would find still served.
+        for client in list(gate.server.clients.values()):
+            with contextlib.suppress(OSError):
+                client.sock.shutdown(socket.SHUT_RDWR)
+            client.sock.close()
         with contextlib.suppress(OSError):
             gate.server.listener.shutdown(socket.SHUT_RDWR)
         gate.server.listener.close()
