@@ -50,6 +50,7 @@ class EventName(StrEnum):
     LEFTOVERS_STOPPED = "leftovers_stopped"
     NOT_OFFERED = "not_offered"
     NOT_STORED = "not_stored"
+    NOT_SYNCED = "not_synced"
     IO_PRESSURE_ON = "io_pressure_on"
     IO_PRESSURE_OFF = "io_pressure_off"
     IO_PRESSURE_HIGH = "io_pressure_high"
@@ -107,6 +108,7 @@ MESSAGE_IDS: Mapping[EventName, str] = {
     EventName.LEFTOVERS_STOPPED: "2d205a995f8641a19a2a39c0bfb48530",
     EventName.NOT_OFFERED: "2d4a2e048a0a49818ddec92b327e95c8",
     EventName.NOT_STORED: "82e7dbea24134bdbaa0565787567d3d5",
+    EventName.NOT_SYNCED: "4aefee7d7530424683653a2cd87095c1",
     EventName.IO_PRESSURE_ON: "9d11c5f578ba49e9a4cc7dee44bbd236",
     EventName.IO_PRESSURE_OFF: "4733b775a00d4429b48276a3f6f919c1",
     EventName.IO_PRESSURE_HIGH: "cca007b348a740a4998de8123dddc886",
@@ -396,6 +398,24 @@ class DeliveriesNotStored(BaseEvent):
         return (
             f"could not store {self.count} deliveries, refused them (nothing acknowledged): "
             f"{self.exception}: {self.error}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeliveriesNotSynced(BaseEvent):
+    """Deliveries were stored, but the queue could not sync them before the gate would
+    acknowledge them: their clients were dropped unanswered, to send again with the same
+    request ids (each gets its delivery back, durable, once a sync succeeds)."""
+
+    LEVEL = "error"
+    EVENT = EventName.NOT_SYNCED
+    count: int = field(metadata=NOT_SENT)
+    clients: int
+
+    def message(self) -> str:
+        return (
+            f"could not sync {self.count} deliveries to disk, acknowledged none: dropped "
+            f"their {self.clients} clients, which retry with the same request ids"
         )
 
 

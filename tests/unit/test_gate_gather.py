@@ -12,43 +12,74 @@ commit takes the time the test gives the disk.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator
+import sqlite3
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
 import pytest
 
 from tests.unit.fake_clock import FakeClock
-from tests.unit.gate_harness import Harness, Peer
+from tests.unit.gate_harness import Harness, Peer, settled
+from volutectl import events
 from volutectl.errors import VoluteError
 from volutectl.gate.serving import GATHER_MAX, GATHER_SHARE, Commit
+from volutectl.states import QueueState
 from volutectl.store.rows import NewDelivery
 
 MINDS = {"a": "true", "b": "true", "c": "true"}
 
 
 class SlowDisk:
-    """The store's commits of deliveries, each taking `seconds` of the gate's clock;
-    how many rows each commit held."""
+    """The store's durable commits (those with an fsync: SQLite's synchronous=FULL),
+    each taking `seconds` of the gate's clock; how many rows each commit of deliveries
+    held. The deliveries' own commit has no fsync: the pass's durable commit (its
+    starts', or the sync before the gate sleeps) makes them durable, and only then are
+    they acknowledged."""
 
     def __init__(self, harness: Harness, clock: FakeClock, seconds: float) -> None:
         self.seconds = seconds
         self.commits: list[int] = []
+        self.syncs = 0  # durable commits that went through
+        self.failing = False  # a durable commit fails, as a disk's EIO on fsync
         store = harness.gate.state.store
         add = store.add_deliveries
+        store.db = _SlowConnection(store.db, clock, self)  # type: ignore[assignment]
 
-        def slow_add(
+        def counted(
             items: Iterable[NewDelivery],
             now: float | None = None,
             *,
             refuse: Callable[[NewDelivery], VoluteError | None] | None = None,
+            durable: bool = True,
         ) -> list[int | VoluteError]:
             rows = list(items)
-            clock.advance(self.seconds)  # the fsync, as the disk takes it
             self.commits.append(len(rows))
-            return add(rows, now, refuse=refuse)
+            return add(rows, now, refuse=refuse, durable=durable)
 
-        store.add_deliveries = slow_add  # type: ignore[method-assign]
+        store.add_deliveries = counted  # type: ignore[method-assign]
+
+
+class _SlowConnection:
+    """A sqlite3 connection whose COMMIT under synchronous=FULL (an fsync) moves the
+    clock by the disk's `seconds`; the rest passes through."""
+
+    def __init__(self, db: sqlite3.Connection, clock: FakeClock, disk: SlowDisk) -> None:
+        self.db, self.clock, self.disk = db, clock, disk
+        self.synchronous = "FULL"
+
+    def execute(self, sql: str, parameters: Sequence[object] = ()) -> sqlite3.Cursor:
+        if sql.startswith("PRAGMA synchronous="):
+            self.synchronous = sql.split("=", 1)[1]
+        elif sql == "COMMIT" and self.synchronous == "FULL":
+            self.clock.advance(self.disk.seconds)
+            if self.disk.failing:  # the fsync failed: SQLite rolls the commit back
+                raise sqlite3.OperationalError("disk I/O error")
+            self.disk.syncs += 1
+        return self.db.execute(sql, parameters)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.db, name)
 
 
 @pytest.fixture
@@ -156,7 +187,8 @@ def test_the_wait_follows_the_slowest_of_the_last_few_commits(
     harness.step(0)
     assert held(harness, second)
     wait = harness.gate.timeout()
-    assert wait is not None and wait == pytest.approx(GATHER_SHARE * 0.03)
+    # The slow one's share (less what a quick commit since, a turn's end, took).
+    assert wait is not None and wait == pytest.approx(GATHER_SHARE * 0.03, abs=disk.seconds * 1.01)
     assert not acked(second)
 
 
@@ -232,3 +264,87 @@ def test_a_gate_that_dies_while_deliveries_gather_acknowledged_none_and_loses_no
     assert ids[0] == committed["id"]  # the committed one, not queued twice
     rows = store.rows(ids)
     assert [row.mind for row in rows] == ["a", "b", "c"] and len(set(ids)) == 3
+
+
+# -- one fsync for a pass's deliveries and its starts ---------------------------------------
+
+
+def test_a_pass_acknowledges_its_deliveries_after_one_fsync_shared_with_its_starts(
+    gate: tuple[Harness, FakeClock],
+) -> None:
+    """Issue 32: each pass paid two fsyncs, its deliveries' commit and its starts', a
+    pair that on the SD card was most of a fan-out's first writes. The deliveries'
+    commit has none of its own now: the starts' commit (the WAL is sequential) makes
+    them durable, and the acknowledgements go after it, none before."""
+    harness, clock = gate
+    disk = SlowDisk(harness, clock, 0.05)
+    peers = [harness.connect() for _ in MINDS]
+    syncs = disk.syncs
+    for peer, mind in zip(peers, MINDS, strict=True):
+        send(peer, mind)
+    harness.pump(lambda: all(acked(peer) for peer in peers))
+    assert disk.commits == [3]  # one pass: the three deliveries, and the turns they start
+    assert disk.syncs - syncs == 1  # the starts' commit, and no other
+    store = harness.gate.state.store
+    assert not store.sync_pending()
+    assert harness.gate.state.turns.all()  # it started turns (as many as the cap lets)
+    assert [peer.reply()["ok"] for peer in peers] == [True] * len(peers)
+
+
+def test_a_pass_that_starts_nothing_acknowledges_after_its_sync(
+    gate: tuple[Harness, FakeClock],
+) -> None:
+    """A delivery that starts no turn (its mind is paused): the sync before the gate
+    sleeps is its fsync, and its ack comes after it, in the same pass."""
+    harness, clock = gate
+    disk = SlowDisk(harness, clock, 0.05)
+    gate_state = harness.gate.state
+    admin, second = harness.connect(), harness.connect()
+    paused = admin.request({"v": 1, "op": "pause", "minds": ["b"]})
+    assert paused["ok"] is True, paused
+    harness.pump(lambda: not gate_state.store.sync_pending())
+    syncs = disk.syncs
+    send(second, "b")
+    harness.advance(GATHER_MAX)
+    harness.pump(lambda: acked(second))
+    assert second.reply()["ok"] is True
+    assert disk.syncs - syncs == 1 and not gate_state.store.sync_pending()
+
+
+def test_a_sync_that_fails_acknowledges_none_and_a_retry_gets_the_same_delivery(
+    gate: tuple[Harness, FakeClock],
+) -> None:
+    """The deliveries are in the WAL but the fsync failed (EIO): none may be
+    acknowledged, so their clients are dropped unanswered, as by a gate that died after
+    the commit, and the journal says why. Each sends again with its request id; once
+    the disk syncs, each gets its one delivery back, stored once and run once."""
+    harness, clock = gate
+    disk = SlowDisk(harness, clock, 0.01)
+    peers = {mind: harness.connect() for mind in ("a", "b")}
+    disk.failing = True
+    for mind, peer in peers.items():
+        send(peer, mind, f"r-{mind}")
+    harness.pump(lambda: all(peer.closed_by_gate() for peer in peers.values()))
+    assert not any(peer.buffer for peer in peers.values())  # no ack was sent
+    [said] = harness.journal.of(events.DeliveriesNotSynced)
+    assert (said.count, said.clients) == (2, 2) and said.level == "error"
+    store = harness.gate.state.store
+    assert store.sync_pending()  # still in the WAL, not known to be on the disk
+    disk.failing = False
+    ids = {}
+    for mind in peers:
+        again = harness.connect()
+        send(again, mind, f"r-{mind}")
+        harness.advance(1.0)
+        harness.pump(partial(acked, again))
+        reply = again.reply()
+        assert reply["ok"] is True, reply
+        ids[mind] = int(reply["id"])
+    assert not store.sync_pending()
+    assert sum(store.counts().values()) == 2  # not stored twice
+    harness.pump(lambda: settled(harness) and not harness.gate.state.turns.all())
+    rows = store.rows(sorted(ids.values()))
+    assert [(row.mind, row.state, row.attempts) for row in rows] == [
+        ("a", QueueState.DONE, 0),
+        ("b", QueueState.DONE, 0),
+    ]

@@ -515,8 +515,10 @@ def _bad_batch(state: GateState, items: list[DeliverRequest]) -> DeliverResults 
 def _accept(
     state: GateState, batch: list[DeliverRequest], senders: Sequence[Caller | None]
 ) -> list[DeliverAck | ErrorReply]:
-    """Queue deliveries in ONE durable commit, then acknowledge each: a DeliverAck or an
-    ErrorReply, in order; `senders` are who sent each.
+    """Queue deliveries in ONE commit, then acknowledge each: a DeliverAck or an
+    ErrorReply, in order; `senders` are who sent each. The commit skips its fsync: the
+    replies are sent once the pass's durable commit has made it durable
+    (volutectl/gate/serving.py's `release`).
 
     A request id the store already holds is a client retrying after a gate died before
     its ack: it gets the original delivery id back, and nothing is queued twice. A new
@@ -542,7 +544,7 @@ def _accept(
     gate = state.settings.gate
     check = state.store.quota_check(Quota(gate.max_pending_per_uid, gate.max_pending_bytes_per_uid))
     try:
-        results = iter(state.store.add_deliveries(rows, refuse=check))
+        results = iter(state.store.add_deliveries(rows, refuse=check, durable=False))
     except (sqlite3.Error, OSError) as error:
         refusal = _refusal(state, len(rows), error)
         return [reply or refusal for reply in replies]

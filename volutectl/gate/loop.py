@@ -11,7 +11,8 @@ the queue, an idle client, the watchdog, retention's next batch, and the adaptiv
 limit's next reading (only while turns run or wait) and its held-back journal entry.
 
 Each pass (`step`): answer the requests that came (volutectl/gate/serving.py:
-deliveries share one durable commit, then are acknowledged; after one, requests from
+deliveries share one commit, acknowledged once the pass's fsync (its starts' commit,
+or the sync before it sleeps) has made them durable; after one, requests from
 other clients gather a while before they are served, `gather_until`, so that a burst
 of deliveries shares its commits), learn which turns ended
 (volutectl/gate/liveness.py), then run admission against the scopes that hold a place:
@@ -200,6 +201,7 @@ class Gate:
             wake=self.mark_dirty,
             processes=manager.unit_processes,
             ask=Evidence(manager, hands, self.clock).about,
+            durable=self._durable,
             clock=self.clock,
         )
         liveness = Liveness(
@@ -278,6 +280,9 @@ class Gate:
             "EXTEND_TIMEOUT_USEC=30000000\n"
             "STATUS=deleting expired rows, then reclaiming the queue's free pages (once)"
         )
+
+    def _durable(self) -> None:
+        self.serving.release()  # the pass's deliveries are durable: acknowledge them
 
     def mark_dirty(self) -> None:
         self.state.dirty = True
@@ -558,6 +563,7 @@ class Gate:
         # A turn's settlement is durable before the gate sleeps; if the disk refuses,
         # the next pass tries again (what was not synced is still in the WAL).
         self._guarded("syncing the queue", self.state.store.sync)
+        self.serving.release()  # the pass's deliveries are acknowledged once durable
         if self.state.leases is not None:
             self.state.leases.flush()  # after the pass's replies: a grant after its acquire's
         idle = not (ready or served or events)  # woke for deadlines alone

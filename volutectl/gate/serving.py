@@ -13,9 +13,15 @@ begun, and those not begun wait in `left`, answered first in the next pass (each
 client's still in its order), so that costly requests one after another (a `queue` of
 10,000 rows takes most of a second) cannot hold the loop.
 
-Each commit of deliveries is remembered (`last_commit`): when it ended, how long it
-took, and whose deliveries it held, from which the loop decides how long the next
-deliveries gather before theirs (`gather_until`).
+The deliveries' commit has no fsync of its own: their replies, and whatever their
+clients are answered after them, are held (`held`) until the pass's first durable
+commit, the turns it starts (volutectl/gate/turns.py calls `release`) or the loop's
+sync before it sleeps, so that a pass pays one fsync, not two. A sync that fails
+acknowledges none: their clients are dropped, to send their request ids again.
+
+Each durable commit of deliveries is remembered (`last_commit`): when it ended, how
+long its fsync took, and whose deliveries it held, from which the loop decides how long
+the next deliveries gather before theirs (`gather_until`).
 """
 
 from __future__ import annotations
@@ -24,12 +30,19 @@ import os
 from collections import deque
 from dataclasses import dataclass
 
+from volutectl import events
 from volutectl.gate import handlers
 from volutectl.gate.handlers import Caller
 from volutectl.gate.outcomes import Waiters
 from volutectl.gate.server import Client, Incoming, Server
 from volutectl.gate.state import GateState
-from volutectl.wire.messages import ErrorReply, Reply, Request
+from volutectl.wire.messages import (
+    DeliverManyRequest,
+    DeliverRequest,
+    ErrorReply,
+    Reply,
+    Request,
+)
 
 # Deliveries that keep coming from other clients gather after a commit of deliveries
 # before the next one: GATHER_SHARE times as long as such a commit takes (the slowest
@@ -75,6 +88,13 @@ class Serving:
         self.last_commit: Commit | None = None  # the last commit of deliveries
         # How long the last GATHER_SEEN commits of deliveries took.
         self.commit_seconds: deque[float] = deque(maxlen=GATHER_SEEN)
+        # Replies that wait for the pass's durable commit (`release`), in the order they
+        # would have been sent: a delivery's acknowledgement, and whatever its client was
+        # answered after it in the pass. `holding`: those clients (by id(): `held` keeps
+        # each alive, so no id is reused meanwhile); `delivering`: whose deliveries.
+        self.held: list[tuple[Client, Request[Reply] | ErrorReply, Reply]] = []
+        self.holding: set[int] = set()
+        self.delivering: list[Client] = []
 
     def serve(self, incoming: list[Incoming], deadline: float | None = None) -> int:
         """Answer the requests, each client's in its order: every one, or those begun
@@ -96,9 +116,48 @@ class Serving:
                 replies[index] = self._handle(client, request)
         self._commit(incoming, batch, replies)
         for (client, request), reply in zip(incoming, replies, strict=True):
-            if reply is not None and not client.closed:
+            if reply is None or client.closed:
+                continue
+            if id(client) in self.holding:
+                self.held.append((client, request, reply))
+            else:
                 self._send(client, request, reply)
         return len(incoming)
+
+    def release(self) -> None:
+        """Send the replies held for the pass's durable commit, each client's in order,
+        once the store has synced (the commit of the turns the pass started, or the
+        loop's `sync`): one fsync for a pass's deliveries and starts, where each paid its
+        own (issue 32: on the SD card the pairs were most of a fan-out's first writes).
+
+        If the store could not sync (the disk failed it), no delivery of theirs is
+        acknowledged: their clients are dropped unanswered, as if the gate had died
+        after the commit. Each retries with its request id, and gets the same delivery
+        back once a sync succeeds (the row is in the WAL: the gate runs it either way)."""
+        if not self.held:
+            return
+        held, delivering = self.held, self.delivering
+        self.held, self.holding, self.delivering = [], set(), []
+        if self.state.store.sync_pending():
+            clients = {id(client): client for client, _, _ in held}
+            self.state.journal.emit(
+                events.DeliveriesNotSynced(
+                    count=sum(_deliveries(request) for _, request, _ in held),
+                    clients=len(clients),
+                )
+            )
+            for client in clients.values():
+                self.server.drop(client)
+            return
+        self.commit_seconds.append(self.state.store.sync_seconds)
+        self.last_commit = Commit(
+            self.state.clock.monotonic(),
+            max(self.commit_seconds),
+            frozenset(client.fd for client in delivering),
+        )
+        for client, request, reply in held:
+            if not client.closed:
+                self._send(client, request, reply)
 
     def _send(self, client: Client, request: Request[Reply] | ErrorReply, reply: Reply) -> None:
         """Send the reply; a client that asked to wait is kept for the outcome."""
@@ -123,10 +182,15 @@ class Serving:
             clients,
             [request for index in batch if isinstance(request := incoming[index][1], Request)],
         )
-        ended = self.state.clock.monotonic()
-        self.commit_seconds.append(ended - began)
-        slowest = max(self.commit_seconds)
-        self.last_commit = Commit(ended, slowest, frozenset(c.fd for c in clients))
+        if self.state.store.sync_pending():
+            # Not durable yet: acknowledged after the pass's fsync (`release`).
+            self.holding |= {id(client) for client in clients}
+            self.delivering += clients
+        else:  # nothing new was stored (refusals, retries of what is durable already)
+            ended = self.state.clock.monotonic()
+            self.commit_seconds.append(ended - began)
+            slowest = max(self.commit_seconds)
+            self.last_commit = Commit(ended, slowest, frozenset(c.fd for c in clients))
         for index, reply in zip(batch, answered, strict=True):
             replies[index] = reply
         batch.clear()
@@ -159,3 +223,10 @@ class Serving:
             for client in clients:
                 self.server.client_failed(client, "storing deliveries", error)
             return [None] * len(batch)
+
+
+def _deliveries(request: Request[Reply] | ErrorReply) -> int:
+    """How many deliveries a request asked for (a deliver of one, or of items)."""
+    if isinstance(request, DeliverManyRequest):
+        return len(request.items)
+    return 1 if isinstance(request, DeliverRequest) else 0

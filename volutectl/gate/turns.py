@@ -97,6 +97,7 @@ class Turns:
         wake: Callable[[], None],
         processes: Callable[[str], list[int] | None],
         ask: Callable[[Turn], lifecycle.Happened],
+        durable: Callable[[], None] = lambda: None,
         clock: Clock = SYSTEM,
     ) -> None:
         self.held = held
@@ -108,6 +109,9 @@ class Turns:
         self.watch_fd = watch_fd
         self.unwatch_fd = unwatch_fd
         self.wake = wake  # a turn ended or failed to start: admission should run
+        # The store has synced (a start's commit): what waited for it may go (the pass's
+        # acknowledgements, volutectl/gate/serving.py), before the hands start the turns.
+        self.durable = durable
         # The PIDs in a scope, as systemd lists them (None: not loaded): what a turn's
         # main process left behind, said when its grace is over.
         self.processes = processes
@@ -209,6 +213,7 @@ class Turns:
         one that may not folds in as a plain delivery, and its record says so."""
         turn = self._turns[fold.turn_id]
         rows = self.store.fold_into(turn.id, list(fold.delivery_ids), now)
+        self.durable()  # its commit's fsync made the pass's deliveries durable too
         crash_point("fold_committed")
         for row in rows:
             if row.interrupt and not row.cut:
@@ -262,7 +267,8 @@ class Turns:
 
     def start(self, starts: Sequence[admission.Start], now: float) -> None:
         """Commit the turns of a pass in ONE durable commit (volutectl/store/queue.py's
-        `start_turns`), then have their hands start each in order (directory, fork,
+        `start_turns`), which makes the pass's deliveries durable too (`durable`: their
+        acknowledgements go), then have their hands start each in order (directory, fork,
         scope, release). Once systemd gives one no answer (starts pause), the rest are
         not handed to their hands, and go back with no attempt counted, as that one's
         do."""
@@ -270,6 +276,7 @@ class Turns:
             return
         new = [self._new_turn(start, now) for start in starts]
         committed = self.store.start_turns(new, now)
+        self.durable()
         crash_point("start_committed")
         for one, (turn_id, taken) in zip(new, committed, strict=True):
             turn = Turn(

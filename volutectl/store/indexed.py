@@ -59,7 +59,11 @@ class IndexedStore(Store):
 
     def _tx(self, *, durable: bool = True) -> Transaction:
         return Transaction(
-            self.db, durable=durable, on_durable_commit=self._synced, on_commit=self._committed
+            self.db,
+            durable=durable,
+            on_durable_commit=self._synced,
+            on_commit=self._committed,
+            clock=self.clock.monotonic,
         )
 
     def _committed(self) -> None:

@@ -135,6 +135,7 @@ class Store:
         self.path = path
         self.clock = clock  # what stamps rows when no time is given
         self._unsynced = False
+        self.sync_seconds = 0.0  # how long the last durable commit's COMMIT took
         try:
             # The messages are private. Under systemd the unit's StateDirectory= (and the
             # package's tmpfiles) make the directory 0700; a gate run by hand makes its
@@ -178,10 +179,13 @@ class Store:
         return cursor.execute(sql, parameters)
 
     def _tx(self, *, durable: bool = True) -> Transaction:
-        return Transaction(self.db, durable=durable, on_durable_commit=self._synced)
+        return Transaction(
+            self.db, durable=durable, on_durable_commit=self._synced, clock=self.clock.monotonic
+        )
 
-    def _synced(self) -> None:
+    def _synced(self, seconds: float) -> None:
         self._unsynced = False  # a synced commit's fsync covers every earlier WAL frame
+        self.sync_seconds = seconds
 
     def sync_pending(self) -> bool:
         return self._unsynced
@@ -203,8 +207,13 @@ class Store:
         now: float | None = None,
         *,
         refuse: Callable[[NewDelivery], VoluteError | None] | None = None,
+        durable: bool = True,
     ) -> list[int | VoluteError]:
         """Insert deliveries in ONE durable commit; one result per item, in order.
+
+        With durable=False the commit skips its fsync and `sync_pending()` turns true: the
+        caller promises to acknowledge none of them before a later durable commit (the
+        gate's pass shares one fsync between its deliveries and the turns it starts).
 
         A request id the store already holds from the same uid, with the same mind,
         session, message and interrupt flag, inserts nothing and gives back the ORIGINAL
@@ -218,7 +227,7 @@ class Store:
         now = self.clock.wall() if now is None else now
         results: list[int | VoluteError] = []
         inserted: list[tuple[int, NewDelivery]] = []
-        with self._tx():
+        with self._tx(durable=durable):
             for item in items:
                 found = self._by_request_id(item) if item.request_id is not None else None
                 if found is not None:
@@ -246,6 +255,8 @@ class Store:
                 delivery_id = int(cursor.lastrowid or 0)
                 results.append(delivery_id)
                 inserted.append((delivery_id, item))
+        if inserted and not durable:
+            self._unsynced = True
         self._inserted(inserted)
         return results
 

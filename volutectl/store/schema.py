@@ -227,20 +227,24 @@ def schema_version(db: sqlite3.Connection) -> int:
 
 class Transaction:
     """BEGIN IMMEDIATE ... COMMIT; with durable=False, that one commit skips the fsync
-    (synchronous=NORMAL in WAL mode: safe against a crash of the gate, not a power cut)."""
+    (synchronous=NORMAL in WAL mode: safe against a crash of the gate, not a power cut).
+    A durable commit tells `on_durable_commit` how many seconds its COMMIT took (its
+    fsync, mostly)."""
 
     def __init__(
         self,
         db: sqlite3.Connection,
         *,
         durable: bool = True,
-        on_durable_commit: Callable[[], None] | None = None,
+        on_durable_commit: Callable[[float], None] | None = None,
         on_commit: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.db = db
         self.durable = durable
         self.on_durable_commit = on_durable_commit
         self.on_commit = on_commit
+        self.clock = clock
 
     def __enter__(self) -> None:
         if not self.durable:
@@ -250,6 +254,7 @@ class Transaction:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
             if exc_type is None:
+                began = self.clock()
                 try:
                     self.db.execute("COMMIT")
                 except sqlite3.Error:
@@ -262,7 +267,7 @@ class Transaction:
                 if self.on_commit is not None:
                     self.on_commit()
                 if self.durable and self.on_durable_commit is not None:
-                    self.on_durable_commit()
+                    self.on_durable_commit(self.clock() - began)
             else:
                 self._rollback()
         finally:
