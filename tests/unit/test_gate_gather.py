@@ -103,6 +103,18 @@ def acked(peer: Peer) -> bool:
     return peer.has_line()
 
 
+def resend(harness: Harness, mind: str) -> int:
+    """A client that got no ack sends its delivery to `mind` again, on a new connection
+    with the same request id (`r-MIND`), as `volutectl deliver` does; the id it gets."""
+    again = harness.connect()
+    send(again, mind, f"r-{mind}")
+    harness.advance(1.0)
+    harness.pump(partial(acked, again))
+    reply = again.reply()
+    assert reply["ok"] is True, reply
+    return int(reply["id"])
+
+
 def held(harness: Harness, *peers: Peer) -> bool:
     """Whether the gate has read a request of as many clients as `peers` and holds
     them unanswered (clients with complete lines not yet served)."""
@@ -252,15 +264,7 @@ def test_a_gate_that_dies_while_deliveries_gather_acknowledged_none_and_loses_no
     harness.restart()
     store = harness.gate.state.store
     assert [row.mind for row in store.rows([1, 2, 3]) if row is not None] == ["a"]
-    ids = []
-    for mind in ("a", "b", "c"):  # every client sends again, the first one too
-        again = harness.connect()
-        send(again, mind, f"r-{mind}")
-        harness.advance(1.0)
-        harness.pump(partial(acked, again))
-        reply = again.reply()
-        assert reply["ok"] is True, reply
-        ids.append(int(reply["id"]))
+    ids = [resend(harness, mind) for mind in ("a", "b", "c")]  # the first one's too
     assert ids[0] == committed["id"]  # the committed one, not queued twice
     rows = store.rows(ids)
     assert [row.mind for row in rows] == ["a", "b", "c"] and len(set(ids)) == 3
@@ -331,15 +335,7 @@ def test_a_sync_that_fails_acknowledges_none_and_a_retry_gets_the_same_delivery(
     store = harness.gate.state.store
     assert store.sync_pending()  # still in the WAL, not known to be on the disk
     disk.failing = False
-    ids = {}
-    for mind in peers:
-        again = harness.connect()
-        send(again, mind, f"r-{mind}")
-        harness.advance(1.0)
-        harness.pump(partial(acked, again))
-        reply = again.reply()
-        assert reply["ok"] is True, reply
-        ids[mind] = int(reply["id"])
+    ids = {mind: resend(harness, mind) for mind in peers}
     assert not store.sync_pending()
     assert sum(store.counts().values()) == 2  # not stored twice
     harness.pump(lambda: settled(harness) and not harness.gate.state.turns.all())
