@@ -487,8 +487,9 @@ def live_turns(m: Machine) -> list[str]:
 # drop, and cannot read a mind's environment by any path ---------------------------------
 
 KEEPER_KEY = "sk-install-4e1d93a7"
-KEEPER_TURN = (
-    'printf %s "$KEEPER_KEY" | sha256sum > /var/tmp/keeper.sum; '
+KEEPER_TURN = (  # the digest appears whole (a rename): the test reads it once it exists
+    'printf %s "$KEEPER_KEY" | sha256sum > /var/tmp/keeper.sum.part; '
+    "mv /var/tmp/keeper.sum.part /var/tmp/keeper.sum; "
     "i=0; while [ ! -e /var/tmp/keeper.go ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done"
 )
 # Every /proc/PID/cmdline and environ this user may read, searched for the secret given on
