@@ -5,7 +5,7 @@
 Independent of the gate (it speaks to systemd directly), so the caps it observes are
 systemd's truth, not the gate's bookkeeping. Every ~2 ms it lists the live
 volute-turn-*.scope units and records the count and the per-mind count; it stops when
-the stop file appears and prints a JSON summary.
+the stop file appears, after one last listing, and prints a JSON summary.
 
 A turn scope counts only while it holds a process (GetUnitProcesses): a scope started
 around a PID that had died is active but empty, runs nothing, and must not count against
@@ -144,14 +144,23 @@ def main() -> None:
     bus.open()
     args = apply_signature(b"asas", list(LIVE_SCOPES))
     summary = Summary()
-    while not os.path.exists(stop_file):
+    # The stop file is read before each listing, so the last listing comes after it
+    # appeared: whatever the test saw before it stopped the sampler is in the timeline,
+    # even if this process was not scheduled for a while (a loaded host). A last listing
+    # systemd does not answer is asked again, a few times.
+    last_tries = 50
+    while last_tries:
+        stopping = os.path.exists(stop_file)
         try:
             rows = bus.call_method(DEST, PATH, IFACE, b"ListUnitsByPatterns", args).body
         except Exception:  # noqa: BLE001 - systemd re-executing: no answer, ask again
             summary.gaps += 1
+            last_tries -= stopping
             time.sleep(interval)
             continue
         summary.add(read_sample(bus, rows, summary))
+        if stopping:
+            break
         time.sleep(interval)
     with open(out_file, "w") as handle:
         json.dump(summary.as_json(), handle)
