@@ -90,6 +90,9 @@ class HoldReason(StrEnum):
     IO_PRESSURE = "io_pressure"  # PSI says the storage is stalled
     TEST_RUN = "test_run"  # test runs fill the shared budget
     PAUSED = "paused"  # `volutectl pause`: no new turn until resumed
+    # Writers mixed with lighter turns go one at a time: a turn that may write a whole
+    # place waits while another runs (core/admission.py, `Limits.stagger`).
+    WRITER_RUNNING = "writer_running"
 
 
 class AdaptiveMode(StrEnum):

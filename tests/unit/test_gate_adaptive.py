@@ -553,6 +553,74 @@ def test_a_cold_gate_lets_quiet_turns_by_once_a_sample_shows_them_and_holds_writ
     harness.pump(lambda: running(harness) == 0 and not holds(harness), timeout=20)
 
 
+def test_a_mixed_fan_out_runs_its_writers_one_at_a_time_and_lets_quiet_turns_by(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    # A cold gate at a limit of 3 (no reading moves it here), a fan-out of two writers
+    # and four quiet minds, each staying while its file exists. The samples are
+    # scripted: a writer's turn writes 1 MiB between any two while `bursting` says so.
+    # Once a sample has shown a writer and quiet turns (as many), writers go one at a
+    # time: a turn of unknown cost may write, so it waits while a writer writes
+    # (`writer_running`, where the limit alone would let it start), and starts once the
+    # writer has stopped, or ended; the quiet ones then start one judged at a time.
+    order = ["w0", "q0", "q1", "w1", "q2", "q3"]
+    stays = {mind: tmp_path / f"{mind}.stays" for mind in order}
+    for path in stays.values():
+        path.touch()
+    minds = {mind: f"while [ -e {path} ]; do sleep 0.05; done" for mind, path in stays.items()}
+    config = {"start": 3, "minimum": 1, "maximum": 8, "interval_seconds": 10.0}
+    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config}, clock=FakeClock())
+    harnesses.append(harness)
+    adaptive = limit_of(harness)
+    bursting = {"w0": True, "w1": True}
+    written: dict[int, int] = {}
+    most_bursting = 0
+
+    def sample(turn_ids: Sequence[int]) -> dict[int, Written]:
+        nonlocal most_bursting
+        turns = {turn.id: turn.mind for turn in harness.gate.state.turns.all()}
+        for turn_id in turn_ids:
+            more = bursting.get(turns.get(turn_id, ""), False)
+            written[turn_id] = written.get(turn_id, 0) + (1 << 20 if more else 0)
+        most_bursting = max(most_bursting, sum(bursting.get(m, False) for m in turns.values()))
+        return {turn_id: Written(written[turn_id], blocked=False) for turn_id in turn_ids}
+
+    harness.gate.state.turns.hands.sample = sample  # type: ignore[method-assign]
+
+    def minds_running() -> set[str]:
+        return {turn.mind for turn in harness.gate.state.turns.all()}
+
+    for mind in order:
+        deliver(harness, mind)
+    harness.pump(lambda: minds_running() == {"w0", "q0", "q1"})
+    assert not adaptive.stagger()  # nothing judged yet: three unknown turns at 3
+    harness.advance(PROBATION_SECONDS)
+    assert adaptive.stagger() and adaptive.writers(adaptive.running_turns) == 1
+    assert holds(harness) == {"writer_running": 3}
+    assert minds_running() == {"w0", "q0", "q1"}
+    # w0 stops writing and waits (on the model, say): the next sample lets the oldest
+    # held one by, w1, whose start holds the others again.
+    bursting["w0"] = False
+    harness.advance(10.0)  # a reading's sample
+    assert minds_running() == {"w0", "q0", "q1", "w1"}
+    assert holds(harness) == {"writer_running": 2}
+    harness.advance(PROBATION_SECONDS)  # w1 is seen writing: they still wait
+    assert holds(harness) == {"writer_running": 2}
+    # w1 ends: the quiet ones start, one at a time, each judged before the next.
+    stays["w1"].unlink()
+    harness.pump(lambda: "w1" not in minds_running(), timeout=10)
+    assert minds_running() == {"w0", "q0", "q1", "q2"}
+    assert holds(harness) == {"writer_running": 1}  # q2 may write, till a sample shows
+    harness.advance(PROBATION_SECONDS)
+    assert minds_running() == {"w0", "q0", "q1", "q2", "q3"}
+    assert not holds(harness)
+    assert most_bursting == 1
+    assert adaptive.limit() == 3  # no reading moved it: writers one at a time did this
+    for path in stays.values():
+        path.unlink(missing_ok=True)
+    harness.pump(lambda: running(harness) == 0, timeout=20)
+
+
 def test_a_sample_that_fails_leaves_turns_at_their_minds_cost_and_waits_to_try_again(
     tmp_path: Path, harnesses: list[Harness], hold: Path
 ) -> None:

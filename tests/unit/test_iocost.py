@@ -20,8 +20,10 @@ from volutectl.core.iocost import (
     Costs,
     Running,
     cost_of,
+    mixed,
     running_cost,
     starting_cost,
+    writes_now,
 )
 from volutectl.states import HoldReason
 
@@ -155,6 +157,142 @@ def test_no_mind_starves_while_light_deliveries_keep_coming(seed: int, limit: in
             oldest = (min(pending), tick)
         if oldest is not None and oldest[0] in pending:
             assert tick - oldest[1] <= 11, (oldest, tick)
+
+
+# -- writers one at a time (admission.writer_hold) ---------------------------------------
+
+
+def test_a_writer_waits_while_one_writes_and_lighter_turns_go_past_it() -> None:
+    costs = {"heavy1": 1.0, "heavy2": 1.0, "heavy3": 1.0} | {f"light{i}": FLOOR for i in range(3)}
+    pending = [
+        Delivery(1, "heavy2", "s"),
+        Delivery(2, "light0", "s"),
+        Delivery(3, "unknown", "s"),  # not known: it may write, as a heavy one may
+        Delivery(4, "light1", "s"),
+        Delivery(5, "heavy3", "s"),
+    ]
+    live = [LiveTurn(100, "heavy1", "s")]
+    staggered = Limits(adaptive=3, costs=costs, stagger=True, writers=1)
+    decided = admit(pending, live, staggered, now=0.0)
+    assert [start.mind for start in decided.starts] == ["light0", "light1"]
+    assert {(hold.delivery_id, hold.reason) for hold in decided.holds} == {
+        (i, HoldReason.WRITER_RUNNING) for i in [1, 3, 5]
+    }
+    # The writer running has stopped writing (or ended): the oldest writer starts, and
+    # the pass's own start holds the ones behind it.
+    decided = admit(pending, live, replace(staggered, writers=0), now=0.0)
+    assert [start.mind for start in decided.starts] == ["heavy2", "light0", "light1"]
+    assert {hold.delivery_id for hold in decided.holds} == {3, 5}
+    assert {hold.reason for hold in decided.holds} == {HoldReason.WRITER_RUNNING}
+    # Where the gate has not seen writers among lighter turns, the limit alone decides:
+    # two writers fit beside the one running at a limit of 3.
+    decided = admit(pending, live, replace(staggered, stagger=False), now=0.0)
+    assert [start.mind for start in decided.starts] == ["heavy2", "light0", "unknown", "light1"]
+    assert {(hold.delivery_id, hold.reason) for hold in decided.holds} == {
+        (5, HoldReason.ADAPTIVE_LIMIT)
+    }
+
+
+def test_a_writer_held_by_the_limit_says_writer_running_while_one_writes() -> None:
+    # Both hold it; the writer running is what it waits for first, and `writer_running`
+    # is not the limit's: it does not count as waiting at the limit, which it does not
+    # grow (core/adaptive.py grows only while deliveries wait at it).
+    costs = {"heavy1": 1.0, "heavy2": 1.0}
+    live = [LiveTurn(100, "heavy1", "s")]
+    limits = Limits(adaptive=1, costs=costs, stagger=True, writers=1)
+    decided = admit([Delivery(1, "heavy2", "s")], live, limits, now=0.0)
+    assert decided.holds[0].reason is HoldReason.WRITER_RUNNING
+    decided = admit([Delivery(1, "heavy2", "s")], live, replace(limits, writers=0), now=0.0)
+    assert decided.holds[0].reason is HoldReason.ADAPTIVE_LIMIT
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from([1, 2, 3, 4]))
+def test_no_writer_starves_and_none_runs_beside_another_while_writers_go_one_at_a_time(
+    seed: int, limit: int
+) -> None:
+    """As test_no_mind_starves_..., with writers one at a time: heavy turns write all
+    their lives. Never two of them at once; a light turn passes a held one; and the
+    oldest delivery still starts within a bounded number of passes, however many light
+    ones come behind it: a held writer waits only for the writer running (1-5 passes)
+    and its own mind's turn, and no writer starts past it."""
+    rng = random.Random(seed)
+    minds = [f"h{i}" for i in range(3)] + [f"l{i}" for i in range(6)]
+    costs = {m: 1.0 if m[0] == "h" else rng.choice([FLOOR, 0.25, 0.5]) for m in minds}
+    pending: dict[int, Delivery] = {}
+    live: dict[int, tuple[LiveTurn, int]] = {}  # turn id: (turn, the pass it ends at)
+    oldest: tuple[int, int] | None = None  # (delivery id, the pass it became the oldest)
+    next_id = 1
+    for tick in range(300):
+        for _ in range(rng.randrange(3)):
+            pending[next_id] = Delivery(next_id, rng.choice(minds), "s")
+            next_id += 1
+        live = {k: v for k, v in live.items() if v[1] > tick}
+        writers = sum(costs[turn.mind] >= 1 for turn, _ in live.values())
+        assert writers <= 1
+        limits = Limits(adaptive=limit, costs=costs, stagger=True, writers=writers)
+        decided = admit(pending.values(), [turn for turn, _ in live.values()], limits, now=0.0)
+        held = [hold.delivery_id for hold in decided.holds if hold.reason in REGIME]
+        held += [h.delivery_id for h in decided.holds if h.reason is HoldReason.WRITER_RUNNING]
+        for start in decided.starts:
+            if held and start.delivery_ids[0] > min(held):  # it passed a held one
+                assert costs[start.mind] < 1
+            turn = LiveTurn(start.delivery_ids[0], start.mind, start.session)
+            live[turn.turn_id] = (turn, tick + rng.randint(1, 5))
+        for taken in [s.delivery_ids for s in decided.starts] + [
+            f.delivery_ids for f in decided.folds
+        ]:
+            for delivery_id in taken:
+                del pending[delivery_id]
+        if pending and (oldest is None or oldest[0] != min(pending)):
+            oldest = (min(pending), tick)
+        if oldest is not None and oldest[0] in pending:
+            assert tick - oldest[1] <= 11, (oldest, tick)
+
+
+def test_writers_go_one_at_a_time_only_where_lighter_turns_are_as_many() -> None:
+    heavy, light = 1.0, FLOOR
+    # A mixed fan-out, warm: as many light minds as heavy ones, or more.
+    assert mixed({"h": heavy, "l": light}, [])
+    assert mixed({"h": heavy, "l1": light, "l2": light}, [])
+    # Every turn writes, or none does: the limit alone decides.
+    assert not mixed({"h1": heavy, "h2": heavy}, [])
+    assert not mixed({"l1": light, "l2": light}, [])
+    assert not mixed({}, [])
+    # More writers than light turns: one at a time would cost the fan-out its time.
+    assert not mixed({"h1": heavy, "h2": heavy, "l": light}, [])
+    # Cold: what running turns show. One seen writing, one judged quiet.
+    writer = Running("w", started=0.0).sample(0.2, MIB)
+    quiet = Running("q", started=0.0).sample(0.2, 0)
+    assert writer.writing and quiet.sampled is not None
+    assert mixed({}, [writer, quiet])
+    assert not mixed({}, [writer])
+    assert not mixed({}, [quiet, Running("new", started=0.1)])  # not judged yet: neither
+    # A light mind's turn seen writing is a writer, not a light one.
+    assert not mixed({"w": light}, [writer])
+
+
+def test_a_turn_writes_now_until_a_sample_shows_it_stopped() -> None:
+    turn = Running("m", started=0.0)
+    assert writes_now(turn, None)  # unknown, not judged yet: it may write
+    assert writes_now(turn, 1.0)  # a known writer, not judged yet
+    assert not writes_now(turn, FLOOR)  # a known light mind, not judged yet
+    turn = turn.sample(0.2, MIB)
+    assert writes_now(turn, None) and turn.writing
+    turn = turn.sample(0.7, MIB + 4096)  # a little more in half a second: it waits now
+    assert not writes_now(turn, None)
+    assert turn.writing and running_cost(turn, None) == 1.0  # still a whole place
+    turn = turn.sample(1.2, 2 * MIB)  # it writes again
+    assert writes_now(turn, None)
+
+
+def test_samples_close_together_judge_a_writer_by_its_pace() -> None:
+    # Samples come at every turn's probation's end: 5 ms after the last, 20 KiB is a
+    # writer's pace (64 KiB a probation), and 1 KiB is not.
+    turn = Running("m", started=0.0).sample(0.2, MIB)
+    assert writes_now(turn.sample(0.205, MIB + 20 * 1024), None)
+    assert not writes_now(turn.sample(0.205, MIB + 1024), None)
+    assert not writes_now(turn.sample(0.205, MIB), None)
 
 
 # -- what a running turn shows of its writes ---------------------------------------------

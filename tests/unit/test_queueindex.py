@@ -174,6 +174,10 @@ def apply(world: World, op: str, seed: int) -> None:
             # limit's bound on turns at once whatever their costs.
             running_costs=rng.choice([{}, {"a": 0.0625, "c": 1.0}, {"b": 1.0, "d": 0.0625}]),
             adaptive_turns=rng.choice([None, None, 2, 3]),
+            # Writers one at a time (core/iocost.py's `mixed`): a whole place waits
+            # while one may be writing, and lighter heads go past it.
+            stagger=rng.choice([False, True, True]),
+            writers=rng.choice([0, 0, 1, 2]),
         )
 
 

@@ -149,6 +149,12 @@ class Limits:
     # The most turns the adaptive limit lets run at once, whatever their costs (its
     # maximum): light turns fill places by their costs, and never more than this many.
     adaptive_turns: int | None = None
+    # Writers one at a time: the gate has seen writers among lighter turns (a mixed
+    # fan-out: core/iocost.py's `mixed`), so a turn that may cost a whole place waits
+    # while a running turn may be writing (`writers` of them: core/iocost.py's
+    # `writes_now`), and lighter ones go past it (`writer_hold`).
+    stagger: bool = False
+    writers: int = 0
 
     def for_mind(self, mind: str) -> int:
         return self.per_mind.get(mind, self.turns_per_mind)
@@ -308,9 +314,10 @@ class _Taken:
         return key in self.granted or (isinstance(key, tuple) and self.taken(key))
 
 
-# A head held for one of these holds only its mind's sessions; any other reason is the
-# regime's: once the caps or the pressure hold one head, they hold every later one.
-MIND_REASONS = (HoldReason.PAUSED, HoldReason.MIND_BUSY)
+# A head held for one of these holds only its mind's sessions (`writer_running` holds
+# each writer's for itself); any other reason is the regime's: once the caps or the
+# pressure hold one head, they hold every later one.
+MIND_REASONS = (HoldReason.PAUSED, HoldReason.MIND_BUSY, HoldReason.WRITER_RUNNING)
 
 
 @dataclass(frozen=True)
@@ -342,6 +349,7 @@ class Tally:
     running: int = 0
     load: float = 0.0
     light: float = 0.0
+    writers: int = 0  # turns that may be writing now (`Limits.writers`), and the pass's
     other_load: float = 0.0
     other_reason: HoldReason = HoldReason.GLOBAL_CAP
     per_mind: Counter[str] = field(default_factory=Counter)
@@ -350,7 +358,7 @@ class Tally:
 
     @classmethod
     def of(cls, places: Iterable[Place], limits: Limits) -> Tally:
-        tally = cls()
+        tally = cls(writers=limits.writers)
         kinds: set[PlaceKind] = set()
         for place in places:
             cost = limits.place_cost(place)
@@ -375,9 +383,11 @@ class Tally:
         """Keep count of what `decide` said of a head of `mind`: a start takes a place;
         a hold by the caps or the pressure becomes the pass's regime."""
         if reason is None:
+            cost = limits.cost_of(mind)
             self.busy += 1
             self.starts += 1
-            self._turn(mind, limits.cost_of(mind))
+            self.writers += cost >= 1  # a whole place that starts may write at once
+            self._turn(mind, cost)
         elif reason not in MIND_REASONS:
             self.regime = reason
 
@@ -399,8 +409,15 @@ def decide(mind: str, tally: Tally, rules: Rules) -> HoldReason | None:
 
     - A paused mind (`Rules.paused`) starts no new turn: `paused`.
     - A mind at its limit of turns (`Limits.for_mind`): `mind_busy`.
+    - A writer while another may be writing, where writers go one at a time
+      (`writer_hold`): `writer_running`.
     - Otherwise the caps and the pressure decide (`cap_hold`)."""
-    return mind_hold(mind, tally, rules) or cap_hold(rules.limits.cost_of(mind), tally, rules)
+    cost = rules.limits.cost_of(mind)
+    return (
+        mind_hold(mind, tally, rules)
+        or writer_hold(cost, tally, rules)
+        or cap_hold(cost, tally, rules)
+    )
 
 
 def mind_hold(mind: str, tally: Tally, rules: Rules) -> HoldReason | None:
@@ -409,6 +426,23 @@ def mind_hold(mind: str, tally: Tally, rules: Rules) -> HoldReason | None:
         return HoldReason.PAUSED
     if tally.per_mind[mind] >= rules.limits.for_mind(mind):
         return HoldReason.MIND_BUSY
+    return None
+
+
+def writer_hold(cost: float, tally: Tally, rules: Rules) -> HoldReason | None:
+    """Writers one at a time (`Limits.stagger`): a turn of a whole place (a known writer,
+    or a mind whose writes are not known) waits while a running turn may be writing
+    (`Limits.writers`, and the pass's own starts of whole places), whatever the caps
+    would say: `writer_running`. A hold of its mind's, as `mind_busy` is, not the
+    regime's: lighter turns behind it start as the caps let them, and a writer behind it
+    waits as it does, so writers keep their order among themselves.
+
+    Why none starves: it waits only for the turns that may be writing now. Those are
+    turns of whole places that started before it (none starts past it) and lighter
+    turns seen writing as they run, each once: a turn seen writing is a writer from then
+    on, and its mind's cost is learnt when it ends (core/iocost.py)."""
+    if rules.limits.stagger and cost >= 1 and tally.writers >= 1:
+        return HoldReason.WRITER_RUNNING
     return None
 
 

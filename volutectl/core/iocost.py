@@ -61,7 +61,7 @@ No I/O here: the bytes come in from the gate.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 FULL_BYTES = 1 << 20  # a turn that writes this much or more costs a whole place
@@ -124,6 +124,8 @@ class Running:
     written: int = 0  # bytes its processes had written at the last sample
     sampled: float | None = None  # monotonic: the last sample taken after its probation
     writing: bool = False  # it wrote WRITING_BYTES or more between two samples
+    recent: bool = False  # ...at that pace between the last two: it writes now (`writes_now`)
+    last: float | None = None  # monotonic: its last sample, if any
 
     def sample(
         self, now: float, written: int, blocked: bool = False, probation: float = PROBATION_SECONDS
@@ -134,11 +136,17 @@ class Running:
         busy before it has shown anything: a turn held up in its first write, or in the
         open before it, behind a disk kept busy by others, or still running its way to
         its first write, has not shown that it is quiet."""
-        writing = self.writing or written - self.written >= WRITING_BYTES
+        delta = written - self.written
+        writing = self.writing or delta >= WRITING_BYTES
+        # Samples come at every turn's probation's end, so two may be milliseconds
+        # apart: over a span shorter than a probation, WRITING_BYTES's pace is a writer.
+        span = now - (self.started if self.last is None else self.last)
+        recent = delta > 0 and delta >= WRITING_BYTES * min(1.0, span / PROBATION_SECONDS)
         mark = max(self.written, written)
+        seen = replace(self, written=mark, writing=writing, recent=recent, last=now)
         if now - self.started < probation or (blocked and self.sampled is None):
-            return replace(self, written=mark, writing=writing)
-        return replace(self, written=mark, sampled=now, writing=writing)
+            return seen
+        return replace(seen, sampled=now)
 
 
 def starting_cost(learnt: float | None) -> float:
@@ -157,3 +165,36 @@ def running_cost(turn: Running, learnt: float | None) -> float:
         return starting_cost(learnt)
     so_far = cost_of(turn.written / FULL_BYTES)
     return so_far if learnt is None else max(learnt, so_far)
+
+
+def writes_now(turn: Running, learnt: float | None) -> bool:
+    """Whether a running turn may be writing now, for writers one at a time: it wrote
+    WRITING_BYTES or more between its last two samples, or no sample has judged it yet
+    and its mind is not known to be light (`starting_cost` a whole place). A turn that
+    wrote once and then waits (on the model, for seconds) is not: it still costs a
+    whole place against the limit (`running_cost`), but it holds no writer back."""
+    if turn.recent:
+        return True
+    return turn.sampled is None and not turn.writing and starting_cost(learnt) >= 1
+
+
+def mixed(learnt: Mapping[str, float], running: Iterable[Running]) -> bool:
+    """Whether the gate has seen writers among lighter turns, as many of those at least
+    as of the writers: then writers go one at a time (admission's `Limits.stagger`).
+
+    A mind is a writer if its learnt cost (`learnt`, from `Costs.of`) is a whole place or
+    a turn of it runs seen writing; light if its learnt cost is less, or a turn of it
+    runs judged quiet after its probation. Where every turn writes (all writers) or none
+    does (none), this is false and the limit alone decides, as before; where the lighter
+    turns are at least as many, running the writers one at a time costs the fan-out
+    little (the lighter turns fill the places) and keeps their bursts apart, which two
+    at once on a slow disk do not (docs/benchmarks.md, "Writers one at a time")."""
+    writers = {mind for mind, cost in learnt.items() if cost >= 1}
+    lights = {mind for mind, cost in learnt.items() if cost < 1}
+    for turn in running:
+        if turn.writing:
+            writers.add(turn.mind)
+        elif turn.sampled is not None and running_cost(turn, learnt.get(turn.mind)) < 1:
+            lights.add(turn.mind)
+    lights -= writers
+    return bool(writers) and len(lights) >= len(writers)

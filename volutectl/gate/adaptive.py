@@ -369,6 +369,7 @@ class AdaptiveLimit:
         self.running_turns: dict[int, iocost.Running] = {}
         self._asked: set[int] = set()  # turns sampled (or tried) after their probation
         self._sample_after = 0.0  # monotonic: no sample before (one failed)
+        self._sampled_at = 0.0  # monotonic: the last sample asked for
         self.sample_failure: str | None = None  # why the last sample failed, if it did
         self.load = 0.0
         # (total µs, monotonic, the file read) at the interval's start
@@ -485,6 +486,23 @@ class AdaptiveLimit:
             return {}
         return {mind: iocost.starting_cost(cost) for mind, cost in self._costs.items()}
 
+    def stagger(self) -> bool:
+        """Whether writers go one at a time (core/iocost.py's `mixed`): never in
+        fallback, where the static cap counts turns."""
+        if not self.enabled or self.fallback is not None:
+            return False
+        return iocost.mixed(self._costs, self.running_turns.values())
+
+    def writers(self, live: Iterable[int]) -> int:
+        """Of the turns live now (by id), those that may be writing (core/iocost.py's
+        `writes_now`): one that ended since the last `track` holds no writer back."""
+        turns = (self.running_turns.get(turn_id) for turn_id in live)
+        return sum(
+            iocost.writes_now(turn, self._costs.get(turn.mind))
+            for turn in turns
+            if turn is not None
+        )
+
     def running_costs(self) -> dict[str, float]:
         """What each mind's running turns cost now (their mean), from what they wrote;
         in fallback none, as `costs`."""
@@ -534,12 +552,15 @@ class AdaptiveLimit:
         (none while a failed sample's pause lasts)."""
         if not self.enabled or now < self._sample_after:
             return []
+        self._sampled_at = now
         return list(self.running_turns)
 
     def sample_deadline(self) -> float | None:
         """When a running turn's probation ends that no sample has judged yet: a sample
         then, not at the next reading, lets a quiet turn's place go to the next one at
-        once (the ramp of a cold gate's fan-out)."""
+        once (the ramp of a cold gate's fan-out). While writers go one at a time, a turn
+        seen writing is sampled again a probation after its last sample, so that the
+        writer held for it starts soon after it stops, not at the next reading."""
         if not self.enabled:
             return None
         due = [
@@ -547,6 +568,8 @@ class AdaptiveLimit:
             for turn_id, turn in self.running_turns.items()
             if turn_id not in self._asked
         ]
+        if self.stagger() and any(turn.recent for turn in self.running_turns.values()):
+            due.append(self._sampled_at + iocost.PROBATION_SECONDS)
         return max(min(due), self._sample_after) if due else None
 
     def _mark_asked(self, now: float) -> None:
@@ -558,17 +581,22 @@ class AdaptiveLimit:
 
     def observe(self, now: float, written: Mapping[int, Written]) -> bool:
         """A sample: what each running turn has written so far, and whether it waits on
-        the disk. True if a running turn's cost changed (admission should decide again).
-        A turn this sample could not judge (found waiting on the disk) is judged again
-        at the next reading."""
-        before = self.shown_costs()
+        the disk. True if a running turn's cost changed, or what says writers go one at a
+        time did (admission should decide again). A turn this sample could not judge
+        (found waiting on the disk) is judged again at the next reading."""
+        before = self._admitted_by()
         self.sample_failure = None
         self._mark_asked(now)
         for turn_id, seen in written.items():
             turn = self.running_turns.get(turn_id)
             if turn is not None:
                 self.running_turns[turn_id] = turn.sample(now, seen.bytes, seen.blocked)
-        return self.shown_costs() != before
+        return self._admitted_by() != before
+
+    def _admitted_by(self) -> tuple[dict[str, float], bool, int]:
+        """What of the running turns admission decides by: their costs, and whether
+        writers go one at a time and how many may be writing."""
+        return self.shown_costs(), self.stagger(), self.writers(self.running_turns)
 
     def sample_failed(self, now: float, why: str) -> None:
         """A sample could not be taken (an older launcher, or none): running turns keep

@@ -652,6 +652,8 @@ class Gate:
                 costs=adaptive.costs(),
                 running_costs=adaptive.running_costs(),
                 adaptive_turns=adaptive.turns_bound(),
+                stagger=adaptive.stagger(),
+                writers=adaptive.writers(turn.turn_id for turn in live),
             ),
             now=now,
             others=admission.other_work(scopes=state.foreign_live, test_runs=test_runs),

@@ -12,7 +12,9 @@ Why the same decisions can be had per session and per mind (admission.admit's ru
 - Whether a head starts is admission.decide's to say, here as in admit(): the index
   only chooses which heads to ask about, and in what order.
 - A held session's reason depends only on its mind and on where admission stopped
-  starting turns: its mind's own (admission.mind_hold: `paused`, `mind_busy`), else
+  starting turns: its mind's own (admission.mind_hold: `paused`, `mind_busy`; and
+  admission.writer_hold's `writer_running`, which depends on its mind's cost and on
+  the writers running and started, not on where it stands), else
   the *regime* that stopped the starts (admission.cap_hold). Once the regime holds one
   session no start happens after it but the light ones admission.may_pass lets by, so
   one regime reason holds for every mind it holds.
@@ -54,6 +56,7 @@ from volutectl.core.admission import (
     cap_hold,
     decide,
     mind_hold,
+    writer_hold,
 )
 from volutectl.states import HoldReason
 
@@ -90,6 +93,7 @@ class PendingIndex:
         self.fresh: set[int] = set()  # rows added at a session's tail since the last pass
         self.regime_minds: set[str] = set()  # minds whose held sessions the regime holds
         self.regime: HoldReason | None = None
+        self.writers_held = False  # whether writers waited for one (writer_hold), last pass
         self.live: Counter[str] = Counter()  # live turns per mind, as of the last pass
         self.live_sessions: dict[Key, int] = {}
         self.leased: set[Key] = set()  # sessions a live lease holds: `mind_busy`
@@ -230,6 +234,10 @@ class PendingIndex:
         if limits != self.limits:  # new limits change every mind's capacity
             self.dirty_minds |= set(self.minds)
             self.limits = limits
+        if (limits.stagger and limits.writers >= 1) != self.writers_held:
+            # The writers that held writers' heads (writer_hold) at the last pass's end,
+            # its own starts among them, are not those running now: offer them again.
+            self.dirty_minds |= set(self.minds)
         self._notice_backoffs_ending(now)
         self._notice_live(live)
         self._notice_paused(frozenset(paused), all_paused)
@@ -386,18 +394,16 @@ class PendingIndex:
         taken |= {i for fold in folds for i in fold.delivery_ids}
         for delivery_id in taken:
             self._record(delivery_id, None)  # taking a row clears its hold in the store
-        minds = set(self.dirty_minds) | {start.mind for start in starts}
+        minds = self._minds_to_reason(rules, tally, starts)
         regime = tally.regime
-        if regime != self.regime:
-            minds |= self.regime_minds
-        self.regime = regime
         changes: list[Change] = []
         started = {(start.mind, start.session) for start in starts}
         for mind in minds:
             queues = self.minds.get(mind)
             if queues is None:
                 continue
-            reason = mind_hold(mind, tally, rules) or regime
+            cost = rules.limits.cost_of(mind)
+            reason = mind_hold(mind, tally, rules) or writer_hold(cost, tally, rules) or regime
             if reason is not None and reason not in MIND_REASONS:
                 self.regime_minds.add(mind)
             else:
@@ -434,6 +440,20 @@ class PendingIndex:
         self.dirty_sessions.clear()
         self.fresh.clear()
         return changes
+
+    def _minds_to_reason(self, rules: Rules, tally: Tally, starts: list[Start]) -> set[str]:
+        """The minds whose held sessions' reason may have changed: those that changed or
+        started; the regime's, if the regime changed; every mind, if whether writers
+        wait for one did (the pass's own starts may have made them wait)."""
+        minds = set(self.dirty_minds) | {start.mind for start in starts}
+        if tally.regime != self.regime:
+            minds |= self.regime_minds
+        self.regime = tally.regime
+        writers_held = writer_hold(1.0, tally, rules) is not None
+        if writers_held != self.writers_held:
+            minds |= set(self.minds)
+        self.writers_held = writers_held
+        return minds
 
     def _session_changes(
         self, queue: SessionQueue, reason: HoldReason | None, taken: Container[int]
