@@ -284,6 +284,11 @@ def test_a_turn_writes_now_until_a_sample_shows_it_stopped() -> None:
     assert turn.writing and running_cost(turn, None) == 1.0  # still a whole place
     turn = turn.sample(1.2, 2 * MIB)  # it writes again
     assert writes_now(turn, None)
+    # Waiting on the disk, it wrote nothing since a sample 5 ms ago: still a writer.
+    assert writes_now(turn.sample(1.205, 2 * MIB, blocked=True), None)
+    # A quiet turn that is busy (running, say) is not one: it was never seen writing.
+    quiet = Running("q", started=0.0).sample(0.2, 0)
+    assert not writes_now(quiet.sample(0.7, 0, blocked=True), None)
 
 
 def test_samples_close_together_judge_a_writer_by_its_pace() -> None:

@@ -126,6 +126,7 @@ class Running:
     writing: bool = False  # it wrote WRITING_BYTES or more between two samples
     recent: bool = False  # ...at that pace between the last two: it writes now (`writes_now`)
     last: float | None = None  # monotonic: its last sample, if any
+    busy: bool = False  # at its last sample: waiting on the disk, or running
 
     def sample(
         self, now: float, written: int, blocked: bool = False, probation: float = PROBATION_SECONDS
@@ -143,7 +144,7 @@ class Running:
         span = now - (self.started if self.last is None else self.last)
         recent = delta > 0 and delta >= WRITING_BYTES * min(1.0, span / PROBATION_SECONDS)
         mark = max(self.written, written)
-        seen = replace(self, written=mark, writing=writing, recent=recent, last=now)
+        seen = replace(self, written=mark, writing=writing, recent=recent, last=now, busy=blocked)
         if now - self.started < probation or (blocked and self.sampled is None):
             return seen
         return replace(seen, sampled=now)
@@ -169,11 +170,13 @@ def running_cost(turn: Running, learnt: float | None) -> float:
 
 def writes_now(turn: Running, learnt: float | None) -> bool:
     """Whether a running turn may be writing now, for writers one at a time: it wrote
-    WRITING_BYTES or more between its last two samples, or no sample has judged it yet
-    and its mind is not known to be light (`starting_cost` a whole place). A turn that
-    wrote once and then waits (on the model, for seconds) is not: it still costs a
-    whole place against the limit (`running_cost`), but it holds no writer back."""
-    if turn.recent:
+    at WRITING_BYTES's pace between its last two samples, or it was seen writing and
+    was busy at its last sample (a writer waiting on a slow disk's sync writes little
+    between two samples close together), or no sample has judged it yet and its mind is
+    not known to be light (`starting_cost` a whole place). A turn that wrote once and
+    then waits (on the model, for seconds) is not: it still costs a whole place against
+    the limit (`running_cost`), but it holds no writer back."""
+    if turn.recent or (turn.writing and turn.busy):
         return True
     return turn.sampled is None and not turn.writing and starting_cost(learnt) >= 1
 
