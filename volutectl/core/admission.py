@@ -437,10 +437,12 @@ def writer_hold(cost: float, tally: Tally, rules: Rules) -> HoldReason | None:
     regime's: lighter turns behind it start as the caps let them, and a writer behind it
     waits as it does, so writers keep their order among themselves.
 
-    Why none starves: it waits only for the turns that may be writing now. Those are
-    turns of whole places that started before it (none starts past it) and lighter
-    turns seen writing as they run, each once: a turn seen writing is a writer from then
-    on, and its mind's cost is learnt when it ends (core/iocost.py)."""
+    Why none starves: it waits only for the turns that may be writing now, and no turn
+    of a whole place starts past it. The lighter turns that pass it hold it back only
+    while a sample shows them writing, and a mind whose turn wrote a whole place's worth
+    costs a whole place from its next turn on (core/iocost.py's `Costs.learn`), when it
+    waits behind this one. tests/unit/test_iocost.py holds it to a bound on the oldest
+    delivery's wait while light deliveries keep coming."""
     if rules.limits.stagger and cost >= 1 and tally.writers >= 1:
         return HoldReason.WRITER_RUNNING
     return None

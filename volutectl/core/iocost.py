@@ -54,6 +54,12 @@ that keeps every turn from starving).
   until it has shown it does not write, grow it by one. What the samples cannot see: a
   quiet turn that starts writing later is charged from the next sample, and a lowered
   limit stops no running turn; its mind's learnt cost charges it from its next turn on.
+- **Writers one at a time, in a mix** (`mixed`, `writes_now`): where the gate has seen
+  writers among lighter turns, at least as many of those, a turn of a whole place waits
+  while a running turn may be writing now (admission's `writer_hold`): two heavy writers
+  at once on a slow disk are what the probe meets, and the lighter turns fill the
+  places meanwhile, so the fan-out loses little time. Where every turn writes, or none,
+  the limit alone decides.
 - Costs live in the gate's memory: a gate that starts again starts cold.
 
 No I/O here: the bytes come in from the gate.
