@@ -621,6 +621,56 @@ def test_a_mixed_fan_out_runs_its_writers_one_at_a_time_and_lets_quiet_turns_by(
     harness.pump(lambda: running(harness) == 0, timeout=20)
 
 
+def test_a_writer_held_while_samples_fail_starts_when_the_one_writing_ends(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    # The launcher stops answering samples while w0 writes and w1 waits for it
+    # (`writer_running`): nothing shows w0 stopped, so w1 keeps waiting, but only for
+    # w0's turn: once it ends, w1 starts. Nothing is wedged, and no sample is asked for
+    # again before SAMPLE_PAUSE (no busy loop on the re-sample of a writer).
+    order = ["w0", "q0", "w1"]
+    stays = {mind: tmp_path / f"{mind}.stays" for mind in order}
+    for path in stays.values():
+        path.touch()
+    minds = {mind: f"while [ -e {path} ]; do sleep 0.05; done" for mind, path in stays.items()}
+    config = {"start": 2, "minimum": 1, "maximum": 8, "interval_seconds": 10.0}
+    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config}, clock=FakeClock())
+    harnesses.append(harness)
+    adaptive = limit_of(harness)
+    written: dict[int, int] = {}
+    asked: list[float] = []
+    failing = False
+
+    def sample(turn_ids: Sequence[int]) -> dict[int, Written]:
+        asked.append(harness.clock.monotonic())
+        if failing:
+            raise VoluteError("the launcher did not answer")
+        turns = {turn.id: turn.mind for turn in harness.gate.state.turns.all()}
+        for turn_id in turn_ids:
+            more = turns.get(turn_id, "").startswith("w")
+            written[turn_id] = written.get(turn_id, 0) + (1 << 20 if more else 0)
+        return {turn_id: Written(written[turn_id], blocked=False) for turn_id in turn_ids}
+
+    harness.gate.state.turns.hands.sample = sample  # type: ignore[method-assign]
+    for mind in order:
+        deliver(harness, mind)
+    harness.pump(lambda: len(harness.gate.state.turns.all()) == 2)
+    harness.advance(PROBATION_SECONDS)
+    assert holds(harness) == {"writer_running": 1}
+    failing = True
+    before = len(asked)
+    harness.advance(5.0)
+    assert holds(harness) == {"writer_running": 1}  # no evidence w0 stopped: it waits
+    assert len(asked) - before <= 2  # one failed try, and none again before the pause
+    assert adaptive.sample_failure == "the launcher did not answer"
+    stays["w0"].unlink()
+    harness.pump(lambda: "w1" in {turn.mind for turn in harness.gate.state.turns.all()})
+    assert not holds(harness)
+    for path in stays.values():
+        path.unlink(missing_ok=True)
+    harness.pump(lambda: running(harness) == 0, timeout=20)
+
+
 def test_a_sample_that_fails_leaves_turns_at_their_minds_cost_and_waits_to_try_again(
     tmp_path: Path, harnesses: list[Harness], hold: Path
 ) -> None:
