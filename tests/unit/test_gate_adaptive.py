@@ -553,6 +553,49 @@ def test_a_cold_gate_lets_quiet_turns_by_once_a_sample_shows_them_and_holds_writ
     harness.pump(lambda: running(harness) == 0 and not holds(harness), timeout=20)
 
 
+def staying(
+    tmp_path: Path, harnesses: list[Harness], order: list[str], *, start: int
+) -> tuple[Harness, dict[str, Path]]:
+    """A cold gate on a fake clock whose minds (`order`) each stay while a file of
+    theirs exists (the files, by mind), at an adaptive limit of `start` that no reading
+    moves (a 10 s interval)."""
+    stays = {mind: tmp_path / f"{mind}.stays" for mind in order}
+    for path in stays.values():
+        path.touch()
+    minds = {mind: f"while [ -e {path} ]; do sleep 0.05; done" for mind, path in stays.items()}
+    config = {"start": start, "minimum": 1, "maximum": 8, "interval_seconds": 10.0}
+    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config}, clock=FakeClock())
+    harnesses.append(harness)
+    return harness, stays
+
+
+class ScriptedWrites:
+    """The launcher's samples, scripted: a turn of a mind `bursting` says so writes 1 MiB
+    between any two samples; others write nothing. Keeps when each sample was asked for,
+    the most bursting turns seen running at once, and fails while `failing`."""
+
+    def __init__(self, harness: Harness, bursting: dict[str, bool]) -> None:
+        self.harness = harness
+        self.bursting = bursting
+        self.failing = False
+        self.asked: list[float] = []
+        self.most_bursting = 0
+        self.written: dict[int, int] = {}
+        harness.gate.state.turns.hands.sample = self.sample  # type: ignore[method-assign]
+
+    def sample(self, turn_ids: Sequence[int]) -> dict[int, Written]:
+        self.asked.append(self.harness.clock.monotonic())
+        if self.failing:
+            raise VoluteError("the launcher did not answer")
+        turns = {turn.id: turn.mind for turn in self.harness.gate.state.turns.all()}
+        for turn_id in turn_ids:
+            more = self.bursting.get(turns.get(turn_id, ""), False)
+            self.written[turn_id] = self.written.get(turn_id, 0) + (1 << 20 if more else 0)
+        now = sum(self.bursting.get(mind, False) for mind in turns.values())
+        self.most_bursting = max(self.most_bursting, now)
+        return {turn_id: Written(self.written[turn_id], blocked=False) for turn_id in turn_ids}
+
+
 def test_a_mixed_fan_out_runs_its_writers_one_at_a_time_and_lets_quiet_turns_by(
     tmp_path: Path, harnesses: list[Harness]
 ) -> None:
@@ -564,28 +607,9 @@ def test_a_mixed_fan_out_runs_its_writers_one_at_a_time_and_lets_quiet_turns_by(
     # (`writer_running`, where the limit alone would let it start), and starts once the
     # writer has stopped, or ended; the quiet ones then start one judged at a time.
     order = ["w0", "q0", "q1", "w1", "q2", "q3"]
-    stays = {mind: tmp_path / f"{mind}.stays" for mind in order}
-    for path in stays.values():
-        path.touch()
-    minds = {mind: f"while [ -e {path} ]; do sleep 0.05; done" for mind, path in stays.items()}
-    config = {"start": 3, "minimum": 1, "maximum": 8, "interval_seconds": 10.0}
-    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config}, clock=FakeClock())
-    harnesses.append(harness)
+    harness, stays = staying(tmp_path, harnesses, order, start=3)
     adaptive = limit_of(harness)
-    bursting = {"w0": True, "w1": True}
-    written: dict[int, int] = {}
-    most_bursting = 0
-
-    def sample(turn_ids: Sequence[int]) -> dict[int, Written]:
-        nonlocal most_bursting
-        turns = {turn.id: turn.mind for turn in harness.gate.state.turns.all()}
-        for turn_id in turn_ids:
-            more = bursting.get(turns.get(turn_id, ""), False)
-            written[turn_id] = written.get(turn_id, 0) + (1 << 20 if more else 0)
-        most_bursting = max(most_bursting, sum(bursting.get(m, False) for m in turns.values()))
-        return {turn_id: Written(written[turn_id], blocked=False) for turn_id in turn_ids}
-
-    harness.gate.state.turns.hands.sample = sample  # type: ignore[method-assign]
+    writes = ScriptedWrites(harness, bursting={"w0": True, "w1": True})
 
     def minds_running() -> set[str]:
         return {turn.mind for turn in harness.gate.state.turns.all()}
@@ -600,7 +624,7 @@ def test_a_mixed_fan_out_runs_its_writers_one_at_a_time_and_lets_quiet_turns_by(
     assert minds_running() == {"w0", "q0", "q1"}
     # w0 stops writing and waits (on the model, say): the next sample lets the oldest
     # held one by, w1, whose start holds the others again.
-    bursting["w0"] = False
+    writes.bursting["w0"] = False
     harness.advance(10.0)  # a reading's sample
     assert minds_running() == {"w0", "q0", "q1", "w1"}
     assert holds(harness) == {"writer_running": 2}
@@ -614,7 +638,7 @@ def test_a_mixed_fan_out_runs_its_writers_one_at_a_time_and_lets_quiet_turns_by(
     harness.advance(PROBATION_SECONDS)
     assert minds_running() == {"w0", "q0", "q1", "q2", "q3"}
     assert not holds(harness)
-    assert most_bursting == 1
+    assert writes.most_bursting == 1
     assert adaptive.limit() == 3  # no reading moved it: writers one at a time did this
     for path in stays.values():
         path.unlink(missing_ok=True)
@@ -629,39 +653,19 @@ def test_a_writer_held_while_samples_fail_starts_when_the_one_writing_ends(
     # w0's turn: once it ends, w1 starts. Nothing is wedged, and no sample is asked for
     # again before SAMPLE_PAUSE (no busy loop on the re-sample of a writer).
     order = ["w0", "q0", "w1"]
-    stays = {mind: tmp_path / f"{mind}.stays" for mind in order}
-    for path in stays.values():
-        path.touch()
-    minds = {mind: f"while [ -e {path} ]; do sleep 0.05; done" for mind, path in stays.items()}
-    config = {"start": 2, "minimum": 1, "maximum": 8, "interval_seconds": 10.0}
-    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config}, clock=FakeClock())
-    harnesses.append(harness)
+    harness, stays = staying(tmp_path, harnesses, order, start=2)
     adaptive = limit_of(harness)
-    written: dict[int, int] = {}
-    asked: list[float] = []
-    failing = False
-
-    def sample(turn_ids: Sequence[int]) -> dict[int, Written]:
-        asked.append(harness.clock.monotonic())
-        if failing:
-            raise VoluteError("the launcher did not answer")
-        turns = {turn.id: turn.mind for turn in harness.gate.state.turns.all()}
-        for turn_id in turn_ids:
-            more = turns.get(turn_id, "").startswith("w")
-            written[turn_id] = written.get(turn_id, 0) + (1 << 20 if more else 0)
-        return {turn_id: Written(written[turn_id], blocked=False) for turn_id in turn_ids}
-
-    harness.gate.state.turns.hands.sample = sample  # type: ignore[method-assign]
+    writes = ScriptedWrites(harness, bursting={"w0": True, "w1": True})
     for mind in order:
         deliver(harness, mind)
     harness.pump(lambda: len(harness.gate.state.turns.all()) == 2)
     harness.advance(PROBATION_SECONDS)
     assert holds(harness) == {"writer_running": 1}
-    failing = True
-    before = len(asked)
+    writes.failing = True
+    before = len(writes.asked)
     harness.advance(5.0)
     assert holds(harness) == {"writer_running": 1}  # no evidence w0 stopped: it waits
-    assert len(asked) - before <= 2  # one failed try, and none again before the pause
+    assert len(writes.asked) - before <= 2  # one failed try, and none again before the pause
     assert adaptive.sample_failure == "the launcher did not answer"
     stays["w0"].unlink()
     harness.pump(lambda: "w1" in {turn.mind for turn in harness.gate.state.turns.all()})

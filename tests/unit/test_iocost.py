@@ -29,6 +29,7 @@ from volutectl.states import HoldReason
 
 MIB = 1 << 20
 REGIME = {HoldReason.GLOBAL_CAP, HoldReason.ADAPTIVE_LIMIT, HoldReason.TEST_RUN}
+WRITER = HoldReason.WRITER_RUNNING
 
 
 def test_a_cost_is_a_share_of_a_full_turn_rounded_up_to_a_power_of_two() -> None:
@@ -120,18 +121,14 @@ def test_a_light_turn_does_not_pass_while_light_ones_fill_a_place() -> None:
     assert [start.mind for start in decided.starts] == ["heavy2", "light16"]
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.integers(0, 10_000), st.sampled_from([1, 2, 3, 4]))
-def test_no_mind_starves_while_light_deliveries_keep_coming(seed: int, limit: int) -> None:
-    """Deliveries to heavy and light minds arrive all the time; turns run 1-5 passes.
-    Only light turns pass a delivery the caps hold, and only while the light turns cost
-    less than a place. So the oldest delivery waits at most for its mind's turn to end,
-    then for the whole turns then running: it starts within 11 passes of becoming the
-    oldest, however many light ones come behind it."""
+def stream_of_deliveries(seed: int, limit: int, *, stagger: bool) -> None:
+    """Deliveries to heavy and light minds arrive all the time for 300 passes; turns run
+    1-5 passes. Asserts that only light turns pass a held delivery, that the oldest one
+    starts within 11 passes of becoming the oldest, and, with writers one at a time
+    (`stagger`: heavy turns write all their lives), that never two heavy turns run."""
     rng = random.Random(seed)
     minds = [f"h{i}" for i in range(3)] + [f"l{i}" for i in range(6)]
     costs = {m: 1.0 if m[0] == "h" else rng.choice([FLOOR, 0.25, 0.5]) for m in minds}
-    limits = Limits(adaptive=limit, costs=costs)
     pending: dict[int, Delivery] = {}
     live: dict[int, tuple[LiveTurn, int]] = {}  # turn id: (turn, the pass it ends at)
     oldest: tuple[int, int] | None = None  # (delivery id, the pass it became the oldest)
@@ -141,8 +138,11 @@ def test_no_mind_starves_while_light_deliveries_keep_coming(seed: int, limit: in
             pending[next_id] = Delivery(next_id, rng.choice(minds), "s")
             next_id += 1
         live = {k: v for k, v in live.items() if v[1] > tick}
+        writers = sum(costs[turn.mind] >= 1 for turn, _ in live.values())
+        assert writers <= 1 or not stagger
+        limits = Limits(adaptive=limit, costs=costs, stagger=stagger, writers=writers)
         decided = admit(pending.values(), [turn for turn, _ in live.values()], limits, now=0.0)
-        held = [hold.delivery_id for hold in decided.holds if hold.reason in REGIME]
+        held = [h.delivery_id for h in decided.holds if h.reason in REGIME | {WRITER}]
         for start in decided.starts:
             if held and start.delivery_ids[0] > min(held):  # it passed a held one
                 assert costs[start.mind] < 1
@@ -157,6 +157,16 @@ def test_no_mind_starves_while_light_deliveries_keep_coming(seed: int, limit: in
             oldest = (min(pending), tick)
         if oldest is not None and oldest[0] in pending:
             assert tick - oldest[1] <= 11, (oldest, tick)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from([1, 2, 3, 4]))
+def test_no_mind_starves_while_light_deliveries_keep_coming(seed: int, limit: int) -> None:
+    """Only light turns pass a delivery the caps hold, and only while the light turns
+    cost less than a place. So the oldest delivery waits at most for its mind's turn to
+    end, then for the whole turns then running: it starts within 11 passes of becoming
+    the oldest, however many light ones come behind it."""
+    stream_of_deliveries(seed, limit, stagger=False)
 
 
 # -- writers one at a time (admission.writer_hold) ---------------------------------------
@@ -216,38 +226,7 @@ def test_no_writer_starves_and_none_runs_beside_another_while_writers_go_one_at_
     oldest delivery still starts within a bounded number of passes, however many light
     ones come behind it: a held writer waits only for the writer running (1-5 passes)
     and its own mind's turn, and no writer starts past it."""
-    rng = random.Random(seed)
-    minds = [f"h{i}" for i in range(3)] + [f"l{i}" for i in range(6)]
-    costs = {m: 1.0 if m[0] == "h" else rng.choice([FLOOR, 0.25, 0.5]) for m in minds}
-    pending: dict[int, Delivery] = {}
-    live: dict[int, tuple[LiveTurn, int]] = {}  # turn id: (turn, the pass it ends at)
-    oldest: tuple[int, int] | None = None  # (delivery id, the pass it became the oldest)
-    next_id = 1
-    for tick in range(300):
-        for _ in range(rng.randrange(3)):
-            pending[next_id] = Delivery(next_id, rng.choice(minds), "s")
-            next_id += 1
-        live = {k: v for k, v in live.items() if v[1] > tick}
-        writers = sum(costs[turn.mind] >= 1 for turn, _ in live.values())
-        assert writers <= 1
-        limits = Limits(adaptive=limit, costs=costs, stagger=True, writers=writers)
-        decided = admit(pending.values(), [turn for turn, _ in live.values()], limits, now=0.0)
-        held = [hold.delivery_id for hold in decided.holds if hold.reason in REGIME]
-        held += [h.delivery_id for h in decided.holds if h.reason is HoldReason.WRITER_RUNNING]
-        for start in decided.starts:
-            if held and start.delivery_ids[0] > min(held):  # it passed a held one
-                assert costs[start.mind] < 1
-            turn = LiveTurn(start.delivery_ids[0], start.mind, start.session)
-            live[turn.turn_id] = (turn, tick + rng.randint(1, 5))
-        for taken in [s.delivery_ids for s in decided.starts] + [
-            f.delivery_ids for f in decided.folds
-        ]:
-            for delivery_id in taken:
-                del pending[delivery_id]
-        if pending and (oldest is None or oldest[0] != min(pending)):
-            oldest = (min(pending), tick)
-        if oldest is not None and oldest[0] in pending:
-            assert tick - oldest[1] <= 11, (oldest, tick)
+    stream_of_deliveries(seed, limit, stagger=True)
 
 
 def test_writers_go_one_at_a_time_only_where_lighter_turns_are_as_many() -> None:

@@ -568,7 +568,8 @@ class AdaptiveLimit:
             for turn_id, turn in self.running_turns.items()
             if turn_id not in self._asked
         ]
-        if self.stagger() and any(turn.recent for turn in self.running_turns.values()):
+        # A turn seen writing first: it is rare, and the loop asks this every wake.
+        if any(turn.recent for turn in self.running_turns.values()) and self.stagger():
             due.append(self._sampled_at + iocost.PROBATION_SECONDS)
         return max(min(due), self._sample_after) if due else None
 
