@@ -90,11 +90,10 @@ class Serving:
         self.commit_seconds: deque[float] = deque(maxlen=GATHER_SEEN)
         # Replies that wait for the pass's durable commit (`release`), in the order they
         # would have been sent: a delivery's acknowledgement, and whatever its client was
-        # answered after it in the pass. `holding`: those clients (by id(): `held` keeps
-        # each alive, so no id is reused meanwhile); `delivering`: whose deliveries.
+        # answered after it in the pass. `delivering`: the clients whose deliveries they
+        # are, by id() (`held` keeps each alive, so no id is reused meanwhile).
         self.held: list[tuple[Client, Request[Reply] | ErrorReply, Reply]] = []
-        self.holding: set[int] = set()
-        self.delivering: list[Client] = []
+        self.delivering: dict[int, Client] = {}
 
     def serve(self, incoming: list[Incoming], deadline: float | None = None) -> int:
         """Answer the requests, each client's in its order: every one, or those begun
@@ -118,7 +117,7 @@ class Serving:
         for (client, request), reply in zip(incoming, replies, strict=True):
             if reply is None or client.closed:
                 continue
-            if id(client) in self.holding:
+            if id(client) in self.delivering:
                 self.held.append((client, request, reply))
             else:
                 self._send(client, request, reply)
@@ -137,7 +136,7 @@ class Serving:
         if not self.held:
             return
         held, delivering = self.held, self.delivering
-        self.held, self.holding, self.delivering = [], set(), []
+        self.held, self.delivering = [], {}
         if self.state.store.sync_pending():
             clients = {id(client): client for client, _, _ in held}
             self.state.journal.emit(
@@ -153,7 +152,7 @@ class Serving:
         self.last_commit = Commit(
             self.state.clock.monotonic(),
             max(self.commit_seconds),
-            frozenset(client.fd for client in delivering),
+            frozenset(client.fd for client in delivering.values()),
         )
         for client, request, reply in held:
             if not client.closed:
@@ -184,8 +183,7 @@ class Serving:
         )
         if self.state.store.sync_pending():
             # Not durable yet: acknowledged after the pass's fsync (`release`).
-            self.holding |= {id(client) for client in clients}
-            self.delivering += clients
+            self.delivering |= {id(client): client for client in clients}
         else:  # nothing new was stored (refusals, retries of what is durable already)
             ended = self.state.clock.monotonic()
             self.commit_seconds.append(ended - began)
