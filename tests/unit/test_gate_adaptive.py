@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -527,21 +528,33 @@ def test_a_cold_gate_lets_quiet_turns_by_once_a_sample_shows_them_and_holds_writ
     # reading in this test moves it) the first two start as whole places. A sample at
     # the end of each turn's probation shows what it wrote: the writer stays whole, a
     # quiet one costs the floor, and its place goes to the next unknown turn, one at a
-    # time, each judged in turn, until all six run beside the one writer.
+    # time, each judged in turn, until all six run beside the one writer. The samples
+    # are the launcher's own, of the real processes; the gate's clock is a fake one, so
+    # that a loaded machine cannot let a probation pass between two steps of the test.
     hold.touch()
     stay = f"while [ -e {hold} ]; do sleep 0.05; done"
-    minds = {"writer": f"head -c {1 << 20} /dev/zero > {tmp_path}/w; {stay}"}
+    written = tmp_path / "w"
+    minds = {"writer": f"head -c {1 << 20} /dev/zero > {written}; {stay}"}
     minds |= {f"quiet{i}": stay for i in range(5)}
     config = {"start": 2, "minimum": 1, "maximum": 8, "interval_seconds": 10.0}
-    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config})
+    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config}, clock=FakeClock())
     harnesses.append(harness)
     adaptive = limit_of(harness)
     for mind in minds:
         deliver(harness, mind)
     harness.pump(lambda: running(harness) == 2 and holds(harness) == {"adaptive_limit": 4})
     assert {turn.mind for turn in harness.gate.state.turns.all()} == {"writer", "quiet0"}
+    # The writer's MiB is written before its first sample can judge it.
+    harness.pump(lambda: written.exists() and written.stat().st_size == 1 << 20)
     shown = {"writer": 1.0} | {f"quiet{i}": FLOOR for i in range(5)}
-    harness.pump(lambda: adaptive.running_costs() == shown, timeout=20)
+    for _ in range(200):
+        if adaptive.running_costs() == shown:
+            break
+        # A sample that finds a turn's shell still starting (running) does not judge it:
+        # the real processes get a moment to reach their sleep before the next.
+        time.sleep(0.05)
+        harness.advance(PROBATION_SECONDS)
+    assert adaptive.running_costs() == shown
     assert running(harness) == 6
     assert adaptive.limit() == 2  # the limit did not move: the costs did
     assert adaptive.sample_failure is None
