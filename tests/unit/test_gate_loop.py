@@ -47,15 +47,19 @@ def rows(harness: Harness, state: QueueState) -> list[Any]:
 
 
 def test_a_fan_out_holds_the_global_cap_and_one_turn_per_mind(
-    tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness]
+    tmp_path: Path, probe: tuple[str, Turns], harnesses: list[Harness], hold: Path
 ) -> None:
     command, log = probe
-    minds = {f"m{i}": f"{command} 0.15" for i in range(6)}
+    # Every turn waits for `hold` before it runs: the first two still run when each
+    # mind's second session is delivered, however slowly a loaded machine delivers.
+    minds = {f"m{i}": f"while [ -e {hold} ]; do sleep 0.02; done; {command} 0.15" for i in range(6)}
     # The static cap alone: an adaptive limit under it could hold the fan-out to 1.
     limits = {"global_concurrent_turns": 2, "adaptive": {"enabled": False}}
     harness = gate(tmp_path, minds, limits=limits)
     harnesses.append(harness)
+    hold.touch()
     acked = [deliver(harness, mind, session) for session in ("a", "b") for mind in minds]
+    hold.unlink()
     harness.pump(lambda: settled(harness), timeout=30)
     assert harness.manager.most_live == 2  # never more, from the fake systemd's own count
     assert max(harness.manager.most_per_mind.values()) == 1
@@ -303,7 +307,9 @@ def zombie() -> int:
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         os._exit(0)
-    time.sleep(0.05)
+    # A zombie once it has exited, whenever a loaded machine lets it: waited for, not
+    # reaped (WNOWAIT), so that its pid stays for the scope to be started around.
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
     return pid
 
 

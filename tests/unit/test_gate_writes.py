@@ -17,7 +17,7 @@ import pytest
 
 from tests.unit.fake_clock import FakeClock
 from tests.unit.gate_harness import Harness
-from tests.unit.test_gate_adaptive import MINDS, limit_of, running
+from tests.unit.test_gate_adaptive import MINDS, ScriptedProbe, ScriptedSensor, limit_of, running
 from tests.unit.test_gate_pause import deliver
 from volutectl.core import iocost
 from volutectl.gate.adaptive import QUIET_READINGS
@@ -128,7 +128,13 @@ def test_the_turns_a_pass_starts_share_one_commit(store: IndexedStore) -> None:
 # -- the probe --------------------------------------------------------------------------
 
 
-pytestmark = pytest.mark.serial  # the harness's real probe times this host's disk
+def calm_sensor(tmp_path: Path) -> ScriptedSensor:
+    """A disk that always reads healthy (each probe 1 ms, no stall): the probe's cadence
+    is the gate's rule, and the host's own disk and load (a real probe, the host's PSI)
+    would move the limit under it, so that the turns a test waits for never start."""
+    sensor = ScriptedSensor()
+    sensor.probe = ScriptedProbe(tmp_path / "probe", [1.0] * 1000)  # type: ignore[assignment]
+    return sensor
 
 
 def counted_probes(harness: Harness) -> list[float]:
@@ -163,7 +169,13 @@ def test_while_turns_only_run_the_probe_comes_every_few_readings_and_a_wait_brin
 ) -> None:
     config = {"start": 4, "minimum": 1, "maximum": 8, "interval_seconds": 1.0}
     minds = {f"m{i}": "exec sleep 30" for i in range(8)}
-    harness = Harness(tmp_path, minds=minds, limits={"adaptive": config}, clock=FakeClock())
+    harness = Harness(
+        tmp_path,
+        minds=minds,
+        limits={"adaptive": config},
+        clock=FakeClock(),
+        sensor=calm_sensor(tmp_path),
+    )
     harnesses.append(harness)
     adaptive = limit_of(harness)
     starts = counted_probes(harness)
@@ -191,7 +203,13 @@ def test_deliveries_that_wait_at_the_maximum_have_the_probe_every_few_readings(
     would let them in, and they wait for a turn to end. The probe keeps the cadence of
     turns that only run."""
     config = {"start": 4, "minimum": 1, "maximum": 4, "interval_seconds": 1.0}
-    harness = Harness(tmp_path, minds=MINDS, limits={"adaptive": config}, clock=FakeClock())
+    harness = Harness(
+        tmp_path,
+        minds=MINDS,
+        limits={"adaptive": config},
+        clock=FakeClock(),
+        sensor=calm_sensor(tmp_path),
+    )
     harnesses.append(harness)
     adaptive = limit_of(harness)
     starts = counted_probes(harness)
