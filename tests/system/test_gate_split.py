@@ -171,9 +171,11 @@ def test_the_launcher_dying_during_a_fan_out_loses_and_repeats_nothing(
 ) -> None:
     # 3 clients deliver to 12 minds while the launcher is SIGKILLed (its whole cgroup,
     # a turn's child not yet in its scope included) or restarted 10 times at random.
-    storm = chaos.Storm(kills=10, seed=5, unit="volute-launcher.service", restart=restart)
+    storm = chaos.Storm(
+        kills=10, seed=5, unit="volute-launcher.service", restart=restart, acknowledged=30
+    )
     result = chaos.verdict(chaos.run(machine, storm))
-    assert result["acknowledged"] >= 30, result
+    assert result["kills"] >= 10 and result["acknowledged"] >= 30, result
     assert result["refused"] == 0, result
     assert result["lost"] == [], result
     assert result["ran_twice"] == [], result
@@ -181,7 +183,8 @@ def test_the_launcher_dying_during_a_fan_out_loses_and_repeats_nothing(
     assert result["drain_seconds"] is not None and result["drain_seconds"] < 60, result
     assert result["max_turns"] <= 2 and result["max_per_mind"] <= 1, result
     assert result["live_scopes_after"] == [], result
-    assert storm.record is not None and storm.record["pids"] == 11  # each kill really took it down
+    # Each kill really took it down.
+    assert storm.record is not None and storm.record["pids"] == storm.record["kills"] + 1
 
 
 @pytest.mark.serial
