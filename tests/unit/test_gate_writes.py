@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -128,13 +129,15 @@ def test_the_turns_a_pass_starts_share_one_commit(store: IndexedStore) -> None:
 # -- the probe --------------------------------------------------------------------------
 
 
-def calm_sensor(tmp_path: Path) -> ScriptedSensor:
-    """A disk that always reads healthy (each probe 1 ms, no stall): the probe's cadence
-    is the gate's rule, and the host's own disk and load (a real probe, the host's PSI)
-    would move the limit under it, so that the turns a test waits for never start."""
+def calm_harness(tmp_path: Path, minds: dict[str, str], config: dict[str, Any]) -> Harness:
+    """A gate on a fake clock whose disk always reads healthy (each probe 1 ms, no
+    stall): the probe's cadence is the gate's rule, and the host's own disk and load (a
+    real probe, the host's PSI) would move the limit under it, so that the turns a test
+    waits for never start."""
     sensor = ScriptedSensor()
     sensor.probe = ScriptedProbe(tmp_path / "probe", [1.0] * 1000)  # type: ignore[assignment]
-    return sensor
+    limits = {"adaptive": config}
+    return Harness(tmp_path, minds=minds, limits=limits, clock=FakeClock(), sensor=sensor)
 
 
 def counted_probes(harness: Harness) -> list[float]:
@@ -169,13 +172,7 @@ def test_while_turns_only_run_the_probe_comes_every_few_readings_and_a_wait_brin
 ) -> None:
     config = {"start": 4, "minimum": 1, "maximum": 8, "interval_seconds": 1.0}
     minds = {f"m{i}": "exec sleep 30" for i in range(8)}
-    harness = Harness(
-        tmp_path,
-        minds=minds,
-        limits={"adaptive": config},
-        clock=FakeClock(),
-        sensor=calm_sensor(tmp_path),
-    )
+    harness = calm_harness(tmp_path, minds, config)
     harnesses.append(harness)
     adaptive = limit_of(harness)
     starts = counted_probes(harness)
@@ -203,13 +200,7 @@ def test_deliveries_that_wait_at_the_maximum_have_the_probe_every_few_readings(
     would let them in, and they wait for a turn to end. The probe keeps the cadence of
     turns that only run."""
     config = {"start": 4, "minimum": 1, "maximum": 4, "interval_seconds": 1.0}
-    harness = Harness(
-        tmp_path,
-        minds=MINDS,
-        limits={"adaptive": config},
-        clock=FakeClock(),
-        sensor=calm_sensor(tmp_path),
-    )
+    harness = calm_harness(tmp_path, MINDS, config)
     harnesses.append(harness)
     adaptive = limit_of(harness)
     starts = counted_probes(harness)
