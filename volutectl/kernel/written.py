@@ -31,6 +31,7 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from volutectl.core.pidmoves import parse_systemd_cgroup
 from volutectl.kernel.dirfds import Budget
 
 PROC = Path("/proc")
@@ -51,15 +52,7 @@ def cgroup_of(pid: int, proc: Path = PROC) -> str | None:
         text = (proc / str(pid) / "cgroup").read_text()
     except OSError:
         return None
-    unified = None
-    for line in text.splitlines():
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if controllers == "name=systemd":
-            return path
-        if hierarchy == "0" and controllers == "":
-            unified = path
-    return unified
+    return parse_systemd_cgroup(text)
 
 
 def procs_file(cgroup: str, root: Path = CGROUP_ROOT) -> Path | None:
