@@ -300,7 +300,7 @@ Happened = (
 
 @dataclass(frozen=True)
 class TakePlace:
-    """TakePlace a place for the turn (admission counts it)."""
+    """Take a place for the turn (admission counts it)."""
 
 
 @dataclass(frozen=True)
