@@ -91,7 +91,8 @@ class HoldReason(StrEnum):
     TEST_RUN = "test_run"  # test runs fill the shared budget
     PAUSED = "paused"  # `volutectl pause`: no new turn until resumed
     # Writers mixed with lighter turns go one at a time: a turn that may write a whole
-    # place waits while another may be writing (core/admission.py's `writer_hold`).
+    # place waits while another may be writing, or was seen so less than WRITER_PAUSE
+    # ago (core/admission.py's `writer_hold`, core/iocost.py).
     WRITER_RUNNING = "writer_running"
 
 

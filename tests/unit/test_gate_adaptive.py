@@ -27,7 +27,7 @@ from tests.unit.gate_harness import Harness
 from tests.unit.test_gate_pause import deliver, notified, request, statuses
 from volutectl import events
 from volutectl.core.adaptive import GROW_AFTER, UNSEEN, Controller, Reading
-from volutectl.core.iocost import FLOOR, PROBATION_SECONDS, STARTING
+from volutectl.core.iocost import FLOOR, PROBATION_SECONDS, STARTING, WRITER_PAUSE
 from volutectl.core.psi import parse_total
 from volutectl.errors import VoluteError
 from volutectl.gate import adaptive as gate_adaptive
@@ -620,7 +620,8 @@ def test_a_mixed_fan_out_runs_its_writers_one_at_a_time_and_lets_quiet_turns_by(
     # Once a sample has shown a writer and quiet turns (as many), writers go one at a
     # time: a turn of unknown cost may write, so it waits while a writer writes
     # (`writer_running`, where the limit alone would let it start), and starts once the
-    # writer has stopped, or ended; the quiet ones then start one judged at a time.
+    # writer has stopped, or ended, and writers' pause after it is over (WRITER_PAUSE);
+    # the quiet ones then start one judged at a time.
     order = ["w0", "q0", "q1", "w1", "q2", "q3"]
     harness, stays = staying(tmp_path, harnesses, order, start=3)
     adaptive = limit_of(harness)
@@ -634,7 +635,8 @@ def test_a_mixed_fan_out_runs_its_writers_one_at_a_time_and_lets_quiet_turns_by(
     harness.pump(lambda: minds_running() == {"w0", "q0", "q1"})
     assert not adaptive.stagger()  # nothing judged yet: three unknown turns at 3
     harness.advance(PROBATION_SECONDS)
-    assert adaptive.stagger() and adaptive.writers(adaptive.running_turns) == 1
+    now = harness.clock.monotonic()
+    assert adaptive.stagger() and adaptive.writers(adaptive.running_turns, now) == 1
     assert holds(harness) == {"writer_running": 3}
     assert minds_running() == {"w0", "q0", "q1"}
     # w0 stops writing and waits (on the model, say): the next sample lets the oldest
@@ -645,9 +647,15 @@ def test_a_mixed_fan_out_runs_its_writers_one_at_a_time_and_lets_quiet_turns_by(
     assert holds(harness) == {"writer_running": 2}
     harness.advance(PROBATION_SECONDS)  # w1 is seen writing: they still wait
     assert holds(harness) == {"writer_running": 2}
-    # w1 ends: the quiet ones start, one at a time, each judged before the next.
+    # w1 ends: writers pause, then the quiet ones start, one at a time, each judged
+    # before the next (not known quiet, each may write until a sample shows it).
     stays["w1"].unlink()
     harness.pump(lambda: "w1" not in minds_running(), timeout=10)
+    assert minds_running() == {"w0", "q0", "q1"}
+    assert holds(harness) == {"writer_running": 2}  # the pause after w1
+    harness.advance(WRITER_PAUSE * 0.9)
+    assert minds_running() == {"w0", "q0", "q1"}
+    harness.advance(WRITER_PAUSE * 0.1)
     assert minds_running() == {"w0", "q0", "q1", "q2"}
     assert holds(harness) == {"writer_running": 1}  # q2 may write, till a sample shows
     harness.advance(PROBATION_SECONDS)
@@ -657,6 +665,46 @@ def test_a_mixed_fan_out_runs_its_writers_one_at_a_time_and_lets_quiet_turns_by(
     assert adaptive.limit() == 3  # no reading moved it: writers one at a time did this
     for path in stays.values():
         path.unlink(missing_ok=True)
+    harness.pump(lambda: running(harness) == 0, timeout=20)
+
+
+def test_the_next_writer_waits_out_writers_pause_after_a_short_one_ends_unsampled(
+    tmp_path: Path, harnesses: list[Harness]
+) -> None:
+    # A warm gate that knows two writers and two quiet minds (a mix: writers go one at a
+    # time) and a fan-out of the two writers alone. w0 ends before any sample judged it
+    # (a short heavy writer, as the eMMC's 20-60 ms ones): it may have been writing to
+    # its end, so w1 waits WRITER_PAUSE from that end, and starts then, with no turn
+    # running to be sampled. Without the pause it would start in the pass that saw w0
+    # end: back to back, when a writer on the card meets slow samples twice as often.
+    order = ["w0", "w1", "q0", "q1"]
+    harness, stays = staying(tmp_path, harnesses, order, start=3)
+    adaptive = limit_of(harness)
+    ScriptedWrites(harness, bursting={"w0": True, "w1": True})
+    for mind, written in {"w0": 2 << 20, "w1": 2 << 20, "q0": 0, "q1": 0}.items():
+        adaptive.learn_cost(mind, written)
+    assert adaptive.stagger()
+    deliver(harness, "w0")
+    deliver(harness, "w1")
+
+    def minds_running() -> set[str]:
+        return {turn.mind for turn in harness.gate.state.turns.all()}
+
+    harness.pump(lambda: minds_running() == {"w0"})
+    assert holds(harness) == {"writer_running": 1}
+    stays["w0"].unlink()
+    harness.pump(lambda: "w0" not in minds_running(), timeout=10)  # the fake clock stands
+    harness.step(0)
+    assert not minds_running(), "w1 started back to back with w0"
+    assert holds(harness) == {"writer_running": 1}
+    ended = harness.clock.monotonic()
+    assert adaptive.writers([], ended) == 1  # none runs: the pause holds it
+    harness.advance(WRITER_PAUSE * 0.9)
+    assert not minds_running()
+    harness.advance(WRITER_PAUSE * 0.1)
+    assert minds_running() == {"w1"}
+    assert adaptive.writers([], harness.clock.monotonic()) == 0  # the pause is over
+    stays["w1"].unlink()
     harness.pump(lambda: running(harness) == 0, timeout=20)
 
 
@@ -683,7 +731,11 @@ def test_a_writer_held_while_samples_fail_starts_when_the_one_writing_ends(
     assert len(writes.asked) - before <= 2  # one failed try, and none again before the pause
     assert adaptive.sample_failure == "the launcher did not answer"
     stays["w0"].unlink()
-    harness.pump(lambda: "w1" in {turn.mind for turn in harness.gate.state.turns.all()})
+    harness.pump(lambda: "w0" not in {turn.mind for turn in harness.gate.state.turns.all()})
+    harness.advance(
+        WRITER_PAUSE
+    )  # writers' pause after w0, which a failed sample does not lengthen
+    assert "w1" in {turn.mind for turn in harness.gate.state.turns.all()}
     assert not holds(harness)
     for path in stays.values():
         path.unlink(missing_ok=True)

@@ -22,6 +22,7 @@ from volutectl.core.iocost import (
     cost_of,
     mixed,
     running_cost,
+    seen_writing,
     starting_cost,
     writes_now,
 )
@@ -268,6 +269,19 @@ def test_a_turn_writes_now_until_a_sample_shows_it_stopped() -> None:
     # A quiet turn that is busy (running, say) is not one: it was never seen writing.
     quiet = Running("q", started=0.0).sample(0.2, 0)
     assert not writes_now(quiet.sample(0.7, 0, blocked=True), None)
+
+
+def test_only_a_sample_that_shows_writing_is_seen_writing() -> None:
+    # What starts writers' pause (gate/adaptive.py): evidence, not what a turn not
+    # judged yet may do, which `writes_now` counts as well.
+    turn = Running("m", started=0.0)
+    assert writes_now(turn, None) and not seen_writing(turn)
+    turn = turn.sample(0.2, MIB)
+    assert seen_writing(turn)
+    assert not seen_writing(turn.sample(0.7, MIB))  # stopped: nothing since
+    assert seen_writing(turn.sample(0.7, MIB, blocked=True))  # a writer held on the disk
+    quiet = Running("q", started=0.0).sample(0.2, 0)
+    assert not seen_writing(quiet) and not seen_writing(quiet.sample(0.7, 0, blocked=True))
 
 
 def test_samples_close_together_judge_a_writer_by_its_pace() -> None:

@@ -152,7 +152,8 @@ class Limits:
     # Writers one at a time: the gate has seen writers among lighter turns (a mixed
     # fan-out: core/iocost.py's `mixed`), so a turn that may cost a whole place waits
     # while a running turn may be writing (`writers` of them: core/iocost.py's
-    # `writes_now`), and lighter ones go past it (`writer_hold`).
+    # `writes_now`; at least 1 during writers' pause, `WRITER_PAUSE`), and lighter ones
+    # go past it (`writer_hold`).
     stagger: bool = False
     writers: int = 0
 

@@ -60,6 +60,12 @@ that keeps every turn from starving).
   at once on a slow disk are what the probe meets, and the lighter turns fill the
   places meanwhile, so the fan-out loses little time. Where every turn writes, or none,
   the limit alone decides.
+- **A pause between writers** (`WRITER_PAUSE`): in a mix, the next writer also waits
+  until that long after a turn was last seen maybe writing (a sample that found it
+  so, or its end before a sample showed it had stopped). Started right after another,
+  a writer on the eMMC profile met a slow probe sample about twice as often as one
+  started later, in cap 2's runs as in the gate's: the card is still busy with the
+  last one's writes (its file system's journal, its deleted file).
 - Costs live in the gate's memory: a gate that starts again starts cold.
 
 No I/O here: the bytes come in from the gate.
@@ -89,6 +95,13 @@ PROBATION_SECONDS = 0.1
 # What a turn of a known mind costs at least until a sample after its probation judges it
 # (`starting_cost`): at a limit of 1 beside a heavy writer, one start at a time.
 STARTING = 0.5
+# How long writers one at a time pause after a turn was last seen maybe writing, before
+# the next one starts: two sample intervals, so a writer that stopped just after a
+# sample leaves the disk at least one interval to itself. On the eMMC profile, of the
+# probe samples that met a heavy writer started within 0.1 s of another's end (the
+# next pass's, 0.03-0.05 s), 25% were slow (over the cell's bound); of those that met
+# one started later, 13% (docs/benchmarks.md, "A pause between writers").
+WRITER_PAUSE = 2 * PROBATION_SECONDS
 
 
 @dataclass(frozen=True)
@@ -182,9 +195,16 @@ def writes_now(turn: Running, learnt: float | None) -> bool:
     not known to be light (`starting_cost` a whole place). A turn that wrote once and
     then waits (on the model, for seconds) is not: it still costs a whole place against
     the limit (`running_cost`), but it holds no writer back."""
-    if turn.recent or (turn.writing and turn.busy):
+    if seen_writing(turn):
         return True
     return turn.sampled is None and not turn.writing and starting_cost(learnt) >= 1
+
+
+def seen_writing(turn: Running) -> bool:
+    """Whether its last sample showed it writing: at WRITING_BYTES's pace since the one
+    before, or seen writing before and busy now (`writes_now` on evidence alone, not on
+    what a turn not judged yet may do)."""
+    return turn.recent or (turn.writing and turn.busy)
 
 
 def mixed(learnt: Mapping[str, float], running: Iterable[Running]) -> bool:

@@ -370,6 +370,11 @@ class AdaptiveLimit:
         self._asked: set[int] = set()  # turns sampled (or tried) after their probation
         self._sample_after = 0.0  # monotonic: no sample before (one failed)
         self._sampled_at = 0.0  # monotonic: the last sample asked for
+        # monotonic: when a turn was last seen maybe writing (a sample, or its end), for
+        # writers' pause (core/iocost.py's WRITER_PAUSE); and whether a pause runs whose
+        # end admission has not yet been told of
+        self._writing_seen: float | None = None
+        self._pause_due = False
         self.sample_failure: str | None = None  # why the last sample failed, if it did
         self.load = 0.0
         # (total µs, monotonic, the file read) at the interval's start
@@ -429,9 +434,14 @@ class AdaptiveLimit:
 
     # -- around each admission pass ----------------------------------------------------
 
-    def before_pass(self, now: float) -> None:
+    def before_pass(self, now: float, live: Iterable[int] = ()) -> None:
         """Work may arrive at a gate gone idle: start again from `start` before admission
-        lets a fan-out in at what the last one's mix bore."""
+        lets a fan-out in at what the last one's mix bore. A running turn no longer among
+        those `live` (by id) that may have been writing when it ended starts writers'
+        pause now: a writer's end is what lets the next one start."""
+        alive = set(live)
+        gone = (turn for turn_id, turn in self.running_turns.items() if turn_id not in alive)
+        self._note_writing(now, any(iocost.writes_now(t, self._costs.get(t.mind)) for t in gone))
         if self.enabled and self._deadline is None:
             self.controller, change = adaptive.resume(self.controller, now, self.bounds)
             if change is not None:
@@ -493,15 +503,36 @@ class AdaptiveLimit:
             return False
         return iocost.mixed(self._costs, self.running_turns.values())
 
-    def writers(self, live: Iterable[int]) -> int:
+    def writers(self, live: Iterable[int], now: float) -> int:
         """Of the turns live now (by id), those that may be writing (core/iocost.py's
-        `writes_now`): one that ended since the last `track` holds no writer back."""
+        `writes_now`); while writers pause (`WRITER_PAUSE` after a turn was last seen
+        maybe writing) at least one: one that ended since the last `track` holds no
+        writer back but by that pause."""
         turns = (self.running_turns.get(turn_id) for turn_id in live)
-        return sum(
+        writing = sum(
             iocost.writes_now(turn, self._costs.get(turn.mind))
             for turn in turns
             if turn is not None
         )
+        return max(writing, int(self._pausing(now)))
+
+    def _pausing(self, now: float) -> bool:
+        return self._writing_seen is not None and now < self._writing_seen + iocost.WRITER_PAUSE
+
+    def _note_writing(self, now: float, writing: bool) -> None:
+        """If a turn was seen writing, or ended while it may have been, writers' pause
+        runs from `now`."""
+        if self.enabled and writing:
+            self._writing_seen = now
+            self._pause_due = True
+
+    def pause_over(self, now: float) -> bool:
+        """Whether writers' pause has ended since admission last heard of it (True once,
+        then admission should decide again: a writer may wait for it)."""
+        if self._pause_due and not self._pausing(now):
+            self._pause_due = False
+            return True
+        return False
 
     def running_costs(self) -> dict[str, float]:
         """What each mind's running turns cost now (their mean), from what they wrote;
@@ -559,8 +590,9 @@ class AdaptiveLimit:
         """When a running turn's probation ends that no sample has judged yet: a sample
         then, not at the next reading, lets a quiet turn's place go to the next one at
         once (the ramp of a cold gate's fan-out). While writers go one at a time, a turn
-        seen writing is sampled again a probation after its last sample, so that the
-        writer held for it starts soon after it stops, not at the next reading."""
+        seen writing is sampled again a probation after its last sample, and writers'
+        pause ends (`pause_over`), so that the writer held for it starts soon after it
+        stops, not at the next reading."""
         if not self.enabled:
             return None
         due = [
@@ -571,7 +603,13 @@ class AdaptiveLimit:
         # A turn seen writing first: it is rare, and the loop asks this every wake.
         if any(turn.recent for turn in self.running_turns.values()) and self.stagger():
             due.append(self._sampled_at + iocost.PROBATION_SECONDS)
-        return max(min(due), self._sample_after) if due else None
+        deadline = max(min(due), self._sample_after) if due else None
+        if self._pause_due and self._writing_seen is not None:
+            # Writers' pause ends: the writer held for it may start then (`pause_over`),
+            # with a sample or without one (none while a failed sample's pause lasts).
+            end = self._writing_seen + iocost.WRITER_PAUSE
+            deadline = end if deadline is None else min(deadline, end)
+        return deadline
 
     def _mark_asked(self, now: float) -> None:
         self._asked |= {
@@ -585,19 +623,22 @@ class AdaptiveLimit:
         the disk. True if a running turn's cost changed, or what says writers go one at a
         time did (admission should decide again). A turn this sample could not judge
         (found waiting on the disk) is judged again at the next reading."""
-        before = self._admitted_by()
+        before = self._admitted_by(now)
         self.sample_failure = None
         self._mark_asked(now)
         for turn_id, seen in written.items():
             turn = self.running_turns.get(turn_id)
             if turn is not None:
                 self.running_turns[turn_id] = turn.sample(now, seen.bytes, seen.blocked)
-        return self._admitted_by() != before
+        # A turn not judged yet may write (`writes_now`), but only one seen writing starts
+        # the pause: one judged quiet at its first sample has left the disk alone.
+        self._note_writing(now, any(map(iocost.seen_writing, self.running_turns.values())))
+        return self._admitted_by(now) != before
 
-    def _admitted_by(self) -> tuple[dict[str, float], bool, int]:
+    def _admitted_by(self, now: float) -> tuple[dict[str, float], bool, int]:
         """What of the running turns admission decides by: their costs, and whether
         writers go one at a time and how many may be writing."""
-        return self.shown_costs(), self.stagger(), self.writers(self.running_turns)
+        return self.shown_costs(), self.stagger(), self.writers(self.running_turns, now)
 
     def sample_failed(self, now: float, why: str) -> None:
         """A sample could not be taken (an older launcher, or none): running turns keep

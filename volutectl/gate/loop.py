@@ -490,6 +490,8 @@ class Gate:
         adaptive = self.state.adaptive
         if adaptive is None:
             return
+        if adaptive.pause_over(now):
+            self.state.dirty = True  # writers' pause ended: a held writer may start
         if turn_ids := adaptive.wants_sample(now):
             try:
                 written = self.state.turns.hands.sample(turn_ids)
@@ -643,7 +645,7 @@ class Gate:
         pressure = state.pressure
         adaptive, leases = state.adaptive, state.leases
         assert adaptive is not None and leases is not None  # both set once the rest is up
-        adaptive.before_pass(clock.monotonic())
+        adaptive.before_pass(clock.monotonic(), (turn.turn_id for turn in live))
         decision, changes = state.store.index.admit(
             live,
             replace(
@@ -653,7 +655,7 @@ class Gate:
                 running_costs=adaptive.running_costs(),
                 adaptive_turns=adaptive.turns_bound(),
                 stagger=adaptive.stagger(),
-                writers=adaptive.writers(turn.turn_id for turn in live),
+                writers=adaptive.writers((turn.turn_id for turn in live), clock.monotonic()),
             ),
             now=now,
             others=admission.other_work(scopes=state.foreign_live, test_runs=test_runs),
