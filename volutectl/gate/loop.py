@@ -645,7 +645,9 @@ class Gate:
         pressure = state.pressure
         adaptive, leases = state.adaptive, state.leases
         assert adaptive is not None and leases is not None  # both set once the rest is up
-        adaptive.before_pass(clock.monotonic(), (turn.turn_id for turn in live))
+        # One reading for both: the writers' pause is judged at the instant it was noted.
+        mono = clock.monotonic()
+        adaptive.before_pass(mono, (turn.turn_id for turn in live))
         decision, changes = state.store.index.admit(
             live,
             replace(
@@ -655,7 +657,7 @@ class Gate:
                 running_costs=adaptive.running_costs(),
                 adaptive_turns=adaptive.turns_bound(),
                 stagger=adaptive.stagger(),
-                writers=adaptive.writers((turn.turn_id for turn in live), clock.monotonic()),
+                writers=adaptive.writers((turn.turn_id for turn in live), mono),
             ),
             now=now,
             others=admission.other_work(scopes=state.foreign_live, test_runs=test_runs),
