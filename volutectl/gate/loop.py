@@ -645,8 +645,7 @@ class Gate:
         pressure = state.pressure
         adaptive, leases = state.adaptive, state.leases
         assert adaptive is not None and leases is not None  # both set once the rest is up
-        # One reading for both: the writers' pause is judged at the instant it was noted.
-        mono = clock.monotonic()
+        mono = clock.monotonic()  # one reading: the writers' pause, noted then judged
         adaptive.before_pass(mono, (turn.turn_id for turn in live))
         decision, changes = state.store.index.admit(
             live,
