@@ -623,7 +623,23 @@ def verdicts(cells: Cells) -> list[str]:
         out.append(f"{profile}/{workload}/{minds} minds: {limits}, best safe cap {best or '-'}")
         for label in [label for label in summaries if label.startswith("adaptive")]:
             out += [f"  {line}" for line in judge(summaries, label, bound, best, workload)]
+        if bound is not None:
+            out.append(f"  per sample, not judged: {per_sample(runs, list(summaries), bound)}")
     return out
+
+
+def per_sample(runs: list[Run], labels: list[str], bound: float) -> str:
+    """Each run's samples pooled over its repeats: the pooled p99 and the share of samples
+    over the bound. The verdict reads the median of per-run p99s, and a run's p99 counts
+    more of its highest samples the shorter it is (over_the_bound); these say whether a
+    gate meets the probe slowly more often than cap2, whatever its runs' lengths."""
+    parts = []
+    for label in labels:
+        samples = [ms for run in runs_of(runs, label) for _, ms in run.probe]
+        if samples:
+            over = sum(1 for ms in samples if ms > bound) / len(samples)
+            parts.append(f"{label} p99 {percentile(samples, 0.99):.0f} ms, {over:.1%} over")
+    return "; ".join(parts)
 
 
 def judge(
