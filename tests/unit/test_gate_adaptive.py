@@ -732,9 +732,8 @@ def test_a_writer_held_while_samples_fail_starts_when_the_one_writing_ends(
     assert adaptive.sample_failure == "the launcher did not answer"
     stays["w0"].unlink()
     harness.pump(lambda: "w0" not in {turn.mind for turn in harness.gate.state.turns.all()})
-    harness.advance(
-        WRITER_PAUSE
-    )  # writers' pause after w0, which a failed sample does not lengthen
+    # Writers' pause after w0, which a failed sample does not lengthen.
+    harness.advance(WRITER_PAUSE)
     assert "w1" in {turn.mind for turn in harness.gate.state.turns.all()}
     assert not holds(harness)
     for path in stays.values():

@@ -645,19 +645,9 @@ class Gate:
         pressure = state.pressure
         adaptive, leases = state.adaptive, state.leases
         assert adaptive is not None and leases is not None  # both set once the rest is up
-        mono = clock.monotonic()  # one reading: the writers' pause, noted then judged
-        adaptive.before_pass(mono, (turn.turn_id for turn in live))
         decision, changes = state.store.index.admit(
             live,
-            replace(
-                state.limits,
-                adaptive=adaptive.limit(),
-                costs=adaptive.costs(),
-                running_costs=adaptive.running_costs(),
-                adaptive_turns=adaptive.turns_bound(),
-                stagger=adaptive.stagger(),
-                writers=adaptive.writers((turn.turn_id for turn in live), mono),
-            ),
+            self._limits(adaptive, [turn.turn_id for turn in live]),
             now=now,
             others=admission.other_work(scopes=state.foreign_live, test_runs=test_runs),
             pressure=pressure is not None and pressure.high,
@@ -688,6 +678,22 @@ class Gate:
         waiting = state.store.index.counts[HoldReason.ADAPTIVE_LIMIT]
         adaptive.after_pass(clock.monotonic(), busy, waiting, load + others)
         self.notifier.update(status.gate_line(state, now, test_runs))
+
+    def _limits(self, adaptive: AdaptiveLimit, live: list[int]) -> admission.Limits:
+        """The configured limits, with what the adaptive limit says for this pass over the
+        turns `live` (by id). One clock reading notes writers' pause (a turn gone that may
+        have been writing) and judges it."""
+        now = self.clock.monotonic()
+        adaptive.before_pass(now, live)
+        return replace(
+            self.state.limits,
+            adaptive=adaptive.limit(),
+            costs=adaptive.costs(),
+            running_costs=adaptive.running_costs(),
+            adaptive_turns=adaptive.turns_bound(),
+            stagger=adaptive.stagger(),
+            writers=adaptive.writers(live, now),
+        )
 
     def _grant(self, decision: admission.Admission, now: float) -> None:
         """The acquires admission granted, after its starts (a grant may join one of
