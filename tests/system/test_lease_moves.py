@@ -12,8 +12,10 @@ a delivery (StartTurn), its command sleeping: a lease's scope is one of the same
 from __future__ import annotations
 
 import json
+import os
 import select
 import subprocess
+import time
 
 import pytest
 
@@ -253,16 +255,19 @@ rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds 
 s.sendmsg([line.encode() + b"\\n"], rights)
 for fd in fds:
     os.close(fd)
-lines, buffer, token, lease = s.makefile("rb"), b"", None, None
+buffer, token, lease = b"", None, None
 while True:
     ready, _, _ = select.select([s, sys.stdin], [], [])
     if s in ready:
-        got = lines.readline()
-        if not got:
+        chunk = s.recv(65536)  # raw: a reply and its grant may come in one read
+        if not chunk:
             break
-        reply = json.loads(got)
-        token, lease = reply.get("token", token), reply.get("lease", lease)
-        print(got.decode().strip(), flush=True)
+        buffer += chunk
+        while b"\\n" in buffer:
+            got, buffer = buffer.split(b"\\n", 1)
+            reply = json.loads(got)
+            token, lease = reply.get("token", token), reply.get("lease", lease)
+            print(got.decode().strip(), flush=True)
     if sys.stdin in ready:
         if sys.stdin.readline().strip() == "release":
             request = {"v": 1, "op": "release", "lease": lease, "token": token}
@@ -280,19 +285,33 @@ class Holder:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
+        assert self.proc.stdout is not None
+        # Read raw: select() sees the pipe, not a reader's buffer, and two lines written
+        # together (an acquire's reply and its grant) would leave the second unseen there.
+        self.fd = self.proc.stdout.fileno()
+        self.buffer = b""
+        self.seen: list[dict[str, object]] = []  # every line the gate sent, for a failure
 
     def next(self, timeout: float = 30.0) -> dict[str, object]:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        assert ready, "the gate sent nothing in time"
-        line = self.proc.stdout.readline()
-        assert line, "the holder's connection ended"
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.fd], [], [], max(0.0, left))
+            assert ready, f"the gate sent nothing more in {timeout:.0f} s; it had sent {self.seen}"
+            chunk = os.read(self.fd, 65536)
+            assert chunk, f"the holder's connection ended; the gate had sent {self.seen}"
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
         reply: dict[str, object] = json.loads(line)
+        self.seen.append(reply)
         return reply
 
     def until(self, key: str, value: object) -> dict[str, object]:
+        """The next line whose `key` is `value`. Another event on the way (a lease ended
+        before its grant) fails at once, with what was sent, instead of waiting on."""
         while (reply := self.next()).get(key) != value:
-            pass
+            unexpected = f"{reply.get('event')} while waiting for {key}={value}"
+            assert "event" not in reply, f"{unexpected}; the gate had sent {self.seen}"
         return reply
 
     def say(self, what: str) -> None:
