@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from tests.system.test_adaptive_disk import STATE_DIR, Probe, Run, fan_out_run, p99
-from volute_testbed.fanout import synced_writes
+from volute_testbed.fanout import logged_turn, synced_writes
 from volute_testbed.gate import (
     VOLUTECTL,
     gate_config,
@@ -69,12 +69,13 @@ def rig() -> Iterator[tuple[Machine, SlowDisk]]:
 def mixed(index: int) -> str:
     """bench/bench_adaptive.py's mixed fan-out, in the working directory: every third
     mind writes HEAVY x 64 KiB synced; the others wait on "the model" (4 to 8 s, the same
-    per mind in every run) and then write 2 x 64 KiB synced. Each logs its end."""
+    per mind in every run) and then write 2 x 64 KiB synced. Each logs its start and end
+    (volute_testbed/fanout.py: how many ran at once), and its end (turn-probe 0)."""
     if index % 3 == 0:
         body = synced_writes(Path("."), HEAVY)
     else:
         body = f"sleep {random.Random(index).uniform(4.0, 8.0):.2f}; {synced_writes(Path('.'), 2)}"
-    return f"{body}; turn-probe 0"
+    return f"{logged_turn(body)}; turn-probe 0"
 
 
 def config(disk: SlowDisk, **sections: Any) -> str:
