@@ -12,10 +12,7 @@ a delivery (StartTurn), its command sleeping: a lease's scope is one of the same
 from __future__ import annotations
 
 import json
-import os
-import select
 import subprocess
-import time
 
 import pytest
 
@@ -29,6 +26,7 @@ from volute_testbed.gate import (
     unit_property,
     wait_for,
 )
+from volute_testbed.lines import PipeLines
 from volute_testbed.machine import Machine
 from volute_testbed.paths import PYTHON
 
@@ -286,22 +284,14 @@ class Holder:
             stdout=subprocess.PIPE,
         )
         assert self.proc.stdout is not None
-        # Read raw: select() sees the pipe, not a reader's buffer, and two lines written
-        # together (an acquire's reply and its grant) would leave the second unseen there.
-        self.fd = self.proc.stdout.fileno()
-        self.buffer = b""
+        self.lines = PipeLines(self.proc.stdout.fileno())
         self.seen: list[dict[str, object]] = []  # every line the gate sent, for a failure
 
     def next(self, timeout: float = 30.0) -> dict[str, object]:
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self.buffer:
-            left = deadline - time.monotonic()
-            ready, _, _ = select.select([self.fd], [], [], max(0.0, left))
-            assert ready, f"the gate sent nothing more in {timeout:.0f} s; it had sent {self.seen}"
-            chunk = os.read(self.fd, 65536)
-            assert chunk, f"the holder's connection ended; the gate had sent {self.seen}"
-            self.buffer += chunk
-        line, self.buffer = self.buffer.split(b"\n", 1)
+        ready = self.lines.ready(timeout)
+        assert ready, f"the gate sent nothing more in {timeout:.0f} s; it had sent {self.seen}"
+        line = self.lines.take()
+        assert line is not None, f"the holder's connection ended; the gate had sent {self.seen}"
         reply: dict[str, object] = json.loads(line)
         self.seen.append(reply)
         return reply

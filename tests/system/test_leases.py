@@ -16,8 +16,6 @@ volutectl code: the protocol's own lines over the socket).
 from __future__ import annotations
 
 import json
-import os
-import select
 import subprocess
 import time
 from typing import Any
@@ -41,6 +39,7 @@ from volute_testbed.gate import (
     unit_property,
     wait_for,
 )
+from volute_testbed.lines import PipeLines
 from volute_testbed.machine import Machine
 from volute_testbed.paths import PYTHON
 from volutectl.faults import LEASE_POINTS
@@ -104,24 +103,15 @@ class Holder:
             stderr=subprocess.DEVNULL,
         )
         assert self.proc.stdout is not None
-        self.fd = self.proc.stdout.fileno()  # read raw: select() sees no text buffer
-        self.buffer = b""
+        self.lines = PipeLines(self.proc.stdout.fileno())
 
     def has_line(self, timeout: float = 0.0) -> bool:
-        if b"\n" in self.buffer:
-            return True
-        ready, _, _ = select.select([self.fd], [], [], timeout)
-        if ready:
-            chunk = os.read(self.fd, 65536)
-            self.buffer += chunk if chunk else b"EOF\n"
-        return b"\n" in self.buffer
+        return self.lines.ready(timeout)
 
     def line(self, timeout: float = 30.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while not self.has_line(max(0.0, min(0.5, deadline - time.monotonic()))):
-            assert time.monotonic() < deadline, f"no line from the gate in {timeout} s"
-        raw, self.buffer = self.buffer.split(b"\n", 1)
-        text = raw.decode().strip()
+        assert self.lines.ready(timeout), f"no line from the gate in {timeout} s"
+        raw = self.lines.take()
+        text = "EOF" if raw is None else raw.decode().strip()  # the holder's, or the pipe's
         assert text and text != "EOF", f"the gate closed the connection ({text!r})"
         result: dict[str, Any] = json.loads(text)
         return result
