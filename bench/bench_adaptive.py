@@ -44,12 +44,14 @@ and the most turns that ran at once. The table also counts each run's samples ov
 cell's bound, which is not judged: the p99 of a short run is its second-highest sample,
 and of cap2's five times longer one its fourth (docs/benchmarks.md, "What a short run's
 p99 counts"), so the count says whether a gate makes the host wait more often per
-fan-out, or only over fewer samples. The cell's probe bound is max(1.5 x cap2's probe
-p99, cap2's p99 + 20 ms); its best safe cap is the static cap with the shortest makespan
-within that bound. Then adaptive (each followed by adaptive-warm), cap2 and the best safe
-cap run again, interleaved, until each has run --repeats times, and the table gives
-medians. Each run notes the host's load average (1 min) as it starts: on a shared
-machine a figure means little without it.
+fan-out, or only over fewer samples. Where a judged gate's runs are that much shorter than
+cap2's, fewer than 10 runs of it are not a verdict, and the verdicts say so under the cell
+(short_runs; docs/benchmarks.md, "The ruling on short runs"). The cell's probe bound is
+max(1.5 x cap2's probe p99, cap2's p99 + 20 ms); its best safe cap is the static cap
+with the shortest makespan within that bound. Then adaptive (each followed by
+adaptive-warm), cap2 and the best safe cap run again, interleaved, until each has run
+--repeats times, and the table gives medians. Each run notes the host's load average
+(1 min) as it starts: on a shared machine a figure means little without it.
 
 To fit the whole bench in an hour, cap2 runs first (it sets the bound), then the widest
 caps, and a static cap still running when the best safe cap so far had finished is
@@ -94,7 +96,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from volute_testbed.diskprobe import Probe, percentile
+from volute_testbed.diskprobe import Probe, above_percentile, percentile
 from volute_testbed.fanout import (
     logged_turn,
     max_overlap,
@@ -625,7 +627,48 @@ def verdicts(cells: Cells) -> list[str]:
             out += [f"  {line}" for line in judge(summaries, label, bound, best, workload)]
         if bound is not None:
             out.append(f"  per sample, not judged: {per_sample(runs, list(summaries), bound)}")
+            if short := short_runs(runs, summaries, bound):
+                out.append(f"  {short}")
     return out
+
+
+RULING_REPEATS = 10  # the runs a cell failed on short runs is judged on (short_runs)
+
+
+def short_runs(runs: list[Run], summaries: dict[str, Summary], bound: float) -> str | None:
+    """A warning under a cell whose judged gate failed the bound on runs too short and too
+    few for a verdict, or None.
+
+    A run's p99 is its nearest-rank sample: a run of 51 samples or fewer is judged on its
+    highest, one of 52-150 on its second-highest. Where a judged gate's runs leave out
+    fewer slow samples than cap2's (the bound's), one sample that met a lone writer, as
+    cap2's samples do as often, fails the run. That bias is against the judged gate only:
+    a pass on short runs stands, a fail over fewer than RULING_REPEATS runs is not a
+    verdict, and the cell is judged on that many (docs/benchmarks.md, "The ruling on
+    short runs"), whose verdict stands either way."""
+    if "cap2" not in summaries:
+        return None
+
+    def typical(label: str) -> tuple[int, int]:
+        """The label's median samples a run, and how many of them its p99 leaves out."""
+        count = int(statistics.median(run.samples for run in runs_of(runs, label)))
+        return count, above_percentile(count, 0.99)
+
+    cap2_count, cap2_out = typical("cap2")
+    short = [
+        (label, *typical(label))
+        for label, summary in summaries.items()
+        if label.startswith("adaptive") and summary.p99 > bound and typical(label)[1] < cap2_out
+    ]
+    repeats = min(summaries[label].runs for label in ["cap2", *(s[0] for s in short)])
+    if not short or repeats >= RULING_REPEATS:
+        return None
+    gates = ", ".join(f"{label} {count} ({left} left out)" for label, count, left in short)
+    return (
+        f"short runs, over the bound but not a verdict over {repeats} runs: samples a run "
+        f"{gates}, against cap2's {cap2_count} ({cap2_out} left out); judge this cell on "
+        f"--repeats {RULING_REPEATS}"
+    )
 
 
 def per_sample(runs: list[Run], labels: list[str], bound: float) -> str:

@@ -104,4 +104,16 @@ def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     if not ordered:
         return float("nan")
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+    return ordered[rank(len(ordered), fraction)]
+
+
+def rank(count: int, fraction: float) -> int:
+    """Where `percentile` reads among `count` sorted values (at least 1)."""
+    return min(count - 1, round(fraction * (count - 1)))
+
+
+def above_percentile(count: int, fraction: float) -> int:
+    """How many of `count` values rank above their `percentile`: how many slow samples it
+    leaves out. A 0.99 of 51 samples or fewer is the highest (0 left out), of 52-150 the
+    second-highest (1), and so on."""
+    return 0 if count < 1 else count - 1 - rank(count, fraction)
