@@ -35,16 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from volute_testbed.diskprobe import percentile
 from volute_testbed.gate import VOLUTECTL, start_gate
 from volute_testbed.machine import dev_machine
 
 MESSAGE = "m" * 200
 MODES = ("processes at once", "processes in turn", "one --batch")
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
 # -- the inside part, run in the container ---------------------------------------------------

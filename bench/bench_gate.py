@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from volute_testbed.diskprobe import percentile
 from volute_testbed.gate import VOLUTECTL, start_gate
 from volute_testbed.machine import dev_machine
 from volute_testbed.paths import PYTHON
@@ -64,11 +65,6 @@ HANDOFF_MINDS = ("h1", "h2", "h3")
 TARGET_HANDOFF_MS = 25.0
 WATCHDOG_SEC = 30.0
 MESSAGE = "m" * 200
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
 def med(values: list[float]) -> float:

@@ -42,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+from volute_testbed.diskprobe import percentile
 from volute_testbed.machine import dev_machine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,11 +125,6 @@ def systemd_run_once() -> float:
     if proc.returncode != 0:
         raise SystemExit(f"bench_scope: systemd-run failed: {proc.stderr.decode().strip()}")
     return elapsed
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
 def measure(runs: int, warmup: int, pause: float) -> None:
