@@ -272,6 +272,10 @@ def test_a_lease_survives_a_gate_restart_and_one_unclaimed_ends(machine: Machine
     start_gate(machine, config)
     kept, lost = Holder(machine, "pip", "kept"), Holder(machine, "pip", "lost")
     kept_grant, lost_grant = kept.event("lease_granted"), lost.event("lease_granted")
+    # The grant comes once the placeholder's process is in its scope and released; its
+    # exec as the mind's user, which names it, may still be on the way (CI's parallel
+    # phase once read the scope before it).
+    wait_for(lambda: scope_pids(machine, kept_grant["unit"]), timeout=30, interval=0.1)
     pids = scope_pids(machine, kept_grant["unit"])
     assert len(pids) == 1
     user = machine.run(["ps", "-o", "user=", "-p", str(pids[0])]).stdout.strip()
