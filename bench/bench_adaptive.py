@@ -655,11 +655,12 @@ def short_runs(runs: list[Run], summaries: dict[str, Summary], bound: float) -> 
         return count, above_percentile(count, 0.99)
 
     cap2_count, cap2_out = typical("cap2")
-    short = [
+    failed = [
         (label, *typical(label))
         for label, summary in summaries.items()
-        if label.startswith("adaptive") and summary.p99 > bound and typical(label)[1] < cap2_out
+        if label.startswith("adaptive") and summary.p99 > bound
     ]
+    short = [(label, count, left) for label, count, left in failed if left < cap2_out]
     repeats = min(summaries[label].runs for label in ["cap2", *(s[0] for s in short)])
     if not short or repeats >= RULING_REPEATS:
         return None
